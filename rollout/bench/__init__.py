@@ -1,0 +1,1 @@
+"""Benchmarks: scripts, not timed tests. `python -m rollout.bench --help`."""

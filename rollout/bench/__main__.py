@@ -1,0 +1,155 @@
+"""Ours against HF transformers `generate` on the same random weights, side by side.
+
+    python -m rollout.bench --shape qwen2.5-0.5b --batch 16 --prompt-len 128 --gen-len 256 \
+        --out bench/results/<name>.json
+
+Correctness first: before timing, our greedy and sampled logprobs are compared with an
+HF forward of the same sequences in the same dtype (mean / max |Δlogp|, greedy prefix
+agreement). Timing: wall clock around whole generate calls after a warm-up, CUDA
+synchronised, median of --repeats.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+from ..engine import RolloutEngine
+from ..models.loader import build_model, copy_hf_tensors
+from ..request import SamplingParams
+from .shapes import SHAPES, make_config
+
+
+def _sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _git_commit() -> str:
+    try:
+        return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True).strip()
+    except Exception:
+        return "unknown"
+
+
+def hf_logprob_agreement(hf, prompts, outs, temperature: float, device) -> dict:
+    """|Δ| between our per-token logprobs and HF's forward on prompt + completion."""
+    diffs, prefix_match = [], []
+    for p, o in zip(prompts, outs):
+        c = o.completions[0]
+        ids = torch.tensor([p + c.token_ids], device=device)
+        with torch.no_grad():
+            logits = hf(ids).logits[0, len(p) - 1:-1].float()
+        ref = torch.log_softmax(logits / temperature, -1)
+        tok = torch.tensor(c.token_ids, device=device)
+        diffs.append((ref.gather(1, tok[:, None])[:, 0].cpu() - torch.tensor(c.logprobs)).abs())
+        # Greedy agreement: how many leading tokens equal HF's own argmax on our prefix.
+        argmax = logits.argmax(-1).cpu()
+        same = (argmax == tok.cpu()).int().tolist()
+        prefix_match.append(same.index(0) if 0 in same else len(same))
+    d = torch.cat(diffs)
+    return {"mean_abs_dlogp": d.mean().item(), "max_abs_dlogp": d.max().item(),
+            "p99_abs_dlogp": d.quantile(0.99).item(), "tokens": d.numel(),
+            "argmax_agree_prefix_mean": statistics.mean(prefix_match)}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="qwen2.5-0.5b", choices=sorted(SHAPES))
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--gen-len", type=int, default=256)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--check-seqs", type=int, default=4, help="sequences checked against HF's forward")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = getattr(torch, args.dtype)
+    cfg = make_config(args.shape)
+    B, P, G = args.batch, args.prompt_len, args.gen_len
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(args.seed)
+    hf = AutoModelForCausalLM.from_config(cfg, dtype=dtype).to(device).eval()
+    model = build_model(cfg, dtype, device)
+    copy_hf_tensors(model, hf.state_dict().items(), "HF model")
+    per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads) * dtype.itemsize
+    engine = RolloutEngine(model, cfg, max_model_len=P + G + 8, max_num_seqs=max(B, 8),
+                           kv_cache_memory=int(per_token * B * (P + G + 64) * 1.2),
+                           max_num_batched_tokens=max(2048, P * 4), seed=args.seed)
+    gen = torch.Generator().manual_seed(args.seed)
+    prompts = torch.randint(10, cfg.vocab_size - 10, (B, P), generator=gen).tolist()
+    greedy = SamplingParams(max_new_tokens=G, temperature=0.0, ignore_eos=True)
+    sampled = SamplingParams(max_new_tokens=min(G, 64), temperature=1.0, top_p=0.9, seed=1, ignore_eos=True)
+    result = {"shape": args.shape, "batch": B, "prompt_len": P, "gen_len": G, "dtype": args.dtype}
+
+    # Correctness against HF's forward, same weights and dtype.
+    k = min(args.check_seqs, B)
+    outs = engine.generate(prompts[:k], greedy, use_tqdm=False)
+    result["check_greedy"] = hf_logprob_agreement(hf, prompts[:k], outs, 1.0, device)
+    outs = engine.generate(prompts[:k], sampled, use_tqdm=False)
+    result["check_sampled_T1_top_p0.9"] = hf_logprob_agreement(hf, prompts[:k], outs, 1.0, device)
+    print("check:", json.dumps({k: v for k, v in result.items() if k.startswith("check")}), flush=True)
+
+    def time_ours():
+        _sync()
+        t0 = time.perf_counter()
+        o = engine.generate(prompts, greedy, use_tqdm=False)
+        _sync()
+        assert all(len(x.completions[0].token_ids) == G for x in o)
+        return time.perf_counter() - t0
+
+    engine.generate(prompts[:2], SamplingParams(max_new_tokens=8, temperature=0.0), use_tqdm=False)
+    ours = [time_ours() for _ in range(args.repeats)]
+    result["ours"] = {"wall_s": statistics.median(ours), "tok_s": B * G / statistics.median(ours),
+                      "steps": engine.metrics["steps"], "preemptions": engine.scheduler.num_preemptions}
+
+    if not args.skip_hf:
+        ids = torch.tensor(prompts, device=device)
+        mask = torch.ones_like(ids)
+
+        def time_hf():
+            _sync()
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                out = hf.generate(ids, attention_mask=mask, max_new_tokens=G, min_new_tokens=G,
+                                  do_sample=False, pad_token_id=0)
+            _sync()
+            assert out.shape[1] == P + G
+            return time.perf_counter() - t0
+
+        with torch.no_grad():
+            hf.generate(ids[:2], attention_mask=mask[:2], max_new_tokens=8, do_sample=False, pad_token_id=0)
+        hf_t = [time_hf() for _ in range(args.repeats)]
+        result["hf_generate"] = {"wall_s": statistics.median(hf_t), "tok_s": B * G / statistics.median(hf_t),
+                                 "attn_implementation": hf.config._attn_implementation}
+        result["speedup_vs_hf"] = result["hf_generate"]["wall_s"] / result["ours"]["wall_s"]
+
+    result["meta"] = {
+        "command": "python -m rollout.bench " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "git_commit": _git_commit(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
+        "torch": torch.__version__, "transformers": __import__("transformers").__version__}
+    print(json.dumps(result, indent=2))
+    print(f"\n| run | wall s | tok/s |\n|---|---|---|\n| ours | {result['ours']['wall_s']:.2f} | {result['ours']['tok_s']:.0f} |")
+    if "hf_generate" in result:
+        h = result["hf_generate"]
+        print(f"| hf generate | {h['wall_s']:.2f} | {h['tok_s']:.0f} |")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

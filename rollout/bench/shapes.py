@@ -1,0 +1,31 @@
+"""Model shapes for benchmarks (random bf16 weights; nothing is downloaded)."""
+from __future__ import annotations
+
+SHAPES = {
+    "llama3-8b": dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                      num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                      max_position_embeddings=32768, rope_theta=500000.0, tie_word_embeddings=False),
+    "qwen2.5-0.5b": dict(model_type="qwen2", hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                         num_attention_heads=14, num_key_value_heads=2, vocab_size=151936,
+                         max_position_embeddings=32768, rope_theta=1000000.0, tie_word_embeddings=True),
+    "qwen2.5-1.5b": dict(model_type="qwen2", hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                         num_attention_heads=12, num_key_value_heads=2, vocab_size=151936,
+                         max_position_embeddings=32768, rope_theta=1000000.0, tie_word_embeddings=True),
+    "qwen3-8b": dict(model_type="qwen3", hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                     max_position_embeddings=40960, rope_theta=1000000.0, tie_word_embeddings=False),
+    "tiny": dict(model_type="llama", hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+                 num_attention_heads=8, num_key_value_heads=2, vocab_size=4096,
+                 max_position_embeddings=4096, tie_word_embeddings=False),
+}
+
+
+def make_config(shape: str, **overrides):
+    from transformers import AutoConfig
+
+    if shape not in SHAPES:
+        raise ValueError(f"unknown shape {shape!r}; known: {', '.join(SHAPES)}")
+    kw = dict(SHAPES[shape])
+    kw.update(overrides)
+    model_type = kw.pop("model_type")
+    return AutoConfig.for_model(model_type, **kw)

@@ -1,0 +1,268 @@
+"""RolloutEngine: the public entry point. Validates input, then wires the stages:
+requests -> scheduler -> batch builder -> model runner (model + sampler) -> outputs."""
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+from typing import Optional, Sequence as Seq, Union
+
+import torch
+
+from .batch import BatchBuilder
+from .kv_cache import KVCacheManager
+from .models.loader import build_model, init_random, load_model, resolve_dtype
+from .request import Request, RequestOutput, SamplingParams, Sequence, Status
+from .runner import ModelRunner
+from .sampler import SamplerOutput
+from .scheduler import SampledRow, Scheduler, SchedulerOutput
+
+Prompt = Union[str, list[int]]
+
+
+def _default_device(device) -> torch.device:
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+class RolloutEngine:
+    def __init__(self, model, hf_config, *, tokenizer=None, generation_config=None,
+                 max_model_len: Optional[int] = None, kv_cache_memory: Optional[int] = None,
+                 num_kv_pages: Optional[int] = None, page_size: int = 16, max_num_seqs: int = 256,
+                 max_num_batched_tokens: int = 2048, seed: int = 0, kv_dtype=None):
+        self.model = model
+        self.hf_config = hf_config
+        self.tokenizer = tokenizer
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.vocab_size = hf_config.vocab_size
+        self.max_model_len = int(max_model_len or getattr(hf_config, "max_position_embeddings", 4096))
+        self.page_size = page_size
+        kv_dtype = kv_dtype or self.dtype
+        num_pages = self._size_kv(num_kv_pages, kv_cache_memory, page_size, kv_dtype, max_num_seqs)
+        self.kv = KVCacheManager(num_pages, page_size)
+        if self.kv.alloc.num_usable < self.kv.pages_for(self.max_model_len):
+            raise ValueError(f"KV cache of {self.kv.alloc.num_usable} pages x {page_size} tokens cannot "
+                             f"hold one sequence of max_model_len={self.max_model_len}")
+        self.eos_token_ids = self._eos_ids(hf_config, generation_config, tokenizer)
+        self.scheduler = Scheduler(
+            self.kv, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=self.max_model_len, eos_token_ids=self.eos_token_ids, tokenizer=tokenizer,
+            admission_reserve_pages=max(1, num_pages // 100))
+        self.builder = BatchBuilder(
+            self.kv, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+            max_pages_per_seq=self.kv.pages_for(self.max_model_len), pin_memory=self.device.type == "cuda")
+        self.runner = ModelRunner(model, num_pages=num_pages, page_size=page_size, kv_dtype=kv_dtype)
+        self._rng = random.Random(seed)
+        self._next_id = 0
+        self.requests: dict[int, Request] = {}
+        self.metrics = {"steps": 0, "generated_tokens": 0, "prefill_tokens": 0}
+
+    # ---- construction --------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(cls, path: Union[str, Path], *, device=None, dtype="auto", tokenizer=None,
+                        **kwargs) -> "RolloutEngine":
+        """Load a local Hugging Face folder. `tokenizer`: None = load from the folder if it has
+        tokenizer files, False = none, or a tokenizer object."""
+        path = Path(path)
+        device = _default_device(device)
+        model, hf_config = load_model(path, dtype, device)
+        if tokenizer is None:
+            tokenizer = _load_tokenizer(path)
+        gen_cfg = None
+        if (path / "generation_config.json").exists():
+            from transformers import GenerationConfig
+            gen_cfg = GenerationConfig.from_pretrained(str(path), local_files_only=True)
+        return cls(model, hf_config, tokenizer=tokenizer or None, generation_config=gen_cfg, **kwargs)
+
+    @classmethod
+    def from_config(cls, hf_config, *, seed: int = 0, device=None, dtype="auto", tokenizer=None,
+                    **kwargs) -> "RolloutEngine":
+        """Seeded random weights from a transformers config (benchmarks, tests)."""
+        device = _default_device(device)
+        model = build_model(hf_config, resolve_dtype(dtype, hf_config, device), device)
+        init_random(model, seed)
+        return cls(model, hf_config, tokenizer=tokenizer, seed=seed, **kwargs)
+
+    def _size_kv(self, num_pages, mem, page_size, kv_dtype, max_num_seqs) -> int:
+        if num_pages is not None:
+            return int(num_pages) + 1      # + the trash page
+        per_page = ModelRunner.kv_bytes_per_page(self.hf_config, page_size, kv_dtype)
+        if mem is None:
+            if self.device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(self.device)
+                mem = int(free * 0.85) - (2 << 30)   # headroom for activations and logits
+            else:
+                mem = min(max_num_seqs * self.max_model_len * per_page // page_size, 1 << 30)
+        return max(int(mem) // per_page, 2)
+
+    @staticmethod
+    def _eos_ids(hf_config, gen_cfg, tokenizer) -> set[int]:
+        ids: set[int] = set()
+        for src in (gen_cfg, hf_config, tokenizer):
+            e = getattr(src, "eos_token_id", None) if src is not None else None
+            if e is None:
+                continue
+            ids.update(e if isinstance(e, (list, tuple, set)) else [e])
+        return ids
+
+    # ---- input validation (before any state changes) -----------------------------------
+    def _prepare(self, prompts, sampling_params) -> list[tuple[list[int], SamplingParams, Optional[str]]]:
+        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, (list, tuple)):
+            raise ValueError("prompts must be a list of strings or a list of token-id lists")
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        out = []
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            text = None
+            if isinstance(prompt, str):
+                if self.tokenizer is None:
+                    raise ValueError(f"prompt {i} is text but the engine has no tokenizer; pass token ids")
+                text, ids = prompt, self.tokenizer(prompt).input_ids
+            else:
+                ids = list(prompt)
+            if len(ids) == 0:
+                raise ValueError(f"prompt {i} is empty")
+            if len(ids) >= self.max_model_len:
+                raise ValueError(f"prompt {i} has {len(ids)} tokens; max_model_len={self.max_model_len} "
+                                 f"leaves no room to generate")
+            bad = [t for t in ids if not isinstance(t, int) or not (0 <= t < self.vocab_size)]
+            if bad:
+                raise ValueError(f"prompt {i} has token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
+            p.validate(self.vocab_size)
+            out.append((ids, p, text))
+        return out
+
+    # ---- request lifecycle ----------------------------------------------------------------
+    def add_requests(self, prompts, sampling_params=None) -> list[int]:
+        prepared = self._prepare(prompts, sampling_params)
+        ids = []
+        for prompt_ids, p, text in prepared:
+            seed = p.seed if p.seed is not None else self._rng.randrange(2 ** 31)
+            req = Request(self._next_id, prompt_ids, p, seed, prompt=text)
+            self._next_id += 1
+            self.requests[req.request_id] = req
+            self.scheduler.add(req)
+            ids.append(req.request_id)
+        return ids
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled batch; return the requests that finished in it."""
+        sched = self.scheduler.schedule()
+        if not sched.items:
+            if self.scheduler.has_work():
+                raise RuntimeError("the scheduler made no progress (KV cache too small for any waiting request)")
+            return []
+        batch = self.builder.build(sched)
+        out = self.runner.execute(batch)
+        rows = self._rows(out, batch.num_top_logprobs)
+        decodes = sum(1 for i in sched.items if i.seq.num_tokens - i.seq.num_computed == 1)
+        finished = self.scheduler.update(sched, rows)
+        self.metrics["steps"] += 1
+        self.metrics["generated_tokens"] += len(rows)
+        self.metrics["prefill_tokens"] += sched.num_tokens - decodes
+        return [self._finish(r) for r in finished]
+
+    def _finish(self, req: Request) -> RequestOutput:
+        del self.requests[req.request_id]
+        return req.output(self.tokenizer)
+
+    @staticmethod
+    def _rows(out: Optional[SamplerOutput], top_n: int) -> list[SampledRow]:
+        if out is None:
+            return []
+        toks, lps = out.token_ids.tolist(), out.logprobs.tolist()
+        plps, kept = out.processed_logprobs.tolist(), out.kept_mass.tolist()
+        tops = [None] * len(toks)
+        if top_n and out.top_ids is not None:
+            tops = [dict(zip(i, v)) for i, v in zip(out.top_ids.tolist(), out.top_logprobs.tolist())]
+        return [SampledRow(*x) for x in zip(toks, lps, plps, kept, tops)]
+
+    def abort(self, request_ids: Seq[int]) -> list[RequestOutput]:
+        """Finish the given requests now with finish_reason "abort"; their pages are freed."""
+        outs = []
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is None:
+                continue
+            self.scheduler.abort_request(req)
+            outs.append(self._finish(req))
+        return outs
+
+    def generate(self, prompts: Seq[Prompt], sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
+        """One RequestOutput per prompt, in input order."""
+        ids = self.add_requests(prompts, sampling_params)
+        wanted = set(ids)
+        done: dict[int, RequestOutput] = {}
+        bar = _progress(len(ids), use_tqdm)
+        start, gen0 = time.perf_counter(), self.metrics["generated_tokens"]
+        while wanted - done.keys():
+            for out in self.step():
+                done[out.request_id] = out
+                if bar is not None and out.request_id in wanted:
+                    bar.update(1)
+                    rate = (self.metrics["generated_tokens"] - gen0) / max(time.perf_counter() - start, 1e-9)
+                    bar.set_postfix(tok_s=f"{rate:.0f}")
+        if bar is not None:
+            bar.close()
+        return [done[i] for i in ids]
+
+    # ---- scoring --------------------------------------------------------------------------
+    def score(self, sequences: Seq[list[int]], temperature: float = 1.0) -> list[list[float]]:
+        """Per-token logprobs of given sequences: out[i][j] = log p(seq[j+1] | seq[:j+1]) under
+        log_softmax(logits / temperature), fp32 (length len(seq) - 1). Runs between steps on
+        its own pages, so it never disturbs scheduled requests."""
+        if not temperature > 0:
+            raise ValueError(f"temperature must be > 0 for scoring, got {temperature}")
+        prepared = self._prepare([list(s) for s in sequences], SamplingParams())
+        results = []
+        for ids, _, _ in prepared:
+            if len(ids) < 2:
+                raise ValueError("score needs sequences of at least 2 tokens")
+            results.append(self._score_one(ids, temperature))
+        return results
+
+    def _score_one(self, ids: list[int], temperature: float) -> list[float]:
+        from .scheduler import ScheduledSeq
+        req = Request(-1, ids, SamplingParams(), 0)
+        seq = req.seqs[0]
+        chunk = self.builder.input_ids.numel()
+        if self.kv.pages_for(len(ids)) > self.kv.alloc.num_free:
+            raise RuntimeError("not enough free KV pages to score now; retry when the engine is idle")
+        out: list[float] = []
+        try:
+            while seq.num_computed < len(ids) - 1:
+                n = min(chunk, len(ids) - 1 - seq.num_computed)
+                sched = SchedulerOutput(items=[ScheduledSeq(seq, n, 0)])
+                self.kv.append(seq, n, sched.copies)
+                batch = self.builder.build(sched)
+                start = seq.num_computed
+                idx = torch.arange(n)
+                batch.logits_indices = idx
+                targets = torch.tensor(ids[start + 1:start + n + 1])
+                out += self.runner.score(batch, targets, temperature).tolist()
+                seq.num_computed += n
+        finally:
+            self.kv.free(seq)
+        return out
+
+
+def _load_tokenizer(path: Path):
+    if not any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        return None
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+
+
+def _progress(total: int, enabled: bool):
+    if not enabled:
+        return None
+    from tqdm.auto import tqdm
+    return tqdm(total=total, desc="generate", unit="req")

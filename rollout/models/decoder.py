@@ -1,0 +1,238 @@
+"""One compact decoder for the Llama family: Llama (llama3 RoPE scaling), Mistral
+(sliding window), Qwen2/Qwen2.5 (QKV bias) and Qwen3 (q/k RMSNorm). Fused QKV and
+gate/up weights; tied or untied embeddings. The math mirrors transformers' eager
+modeling code so our logits can be checked against it, but none of it is imported.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..attention import AttentionMetadata, paged_attention_ref, write_kv
+
+SUPPORTED_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
+
+def check_supported(hf_config) -> str:
+    model_type = getattr(hf_config, "model_type", None)
+    if model_type not in SUPPORTED_ARCHITECTURES:
+        supported = ", ".join(f"{k} ({v})" for k, v in SUPPORTED_ARCHITECTURES.items())
+        raise ValueError(f"unsupported model_type {model_type!r} "
+                         f"(architectures {getattr(hf_config, 'architectures', None)}); "
+                         f"supported: {supported}")
+    return model_type
+
+
+def rope_parameters(cfg) -> dict:
+    """transformers 5 keeps RoPE settings in `rope_parameters`; 4.x in rope_theta/rope_scaling."""
+    params = dict(getattr(cfg, "rope_parameters", None) or {})
+    scaling = getattr(cfg, "rope_scaling", None)
+    if scaling and not params.get("rope_type"):
+        params.update(scaling)
+    params.setdefault("rope_theta", getattr(cfg, "rope_theta", 10000.0))
+    params["rope_type"] = params.get("rope_type") or params.get("type") or "default"
+    return params
+
+
+def rope_inv_freq(cfg, head_dim: int) -> torch.Tensor:
+    p = rope_parameters(cfg)
+    base = float(p["rope_theta"])
+    dim = int(head_dim * p.get("partial_rotary_factor", 1.0))
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    kind = p["rope_type"]
+    if kind == "default":
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / float(p["factor"])
+    if kind == "llama3":
+        factor, lo, hi = float(p["factor"]), float(p["low_freq_factor"]), float(p["high_freq_factor"])
+        old_len = float(p["original_max_position_embeddings"])
+        lo_wavelen, hi_wavelen = old_len / lo, old_len / hi
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > lo_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - lo) / (hi - lo)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < hi_wavelen) & ~(wavelen > lo_wavelen)
+        return torch.where(medium, smoothed, scaled)
+    raise ValueError(f"unsupported rope_type {kind!r}; supported: default, linear, llama3")
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, H, D]; cos/sin: [T, D] (halves duplicated, like HF's rotate_half form)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg, layer_idx: int):
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads or cfg.num_attention_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        qkv_bias = cfg.model_type == "qwen2" or bool(getattr(cfg, "attention_bias", False))
+        o_bias = cfg.model_type != "qwen2" and bool(getattr(cfg, "attention_bias", False))
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=o_bias)
+        self.qk_norm = cfg.model_type == "qwen3"
+        if self.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.scale = self.head_dim ** -0.5
+        self.sliding_window = self._window(cfg, layer_idx)
+
+    @staticmethod
+    def _window(cfg, layer_idx: int) -> Optional[int]:
+        window = getattr(cfg, "sliding_window", None)
+        if not window:
+            return None
+        if cfg.model_type in ("qwen2", "qwen3"):
+            if not getattr(cfg, "use_sliding_window", False):
+                return None
+            layer_types = getattr(cfg, "layer_types", None)
+            if layer_types and layer_types[layer_idx] != "sliding_attention":
+                return None
+        return int(window)
+
+    def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata):
+        T = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(T, self.num_heads, self.head_dim)
+        k = k.view(T, self.num_kv_heads, self.head_dim)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        k_cache, v_cache = kv_cache
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        o = paged_attention_ref(q, k_cache, v_cache, meta, self.scale, self.sliding_window)
+        return self.o_proj(o.reshape(T, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        bias = bool(getattr(cfg, "mlp_bias", False))
+        self.inter = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.inter, bias=bias)
+        self.down_proj = nn.Linear(self.inter, cfg.hidden_size, bias=bias)
+        if getattr(cfg, "hidden_act", "silu") != "silu":
+            raise ValueError(f"unsupported hidden_act {cfg.hidden_act!r}; supported: silu")
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg, layer_idx: int):
+        super().__init__()
+        self.self_attn = Attention(cfg, layer_idx)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, kv_cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderLM(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        check_supported(cfg)
+        self.config = cfg
+        self.vocab_size = cfg.vocab_size
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
+        if not self.tie_word_embeddings:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        attn = self.layers[0].self_attn
+        self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
+        self.register_buffer("inv_freq", rope_inv_freq(cfg, attn.head_dim), persistent=False)
+
+    def rope(self, positions: torch.Tensor):
+        # fp32 angles, like HF; cast to the activation dtype after cos/sin.
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        dtype = self.embed_tokens.weight.dtype
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata):
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rope(positions)
+        for layer, kv in zip(self.layers, kv_caches):
+            x = layer(x, cos, sin, kv, meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+        return F.linear(hidden, weight)
+
+    # ---- HF checkpoint names -> our fused parameters ---------------------------------
+    def hf_param_slices(self):
+        """Yield (hf_name, parameter, row_start, row_end) for every HF tensor we hold.
+        The same map serves checkpoint loading and in-place weight updates."""
+        for i, layer in enumerate(self.layers):
+            a, m = layer.self_attn, layer.mlp
+            pre = f"model.layers.{i}."
+            qs, ks = a.q_size, a.kv_size
+            for suffix, param in (("weight", a.qkv_proj.weight), ("bias", a.qkv_proj.bias)):
+                if param is None:
+                    continue
+                yield pre + f"self_attn.q_proj.{suffix}", param, 0, qs
+                yield pre + f"self_attn.k_proj.{suffix}", param, qs, qs + ks
+                yield pre + f"self_attn.v_proj.{suffix}", param, qs + ks, qs + 2 * ks
+            yield pre + "self_attn.o_proj.weight", a.o_proj.weight, None, None
+            if a.o_proj.bias is not None:
+                yield pre + "self_attn.o_proj.bias", a.o_proj.bias, None, None
+            if a.qk_norm:
+                yield pre + "self_attn.q_norm.weight", a.q_norm.weight, None, None
+                yield pre + "self_attn.k_norm.weight", a.k_norm.weight, None, None
+            for suffix, param in (("weight", m.gate_up_proj.weight), ("bias", m.gate_up_proj.bias)):
+                if param is None:
+                    continue
+                yield pre + f"mlp.gate_proj.{suffix}", param, 0, m.inter
+                yield pre + f"mlp.up_proj.{suffix}", param, m.inter, 2 * m.inter
+            yield pre + "mlp.down_proj.weight", m.down_proj.weight, None, None
+            if m.down_proj.bias is not None:
+                yield pre + "mlp.down_proj.bias", m.down_proj.bias, None, None
+            yield pre + "input_layernorm.weight", layer.input_layernorm.weight, None, None
+            yield pre + "post_attention_layernorm.weight", layer.post_attention_layernorm.weight, None, None
+        yield "model.embed_tokens.weight", self.embed_tokens.weight, None, None
+        yield "model.norm.weight", self.norm.weight, None, None
+        if not self.tie_word_embeddings:
+            yield "lm_head.weight", self.lm_head.weight, None, None
+
+    def hf_targets(self) -> dict[str, torch.Tensor]:
+        """hf_name -> the view of our parameter that holds it (writes land in place)."""
+        out = {}
+        for name, param, lo, hi in self.hf_param_slices():
+            out[name] = param.data if lo is None else param.data[lo:hi]
+        return out

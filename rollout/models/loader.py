@@ -1,0 +1,125 @@
+"""Build a DecoderLM from a local Hugging Face folder (config.json + single or sharded
+safetensors) or from a config with seeded random weights. Nothing is downloaded."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Optional, Union
+
+import torch
+
+from .decoder import DecoderLM, check_supported
+
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def resolve_dtype(dtype: Union[str, torch.dtype, None], hf_config, device: torch.device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype in (None, "auto"):
+        cfg_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+        if isinstance(cfg_dtype, str):
+            cfg_dtype = getattr(torch, cfg_dtype, None)
+        if isinstance(cfg_dtype, torch.dtype):
+            return cfg_dtype
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    try:
+        out = getattr(torch, str(dtype))
+    except AttributeError:
+        out = None
+    if not isinstance(out, torch.dtype) or not out.is_floating_point:
+        raise ValueError(f"dtype must be 'auto' or a floating torch dtype name, got {dtype!r}")
+    return out
+
+
+def build_model(hf_config, dtype: torch.dtype, device: torch.device) -> DecoderLM:
+    check_supported(hf_config)
+    with torch.device(device):
+        model = DecoderLM(hf_config)
+    model.to(dtype)
+    model.inv_freq = model.inv_freq.float()   # RoPE angles stay fp32, as in HF
+    return model.eval().requires_grad_(False)
+
+
+def init_random(model: DecoderLM, seed: int) -> None:
+    """Seeded normal(0, initializer_range) weights, zero biases, unit norms (HF's init)."""
+    std = float(getattr(model.config, "initializer_range", 0.02))
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith("bias"):
+            p.data.zero_()
+        elif "norm" in name:
+            p.data.fill_(1.0)
+        else:
+            w = torch.empty(p.shape, dtype=torch.float32).normal_(0.0, std, generator=gen)
+            p.data.copy_(w)
+
+
+def checkpoint_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = sorted({path / f for f in weight_map.values()})
+        missing = [f.name for f in files if not f.exists()]
+        if missing:
+            raise FileNotFoundError(f"checkpoint {path}: shard(s) listed in the index are missing: {missing}")
+        return files
+    single = path / "model.safetensors"
+    if single.exists():
+        return [single]
+    raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {path}")
+
+
+def copy_hf_tensors(model: DecoderLM, named_tensors, source: str = "state dict") -> set[str]:
+    """Copy (hf_name, tensor) pairs into the model's fused parameters, in place; returns
+    the names written. Shapes and names are checked; dtypes are cast."""
+    targets = model.hf_targets()
+    filled: set[str] = set()
+    for name, t in named_tensors:
+        if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and model.tie_word_embeddings):
+            continue
+        if name not in targets:
+            raise ValueError(f"{source}: unexpected tensor {name!r} for {model.config.model_type}")
+        dst = targets[name]
+        if tuple(t.shape) != tuple(dst.shape):
+            raise ValueError(f"{source}: {name} has shape {tuple(t.shape)}, expected {tuple(dst.shape)}")
+        if not t.dtype.is_floating_point:
+            raise ValueError(f"{source}: {name} has non-float dtype {t.dtype}")
+        dst.copy_(t)
+        filled.add(name)
+    return filled
+
+
+def check_complete(model: DecoderLM, filled: set[str], source: str) -> None:
+    missing = sorted(set(model.hf_targets()) - filled)
+    if missing:
+        raise ValueError(f"{source}: missing tensors {missing[:5]}"
+                         f"{' ...' if len(missing) > 5 else ''} ({len(missing)} in all)")
+
+
+def load_checkpoint(model: DecoderLM, path: Path) -> None:
+    from safetensors import safe_open
+
+    filled: set[str] = set()
+    for file in checkpoint_files(path):
+        with safe_open(str(file), framework="pt") as f:
+            filled |= copy_hf_tensors(model, ((n, f.get_tensor(n)) for n in f.keys()),
+                                      f"checkpoint {file.name}")
+    check_complete(model, filled, f"checkpoint {path}")
+
+
+def load_model(path: Union[str, Path], dtype, device: torch.device, config_overrides: Optional[dict] = None):
+    from transformers import AutoConfig
+
+    path = Path(path)
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(f"{path} is not a local Hugging Face checkpoint folder (no config.json)")
+    raw = json.loads((path / "config.json").read_text())
+    check_supported(SimpleNamespace(model_type=raw.get("model_type"), architectures=raw.get("architectures")))
+    hf_config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    for k, v in (config_overrides or {}).items():
+        setattr(hf_config, k, v)
+    model = build_model(hf_config, resolve_dtype(dtype, hf_config, device), device)
+    load_checkpoint(model, path)
+    return model, hf_config
