@@ -81,7 +81,8 @@ def main(argv=None):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(args.seed)
-    hf = AutoModelForCausalLM.from_config(cfg, dtype=dtype).to(device).eval()
+    with torch.device(device):    # random init on the device: an 8B init on CPU takes minutes
+        hf = AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
     model = build_model(cfg, dtype, device)
     copy_hf_tensors(model, hf.state_dict().items(), "HF model")
     per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads) * dtype.itemsize
