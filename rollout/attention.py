@@ -33,9 +33,10 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         meta: AttentionMetadata, scale: float,
                         sliding_window: Optional[int] = None) -> torch.Tensor:
-    """q: [T, Hq, D] -> [T, Hq, D]. Causal within each sequence; softmax in fp32 like the
-    eager reference it is checked against. Decode rows (one query) run as one batched
-    gather; prefill chunks run per sequence."""
+    """q: [T, Hq, D] -> [T, Hq, D]. Causal within each sequence. Scores, softmax and the
+    value sum are computed in fp32 (as flash-style kernels accumulate): rounding the
+    scores to bf16 before the softmax doubled our error against an fp32 forward.
+    Decode rows (one query) run as one batched gather; prefill chunks per sequence."""
     out = torch.empty_like(q)
     qsl, lens = meta.query_start_host, meta.seq_lens_host
     decode = [i for i in range(len(lens)) if qsl[i + 1] - qsl[i] == 1]
@@ -53,17 +54,17 @@ def _attend_one(q, k_cache, v_cache, block_table, L, ps, scale, window):
     qlen, Hq, D = q.shape
     Hkv = k_cache.shape[2]
     pages = block_table[: -(-L // ps)].long()
-    k = k_cache[pages].reshape(-1, Hkv, D)[:L].repeat_interleave(Hq // Hkv, dim=1).transpose(0, 1)
-    v = v_cache[pages].reshape(-1, Hkv, D)[:L].repeat_interleave(Hq // Hkv, dim=1).transpose(0, 1)
-    scores = torch.matmul(q.transpose(0, 1), k.transpose(1, 2)) * scale     # [Hq, qlen, L]
+    k = k_cache[pages].reshape(-1, Hkv, D)[:L].float().repeat_interleave(Hq // Hkv, dim=1).transpose(0, 1)
+    v = v_cache[pages].reshape(-1, Hkv, D)[:L].float().repeat_interleave(Hq // Hkv, dim=1).transpose(0, 1)
+    scores = torch.matmul(q.float().transpose(0, 1), k.transpose(1, 2)) * scale     # [Hq, qlen, L]
     q_pos = torch.arange(L - qlen, L, device=q.device)[:, None]
     k_pos = torch.arange(L, device=q.device)[None, :]
     allowed = k_pos <= q_pos
     if window is not None:
         allowed &= (q_pos - k_pos) < window
     scores = scores.masked_fill(~allowed, float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    return torch.matmul(probs, v).transpose(0, 1)
+    probs = torch.softmax(scores, dim=-1)
+    return torch.matmul(probs, v).transpose(0, 1).to(q.dtype)
 
 
 def _decode_batched(q, k_cache, v_cache, meta, scale, window, rows, out):
@@ -73,9 +74,9 @@ def _decode_batched(q, k_cache, v_cache, meta, scale, window, rows, out):
     sel = torch.tensor(rows, device=q.device)
     tok = torch.tensor([meta.query_start_host[i] for i in rows], device=q.device)
     bt = meta.block_tables[sel, :n_pages].long()                      # [S, P]
-    k = k_cache[bt].reshape(len(rows), n_pages * ps, Hkv, D)           # [S, K, Hkv, D]
-    v = v_cache[bt].reshape(len(rows), n_pages * ps, Hkv, D)
-    qd = q[tok].view(len(rows), Hkv, Hq // Hkv, D)                      # [S, Hkv, G, D]
+    k = k_cache[bt].reshape(len(rows), n_pages * ps, Hkv, D).float()   # [S, K, Hkv, D]
+    v = v_cache[bt].reshape(len(rows), n_pages * ps, Hkv, D).float()
+    qd = q[tok].view(len(rows), Hkv, Hq // Hkv, D).float()              # [S, Hkv, G, D]
     scores = torch.einsum("shgd,skhd->shgk", qd, k) * scale
     L = meta.seq_lens[sel].long()[:, None]
     k_pos = torch.arange(n_pages * ps, device=q.device)[None, :]
@@ -83,5 +84,5 @@ def _decode_batched(q, k_cache, v_cache, meta, scale, window, rows, out):
     if window is not None:
         allowed &= (L - 1 - k_pos) < window
     scores = scores.masked_fill(~allowed[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    out[tok] = torch.einsum("shgk,skhd->shgd", probs, v).reshape(len(rows), Hq, D)
+    probs = torch.softmax(scores, dim=-1)
+    out[tok] = torch.einsum("shgk,skhd->shgd", probs, v).reshape(len(rows), Hq, D).to(q.dtype)

@@ -1,0 +1,109 @@
+"""Integer-arithmetic task: the problems, the reward and the default tiny model.
+
+Problems look like ``"17+25="`` with answer ``"42"``; subtraction may go
+negative (``"3-8="`` -> ``"-5"``).  This module is pure Python (no torch) so
+it can be imported by reward workers cheaply; training lives in
+``rollout.tasks.arith_train`` and is only imported on demand.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import random
+import re
+
+__all__ = [
+    "OPS",
+    "default_model_path",
+    "ensure_default_model",
+    "make_problem",
+    "reward",
+    "solve",
+    "write_prompts",
+]
+
+OPS = ("+", "-")
+EOS_TOKEN = "<eos>"
+
+# Share of 1-digit problems when ``max_digits >= 2``.  The 1-digit space is
+# tiny (200 problems) so it is learned almost perfectly; 2-digit problems
+# (20,000) are learned well but not perfectly, which leaves headroom for RL.
+_ONE_DIGIT_SHARE = 0.3
+
+_PROMPT_RE = re.compile(r"^\s*(-?\d+)\s*([+-])\s*(-?\d+)\s*=\s*$")
+
+
+def make_problem(rng: random.Random, max_digits: int = 2, digits: int | None = None) -> tuple[str, str]:
+    """Return ``(prompt, answer)``, e.g. ``("17+25=", "42")``.
+
+    ``digits`` fixes the size class: operands are uniform in
+    ``[0, 10**digits)``.  When it is None the class is drawn: 1-digit with
+    probability 0.3, otherwise uniform over ``2..max_digits``.  The operator is
+    ``+`` or ``-`` with equal probability; differences may be negative.
+    """
+    if max_digits < 1:
+        raise ValueError("max_digits must be >= 1")
+    if digits is None:
+        if max_digits == 1 or rng.random() < _ONE_DIGIT_SHARE:
+            digits = 1
+        else:
+            digits = rng.randint(2, max_digits)
+    elif not 1 <= digits:
+        raise ValueError("digits must be >= 1")
+    hi = 10**digits
+    a = rng.randrange(hi)
+    b = rng.randrange(hi)
+    op = rng.choice(OPS)
+    prompt = f"{a}{op}{b}="
+    return prompt, solve(prompt)
+
+
+def solve(prompt: str) -> str:
+    """Compute the answer string for a prompt such as ``"17+25="``."""
+    m = _PROMPT_RE.match(prompt)
+    if m is None:
+        raise ValueError(f"not an arithmetic prompt: {prompt!r}")
+    a, op, b = int(m.group(1)), m.group(2), int(m.group(3))
+    return str(a + b if op == "+" else a - b)
+
+
+def reward(prompt: str, completion: str) -> float:
+    """1.0 if ``completion`` is exactly the correct answer, else 0.0.
+
+    A trailing ``<eos>`` (and anything after it) and surrounding whitespace are
+    stripped first; nothing else is forgiven (no leading zeros, no "+42").
+    """
+    try:
+        answer = solve(prompt)
+    except ValueError:
+        return 0.0
+    text = completion.split(EOS_TOKEN, 1)[0].strip()
+    return 1.0 if text == answer else 0.0
+
+
+def write_prompts(path, n: int, seed: int = 0, max_digits: int = 2) -> pathlib.Path:
+    """Write ``n`` problems as jsonl rows ``{"prompt": ..., "answer": ...}``."""
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(seed)
+    with path.open("w", encoding="utf-8") as f:
+        for _ in range(n):
+            prompt, answer = make_problem(rng, max_digits)
+            f.write(json.dumps({"prompt": prompt, "answer": answer}) + "\n")
+    return path
+
+
+def default_model_path() -> pathlib.Path:
+    """Folder of the shipped tiny model: ``<package>/assets/arith-tiny``."""
+    return pathlib.Path(__file__).resolve().parent.parent / "assets" / "arith-tiny"
+
+
+def ensure_default_model(minutes: float = 3.0, seed: int = 0) -> pathlib.Path:
+    """Return the default model folder, training it first if it is missing."""
+    path = default_model_path()
+    if not ((path / "config.json").is_file() and (path / "model.safetensors").is_file()):
+        from rollout.tasks.arith_train import train_tiny_model  # torch only on demand
+
+        train_tiny_model(path, minutes=minutes, seed=seed)
+    return path
