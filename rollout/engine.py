@@ -30,9 +30,14 @@ class RolloutEngine:
     def __init__(self, model, hf_config, *, tokenizer=None, generation_config=None,
                  max_model_len: Optional[int] = None, kv_cache_memory: Optional[int] = None,
                  num_kv_pages: Optional[int] = None, page_size: int = 16, max_num_seqs: int = 256,
-                 max_num_batched_tokens: int = 2048, seed: int = 0, kv_dtype=None):
+                 max_num_batched_tokens: int = 2048, seed: int = 0, kv_dtype=None,
+                 bf16_reduced_precision_reduction: bool = False):
         self.model = model
         self.hf_config = hf_config
+        if torch.cuda.is_available():
+            # cuBLAS may otherwise reduce split-K partial sums in bf16 for small-M (decode)
+            # GEMMs; that rounding drifts logprobs away from the trainer's forward.
+            torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = bool(bf16_reduced_precision_reduction)
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype

@@ -87,6 +87,8 @@ def main(argv=None):
     ap.add_argument("--check-seqs", type=int, default=4, help="sequences checked against HF's forward")
     ap.add_argument("--fp32-reference", action="store_true",
                     help="also measure ours and HF against an fp32 copy of the weights")
+    ap.add_argument("--bf16-reduced-precision-reduction", type=int, default=0,
+                    help="cuBLAS split-K reductions in bf16 (PyTorch's default is 1; ours is 0)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
 
@@ -104,12 +106,14 @@ def main(argv=None):
     per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads) * dtype.itemsize
     engine = RolloutEngine(model, cfg, max_model_len=P + G + 8, max_num_seqs=max(B, 8),
                            kv_cache_memory=int(per_token * B * (P + G + 64) * 1.2),
-                           max_num_batched_tokens=max(2048, P * 4), seed=args.seed)
+                           max_num_batched_tokens=max(2048, P * 4), seed=args.seed,
+                           bf16_reduced_precision_reduction=bool(args.bf16_reduced_precision_reduction))
     gen = torch.Generator().manual_seed(args.seed)
     prompts = torch.randint(10, cfg.vocab_size - 10, (B, P), generator=gen).tolist()
     greedy = SamplingParams(max_new_tokens=G, temperature=0.0, ignore_eos=True)
     sampled = SamplingParams(max_new_tokens=min(G, 64), temperature=1.0, top_p=0.9, seed=1, ignore_eos=True)
-    result = {"shape": args.shape, "batch": B, "prompt_len": P, "gen_len": G, "dtype": args.dtype}
+    result = {"shape": args.shape, "batch": B, "prompt_len": P, "gen_len": G, "dtype": args.dtype,
+              "bf16_reduced_precision_reduction": bool(args.bf16_reduced_precision_reduction)}
 
     # Correctness against HF's forward, same weights and dtype.
     k = min(args.check_seqs, B)
