@@ -33,6 +33,9 @@ def _sync():
 
 
 def _git_commit() -> str:
+    import os
+    if os.environ.get("ROLLOUT_GIT_COMMIT"):   # the GPU machine's copy of the tree has no .git
+        return os.environ["ROLLOUT_GIT_COMMIT"]
     try:
         return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True).strip()
     except Exception:
