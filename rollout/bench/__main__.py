@@ -77,6 +77,27 @@ def hf_logprob_agreement(hf, prompts, outs, temperature: float, device, hf_fp32=
     return out
 
 
+def hf_incremental_vs_fp32(hf, hf_fp32, prompts, max_new_tokens: int, device) -> dict:
+    """HF's own incremental (KV-cached) greedy decode in the bench dtype, scored against an
+    fp32 full forward: the drift any incremental low-precision decoder has on these
+    weights, to read our `ours_vs_fp32` against."""
+    diffs = []
+    for p in prompts:
+        ids = torch.tensor([p], device=device)
+        with torch.no_grad():
+            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                              min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0,
+                              output_logits=True, return_dict_in_generate=True)
+            tok = out.sequences[0, len(p):]
+            inc = torch.stack(out.logits, 1)[0].float()
+            full = hf_fp32(out.sequences).logits[0, len(p) - 1:-1].float()
+        lp = lambda x: torch.log_softmax(x, -1).gather(1, tok[:, None])[:, 0]
+        diffs.append((lp(inc) - lp(full)).abs().cpu())
+    d = torch.cat(diffs)
+    return {"hf_incremental_vs_fp32_mean_abs_dlogp": d.mean().item(), "max_abs_dlogp": d.max().item(),
+            "tokens": d.numel()}
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="qwen2.5-0.5b", choices=sorted(SHAPES))
@@ -128,6 +149,8 @@ def main(argv=None):
     result["check_greedy"] = hf_logprob_agreement(hf, prompts[:k], outs, 1.0, device, hf32)
     outs = engine.generate(prompts[:k], sampled, use_tqdm=False)
     result["check_sampled_T1_top_p0.9"] = hf_logprob_agreement(hf, prompts[:k], outs, 1.0, device, hf32)
+    if hf32 is not None:
+        result["check_hf_incremental"] = hf_incremental_vs_fp32(hf, hf32, prompts[:k], min(G, 32), device)
     del hf32
     if device.type == "cuda":
         torch.cuda.empty_cache()
