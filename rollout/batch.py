@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from .kv_cache import KVCacheManager
+from .request import PLACEHOLDER
 from .sampler import SamplingTensors
 from .scheduler import SchedulerOutput
 
@@ -16,7 +17,8 @@ from .scheduler import SchedulerOutput
 @dataclass
 class Batch:
     """Host tensors for one step (views into the builder's buffers)."""
-    input_ids: torch.Tensor         # [T] int64
+    input_ids: torch.Tensor         # [T] int64 (0 where a carried-over token goes)
+    carry: torch.Tensor             # [T] int64: row of the previous batch's outputs, -1 = none
     positions: torch.Tensor         # [T] int64
     slot_mapping: torch.Tensor      # [T] int64
     query_start_loc: torch.Tensor   # [S + 1] int32
@@ -29,6 +31,7 @@ class Batch:
     seq_lens_host: list[int]
     query_start_host: list[int]
     num_top_logprobs: int = 0
+    has_carry: bool = False         # any token (or penalty entry) comes from the previous batch
 
     @property
     def num_tokens(self) -> int:
@@ -49,6 +52,7 @@ class BatchBuilder:
             return torch.zeros(*shape, dtype=dtype, pin_memory=pin_memory)
 
         self.input_ids, self.positions, self.slot_mapping = buf(T), buf(T), buf(T)
+        self.carry = buf(T)
         self.query_start_loc, self.seq_lens = buf(S + 1, dtype=torch.int32), buf(S, dtype=torch.int32)
         self.block_tables = buf(S, P, dtype=torch.int32)
         self.logits_indices = buf(R)
@@ -58,19 +62,34 @@ class BatchBuilder:
         self.max_pages_per_seq = P
 
     def build(self, sched: SchedulerOutput) -> Batch:
+        """Flatten one scheduled step. Tokens sampled by the previous batch (still in
+        flight) are PLACEHOLDERs on the host: their slot gets id 0 and a carry-over entry
+        naming the previous batch's output row, which the device gathers before the forward."""
         kv = self.kv
         t = s = r = 0
         qsl = [0]
         seq_lens: list[int] = []
         penalty_rows: list[list[int]] = []
-        any_trunc = any_pen = False
+        any_trunc = any_pen = has_carry = False
         all_greedy = True
         top_n = 0
+        targets = iter(sched.targets)
+
+        def carried(seq, pos) -> int:
+            bid, row = seq.inflight[pos]
+            assert bid == sched.batch_id - 1, "placeholder not from the previous batch"
+            return row
+
         for item in sched.items:
-            seq, n = item.seq, item.num_new
-            start = seq.num_computed
+            seq, n, start = item.seq, item.num_new, item.start
             ids = seq.token_ids[start:start + n]
-            self.input_ids[t:t + n] = torch.tensor(ids, dtype=torch.int64)
+            carry = [-1] * n
+            for j, tok in enumerate(ids):
+                if tok == PLACEHOLDER:
+                    carry[j] = carried(seq, start + j)
+                    has_carry = True
+            self.input_ids[t:t + n] = torch.tensor([max(x, 0) for x in ids], dtype=torch.int64)
+            self.carry[t:t + n] = torch.tensor(carry, dtype=torch.int64)
             self.positions[t:t + n] = torch.arange(start, start + n)
             self.slot_mapping[t:t + n] = torch.tensor([kv.slot(seq, p) for p in range(start, start + n)])
             pages = seq.block_table
@@ -81,16 +100,23 @@ class BatchBuilder:
             seq_lens.append(start + n)
             s += 1
             p = seq.request.params
-            for k in range(item.num_samples):
+            for _ in range(item.num_samples):
                 # A group's prefill samples all n first tokens from its last position.
-                sample_index = seq.sample_index if item.num_samples == 1 else k
+                target = next(targets)
+                ts = target.seq
                 self.logits_indices[r] = t - 1
                 self.temperature[r] = p.temperature
                 self.top_p[r], self.top_k[r], self.min_p[r] = p.top_p, p.top_k, p.min_p
                 self.rep_penalty[r] = p.repetition_penalty
-                self.seeds[r] = seq.request.sample_seed(sample_index)
-                self.counters[r] = seq.num_tokens   # position of the token being sampled
-                penalty_rows.append(seq.token_ids if p.repetition_penalty != 1.0 else [])
+                self.seeds[r] = ts.request.sample_seed(ts.sample_index)
+                self.counters[r] = target.pos      # position of the token being sampled
+                if p.repetition_penalty != 1.0:
+                    # In-flight tokens are encoded as -(2 + previous row) and carried over too.
+                    row = [x if x != PLACEHOLDER else -2 - carried(ts, i) for i, x in enumerate(ts.token_ids[:target.pos])]
+                    has_carry |= any(x <= -2 for x in row)
+                    penalty_rows.append(row)
+                else:
+                    penalty_rows.append([])
                 any_trunc |= p.truncates
                 any_pen |= p.repetition_penalty != 1.0
                 all_greedy &= p.greedy
@@ -112,8 +138,9 @@ class BatchBuilder:
         src = torch.tensor([c[0] for c in sched.copies], dtype=torch.int64)
         dst = torch.tensor([c[1] for c in sched.copies], dtype=torch.int64)
         return Batch(
-            input_ids=self.input_ids[:t], positions=self.positions[:t], slot_mapping=self.slot_mapping[:t],
+            input_ids=self.input_ids[:t], carry=self.carry[:t], positions=self.positions[:t],
+            slot_mapping=self.slot_mapping[:t],
             query_start_loc=self.query_start_loc[:s + 1], seq_lens=self.seq_lens[:s],
             block_tables=self.block_tables[:s], logits_indices=self.logits_indices[:r],
             sampling=sampling, copy_src=src, copy_dst=dst,
-            seq_lens_host=seq_lens, query_start_host=qsl, num_top_logprobs=top_n)
+            seq_lens_host=seq_lens, query_start_host=qsl, num_top_logprobs=top_n, has_carry=has_carry)

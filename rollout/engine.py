@@ -9,13 +9,13 @@ from typing import Optional, Sequence as Seq, Union
 
 import torch
 
-from .batch import BatchBuilder
 from .kv_cache import KVCacheManager
 from .models.loader import build_model, init_random, load_model, resolve_dtype
 from .request import Request, RequestOutput, SamplingParams, Sequence, Status
+from .pipeline import DevicePipeline, InFlight
 from .runner import ModelRunner
 from .sampler import SamplerOutput
-from .scheduler import SampledRow, Scheduler, SchedulerOutput
+from .scheduler import SampledRow, ScheduledSeq, Scheduler, SchedulerOutput
 
 Prompt = Union[str, list[int]]
 
@@ -31,7 +31,7 @@ class RolloutEngine:
                  max_model_len: Optional[int] = None, kv_cache_memory: Optional[int] = None,
                  num_kv_pages: Optional[int] = None, page_size: int = 16, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 2048, seed: int = 0, kv_dtype=None,
-                 bf16_reduced_precision_reduction: bool = False):
+                 bf16_reduced_precision_reduction: bool = False, async_pipeline: Optional[bool] = None):
         self.model = model
         self.hf_config = hf_config
         if torch.cuda.is_available():
@@ -55,10 +55,15 @@ class RolloutEngine:
             self.kv, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=self.max_model_len, eos_token_ids=self.eos_token_ids, tokenizer=tokenizer,
             admission_reserve_pages=max(1, num_pages // 100))
-        self.builder = BatchBuilder(
-            self.kv, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-            max_pages_per_seq=self.kv.pages_for(self.max_model_len), pin_memory=self.device.type == "cuda")
         self.runner = ModelRunner(model, num_pages=num_pages, page_size=page_size, kv_dtype=kv_dtype)
+        # Both modes run the same one-step-lag schedule; async overlaps the CPU with the GPU.
+        # CPU always runs synchronously. Default stays sync until the CUDA stream path has
+        # passed its GPU tests (issue 3); then None will mean "on for CUDA".
+        self.pipeline = DevicePipeline(
+            self.runner, self.kv, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+            max_pages_per_seq=self.kv.pages_for(self.max_model_len), async_mode=bool(async_pipeline))
+        self._inflight: Optional[InFlight] = None
+        self._ready: list[RequestOutput] = []     # finished while draining, handed out by step()
         self._rng = random.Random(seed)
         self._next_id = 0
         self.requests: dict[int, Request] = {}
@@ -156,24 +161,34 @@ class RolloutEngine:
         return ids
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self._inflight is not None or bool(self._ready)
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled batch; return the requests that finished in it."""
+        """Schedule and launch batch k, then wait for batch k-1 and process its outputs
+        (stops, freed pages). Returns the requests that finished."""
         sched = self.scheduler.schedule()
-        if not sched.items:
-            if self.scheduler.has_work():
-                raise RuntimeError("the scheduler made no progress (KV cache too small for any waiting request)")
-            return []
-        batch = self.builder.build(sched)
-        out = self.runner.execute(batch)
-        rows = self._rows(out, batch.num_top_logprobs)
-        decodes = sum(1 for i in sched.items if i.seq.num_tokens - i.seq.num_computed == 1)
-        finished = self.scheduler.update(sched, rows)
-        self.metrics["steps"] += 1
+        launched = self.pipeline.launch(sched) if sched.items else None
+        if launched is None and self._inflight is None and self.scheduler.has_work():
+            raise RuntimeError("the scheduler made no progress (KV cache too small for any waiting request)")
+        if launched is not None:
+            self.metrics["steps"] += 1
+            self.metrics["prefill_tokens"] += sum(i.num_new for i in sched.items if i.num_new > 1 or i.num_samples == 0)
+        prev, self._inflight = self._inflight, launched
+        finished = self._complete(prev) if prev is not None else []
+        ready, self._ready = self._ready + finished, []
+        return ready
+
+    def _complete(self, flight: InFlight) -> list[RequestOutput]:
+        out = self.pipeline.wait(flight)
+        rows = self._rows(out, flight.top_n)
         self.metrics["generated_tokens"] += len(rows)
-        self.metrics["prefill_tokens"] += sched.num_tokens - decodes
-        return [self._finish(r) for r in finished]
+        return [self._finish(r) for r in self.scheduler.update(flight.sched, rows)]
+
+    def drain(self) -> None:
+        """Finish the batch in flight (its finished requests are returned by the next step)."""
+        if self._inflight is not None:
+            flight, self._inflight = self._inflight, None
+            self._ready += self._complete(flight)
 
     def _finish(self, req: Request) -> RequestOutput:
         del self.requests[req.request_id]
@@ -191,7 +206,8 @@ class RolloutEngine:
         return [SampledRow(*x) for x in zip(toks, lps, plps, kept, tops)]
 
     def abort(self, request_ids: Seq[int]) -> list[RequestOutput]:
-        """Finish the given requests now with finish_reason "abort"; their pages are freed."""
+        """Finish the given requests now with finish_reason "abort"; their pages are freed.
+        Tokens still in flight for them are discarded when their batch completes."""
         outs = []
         for rid in request_ids:
             req = self.requests.get(rid)
@@ -227,6 +243,7 @@ class RolloutEngine:
         if not temperature > 0:
             raise ValueError(f"temperature must be > 0 for scoring, got {temperature}")
         prepared = self._prepare([list(s) for s in sequences], SamplingParams())
+        self.drain()
         results = []
         for ids, _, _ in prepared:
             if len(ids) < 2:
@@ -235,20 +252,20 @@ class RolloutEngine:
         return results
 
     def _score_one(self, ids: list[int], temperature: float) -> list[float]:
-        from .scheduler import ScheduledSeq
         req = Request(-1, ids, SamplingParams(), 0)
         seq = req.seqs[0]
-        chunk = self.builder.input_ids.numel()
+        builder = self.pipeline.slots[0].builder
+        chunk = builder.input_ids.numel()
         if self.kv.pages_for(len(ids)) > self.kv.alloc.num_free:
             raise RuntimeError("not enough free KV pages to score now; retry when the engine is idle")
         out: list[float] = []
         try:
             while seq.num_computed < len(ids) - 1:
                 n = min(chunk, len(ids) - 1 - seq.num_computed)
-                sched = SchedulerOutput(items=[ScheduledSeq(seq, n, 0)])
-                self.kv.append(seq, n, sched.copies)
-                batch = self.builder.build(sched)
                 start = seq.num_computed
+                sched = SchedulerOutput(items=[ScheduledSeq(seq, n, 0, start)])
+                self.kv.append(seq, n, sched.copies)
+                batch = builder.build(sched)
                 idx = torch.arange(n)
                 batch.logits_indices = idx
                 targets = torch.tensor(ids[start + 1:start + n + 1])

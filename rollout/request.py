@@ -97,6 +97,8 @@ class RequestOutput:
 
 _seq_ids = itertools.count()
 
+PLACEHOLDER = -1   # a token sampled by a batch still in flight; carry-over fills it in
+
 
 class Sequence:
     """One stream of tokens with its KV pages. Before a group forks, the single prefill
@@ -119,6 +121,13 @@ class Sequence:
         self.finish_reason: Optional[str] = None
         self.stop_reason = None
         self.num_preemptions = 0
+        self.epoch = 0                    # bumped on preemption: in-flight rows become stale
+        self.inflight: dict[int, tuple[int, int]] = {}   # placeholder pos -> (batch_id, row)
+
+    def drop_placeholders(self) -> None:
+        while self.token_ids and self.token_ids[-1] == PLACEHOLDER:
+            self.inflight.pop(len(self.token_ids) - 1, None)
+            self.token_ids.pop()
 
     @property
     def num_tokens(self) -> int:

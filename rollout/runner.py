@@ -1,8 +1,10 @@
-"""Model runner: owns the device KV page pool, moves a Batch to the device, runs the
-model forward, the lm_head on the rows that sample, and the sampler."""
+"""Model runner: owns the device KV page pool; uploads a Batch, applies the carry-over
+from the previous batch's sampled tokens, runs the model forward, the lm_head on the
+rows that sample, and the sampler."""
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from typing import Optional
 
 import torch
 
@@ -10,6 +12,34 @@ from .attention import AttentionMetadata
 from .batch import Batch
 from .models.decoder import DecoderLM
 from .sampler import SamplerOutput, SamplingTensors, sample
+
+
+@dataclass
+class DeviceBatch:
+    """A Batch's tensors on the device (kept alive until the step's outputs are read)."""
+    input_ids: torch.Tensor
+    carry: Optional[torch.Tensor]
+    positions: torch.Tensor
+    logits_indices: torch.Tensor
+    meta: AttentionMetadata
+    sampling: SamplingTensors
+    copy_src: torch.Tensor
+    copy_dst: torch.Tensor
+    num_rows: int
+
+
+def apply_carry_over(input_ids: torch.Tensor, carry: torch.Tensor, prev_tokens: torch.Tensor) -> torch.Tensor:
+    """Fill the tokens the previous batch sampled into this batch's input ids.
+    `prev_tokens` is the other slot's output buffer [max_rows + 1] whose last entry is
+    never written (stays 0), so carry == -1 gathers a harmless 0 that the select drops.
+    A select rather than an add: replaying it twice is harmless."""
+    return torch.where(carry >= 0, prev_tokens[carry], input_ids)
+
+
+def carry_penalty_ids(penalty: torch.Tensor, prev_tokens: torch.Tensor) -> torch.Tensor:
+    """Penalty entries <= -2 name a previous-batch row as -(2 + row)."""
+    rows = (-penalty - 2).clamp(min=0)
+    return torch.where(penalty <= -2, prev_tokens[rows], penalty)
 
 
 class ModelRunner:
@@ -29,49 +59,54 @@ class ModelRunner:
         elem = torch.tensor([], dtype=dtype).element_size()
         return 2 * hf_config.num_hidden_layers * page_size * kv_heads * head_dim * elem
 
-    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+    def _dev(self, t: torch.Tensor) -> torch.Tensor:
         return t.to(self.device, non_blocking=True)
 
-    def _sampling_to_device(self, st: SamplingTensors) -> SamplingTensors:
+    def upload(self, batch: Batch) -> DeviceBatch:
+        """Host -> device copies of one step's inputs (on the caller's current stream)."""
+        st = batch.sampling
         fields = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seeds", "counters")
-        moved = {f: self._to_device(getattr(st, f)) for f in fields}
+        moved = {f: self._dev(getattr(st, f)) for f in fields}
         if st.penalty_token_ids is not None:
-            moved["penalty_token_ids"] = self._to_device(st.penalty_token_ids)
-        return replace(st, **moved)
+            moved["penalty_token_ids"] = self._dev(st.penalty_token_ids)
+        meta = AttentionMetadata(
+            slot_mapping=self._dev(batch.slot_mapping), block_tables=self._dev(batch.block_tables),
+            seq_lens=self._dev(batch.seq_lens), query_start_loc=self._dev(batch.query_start_loc),
+            seq_lens_host=batch.seq_lens_host, query_start_host=batch.query_start_host,
+            page_size=self.page_size)
+        return DeviceBatch(
+            input_ids=self._dev(batch.input_ids), carry=self._dev(batch.carry) if batch.has_carry else None,
+            positions=self._dev(batch.positions), logits_indices=self._dev(batch.logits_indices), meta=meta,
+            sampling=replace(st, **moved), copy_src=self._dev(batch.copy_src), copy_dst=self._dev(batch.copy_dst),
+            num_rows=batch.num_rows)
 
     def copy_pages(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         if src.numel() == 0:
             return
-        src, dst = self._to_device(src), self._to_device(dst)
         for k, v in self.kv_caches:
             k[dst] = k[src]
             v[dst] = v[src]
 
-    def forward_hidden(self, batch: Batch) -> torch.Tensor:
-        meta = AttentionMetadata(
-            slot_mapping=self._to_device(batch.slot_mapping),
-            block_tables=self._to_device(batch.block_tables),
-            seq_lens=self._to_device(batch.seq_lens),
-            query_start_loc=self._to_device(batch.query_start_loc),
-            seq_lens_host=batch.seq_lens_host, query_start_host=batch.query_start_host,
-            page_size=self.page_size)
-        return self.model(self._to_device(batch.input_ids), self._to_device(batch.positions),
-                          self.kv_caches, meta)
-
     @torch.inference_mode()
-    def execute(self, batch: Batch) -> SamplerOutput | None:
-        self.copy_pages(batch.copy_src, batch.copy_dst)
-        hidden = self.forward_hidden(batch)
-        if batch.num_rows == 0:
+    def run(self, dev: DeviceBatch, prev_tokens: Optional[torch.Tensor]) -> Optional[SamplerOutput]:
+        """Carry-over, copy-on-write copies, forward, lm_head on sampling rows, sampler."""
+        ids, st = dev.input_ids, dev.sampling
+        if dev.carry is not None:
+            ids = apply_carry_over(ids, dev.carry, prev_tokens)
+        if st.penalty_token_ids is not None and prev_tokens is not None:
+            st = replace(st, penalty_token_ids=carry_penalty_ids(st.penalty_token_ids, prev_tokens))
+        self.copy_pages(dev.copy_src, dev.copy_dst)
+        hidden = self.model(ids, dev.positions, self.kv_caches, dev.meta)
+        if dev.num_rows == 0:
             return None
-        # lm_head only on the positions that sample.
-        logits = self.model.compute_logits(hidden[self._to_device(batch.logits_indices)])
-        return sample(logits, self._sampling_to_device(batch.sampling))
+        logits = self.model.compute_logits(hidden[dev.logits_indices])   # lm_head only where needed
+        return sample(logits, st)
 
     @torch.inference_mode()
     def score(self, batch: Batch, targets: torch.Tensor, temperature: float) -> torch.Tensor:
         """Logprobs of `targets` [R] at `batch.logits_indices` under log_softmax(logits / T), fp32."""
-        hidden = self.forward_hidden(batch)
-        logits = self.model.compute_logits(hidden[self._to_device(batch.logits_indices)]).float()
+        dev = self.upload(batch)
+        hidden = self.model(dev.input_ids, dev.positions, self.kv_caches, dev.meta)
+        logits = self.model.compute_logits(hidden[dev.logits_indices]).float()
         logp = torch.log_softmax(logits / temperature, dim=-1)
-        return logp.gather(1, self._to_device(targets)[:, None])[:, 0]
+        return logp.gather(1, self._dev(targets)[:, None])[:, 0]

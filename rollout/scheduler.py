@@ -1,9 +1,15 @@
 """Continuous-batching scheduler (CPU): admission by free KV pages under a per-step
 token budget, chunked prefill, preemption by recompute, and output processing
-(appending sampled tokens, stop checks, freeing pages).
+(filling sampled tokens, stop checks, freeing pages).
 
 One step = a list of (sequence, tokens to compute, rows to sample). Decodes are
 just sequences with one token left to compute, so prefill chunks and decodes mix.
+
+One-step lag, in sync and async mode alike: batch k is scheduled before batch k-1's
+tokens are known. A row sampled in k-1 leaves a PLACEHOLDER in its sequence; batch k
+uses it as input and the device fills it in from k-1's outputs (carry-over). The
+scheduler fills it on the host when k-1's outputs arrive. Because both modes run this
+same schedule, they build identical batches and so produce identical tokens.
 """
 from __future__ import annotations
 
@@ -12,20 +18,32 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from .kv_cache import KVCacheManager
-from .request import Request, Sequence, Status
+from .request import PLACEHOLDER, Request, Sequence, Status
 
 
 @dataclass
 class ScheduledSeq:
     seq: Sequence
-    num_new: int        # tokens computed this step, from seq.num_computed
+    num_new: int        # tokens computed this step, from `start`
     num_samples: int    # logits rows sampled: 0 (mid-prefill), 1, or n (a group's prefill ends)
+    start: int = 0      # seq.num_computed before this step
+
+
+@dataclass
+class SampleTarget:
+    """Where one sampled row lands: a placeholder position of a sequence, valid while the
+    sequence's epoch (bumped by preemption) is unchanged."""
+    seq: Sequence
+    pos: int
+    epoch: int
 
 
 @dataclass
 class SchedulerOutput:
     items: list[ScheduledSeq]
     copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst) pages
+    targets: list[SampleTarget] = field(default_factory=list)    # one per sampled row, in row order
+    batch_id: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -33,7 +51,7 @@ class SchedulerOutput:
 
     @property
     def num_rows(self) -> int:
-        return sum(i.num_samples for i in self.items)
+        return len(self.targets)
 
 
 @dataclass
@@ -60,6 +78,8 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.num_recomputed_tokens = 0
+        self.num_discarded_tokens = 0   # sampled for a sequence that had already finished
+        self._next_batch_id = 0
 
     # ---- queue -------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -72,10 +92,14 @@ class Scheduler:
         return sum(s.fork_count for s in self.running)
 
     def _preempt(self, seq: Sequence) -> None:
-        """Free the sequence's pages; it re-prefills prompt + generated tokens later."""
+        """Free the sequence's pages; it re-prefills prompt + generated tokens later. A token
+        still in flight is dropped (its row is ignored) and sampled again after recompute;
+        the counter-keyed RNG makes it the same token."""
         self.running.remove(seq)
         self.kv.free(seq)
         self.num_recomputed_tokens += seq.num_computed
+        seq.drop_placeholders()
+        seq.epoch += 1
         seq.num_computed = 0
         seq.status = Status.WAITING
         seq.num_preemptions += 1
@@ -83,14 +107,26 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     # ---- one step ----------------------------------------------------------------
+    def _length_done(self, seq: Sequence) -> bool:
+        """Its last (maybe in-flight) token already reaches a length limit: nothing to schedule."""
+        return seq.num_generated >= seq.request.params.max_new_tokens or seq.num_tokens >= self.max_model_len
+
+    @staticmethod
+    def _sampled_in(seq: Sequence, batch_id: int) -> bool:
+        return any(b == batch_id for b, _ in seq.inflight.values())
+
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput(items=[])
+        out = SchedulerOutput(items=[], batch_id=self._next_batch_id)
+        self._next_batch_id += 1
         budget = self.max_num_batched_tokens
         preempted = False
         i = 0
         # Running sequences first, oldest first; the newest are the preemption victims.
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if self._length_done(seq) or self._sampled_in(seq, out.batch_id):
+                i += 1            # nothing to compute, or forked in this very step
+                continue
             num_new = min(seq.num_tokens - seq.num_computed, budget)
             while not self.kv.can_append(seq, num_new):
                 if len(self.running) == 1:   # alone and still no room: it can never fit
@@ -122,30 +158,37 @@ class Scheduler:
         return out
 
     def _add_item(self, out: SchedulerOutput, seq: Sequence, num_new: int) -> None:
+        """Commit the step at schedule time: KV pages, num_computed (computed or in flight),
+        and a placeholder for every token the step samples (a group forks here)."""
         self.kv.append(seq, num_new, out.copies)
-        ends = seq.num_computed + num_new == seq.num_tokens
-        out.items.append(ScheduledSeq(seq, num_new, seq.fork_count if ends else 0))
+        item = ScheduledSeq(seq, num_new, 0, seq.num_computed)
+        seq.num_computed += num_new
+        if seq.num_computed == seq.num_tokens:
+            samplers = [seq] + (self._fork(seq) if seq.fork_count > 1 else [])
+            for s in samplers:
+                s.inflight[s.num_tokens] = (out.batch_id, len(out.targets))
+                out.targets.append(SampleTarget(s, s.num_tokens, s.epoch))
+                s.token_ids.append(PLACEHOLDER)
+            item.num_samples = len(samplers)
+        out.items.append(item)
 
     # ---- outputs -------------------------------------------------------------------
     def update(self, sched: SchedulerOutput, rows: list[SampledRow]) -> list[Request]:
-        """Append the step's sampled tokens; return requests that finished this step."""
+        """Fill the batch's sampled tokens in; return requests that finished with it."""
+        assert len(rows) == len(sched.targets), (len(rows), len(sched.targets))
         finished: list[Request] = []
-        r = 0
-        for item in sched.items:
-            seq = item.seq
-            if seq.status != Status.RUNNING:   # aborted while in flight
-                r += item.num_samples
+        for t, row in zip(sched.targets, rows):
+            s = t.seq
+            if s.status != Status.RUNNING or s.epoch != t.epoch:
+                # Finished (or aborted, or preempted) after this batch was scheduled: the
+                # extra token is discarded and never reaches the output.
+                self.num_discarded_tokens += 1
                 continue
-            seq.num_computed += item.num_new
-            if item.num_samples == 0:
-                continue
-            targets = [seq] + (self._fork(seq) if seq.fork_count > 1 else [])
-            for s in targets:
-                self._append(s, rows[r])
-                r += 1
-                if s.finished and s.request.finished:
-                    finished.append(s.request)
-        assert r == len(rows), (r, len(rows))
+            assert s.token_ids[t.pos] == PLACEHOLDER
+            del s.inflight[t.pos]
+            self._fill(s, t.pos, row)
+            if s.finished and s.request.finished:
+                finished.append(s.request)
         return finished
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
@@ -153,6 +196,7 @@ class Scheduler:
         children = []
         for k in range(1, parent.fork_count):
             child = Sequence(req, k, list(parent.token_ids), parent.num_prompt)
+            child.epoch = parent.epoch
             child.num_computed = parent.num_computed
             child.status = Status.RUNNING
             self.kv.fork(parent, child)
@@ -163,38 +207,43 @@ class Scheduler:
         self.running[pos:pos] = children
         return children
 
-    def _append(self, seq: Sequence, row: SampledRow) -> None:
-        seq.token_ids.append(row.token_id)
+    def _fill(self, seq: Sequence, pos: int, row: SampledRow) -> None:
+        seq.token_ids[pos] = row.token_id
         seq.logprobs.append(row.logprob)
         seq.processed_logprobs.append(row.processed_logprob)
         seq.kept_mass.append(row.kept_mass)
         if row.top is not None:
             seq.top_logprobs.append(row.top)
-        reason = self._stop_reason(seq, row.token_id)
+        reason = self._stop_reason(seq, pos)
         if reason is not None:
+            del seq.token_ids[pos + 1:]          # a later token may already be in flight
             self.finish(seq, *reason)
 
-    def _stop_reason(self, seq: Sequence, tok: int):
+    def _stop_reason(self, seq: Sequence, pos: int):
         p = seq.request.params
+        tok = seq.token_ids[pos]
         if tok in p.stop_token_ids:
             return "stop", tok
         if not p.ignore_eos and tok in self.eos_token_ids:
             return "stop", tok
+        generated = seq.token_ids[seq.num_prompt:pos + 1]
         if p.stop and self.tokenizer is not None:
             # Decode only a tail window: enough tokens to cover the longest stop string.
             window = max(len(s) for s in p.stop) + 8
-            tail = self.tokenizer.decode(seq.generated_ids[-window:], skip_special_tokens=True)
+            tail = self.tokenizer.decode(generated[-window:], skip_special_tokens=True)
             for s in p.stop:
                 if s in tail:
-                    text = self.tokenizer.decode(seq.generated_ids, skip_special_tokens=True)
+                    text = self.tokenizer.decode(generated, skip_special_tokens=True)
                     cut = text.find(s)
                     seq.final_text = text[:cut] if cut >= 0 else text
                     return "stop", s
-        if seq.num_generated >= p.max_new_tokens or seq.num_tokens >= self.max_model_len:
+        if len(generated) >= p.max_new_tokens or pos + 1 >= self.max_model_len:
             return "length", None
         return None
 
     def finish(self, seq: Sequence, reason: str, stop_reason=None) -> None:
+        seq.drop_placeholders()
+        seq.inflight.clear()
         seq.finish_reason = reason
         seq.stop_reason = stop_reason
         seq.status = Status.FINISHED
