@@ -63,6 +63,7 @@ class RolloutEngine:
             self.runner, self.kv, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
             max_pages_per_seq=self.kv.pages_for(self.max_model_len), async_mode=bool(async_pipeline))
         self._inflight: Optional[InFlight] = None
+        self.policy_version = 0      # stamped on every launched batch; the RL worker bumps it
         self._ready: list[RequestOutput] = []     # finished while draining, handed out by step()
         self._rng = random.Random(seed)
         self._next_id = 0
@@ -167,6 +168,7 @@ class RolloutEngine:
         """Schedule and launch batch k, then wait for batch k-1 and process its outputs
         (stops, freed pages). Returns the requests that finished."""
         sched = self.scheduler.schedule()
+        sched.policy_version = self.policy_version
         launched = self.pipeline.launch(sched) if sched.items else None
         if launched is None and self._inflight is None and self.scheduler.has_work():
             raise RuntimeError("the scheduler made no progress (KV cache too small for any waiting request)")
@@ -205,15 +207,16 @@ class RolloutEngine:
             tops = [dict(zip(i, v)) for i, v in zip(out.top_ids.tolist(), out.top_logprobs.tolist())]
         return [SampledRow(*x) for x in zip(toks, lps, plps, kept, tops)]
 
-    def abort(self, request_ids: Seq[int]) -> list[RequestOutput]:
-        """Finish the given requests now with finish_reason "abort"; their pages are freed.
-        Tokens still in flight for them are discarded when their batch completes."""
+    def abort(self, request_ids: Seq[int], reason: str = "abort") -> list[RequestOutput]:
+        """Finish the given requests now (finish_reason `reason`); their pages are freed and
+        the partial outputs returned. Tokens still in flight for them are discarded when
+        their batch completes."""
         outs = []
         for rid in request_ids:
             req = self.requests.get(rid)
             if req is None:
                 continue
-            self.scheduler.abort_request(req)
+            self.scheduler.abort_request(req, reason)
             outs.append(self._finish(req))
         return outs
 

@@ -27,6 +27,10 @@ class SamplingParams:
     ignore_eos: bool = False
     top_logprobs: int = 0             # 0 = off
     detokenize: bool = True
+    # RL worker policies (applied by rollout.worker at each weight update):
+    stale_kv: str = "keep"            # "keep" the KV computed by older weights, or "recompute" it
+    max_staleness: Optional[int] = None   # versions behind the live weights before `on_stale`
+    on_stale: str = "finish"          # "finish" (finish_reason="stale") or "abort"
 
     def validate(self, vocab_size: int) -> None:
         """Raise ValueError naming the first bad field; called before anything is scheduled."""
@@ -52,6 +56,12 @@ class SamplingParams:
             bad(f"top_logprobs must be an integer in [0, vocab size], got {self.top_logprobs!r}")
         if isinstance(self.stop, str) or any(not isinstance(s, str) or not s for s in self.stop):
             bad(f"stop must be a list of non-empty strings, got {self.stop!r}")
+        if self.stale_kv not in ("keep", "recompute"):
+            bad(f"stale_kv must be 'keep' or 'recompute', got {self.stale_kv!r}")
+        if self.on_stale not in ("finish", "abort"):
+            bad(f"on_stale must be 'finish' or 'abort', got {self.on_stale!r}")
+        if self.max_staleness is not None and (not isinstance(self.max_staleness, int) or self.max_staleness < 0):
+            bad(f"max_staleness must be a non-negative integer or None, got {self.max_staleness!r}")
         for t in self.stop_token_ids:
             if not isinstance(t, int) or not (0 <= t < vocab_size):
                 bad(f"stop_token_ids must be ids in [0, {vocab_size}), got {t!r}")
@@ -77,8 +87,9 @@ class Completion:
     logprobs: list[float]             # log_softmax(logits / T) over the full vocab, fp32
     processed_logprobs: list[float]   # under the distribution actually sampled from
     kept_mass: list[float]            # log of the mass kept by truncation
-    finish_reason: Optional[str]      # "stop" | "length" | "abort"
+    finish_reason: Optional[str]      # "stop" | "length" | "abort" | "stale"
     text: Optional[str] = None
+    policy_versions: list[int] = field(default_factory=list)   # per token: weights that sampled it
     top_logprobs: Optional[list[dict[int, float]]] = None
     stop_reason: Optional[object] = None  # the stop string or token id that ended it
 
@@ -118,6 +129,7 @@ class Sequence:
         self.processed_logprobs: list[float] = []
         self.kept_mass: list[float] = []
         self.top_logprobs: list[dict[int, float]] = []
+        self.policy_versions: list[int] = []   # weights version that sampled each token
         self.finish_reason: Optional[str] = None
         self.stop_reason = None
         self.num_preemptions = 0
@@ -183,5 +195,5 @@ class Request:
                 processed_logprobs=list(s.processed_logprobs), kept_mass=list(s.kept_mass),
                 finish_reason=s.finish_reason, text=text,
                 top_logprobs=list(s.top_logprobs) if self.params.top_logprobs else None,
-                stop_reason=s.stop_reason))
+                stop_reason=s.stop_reason, policy_versions=list(s.policy_versions)))
         return RequestOutput(self.request_id, list(self.prompt_ids), comps, self.prompt)

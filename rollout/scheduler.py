@@ -44,6 +44,7 @@ class SchedulerOutput:
     copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst) pages
     targets: list[SampleTarget] = field(default_factory=list)    # one per sampled row, in row order
     batch_id: int = 0
+    policy_version: int = 0   # weights live on the compute stream when the batch was launched
 
     @property
     def num_tokens(self) -> int:
@@ -90,6 +91,11 @@ class Scheduler:
 
     def _slots_used(self) -> int:
         return sum(s.fork_count for s in self.running)
+
+    def recompute(self, seq: Sequence) -> None:
+        """Drop the sequence's KV; it re-prefills prompt + tokens so far (e.g. under new weights)."""
+        if seq.status == Status.RUNNING:
+            self._preempt(seq)
 
     def _preempt(self, seq: Sequence) -> None:
         """Free the sequence's pages; it re-prefills prompt + generated tokens later. A token
@@ -186,6 +192,7 @@ class Scheduler:
                 continue
             assert s.token_ids[t.pos] == PLACEHOLDER
             del s.inflight[t.pos]
+            s.policy_versions.append(sched.policy_version)
             self._fill(s, t.pos, row)
             if s.finished and s.request.finished:
                 finished.append(s.request)
@@ -251,8 +258,8 @@ class Scheduler:
             self.running.remove(seq)
         self.kv.free(seq)
 
-    def abort_request(self, req: Request) -> None:
-        """Finish every unfinished sequence of the request with reason "abort"."""
+    def abort_request(self, req: Request, reason: str = "abort") -> None:
+        """Finish every unfinished sequence of the request now (reason "abort" or "stale")."""
         for seq in req.seqs:
             if seq.finished:
                 continue
@@ -262,6 +269,6 @@ class Scheduler:
                 seq.fork_count = 1
                 for k in range(1, req.params.n):
                     c = Sequence(req, k, list(seq.token_ids), seq.num_prompt)
-                    c.finish_reason, c.status = "abort", Status.FINISHED
+                    c.finish_reason, c.status = reason, Status.FINISHED
                     req.seqs.append(c)
-            self.finish(seq, "abort")
+            self.finish(seq, reason)

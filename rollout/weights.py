@@ -1,0 +1,248 @@
+"""Weight updates for a live engine, without draining it.
+
+    validate   every name, shape and dtype, before anything changes (atomic: a bad
+               update is rejected whole and the old weights keep serving)
+    stage      copy into standby buffers on a side stream while decoding goes on;
+               checksum what was sent
+    commit     at a batch boundary: the compute stream waits on the staging event and
+               copies IN PLACE into the parameters (CUDA graphs keep their pointers);
+               batches already enqueued finish on the old weights
+    verify     checksum of what landed == checksum of what was sent; parameter
+               pointers unchanged. Cheap, always on.
+
+On CPU there are no streams: staging and commit are ordered copies.
+Transports: tensors from the same process, or a bucketed torch.distributed broadcast
+from a trainer rank (gloo on CPU, NCCL on GPU): `send_weights` / `receive_weights`.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterable, Iterator, Optional
+
+import torch
+
+
+class WeightUpdateError(ValueError):
+    pass
+
+
+@dataclass
+class _Staged:
+    version: int
+    tensors: dict[str, torch.Tensor]
+    sent_sums: torch.Tensor                 # [n] fp64 checksums of what was sent, on the device
+    event: object = None                    # CUDA event: staging copies done
+    bytes: int = 0
+    staging_ms: float = 0.0
+
+
+@dataclass
+class _Landing:
+    version: int
+    names: list[str]
+    sent_sums: torch.Tensor
+    landed_sums: torch.Tensor
+    keep_alive: dict = field(default_factory=dict)
+    done: object = None                     # CUDA event after the landed checksums
+
+
+def _checksums(tensors: list[torch.Tensor]) -> torch.Tensor:
+    # One read of each tensor; the same reduction on the same device and dtype is
+    # deterministic, so an exact copy gives bit-equal sums.
+    return torch.stack([t.sum(dtype=torch.float64) for t in tensors]) if tensors else torch.zeros(0)
+
+
+class WeightSync:
+    """Stages and commits updates into one engine's model. Thread-safe staging is the
+    caller's concern (the RL worker serialises stage() and commit())."""
+
+    def __init__(self, engine, *, require_full: bool = False):
+        self.engine = engine
+        self.require_full = require_full
+        self.targets = engine.model.hf_targets()
+        self.device = engine.device
+        self.cuda = self.device.type == "cuda"
+        self.stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self._ptrs = {n: t.data_ptr() for n, t in self.targets.items()}
+        self.pending: Optional[_Staged] = None
+        self._landing: Optional[_Landing] = None
+        self.metrics = {"updates": 0, "staging_ms": 0.0, "barrier_ms": 0.0, "bytes": 0,
+                        "verified": 0, "committed_while_in_flight": 0}
+
+    # ---- validate + stage ----------------------------------------------------------------
+    def validate(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+        items = list(named_tensors)     # consumed before returning (trainer ranks run in lockstep)
+        seen = set()
+        for name, t in items:
+            if name not in self.targets:
+                raise WeightUpdateError(f"weight update rejected: unknown tensor {name!r}")
+            if name in seen:
+                raise WeightUpdateError(f"weight update rejected: {name!r} given twice")
+            seen.add(name)
+            dst = self.targets[name]
+            if tuple(t.shape) != tuple(dst.shape):
+                raise WeightUpdateError(f"weight update rejected: {name} has shape {tuple(t.shape)}, "
+                                        f"expected {tuple(dst.shape)}")
+            if t.dtype != dst.dtype:
+                raise WeightUpdateError(f"weight update rejected: {name} has dtype {t.dtype}, expected {dst.dtype}")
+        if self.require_full:
+            missing = sorted(set(self.targets) - seen)
+            if missing:
+                raise WeightUpdateError(f"weight update rejected: missing {len(missing)} tensors, e.g. {missing[:3]}")
+        if not items:
+            raise WeightUpdateError("weight update rejected: no tensors")
+        return items
+
+    def stage(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Validate, then copy into standby buffers (side stream on CUDA). A newer staged
+        update merges over one not yet committed."""
+        if self.pending is not None and version <= self.pending.version:
+            raise WeightUpdateError(f"weight update rejected: version {version} is not newer than "
+                                    f"staged version {self.pending.version}")
+        if version <= self.engine.policy_version:
+            raise WeightUpdateError(f"weight update rejected: version {version} is not newer than "
+                                    f"live version {self.engine.policy_version}")
+        items = self.validate(named_tensors)
+        t0 = time.perf_counter()
+        staged = dict(self.pending.tensors) if self.pending is not None else {}
+        ctx = torch.cuda.stream(self.stream) if self.cuda else _nullctx()
+        with ctx:
+            for name, t in items:
+                buf = torch.empty_like(self.targets[name])
+                buf.copy_(t, non_blocking=True)
+                staged[name] = buf
+            names = list(staged)
+            sums = _checksums([staged[n] for n in names])
+            event = None
+            if self.cuda:
+                event = torch.cuda.Event()
+                event.record()
+        nbytes = sum(t.numel() * t.element_size() for t in staged.values())
+        self.pending = _Staged(version, staged, sums, event, nbytes, (time.perf_counter() - t0) * 1e3)
+
+    # ---- commit at a batch boundary ---------------------------------------------------------
+    def commit(self) -> Optional[int]:
+        """Apply the staged update in place, ordered on the compute stream between the
+        batches already launched and the next one. Returns the new version, or None."""
+        st, self.pending = self.pending, None
+        if st is None:
+            return None
+        self.verify(block=True)          # at most one landing in flight
+        names = list(st.tensors)
+        if self.engine._inflight is not None:
+            self.metrics["committed_while_in_flight"] += 1
+        if self.cuda:
+            compute = self.engine.pipeline.compute
+            compute.wait_event(st.event)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            with torch.cuda.stream(compute):
+                start.record()
+                for n in names:
+                    self.targets[n].copy_(st.tensors[n], non_blocking=True)
+                end.record()
+                landed = _checksums([self.targets[n] for n in names])
+                done = torch.cuda.Event()
+                done.record()
+            self._landing = _Landing(st.version, names, st.sent_sums, landed, st.tensors, done)
+            self._barrier_events = (start, end)
+        else:
+            t0 = time.perf_counter()
+            for n in names:
+                self.targets[n].copy_(st.tensors[n])
+            self.metrics["barrier_ms"] += (time.perf_counter() - t0) * 1e3
+            self._landing = _Landing(st.version, names, st.sent_sums,
+                                     _checksums([self.targets[n] for n in names]))
+        moved = {n: t.data_ptr() for n, t in self.targets.items() if t.data_ptr() != self._ptrs[n]}
+        if moved:
+            raise RuntimeError(f"parameter storage moved under the engine (CUDA graphs would read freed "
+                               f"memory): {sorted(moved)[:3]}")
+        self.engine.policy_version = st.version
+        self.metrics["updates"] += 1
+        self.metrics["staging_ms"] += st.staging_ms
+        self.metrics["bytes"] += st.bytes
+        self.verify(block=not self.cuda)
+        return st.version
+
+    def verify(self, block: bool = False) -> bool:
+        """Compare landed and sent checksums once they are ready (without blocking unless
+        asked). Raises if an update did not land exactly."""
+        ld = self._landing
+        if ld is None:
+            return True
+        if ld.done is not None and not block and not ld.done.query():
+            return False
+        if ld.done is not None:
+            ld.done.synchronize()
+            start, end = self._barrier_events
+            self.metrics["barrier_ms"] += start.elapsed_time(end)
+        bad = [n for n, a, b in zip(ld.names, ld.sent_sums.tolist(), ld.landed_sums.tolist()) if a != b]
+        self._landing = None
+        if bad:
+            raise RuntimeError(f"weight update v{ld.version} did not land exactly: checksum mismatch in {bad[:3]}")
+        self.metrics["verified"] += 1
+        return True
+
+
+class _nullctx:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+# ---- torch.distributed transport ---------------------------------------------------------------
+def _buckets(specs: list[tuple[str, tuple, torch.dtype]], bucket_bytes: int):
+    """Group consecutive tensors of one dtype into buckets of at most bucket_bytes."""
+    bucket, size, dtype = [], 0, None
+    for spec in specs:
+        nbytes = torch.Size(spec[1]).numel() * torch.tensor([], dtype=spec[2]).element_size()
+        if bucket and (spec[2] != dtype or size + nbytes > bucket_bytes):
+            yield bucket
+            bucket, size = [], 0
+        bucket.append(spec)
+        size, dtype = size + nbytes, spec[2]
+    if bucket:
+        yield bucket
+
+
+def send_weights(named_tensors: Iterable[tuple[str, torch.Tensor]], *, src: int = 0, group=None,
+                 bucket_bytes: int = 256 << 20, device=None) -> int:
+    """Trainer side: broadcast a manifest, then the tensors packed into flat buckets.
+    Returns bytes sent. Every rank of `group` must call send_weights (src) or receive_weights."""
+    import torch.distributed as dist
+
+    items = [(n, t.detach()) for n, t in named_tensors]
+    manifest = [(n, tuple(t.shape), t.dtype) for n, t in items]
+    dist.broadcast_object_list([manifest], src=src, group=group)
+    by_name = dict(items)
+    sent = 0
+    for bucket in _buckets(manifest, bucket_bytes):
+        flat = torch.cat([by_name[n].reshape(-1) for n, _, _ in bucket])
+        if device is not None:
+            flat = flat.to(device)
+        dist.broadcast(flat, src=src, group=group)
+        sent += flat.numel() * flat.element_size()
+    return sent
+
+
+def receive_weights(*, src: int = 0, group=None, device=None,
+                    bucket_bytes: int = 256 << 20) -> Iterator[tuple[str, torch.Tensor]]:
+    """Worker side of send_weights: yields (name, tensor) views of the received buckets."""
+    import torch.distributed as dist
+
+    box = [None]
+    dist.broadcast_object_list(box, src=src, group=group)
+    manifest = box[0]
+    out = []
+    for bucket in _buckets(manifest, bucket_bytes):
+        numel = sum(torch.Size(shape).numel() for _, shape, _ in bucket)
+        flat = torch.empty(numel, dtype=bucket[0][2], device=device)
+        dist.broadcast(flat, src=src, group=group)
+        offset = 0
+        for name, shape, _ in bucket:
+            n = torch.Size(shape).numel()
+            out.append((name, flat[offset:offset + n].view(shape)))
+            offset += n
+    return iter(out)

@@ -1,0 +1,182 @@
+"""RolloutWorker: the engine as an RL rollout worker. A trainer keeps sending weights;
+generation never stops for them.
+
+Each worker step: commit a staged weight update at the batch boundary (if any), apply
+the per-request stale-KV and staleness policies, then run one engine step. Every token
+carries the version of the weights that sampled it (stamped on the launched batch).
+Run it inline (`generate`, `step`) or on a background thread (`start`, `submit`).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import Future
+from typing import Iterable, Optional
+
+import torch
+
+from .engine import RolloutEngine
+from .request import RequestOutput, SamplingParams, Status
+from .weights import WeightSync
+
+log = logging.getLogger(__name__)
+
+
+class RolloutWorker:
+    def __init__(self, engine: RolloutEngine, *, require_full_updates: bool = False):
+        self.engine = engine
+        self.weights = WeightSync(engine, require_full=require_full_updates)
+        self._lock = threading.RLock()          # serialises engine access and staging
+        self._wake = threading.Condition(self._lock)
+        self._futures: dict[int, tuple[Future, list[int], dict]] = {}
+        self._thread: Optional[threading.Thread] = None
+        self._stop = False
+        self.finished: list[RequestOutput] = []   # inline mode: outputs not yet collected
+        self.metrics = {"stale_finished": 0, "stale_recomputed": 0, "wasted_tokens": 0}
+
+    @property
+    def policy_version(self) -> int:
+        return self.engine.policy_version
+
+    # ---- weights -------------------------------------------------------------------------
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Stage an update (validated whole first); it goes live at the next batch boundary.
+        Raises WeightUpdateError, leaving the live weights untouched, on a bad update."""
+        with self._lock:
+            self.weights.stage(named_tensors, version)
+            self._wake.notify_all()
+
+    def _commit_and_apply_policies(self) -> list[RequestOutput]:
+        version = self.weights.commit()
+        if version is None:
+            return []
+        outs = []
+        for req in list(self.engine.requests.values()):
+            p = req.params
+            firsts = [s.policy_versions[0] for s in req.seqs if s.policy_versions]
+            if p.max_staleness is not None and firsts and version - min(firsts) > p.max_staleness:
+                reason = "stale" if p.on_stale == "finish" else "abort"
+                self.metrics["stale_finished"] += 1
+                outs += self.engine.abort([req.request_id], reason=reason)
+                continue
+            if p.stale_kv == "recompute":
+                for s in req.seqs:
+                    if s.status == Status.RUNNING:
+                        self.engine.scheduler.recompute(s)
+                        self.metrics["stale_recomputed"] += 1
+        return outs
+
+    # ---- stepping ----------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        with self._lock:
+            outs = self._commit_and_apply_policies()
+            outs += self.engine.step()
+            self.weights.verify()
+            return outs
+
+    def add_requests(self, prompts, sampling_params=None) -> list[int]:
+        with self._lock:
+            return self.engine.add_requests(prompts, sampling_params)
+
+    def generate(self, prompts, sampling_params=None, use_tqdm: bool = False) -> list[RequestOutput]:
+        """Inline generation through worker steps (weight updates staged meanwhile, e.g. by
+        another thread, land between steps)."""
+        ids = self.add_requests(prompts, sampling_params)
+        want, done = set(ids), {}
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+            bar = tqdm(total=len(ids), desc="rollout", unit="req")
+        while want - done.keys():
+            for o in self.step():
+                if o.request_id in want:
+                    done[o.request_id] = o
+                    if bar is not None:
+                        bar.update(1)
+                else:
+                    self.finished.append(o)
+        if bar is not None:
+            bar.close()
+        return [done[i] for i in ids]
+
+    # ---- background loop ---------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop, name="rollout-worker", daemon=True)
+        self._thread.start()
+
+    def submit(self, prompts, sampling_params: Optional[SamplingParams] = None) -> Future:
+        """Queue prompts; the future resolves to their RequestOutputs in input order.
+        Bad input raises here, before anything is queued."""
+        fut: Future = Future()
+        with self._lock:
+            ids = self.engine.add_requests(prompts, sampling_params)
+            key = ids[0] if ids else -1
+            self._futures[key] = (fut, ids, {})
+            self._wake.notify_all()
+        if not ids:
+            fut.set_result([])
+        return fut
+
+    def _loop(self) -> None:
+        while True:
+            with self._wake:
+                while not self._stop and not self.engine.has_unfinished() and self.weights.pending is None:
+                    self._wake.wait(timeout=0.5)
+                if self._stop:
+                    return
+                try:
+                    outs = self.step()
+                except Exception as exc:     # fail the waiting futures, keep the worker up
+                    log.exception("rollout step failed")
+                    for fut, _, _ in self._futures.values():
+                        if not fut.done():
+                            fut.set_exception(exc)
+                    self._futures.clear()
+                    continue
+                self._resolve(outs)
+
+    def _resolve(self, outs: list[RequestOutput]) -> None:
+        by_id = {o.request_id: o for o in outs}
+        for key, (fut, ids, got) in list(self._futures.items()):
+            for i in ids:
+                if i in by_id:
+                    got[i] = by_id[i]
+            if len(got) == len(ids):
+                fut.set_result([got[i] for i in ids])
+                del self._futures[key]
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop the loop (after the current step) and drain the batch in flight."""
+        if self._thread is None:
+            return
+        with self._wake:
+            self._stop = True
+            self._wake.notify_all()
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise RuntimeError("rollout worker did not stop within the timeout")
+        self._thread = None
+        with self._lock:
+            self.engine.drain()
+
+    def __enter__(self):
+        self.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+
+    def stats(self) -> dict:
+        m = dict(self.engine.metrics)
+        m.update({f"weights/{k}": v for k, v in self.weights.metrics.items()})
+        m.update(self.metrics)
+        m["policy_version"] = self.policy_version
+        m["kv_pages_used"] = self.engine.kv.alloc.num_used
+        m["preemptions"] = self.engine.scheduler.num_preemptions
+        m["discarded_tokens"] = self.engine.scheduler.num_discarded_tokens
+        m["time"] = time.time()
+        return m

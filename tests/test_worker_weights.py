@@ -1,0 +1,193 @@
+"""RL worker on CPU: weight updates land between steps without draining, exact per-token
+versions, stale-KV policies, atomic rejection of bad updates, verification, and a
+two-process gloo broadcast."""
+import os
+import socket
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from hf_reference import random_prompts
+from rollout import RolloutEngine, SamplingParams
+from rollout.weights import WeightUpdateError
+from rollout.worker import RolloutWorker
+
+
+def _engine(path, **kw):
+    return RolloutEngine.from_pretrained(path, device="cpu", dtype="float32", max_model_len=256,
+                                         num_kv_pages=128, page_size=16, max_num_batched_tokens=256, seed=0, **kw)
+
+
+def _weights(path):
+    return load_file(str(path / "model.safetensors"))
+
+
+def _run_with_update(worker, prompts, params, new_weights, after_steps):
+    ids = worker.add_requests(prompts, params)
+    outs, steps = {}, 0
+    while len(outs) < len(ids):
+        if steps == after_steps:
+            worker.update_weights(new_weights.items(), version=1)
+        for o in worker.step():
+            outs[o.request_id] = o
+        steps += 1
+    return [outs[i] for i in ids]
+
+
+def test_update_mid_generation_keeps_kv_and_tags_versions(model_dir, tiny_tokenizer):
+    old, new = model_dir("llama"), model_dir("llama", seed=1)
+    prompts = random_prompts(tiny_tokenizer, 3, 8, 30, seed=4)
+    params = SamplingParams(n=2, max_new_tokens=24, temperature=0, ignore_eos=True)
+    worker = RolloutWorker(_engine(old))
+    outs = _run_with_update(worker, prompts, params, _weights(new), after_steps=8)
+    baseline = _engine(old).generate(prompts, params, use_tqdm=False)
+    assert worker.weights.metrics["committed_while_in_flight"] == 1   # no drain before the swap
+    assert worker.weights.metrics["verified"] == 1 and worker.policy_version == 1
+    for o, b in zip(outs, baseline):
+        for c, cb in zip(o.completions, b.completions):
+            v = c.policy_versions
+            k = v.index(1)
+            assert 0 < k < len(v) and v == [0] * k + [1] * (len(v) - k)   # one switch, in order
+            # Tokens tagged v0 are exactly what the old weights produce; in-flight requests
+            # continued (not restarted) and then followed the new weights.
+            assert c.token_ids[:k] == cb.token_ids[:k] and c.logprobs[:k] == cb.logprobs[:k]
+            assert c.token_ids[k:] != cb.token_ids[k:]
+
+
+def test_recompute_policy_equals_fresh_run_under_new_weights(model_dir, tiny_tokenizer):
+    old, new = model_dir("qwen2"), model_dir("qwen2", seed=1)
+    prompts = random_prompts(tiny_tokenizer, 2, 8, 20, seed=6)
+    params = SamplingParams(max_new_tokens=20, temperature=0, ignore_eos=True, stale_kv="recompute")
+    worker = RolloutWorker(_engine(old))
+    outs = _run_with_update(worker, prompts, params, _weights(new), after_steps=6)
+    assert worker.metrics["stale_recomputed"] == len(prompts)
+    fresh_engine = _engine(new)
+    for p, o in zip(prompts, outs):
+        c = o.completions[0]
+        k = c.policy_versions.index(1)
+        fresh = fresh_engine.generate([p + c.token_ids[:k]], SamplingParams(max_new_tokens=20 - k, temperature=0,
+                                                                            ignore_eos=True), use_tqdm=False)[0]
+        assert c.token_ids[k:] == fresh.completions[0].token_ids
+        # fp32, recomputed prefill of the same tokens under the same weights: ~1e-6.
+        assert max(abs(a - b) for a, b in zip(c.logprobs[k:], fresh.completions[0].logprobs)) < 1e-5
+
+
+@pytest.mark.parametrize("on_stale,reason", [("finish", "stale"), ("abort", "abort")])
+def test_max_staleness_finishes_or_aborts(model_dir, tiny_tokenizer, on_stale, reason):
+    old, new = model_dir("llama"), model_dir("llama", seed=1)
+    prompts = random_prompts(tiny_tokenizer, 2, 8, 12, seed=8)
+    params = SamplingParams(max_new_tokens=40, temperature=0, ignore_eos=True, max_staleness=0, on_stale=on_stale)
+    worker = RolloutWorker(_engine(old))
+    outs = _run_with_update(worker, prompts, params, _weights(new), after_steps=5)
+    for o in outs:
+        c = o.completions[0]
+        assert c.finish_reason == reason and 0 < len(c.token_ids) < 40
+        assert set(c.policy_versions) == {0} and len(c.logprobs) == len(c.token_ids)
+    assert worker.engine.kv.alloc.num_used == 0
+
+
+def _bad_updates(weights):
+    name = "model.layers.0.mlp.down_proj.weight"
+    good = (name, weights[name] + 1)
+    return {
+        "unknown name": [good, ("model.layers.0.mlp.fc9.weight", weights[name])],
+        "wrong shape": [good, ("model.norm.weight", torch.ones(3))],
+        "wrong dtype": [good, ("model.norm.weight", weights["model.norm.weight"].double())],
+        "duplicate": [good, good],
+    }
+
+
+def test_bad_update_rejected_whole_and_old_weights_keep_serving(model_dir, tiny_tokenizer):
+    path = model_dir("llama")
+    worker = RolloutWorker(_engine(path))
+    prompts = random_prompts(tiny_tokenizer, 2, 6, 12, seed=9)
+    p = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)
+    before = worker.generate(prompts, p)
+    state = {k: v.clone() for k, v in worker.engine.model.state_dict().items()}
+    for label, update in _bad_updates(_weights(path)).items():
+        with pytest.raises(WeightUpdateError, match="rejected"):
+            worker.update_weights(update, version=1)
+        assert worker.weights.pending is None, label
+    full = RolloutWorker(_engine(path), require_full_updates=True)
+    with pytest.raises(WeightUpdateError, match="missing"):
+        full.update_weights(_bad_updates(_weights(path))["duplicate"][:1], version=1)
+    with pytest.raises(WeightUpdateError, match="not newer"):
+        worker.update_weights([], version=0)
+    after = worker.generate(prompts, p)
+    assert all(torch.equal(state[k], v) for k, v in worker.engine.model.state_dict().items())
+    assert [o.completions[0].token_ids for o in before] == [o.completions[0].token_ids for o in after]
+    assert worker.policy_version == 0
+
+
+def test_verification_catches_a_corrupted_landing_and_moved_storage(model_dir):
+    path = model_dir("llama")
+    worker = RolloutWorker(_engine(path))
+    w = _weights(model_dir("llama", seed=1))
+    worker.update_weights(w.items(), version=1)
+    worker.weights.pending.tensors["model.norm.weight"][0] += 1.0   # bytes change after the checksum
+    with pytest.raises(RuntimeError, match="did not land exactly"):
+        worker.weights.commit()
+    worker2 = RolloutWorker(_engine(path))
+    worker2.engine.model.norm.weight = torch.nn.Parameter(worker2.engine.model.norm.weight.clone())
+    worker2.weights.targets["model.norm.weight"] = worker2.engine.model.norm.weight.data
+    worker2.update_weights(w.items(), version=1)
+    with pytest.raises(RuntimeError, match="storage moved"):
+        worker2.weights.commit()
+
+
+def test_background_worker_submit_and_update(model_dir, tiny_tokenizer):
+    old, new = model_dir("llama"), model_dir("llama", seed=1)
+    prompts = random_prompts(tiny_tokenizer, 4, 6, 20, seed=10)
+    p = SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True)
+    with RolloutWorker(_engine(old)) as worker:
+        first = worker.submit(prompts, p).result(timeout=60)
+        worker.update_weights(_weights(new).items(), version=1)
+        second = worker.submit(prompts, p).result(timeout=60)
+        with pytest.raises(ValueError, match="empty"):
+            worker.submit([[]], p)
+    assert all(set(c.policy_versions) == {0} for o in first for c in o.completions)
+    assert all(set(c.policy_versions) == {1} for o in second for c in o.completions)
+    fresh = _engine(new).generate(prompts, p, use_tqdm=False)
+    assert [o.completions[0].token_ids for o in second] == [o.completions[0].token_ids for o in fresh]
+    assert worker.engine.kv.alloc.num_used == 0
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _gloo_rank(rank, port, old, new, result_path):
+    import torch.distributed as dist
+
+    from rollout.weights import receive_weights, send_weights
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        if rank == 0:        # the trainer
+            send_weights(load_file(os.path.join(new, "model.safetensors")).items(), src=0, bucket_bytes=64 << 10)
+        else:                # the rollout worker
+            worker = RolloutWorker(RolloutEngine.from_pretrained(old, device="cpu", dtype="float32",
+                                                                 max_model_len=128, num_kv_pages=32))
+            worker.update_weights(receive_weights(src=0, bucket_bytes=64 << 10), version=7)
+            out = worker.generate([[1, 5, 9, 13]], SamplingParams(max_new_tokens=10, temperature=0, ignore_eos=True))
+            torch.save({"tokens": out[0].completions[0].token_ids,
+                        "versions": out[0].completions[0].policy_versions}, result_path)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_process_gloo_broadcast_update(model_dir, tmp_path):
+    import torch.multiprocessing as mp
+    old, new = model_dir("llama"), model_dir("llama", seed=1)
+    result = tmp_path / "result.pt"
+    mp.start_processes(_gloo_rank, args=(_free_port(), str(old), str(new), str(result)), nprocs=2,
+                       join=True, start_method="spawn")
+    got = torch.load(result)
+    expected = RolloutEngine.from_pretrained(new, device="cpu", dtype="float32", max_model_len=128, num_kv_pages=32
+                                             ).generate([[1, 5, 9, 13]], SamplingParams(max_new_tokens=10, temperature=0,
+                                                                                       ignore_eos=True), use_tqdm=False)
+    assert got["tokens"] == expected[0].completions[0].token_ids
+    assert got["versions"] == [7] * 10
