@@ -100,6 +100,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     completions: list[Completion]
     prompt: Optional[str] = None
+    params: Optional[SamplingParams] = None
 
     @property
     def finished(self) -> bool:
@@ -196,4 +197,4 @@ class Request:
                 finish_reason=s.finish_reason, text=text,
                 top_logprobs=list(s.top_logprobs) if self.params.top_logprobs else None,
                 stop_reason=s.stop_reason, policy_versions=list(s.policy_versions)))
-        return RequestOutput(self.request_id, list(self.prompt_ids), comps, self.prompt)
+        return RequestOutput(self.request_id, list(self.prompt_ids), comps, self.prompt, self.params)

@@ -170,6 +170,31 @@ class RolloutWorker:
     def __exit__(self, *exc):
         self.stop()
 
+    def probe_mismatch(self, outputs: list[RequestOutput], max_sequences: int = 4) -> dict:
+        """Opt-in mismatch probe: re-score a few finished completions with a full forward
+        (engine.score) under the same weights and compare with the logprobs we returned.
+        Only completions whose every token came from the live version are probed."""
+        diffs = []
+        with self._lock:
+            for o in outputs:
+                for c in o.completions:
+                    if len(diffs) >= max_sequences:
+                        break
+                    if not c.token_ids or set(c.policy_versions) != {self.policy_version}:
+                        continue
+                    T = o.params.temperature if o.params and o.params.temperature > 0 else 1.0
+                    ref = self.engine.score([o.prompt_token_ids + c.token_ids], temperature=T)[0]
+                    ref = torch.tensor(ref[len(o.prompt_token_ids) - 1:])
+                    diffs.append(ref - torch.tensor(c.logprobs))
+        if not diffs:
+            return {}
+        d = torch.cat(diffs)                  # log(p_ref / p_sampler) per token
+        ratio = d.exp()
+        return {"probe/max_abs_dlogp": d.abs().max().item(), "probe/mean_abs_dlogp": d.abs().mean().item(),
+                "probe/kl_k3": (ratio - 1 - d).mean().item(),
+                "probe/frac_ratio_outside_0.5_2": ((ratio < 0.5) | (ratio > 2)).float().mean().item(),
+                "probe/tokens": d.numel()}
+
     def stats(self) -> dict:
         m = dict(self.engine.metrics)
         m.update({f"weights/{k}": v for k, v in self.weights.metrics.items()})

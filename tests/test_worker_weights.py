@@ -191,3 +191,19 @@ def test_two_process_gloo_broadcast_update(model_dir, tmp_path):
                                                                                        ignore_eos=True), use_tqdm=False)
     assert got["tokens"] == expected[0].completions[0].token_ids
     assert got["versions"] == [7] * 10
+
+
+def test_mismatch_probe_is_zero_on_same_weights_and_flags_a_silent_swap(model_dir, tiny_tokenizer):
+    worker = RolloutWorker(_engine(model_dir("llama")))
+    prompts = random_prompts(tiny_tokenizer, 3, 6, 20, seed=12)
+    outs = worker.generate(prompts, SamplingParams(n=2, max_new_tokens=12, temperature=0.8, seed=1, ignore_eos=True))
+    same = worker.probe_mismatch(outs, max_sequences=4)
+    # Same weights, fp32: a full forward and the incremental one differ by ~1e-6.
+    assert same["probe/tokens"] == 48 and same["probe/max_abs_dlogp"] < 1e-5
+    # Weights changed behind the engine's back (no version bump): the probe sees it.
+    targets = worker.weights.targets
+    for name, t in _weights(model_dir("llama", seed=1)).items():
+        if name in targets:
+            targets[name].copy_(t)
+    moved = worker.probe_mismatch(outs, max_sequences=4)
+    assert moved["probe/max_abs_dlogp"] > 0.1 and moved["probe/kl_k3"] > 1e-3

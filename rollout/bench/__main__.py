@@ -108,6 +108,7 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--modes", default="async", help="comma list of ours' modes to time: sync,async")
     ap.add_argument("--check-seqs", type=int, default=4, help="sequences checked against HF's forward")
     ap.add_argument("--fp32-reference", action="store_true",
                     help="also measure ours and HF against an fp32 copy of the weights")
@@ -158,16 +159,29 @@ def main(argv=None):
 
     def time_ours():
         _sync()
+        busy0 = engine.pipeline.busy_ms
         t0 = time.perf_counter()
         o = engine.generate(prompts, greedy, use_tqdm=False)
+        engine.drain()
         _sync()
+        wall = time.perf_counter() - t0
         assert all(len(x.completions[0].token_ids) == G for x in o)
-        return time.perf_counter() - t0
+        return wall, (engine.pipeline.busy_ms - busy0) / 1e3 / wall, [c.token_ids for x in o for c in x.completions]
 
     engine.generate(prompts[:2], SamplingParams(max_new_tokens=8, temperature=0.0), use_tqdm=False)
-    ours = [time_ours() for _ in range(args.repeats)]
-    result["ours"] = {"wall_s": statistics.median(ours), "tok_s": B * G / statistics.median(ours),
-                      "steps": engine.metrics["steps"], "preemptions": engine.scheduler.num_preemptions}
+    tokens = {}
+    for mode in args.modes.split(","):
+        # Same engine, same schedule; async only stops waiting after each launch.
+        engine.pipeline.async_mode = mode == "async" and device.type == "cuda"
+        runs = [time_ours() for _ in range(args.repeats)]
+        wall = statistics.median(r[0] for r in runs)
+        tokens[mode] = runs[-1][2]
+        result[f"ours_{mode}"] = {"wall_s": wall, "tok_s": B * G / wall,
+                                  "gpu_busy": statistics.median(r[1] for r in runs) if device.type == "cuda" else None,
+                                  "preemptions": engine.scheduler.num_preemptions}
+    result["ours"] = result[f"ours_{args.modes.split(',')[-1]}"]
+    if len(tokens) > 1:
+        result["sync_async_tokens_identical"] = len({str(t) for t in tokens.values()}) == 1
 
     if not args.skip_hf:
         ids = torch.tensor(prompts, device=device)
@@ -196,10 +210,14 @@ def main(argv=None):
         "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
         "torch": torch.__version__, "transformers": __import__("transformers").__version__}
     print(json.dumps(result, indent=2))
-    print(f"\n| run | wall s | tok/s |\n|---|---|---|\n| ours | {result['ours']['wall_s']:.2f} | {result['ours']['tok_s']:.0f} |")
+    print("\n| run | wall s | tok/s | GPU busy |\n|---|---|---|---|")
+    for mode in args.modes.split(","):
+        r = result[f"ours_{mode}"]
+        busy = f"{100 * r['gpu_busy']:.1f}%" if r["gpu_busy"] is not None else "n/a"
+        print(f"| ours {mode} | {r['wall_s']:.2f} | {r['tok_s']:.0f} | {busy} |")
     if "hf_generate" in result:
         h = result["hf_generate"]
-        print(f"| hf generate | {h['wall_s']:.2f} | {h['tok_s']:.0f} |")
+        print(f"| hf generate | {h['wall_s']:.2f} | {h['tok_s']:.0f} | |")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=2)
