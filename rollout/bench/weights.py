@@ -1,0 +1,88 @@
+"""Weight update during async decode: staging time, the compute-stream stall at the
+barrier, and step times around it. Then the updated engine must produce what a fresh
+engine built with the new weights produces.
+
+    python -m rollout.bench.weights --shape llama3-8b --batch 32 --out bench/results/<name>.json
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import time
+
+import torch
+
+from ..engine import RolloutEngine
+from ..request import SamplingParams
+from ..worker import RolloutWorker
+from .__main__ import _git_commit
+from .shapes import SHAPES, make_config
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES))
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--gen-len", type=int, default=256)
+    ap.add_argument("--update-at-step", type=int, default=64)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("rollout.bench.weights needs CUDA")
+    cfg = make_config(args.shape)
+    B, P, G = args.batch, args.prompt_len, args.gen_len
+    kw = dict(device="cuda", dtype="bfloat16", max_model_len=P + G + 8, max_num_seqs=B,
+              kv_cache_memory=8 << 30, max_num_batched_tokens=max(2048, B * P // 2), async_pipeline=True)
+    worker = RolloutWorker(RolloutEngine.from_config(cfg, seed=0, **kw))
+    new = RolloutEngine.from_config(cfg, seed=1, **kw)
+    update = [(n, t.clone()) for n, t in new.model.hf_targets().items()]   # standby source on the GPU
+    prompts = torch.randint(10, cfg.vocab_size - 10, (B, P), generator=torch.Generator().manual_seed(0)).tolist()
+    params = SamplingParams(max_new_tokens=G, temperature=0, ignore_eos=True)
+
+    worker.generate(prompts[:2], SamplingParams(max_new_tokens=8))   # warm-up
+    ids = worker.add_requests(prompts, params)
+    step_ms, done, steps = [], 0, 0
+    t_stage = None
+    while done < len(ids):
+        if steps == args.update_at_step:
+            t0 = time.perf_counter()
+            worker.update_weights(update, version=1)
+            t_stage = (time.perf_counter() - t0) * 1e3
+        t0 = time.perf_counter()
+        done += len(worker.step())
+        step_ms.append((time.perf_counter() - t0) * 1e3)
+        steps += 1
+    worker.weights.verify(block=True)
+    k = args.update_at_step
+    steady = statistics.median(step_ms[k - 20:k - 1])
+    around = step_ms[k - 1:k + 3]
+
+    check = SamplingParams(max_new_tokens=32, temperature=0, ignore_eos=True)
+    got = worker.generate(prompts[:8], check)
+    fresh = new.generate(prompts[:8], check, use_tqdm=False)
+    wm = worker.weights.metrics
+    result = {
+        "shape": args.shape, "batch": B, "prompt_len": P, "gen_len": G,
+        "weights_bytes": wm["bytes"], "staging_call_ms": t_stage, "staging_ms": wm["staging_ms"],
+        "barrier_stall_ms": wm["barrier_ms"], "committed_while_in_flight": wm["committed_while_in_flight"],
+        "verified": wm["verified"], "steady_step_ms": steady, "step_ms_around_update": around,
+        "outputs_equal_fresh_engine": [o.completions[0].token_ids for o in got] == [o.completions[0].token_ids for o in fresh],
+        "meta": {"command": "python -m rollout.bench.weights " + " ".join(argv or []), "git_commit": _git_commit(),
+                 "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                 "device": torch.cuda.get_device_name(), "torch": torch.__version__},
+    }
+    print(json.dumps(result, indent=2))
+    print(f"\n| bytes | staging ms | barrier stall ms | steady step ms | equal fresh |\n|---|---|---|---|---|\n"
+          f"| {wm['bytes'] / 1e9:.1f} GB | {wm['staging_ms']:.1f} | {wm['barrier_ms']:.2f} | {steady:.1f} | "
+          f"{result['outputs_equal_fresh_engine']} |")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    import sys
+    main(sys.argv[1:])
