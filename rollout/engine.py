@@ -2,6 +2,7 @@
 requests -> scheduler -> batch builder -> model runner (model + sampler) -> outputs."""
 from __future__ import annotations
 
+import logging
 import random
 import time
 from pathlib import Path
@@ -18,6 +19,7 @@ from .sampler import SamplerOutput
 from .scheduler import SampledRow, ScheduledSeq, Scheduler, SchedulerOutput
 
 Prompt = Union[str, list[int]]
+log = logging.getLogger(__name__)
 
 
 def _default_device(device) -> torch.device:
@@ -31,7 +33,8 @@ class RolloutEngine:
                  max_model_len: Optional[int] = None, kv_cache_memory: Optional[int] = None,
                  num_kv_pages: Optional[int] = None, page_size: int = 16, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 2048, seed: int = 0, kv_dtype=None,
-                 bf16_reduced_precision_reduction: bool = False, async_pipeline: Optional[bool] = None):
+                 bf16_reduced_precision_reduction: bool = False, async_pipeline: Optional[bool] = None,
+                 kv_reserve_fraction: float = 1.0):
         self.model = model
         self.hf_config = hf_config
         if torch.cuda.is_available():
@@ -54,7 +57,7 @@ class RolloutEngine:
         self.scheduler = Scheduler(
             self.kv, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=self.max_model_len, eos_token_ids=self.eos_token_ids, tokenizer=tokenizer,
-            admission_reserve_pages=max(1, num_pages // 100))
+            admission_reserve_pages=max(1, num_pages // 100), reserve_fraction=kv_reserve_fraction)
         self.runner = ModelRunner(model, num_pages=num_pages, page_size=page_size, kv_dtype=kv_dtype)
         # Both modes run the same one-step-lag schedule; async overlaps the CPU with the GPU.
         # CPU always runs synchronously. Default stays sync until the CUDA stream path has
@@ -169,28 +172,51 @@ class RolloutEngine:
         (stops, freed pages). Returns the requests that finished."""
         sched = self.scheduler.schedule()
         sched.policy_version = self.policy_version
-        launched = self.pipeline.launch(sched) if sched.items else None
-        if launched is None and self._inflight is None and self.scheduler.has_work():
+        launched = None
+        if sched.items:
+            try:
+                launched = self.pipeline.launch(sched)
+                self.metrics["steps"] += 1
+                self.metrics["prefill_tokens"] += sum(i.num_new for i in sched.items
+                                                      if i.num_new > 1 or i.num_samples == 0)
+            except Exception as exc:          # a fault in this step fails only its requests
+                self._fail(sched, exc)
+        elif self._inflight is None and self.scheduler.has_work():
             raise RuntimeError("the scheduler made no progress (KV cache too small for any waiting request)")
-        if launched is not None:
-            self.metrics["steps"] += 1
-            self.metrics["prefill_tokens"] += sum(i.num_new for i in sched.items if i.num_new > 1 or i.num_samples == 0)
         prev, self._inflight = self._inflight, launched
         finished = self._complete(prev) if prev is not None else []
         ready, self._ready = self._ready + finished, []
         return ready
 
     def _complete(self, flight: InFlight) -> list[RequestOutput]:
-        out = self.pipeline.wait(flight)
+        try:
+            out = self.pipeline.wait(flight)
+        except Exception as exc:
+            self._fail(flight.sched, exc)
+            return []
         rows = self._rows(out, flight.top_n)
         self.metrics["generated_tokens"] += len(rows)
         return [self._finish(r) for r in self.scheduler.update(flight.sched, rows)]
 
-    def drain(self) -> None:
-        """Finish the batch in flight (its finished requests are returned by the next step)."""
+    def _fail(self, sched: SchedulerOutput, exc: Exception) -> None:
+        """Finish every request with a sequence in the failed batch: finish_reason "error",
+        the exception in RequestOutput.error, pages freed. Other requests go on."""
+        log.error("step failed; failing its requests: %r", exc)
+        self.metrics["failed_steps"] = self.metrics.get("failed_steps", 0) + 1
+        for rid in {i.seq.request.request_id for i in sched.items}:
+            req = self.requests.get(rid)
+            if req is not None:
+                req.error = f"{type(exc).__name__}: {exc}"
+                self.scheduler.abort_request(req, "error")
+                self._ready.append(self._finish(req))
+
+    def drain(self) -> list[RequestOutput]:
+        """Finish the batch in flight; return every finished request not yet handed out."""
         if self._inflight is not None:
             flight, self._inflight = self._inflight, None
             self._ready += self._complete(flight)
+        ready, self._ready = self._ready, []
+        return ready
 
     def _finish(self, req: Request) -> RequestOutput:
         del self.requests[req.request_id]
@@ -246,7 +272,7 @@ class RolloutEngine:
         if not temperature > 0:
             raise ValueError(f"temperature must be > 0 for scoring, got {temperature}")
         prepared = self._prepare([list(s) for s in sequences], SamplingParams())
-        self.drain()
+        self._ready += self.drain()      # handed out by the next step()
         results = []
         for ids, _, _ in prepared:
             if len(ids) < 2:

@@ -87,7 +87,7 @@ class Completion:
     logprobs: list[float]             # log_softmax(logits / T) over the full vocab, fp32
     processed_logprobs: list[float]   # under the distribution actually sampled from
     kept_mass: list[float]            # log of the mass kept by truncation
-    finish_reason: Optional[str]      # "stop" | "length" | "abort" | "stale"
+    finish_reason: Optional[str]      # "stop" | "length" | "abort" | "stale" | "error"
     text: Optional[str] = None
     policy_versions: list[int] = field(default_factory=list)   # per token: weights that sampled it
     top_logprobs: Optional[list[dict[int, float]]] = None
@@ -101,6 +101,7 @@ class RequestOutput:
     completions: list[Completion]
     prompt: Optional[str] = None
     params: Optional[SamplingParams] = None
+    error: Optional[str] = None       # set when a fault in a step failed this request
 
     @property
     def finished(self) -> bool:
@@ -171,6 +172,7 @@ class Request:
         self.prompt = prompt
         self.params = params
         self.seed = seed                  # resolved: user seed or drawn by the engine
+        self.error: Optional[str] = None
         first = Sequence(self, 0, list(prompt_ids), len(prompt_ids))
         first.fork_count = params.n
         self.seqs: list[Sequence] = [first]
@@ -197,4 +199,4 @@ class Request:
                 finish_reason=s.finish_reason, text=text,
                 top_logprobs=list(s.top_logprobs) if self.params.top_logprobs else None,
                 stop_reason=s.stop_reason, policy_versions=list(s.policy_versions)))
-        return RequestOutput(self.request_id, list(self.prompt_ids), comps, self.prompt, self.params)
+        return RequestOutput(self.request_id, list(self.prompt_ids), comps, self.prompt, self.params, self.error)

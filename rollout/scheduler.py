@@ -67,7 +67,7 @@ class SampledRow:
 class Scheduler:
     def __init__(self, kv: KVCacheManager, *, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, eos_token_ids: set[int], tokenizer=None,
-                 admission_reserve_pages: int = 0):
+                 admission_reserve_pages: int = 0, reserve_fraction: float = 0.0):
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -75,6 +75,13 @@ class Scheduler:
         self.eos_token_ids = set(eos_token_ids)
         self.tokenizer = tokenizer
         self.admission_reserve_pages = admission_reserve_pages
+        if not 0.0 <= reserve_fraction <= 1.0:
+            raise ValueError(f"reserve_fraction must be in [0, 1], got {reserve_fraction}")
+        # KV-pressure-aware admission: a new request is admitted only if this fraction of
+        # the pages it will need at full length (prompt + max_new_tokens, every sample),
+        # plus the same fraction of what running sequences still need, fits in the free
+        # pages. 1.0 = never preempt while the KV fits; 0.0 = admit by the next chunk only.
+        self.reserve_fraction = reserve_fraction
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -88,6 +95,26 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def _final_pages(self, seq: Sequence) -> int:
+        """Pages this sequence (a not-yet-forked group: all its samples) holds at full length."""
+        p = seq.request.params
+        total = self.kv.pages_for(min(seq.num_prompt + p.max_new_tokens, self.max_model_len))
+        shared = seq.num_prompt // self.kv.page_size          # full prompt pages are shared
+        return total + (seq.fork_count - 1) * (total - shared)
+
+    def _outstanding_pages(self) -> int:
+        return sum(max(0, self._final_pages(s) - len(s.block_table)) for s in self.running)
+
+    def _admissible(self, seq: Sequence, num_new: int) -> bool:
+        reserve = self.admission_reserve_pages if self.running else 0
+        if not self.kv.can_append(seq, num_new, reserve):
+            return False
+        f = self.reserve_fraction
+        if f == 0.0 or not self.running:
+            return True
+        need = f * (self._final_pages(seq) + self._outstanding_pages())
+        return need <= self.kv.alloc.num_free
 
     def _slots_used(self) -> int:
         return sum(s.fork_count for s in self.running)
@@ -153,8 +180,7 @@ class Scheduler:
             if self._slots_used() + seq.fork_count > self.max_num_seqs:
                 break
             num_new = min(seq.num_tokens - seq.num_computed, budget)
-            reserve = self.admission_reserve_pages if self.running else 0
-            if not self.kv.can_append(seq, num_new, reserve):
+            if not self._admissible(seq, num_new):
                 break
             self.waiting.popleft()
             seq.status = Status.RUNNING

@@ -149,19 +149,24 @@ class RolloutWorker:
                 fut.set_result([got[i] for i in ids])
                 del self._futures[key]
 
-    def stop(self, timeout: float = 10.0) -> None:
-        """Stop the loop (after the current step) and drain the batch in flight."""
-        if self._thread is None:
-            return
-        with self._wake:
-            self._stop = True
-            self._wake.notify_all()
-        self._thread.join(timeout)
-        if self._thread.is_alive():
-            raise RuntimeError("rollout worker did not stop within the timeout")
-        self._thread = None
+    def stop(self, timeout: float = 10.0, abort_pending: bool = True) -> list[RequestOutput]:
+        """Stop the loop after the current step and drain the batch in flight. Unfinished
+        requests are aborted (pages freed, partial outputs returned and handed to their
+        futures) unless abort_pending=False, which keeps them queued for a later start()."""
+        if self._thread is not None:
+            with self._wake:
+                self._stop = True
+                self._wake.notify_all()
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                raise RuntimeError("rollout worker did not stop within the timeout")
+            self._thread = None
         with self._lock:
-            self.engine.drain()
+            outs = self.engine.drain()
+            if abort_pending:
+                outs += self.engine.abort(list(self.engine.requests))
+            self._resolve(outs)
+            return outs
 
     def __enter__(self):
         self.start()

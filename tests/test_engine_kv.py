@@ -53,15 +53,17 @@ def test_group_prefix_sharing_equals_separate_requests(model_dir, tiny_tokenizer
     assert grouped.kv.alloc.num_used == 0 and separate.kv.alloc.num_used == 0
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_preemption_gives_identical_greedy_output_and_no_leak(model_dir, tiny_tokenizer, family):
+@pytest.mark.parametrize("family,temperature", [("llama", 0.0), ("qwen3", 0.0), ("llama", 0.9)])
+def test_preemption_gives_identical_output_and_no_leak(model_dir, tiny_tokenizer, family, temperature):
+    """Greedy, and seeded sampling: a preempted sequence (maybe with a token in flight)
+    recomputes its KV and resamples the same tokens (the RNG is keyed by position)."""
     path = model_dir(family)
     prompts = random_prompts(tiny_tokenizer, 6, 10, 60, seed=3)
-    params = [SamplingParams(n=2 if i % 3 == 0 else 1, max_new_tokens=60, temperature=0, ignore_eos=True)
-              for i in range(len(prompts))]
+    params = [SamplingParams(n=2 if i % 3 == 0 else 1, max_new_tokens=60, temperature=temperature, seed=11,
+                             ignore_eos=True) for i in range(len(prompts))]
     roomy = _engine(path).generate(prompts, params, use_tqdm=False)
     # 20 pages x 16 = 320 token slots for 8 sequences of up to ~120 tokens: must preempt.
-    tight = _engine(path, num_kv_pages=20, max_num_batched_tokens=32)
+    tight = _engine(path, num_kv_pages=20, max_num_batched_tokens=32, kv_reserve_fraction=0.0)
     outs = tight.generate(prompts, params, use_tqdm=False)
     assert tight.scheduler.num_preemptions > 0
     for a, b in zip(roomy, outs):
@@ -97,3 +99,18 @@ def test_score_matches_hf_forward(model_dir, tiny_tokenizer):
             # fp32 forward of the same weights, different kernels: ~1e-6.
             assert max(abs(a - b) for a, b in zip(lp, ref.tolist())) < 1e-5
     assert eng.kv.alloc.num_used == 0
+
+
+def test_full_reservation_admission_avoids_preemption(model_dir, tiny_tokenizer):
+    path = model_dir("llama")
+    prompts = random_prompts(tiny_tokenizer, 6, 10, 60, seed=3)
+    params = SamplingParams(n=2, max_new_tokens=60, temperature=0, ignore_eos=True)
+    roomy = _engine(path).generate(prompts, params, use_tqdm=False)
+    reserved = _engine(path, num_kv_pages=40, max_num_batched_tokens=64, kv_reserve_fraction=1.0)
+    outs = reserved.generate(prompts, params, use_tqdm=False)
+    # Admission waited for room instead of overcommitting: same outputs, no preemption.
+    assert reserved.scheduler.num_preemptions == 0
+    assert [[c.token_ids for c in o.completions] for o in roomy] == [[c.token_ids for c in o.completions] for o in outs]
+    greedy_overcommit = _engine(path, num_kv_pages=40, max_num_batched_tokens=64, kv_reserve_fraction=0.0)
+    greedy_overcommit.generate(prompts, params, use_tqdm=False)
+    assert greedy_overcommit.scheduler.num_preemptions > 0        # the same load does preempt without it

@@ -129,7 +129,7 @@ def test_prefix_sharing_n8(hf_and_dir):
 def test_preemption_small_kv(hf_and_dir):
     family, hf, d = hf_and_dir
     prompts = _prompts(8, 20, 60, seed=3)
-    eng = _engine(d, num_kv_pages=40)   # 8 x (60 + 96) tokens need ~80 pages: forces preemption
+    eng = _engine(d, num_kv_pages=40, kv_reserve_fraction=0.0)   # 8 x (60 + 96) tokens need ~80 pages: forces preemption
     outs = eng.generate(prompts, SamplingParams(max_new_tokens=96, temperature=0, ignore_eos=True), use_tqdm=False)
     stats = _agreement(hf, prompts, outs, 1.0)
     _report(f"preemption[{family}]", {**stats, "preemptions": eng.scheduler.num_preemptions})
