@@ -1,0 +1,67 @@
+"""Triton kernels for attention (paged decode, paged chunked prefill) and fused RoPE + KV write.
+
+Submodules import triton at import time; this package does not, so `triton_available()` works
+without it, and the CPU interpreter tests can set TRITON_INTERPRET=1 before triton is first
+imported (triton reads it when it is imported and when kernels are decorated).
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+
+_EXPORTS = {
+    "paged_decode_attention": "paged_decode",
+    "pick_num_splits": "paged_decode",
+    "paged_prefill_attention": "paged_prefill",
+    "rope_and_write_kv": "rope_kv",
+}
+
+__all__ = ["triton_available", "fix_interpreter", "paged_attention", "paged_decode_attention", "pick_num_splits",
+           "paged_prefill_attention", "rope_and_write_kv"]
+
+
+def triton_available() -> bool:
+    """True when triton can be imported (checked without importing it)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def fix_interpreter() -> None:
+    """Under TRITON_INTERPRET=1 only. triton 3.6's interpreter holds scalars as 1-element numpy
+    arrays and gives them `__index__ = int(array)`, which numpy >= 2.3 rejects, so `range()` over
+    runtime bounds (our KV loops) fails. Re-patch `__index__` after triton's own patching (its
+    scope restores attributes LIFO, so the original comes back after each launch)."""
+    import triton
+    if not triton.knobs.runtime.interpret:
+        return
+    from triton.runtime import interpreter as itp
+    orig = itp._patch_lang_tensor
+    if getattr(orig, "_rollout_fixed", False):
+        return
+
+    def patched(tensor, scope):
+        orig(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patched._rollout_fixed = True
+    itp._patch_lang_tensor = patched
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def paged_attention(q, k_cache, v_cache, meta, scale, sliding_window=None, num_splits=1):
+    """Drop-in for `attention.paged_attention_ref` (same arguments; K/V already written).
+    All-decode batches (one query per sequence, known from the host copies) take the split-KV
+    decode kernel; anything with a longer chunk takes the varlen prefill kernel, which is
+    correct for mixed batches too."""
+    from .paged_decode import paged_decode_attention
+    from .paged_prefill import paged_prefill_attention
+    qsl = meta.query_start_host
+    if q.shape[0] == len(meta.seq_lens_host) == qsl[-1] and all(b - a == 1 for a, b in zip(qsl, qsl[1:])):
+        return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,
+                                      sliding_window, num_splits)
+    return paged_prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
+                                   meta.seq_lens, scale, sliding_window)

@@ -1,0 +1,104 @@
+"""Fused RoPE on q and k plus the K/V write into the page pool, one program per token.
+
+Matches `DecoderLM.rope` + `apply_rope` + `attention.write_kv` bit for bit in intent: angles
+pos.float() * inv_freq in fp32, cos/sin rounded to the activation dtype, then the rotate-half
+form with each product and the sum rounded to the activation dtype (torch's eager bf16 ops
+round after every op; we do the same so logprobs do not move when this kernel is switched on).
+K/V rows go to slot = page * page_size + offset (slot_mapping [n] int64, n <= T; tokens past n
+or with a negative slot are not written, e.g. CUDA-graph padding).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from . import fix_interpreter
+
+fix_interpreter()
+
+# libdevice's cos/sin do full range reduction (angles reach ~1e4-1e5 rad at long context);
+# the interpreter has no libdevice, numpy's fp32 cos/sin are accurate there too.
+_PRECISE = tl.constexpr(not triton.knobs.runtime.interpret)
+
+
+@triton.jit
+def _rotate(x_ptr, o_ptr, heads, h_ok, f, c, s, HALF: tl.constexpr, s_xh, s_oh):
+    """Rotate-half RoPE on rows `heads` of one token; returns nothing, stores to o_ptr."""
+    dt = o_ptr.dtype.element_ty
+    m = h_ok[:, None]
+    x1 = tl.load(x_ptr + heads[:, None] * s_xh + f[None, :], mask=m, other=0.0).to(tl.float32)
+    x2 = tl.load(x_ptr + heads[:, None] * s_xh + HALF + f[None, :], mask=m, other=0.0).to(tl.float32)
+    # out = x * cos + rotate_half(x) * sin, rounding like torch: each product, then the sum.
+    a1 = (x1 * c).to(dt).to(tl.float32)
+    b1 = (x2 * s).to(dt).to(tl.float32)
+    a2 = (x2 * c).to(dt).to(tl.float32)
+    b2 = (x1 * s).to(dt).to(tl.float32)
+    tl.store(o_ptr + heads[:, None] * s_oh + f[None, :], (a1 - b1).to(dt), mask=m)
+    tl.store(o_ptr + heads[:, None] * s_oh + HALF + f[None, :], (a2 + b2).to(dt), mask=m)
+
+
+@triton.jit
+def _rope_kv_kernel(
+        q_ptr, k_ptr, v_ptr, qo_ptr, pos_ptr, inv_freq_ptr, kc_ptr, vc_ptr, slot_ptr, n_slots,
+        s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_qot, s_qoh, s_kcs, s_kch, s_vcs, s_vch,
+        HQ: tl.constexpr, HKV: tl.constexpr, HQ_PAD: tl.constexpr, HKV_PAD: tl.constexpr,
+        HALF: tl.constexpr, PRECISE: tl.constexpr):
+    t = tl.program_id(0)
+    dt = qo_ptr.dtype.element_ty
+    f = tl.arange(0, HALF)
+    ang = tl.load(pos_ptr + t).to(tl.float32) * tl.load(inv_freq_ptr + f)
+    if PRECISE:
+        c = libdevice.cos(ang)
+        s = libdevice.sin(ang)
+    else:
+        c = tl.cos(ang)
+        s = tl.sin(ang)
+    c = c.to(dt).to(tl.float32)[None, :]
+    s = s.to(dt).to(tl.float32)[None, :]
+    t64 = t.to(tl.int64)
+
+    hq = tl.arange(0, HQ_PAD)
+    _rotate(q_ptr + t64 * s_qt, qo_ptr + t64 * s_qot, hq, hq < HQ, f, c, s, HALF, s_qh, s_qoh)
+
+    # K/V -> cache. slot_mapping may be shorter than T; negative slots are skipped.
+    slot = tl.load(slot_ptr + t, mask=t < n_slots, other=-1)
+    hk = tl.arange(0, HKV_PAD)
+    ok = (hk < HKV) & (slot >= 0)
+    _rotate(k_ptr + t64 * s_kt, kc_ptr + slot * s_kcs, hk, ok, f, c, s, HALF, s_kh, s_kch)
+    d = tl.arange(0, 2 * HALF)
+    v = tl.load(v_ptr + t64 * s_vt + hk[:, None] * s_vh + d[None, :], mask=ok[:, None])
+    tl.store(vc_ptr + slot * s_vcs + hk[:, None] * s_vch + d[None, :], v, mask=ok[:, None])
+
+
+def rope_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                      inv_freq: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      slot_mapping: torch.Tensor, *, out_q: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """q [T, Hq, D], k/v [T, Hkv, D] (strided views of the fused QKV output are fine); positions
+    [T]; inv_freq [D/2] fp32; caches [num_pages, page_size, Hkv, D]; slot_mapping [n] int64.
+    Returns RoPE'd q (`out_q=q` rotates in place: each program reads its rows before writing)."""
+    T, Hq, D = q.shape
+    Hkv = k.shape[1]
+    assert D % 2 == 0 and (D // 2) & (D // 2 - 1) == 0 and inv_freq.numel() == D // 2, "head_dim / inv_freq"
+    assert k.shape == v.shape == (T, Hkv, D) and k_cache.shape[2:] == (Hkv, D) and v_cache.shape == k_cache.shape
+    assert q.stride(2) == k.stride(2) == v.stride(2) == 1 and k_cache.stride(3) == v_cache.stride(3) == 1
+    # slot * stride(1) addresses [page, offset] only if a page is page_size contiguous rows.
+    assert k_cache.stride(0) == k_cache.shape[1] * k_cache.stride(1)
+    assert v_cache.stride(0) == v_cache.shape[1] * v_cache.stride(1)
+    assert slot_mapping.dtype == torch.int64 and slot_mapping.numel() <= T
+    if out_q is None:
+        out_q = torch.empty((T, Hq, D), dtype=q.dtype, device=q.device)
+    if T == 0:
+        return out_q
+    _rope_kv_kernel[(T,)](
+        q, k, v, out_q, positions, inv_freq.float().contiguous(), k_cache, v_cache, slot_mapping,
+        slot_mapping.numel(),
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        out_q.stride(0), out_q.stride(1), k_cache.stride(1), k_cache.stride(2), v_cache.stride(1), v_cache.stride(2),
+        HQ=Hq, HKV=Hkv, HQ_PAD=triton.next_power_of_2(Hq), HKV_PAD=triton.next_power_of_2(Hkv), HALF=D // 2,
+        PRECISE=_PRECISE, num_warps=4 if Hq * D >= 4096 else 1,
+        enable_fp_fusion=False)   # no mul+add -> FMA: torch's fp32 path rounds the products
+    return out_q

@@ -1,0 +1,218 @@
+"""Triton attention / RoPE kernels under the CPU interpreter, against the torch reference.
+
+TRITON_INTERPRET=1 must be set before triton is first imported (triton decorates its own
+standard library at import time), so it is set here, at the top. It stays set for the rest of
+this process: triton reads it again at every launch. `tests/gpu` must therefore run as its own
+pytest invocation (`python -m pytest tests/gpu`); its kernel test skips itself if it finds the
+interpreter on. Conversely, if triton was already imported without the interpreter (tests/gpu
+collected first on a CUDA machine) this module skips: run it on its own.
+
+Interpreter limits (triton 3.6): bf16 `tl.dot` returns garbage and fp32->bf16 casts truncate,
+so low precision is checked in fp16 here and in bf16 by tests/gpu/test_kernels_cuda.py.
+"""
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("triton was imported before TRITON_INTERPRET=1 could be set (tests/gpu in the same "
+                "process?); run `pytest tests/test_kernels_interpret.py` on its own", allow_module_level=True)
+os.environ["TRITON_INTERPRET"] = "1"
+pytest.importorskip("triton")
+
+import torch  # noqa: E402
+
+from rollout.attention import AttentionMetadata, paged_attention_ref, write_kv  # noqa: E402
+from rollout.kernels import paged_attention  # noqa: E402
+from rollout.kernels.paged_decode import paged_decode_attention  # noqa: E402
+from rollout.kernels.paged_prefill import paged_prefill_attention  # noqa: E402
+from rollout.kernels.rope_kv import rope_and_write_kv  # noqa: E402
+from rollout.models.decoder import apply_rope  # noqa: E402
+
+# fp32: the interpreter's fp32 tl.dot is exact fp32 (numpy matmul), so the only differences
+# from the reference are summation order (online softmax rescaling, split merge) and exp2 with
+# log2(e) folded into the scale: a few ulp on O(1) values, ~1e-6 observed. 1e-5 is 10x that
+# and far below any indexing/masking bug (O(0.1-1)).
+FP32_TOL = dict(rtol=1e-5, atol=1e-5)
+# fp16 (10-bit mantissa): probabilities are rounded to fp16 before the PV dot and the output is
+# rounded to fp16: ~2^-11 relative each on |o| <~ 2; 5e-4 observed.
+FP16_TOL = dict(rtol=2e-3, atol=2e-3)
+
+
+def make_paged(lens, Hkv, D, ps, dtype, seed):
+    """Random page pool with shuffled page ids. Returns (clean caches, poisoned caches, block
+    table): slots that hold no token are 0 in the clean copy (for the reference, which gathers
+    whole pages) and NaN in the poisoned copy (for the kernel: reading one shows up as NaN)."""
+    g = torch.Generator().manual_seed(seed)
+    need = [-(-L // ps) for L in lens]
+    num_pages = sum(need) + 3
+    max_pages = max(need + [1]) + 1                    # spare column: stale entries are never read
+    perm = torch.randperm(num_pages, generator=g)
+    bt = torch.randint(0, num_pages, (len(lens), max_pages), generator=g, dtype=torch.int32)
+    used = torch.zeros(num_pages, ps, dtype=torch.bool)
+    p = 0
+    for i, (L, n) in enumerate(zip(lens, need)):
+        bt[i, :n] = perm[p:p + n].int()
+        used.view(-1)[(perm[p:p + n, None] * ps + torch.arange(ps)).view(-1)[:L]] = True
+        p += n
+    caches, poisoned = [], []
+    for _ in range(2):
+        c = torch.randn(num_pages, ps, Hkv, D, generator=g).to(dtype)
+        c[~used] = 0
+        caches.append(c)
+        poisoned.append(c.masked_fill(~used[:, :, None, None], float("nan")))
+    return caches, poisoned, bt
+
+
+def meta_for(lens, qlens, bt, ps):
+    qsl = [0]
+    for n in qlens:
+        qsl.append(qsl[-1] + n)
+    return AttentionMetadata(slot_mapping=None, block_tables=bt, seq_lens=torch.tensor(lens, dtype=torch.int32),
+                             query_start_loc=torch.tensor(qsl, dtype=torch.int32), seq_lens_host=list(lens),
+                             query_start_host=qsl, page_size=ps)
+
+
+def reference(q, caches, meta, scale, window):
+    """fp32 reference; rows of empty sequences (softmax over nothing: NaN there) set to 0,
+    the kernels' defined output for CUDA-graph padding rows."""
+    ref = paged_attention_ref(q.float(), caches[0].float(), caches[1].float(), meta, scale, window)
+    for i, L in enumerate(meta.seq_lens_host):
+        if L == 0:
+            ref[meta.query_start_host[i]:meta.query_start_host[i + 1]] = 0
+    return ref
+
+
+# (Hq, Hkv, page_size, block_n, num_splits, window): GQA 1/2/3/4, tile == / > / < page.
+DECODE_CASES = [
+    (4, 4, 16, 16, 1, None), (4, 4, 16, 16, 3, 5),
+    (8, 4, 16, 32, 1, 20), (8, 4, 16, 32, 3, None),
+    (8, 2, 32, 16, 1, None), (8, 2, 32, 16, 3, 20),
+    (6, 2, 16, 16, 3, None), (8, 2, 16, 16, 2, 17),
+]
+
+
+@pytest.mark.parametrize("Hq,Hkv,ps,block_n,num_splits,window", DECODE_CASES)
+def test_decode_fp32(Hq, Hkv, ps, block_n, num_splits, window):
+    D, scale = 32, 0.3
+    # padding row, 1 token, exactly a page, a page + 1, not a multiple of the tile, long.
+    lens = [0, 1, ps, ps + 1, 2 * ps + 7, 83]
+    caches, poisoned, bt = make_paged(lens, Hkv, D, ps, torch.float32, seed=Hq * 100 + ps + num_splits)
+    q = torch.randn(len(lens), Hq, D)
+    meta = meta_for(lens, [1] * len(lens), bt, ps)
+    out = torch.full_like(q, float("nan"))
+    paged_decode_attention(q, *poisoned, bt, meta.seq_lens, scale, window, num_splits, out=out, block_n=block_n)
+    torch.testing.assert_close(out, reference(q, caches, meta, scale, window), **FP32_TOL)  # row 0: zeros
+
+
+def test_decode_fp16():
+    lens, ps, Hq, Hkv, D = [0, 1, 16, 17, 45], 16, 8, 2, 64
+    caches, poisoned, bt = make_paged(lens, Hkv, D, ps, torch.float16, seed=7)
+    q = torch.randn(len(lens), Hq, D).half()
+    meta = meta_for(lens, [1] * len(lens), bt, ps)
+    out = torch.full_like(q, float("nan"))
+    paged_decode_attention(q, *poisoned, bt, meta.seq_lens, 0.125, None, 2, out=out, block_n=16)
+    torch.testing.assert_close(out.float(), reference(q, caches, meta, 0.125, None), **FP16_TOL)
+
+
+# (context, q_len) per sequence: single token, whole prompt == a page, decode row mid-batch,
+# chunk after a prefix (context > chunk, crosses pages and tiles), short chunk, empty sequence.
+PREFILL_SEQS = [(1, 1), (16, 16), (17, 1), (45, 23), (33, 3), (0, 0), (20, 20)]
+# (Hq, Hkv, page_size, block_m, block_n, window)
+PREFILL_CASES = [
+    (4, 4, 16, 16, 16, None), (8, 4, 16, 32, 16, 7),
+    (8, 2, 32, 16, 32, None), (6, 2, 16, 32, 16, 20),
+]
+
+
+@pytest.mark.parametrize("Hq,Hkv,ps,block_m,block_n,window", PREFILL_CASES)
+def test_prefill_fp32(Hq, Hkv, ps, block_m, block_n, window):
+    D, scale = 32, 0.3
+    lens, qlens = [c for c, _ in PREFILL_SEQS], [n for _, n in PREFILL_SEQS]
+    caches, poisoned, bt = make_paged(lens, Hkv, D, ps, torch.float32, seed=Hq + ps + block_m)
+    meta = meta_for(lens, qlens, bt, ps)
+    q = torch.randn(sum(qlens), Hq, D)
+    out = torch.full_like(q, float("nan"))
+    paged_prefill_attention(q, *poisoned, bt, meta.query_start_loc, meta.seq_lens, scale, window, out=out,
+                            block_m=block_m, block_n=block_n)
+    torch.testing.assert_close(out, reference(q, caches, meta, scale, window), **FP32_TOL)
+
+
+def test_prefill_fp16_and_dispatch():
+    lens, qlens, ps, Hq, Hkv, D = [40, 5, 30], [40, 1, 12], 16, 8, 2, 64
+    caches, poisoned, bt = make_paged(lens, Hkv, D, ps, torch.float16, seed=3)
+    meta = meta_for(lens, qlens, bt, ps)
+    q = torch.randn(sum(qlens), Hq + 4, D).half()[:, :Hq]           # strided, like a view of the QKV output
+    out = paged_attention(q, *poisoned, meta, 0.125)                 # mixed batch -> prefill kernel
+    torch.testing.assert_close(out.float(), reference(q, caches, meta, 0.125, None), **FP16_TOL)
+    dmeta = meta_for(lens, [1, 1, 1], bt, ps)
+    qd = q[:3]
+    out = paged_attention(qd, *poisoned, dmeta, 0.125, num_splits=2)  # all decode -> split-KV kernel
+    torch.testing.assert_close(out.float(), reference(qd, caches, dmeta, 0.125, None), **FP16_TOL)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_rope_kv(dtype):
+    T, Hq, Hkv, D, ps, pages = 9, 6, 2, 64, 16, 4
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, D, 2).float() / D))
+    positions = torch.randint(0, 30000, (T,))
+    freqs = positions.float()[:, None] * inv_freq[None, :]          # DecoderLM.rope
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    qkv = torch.randn(T, (Hq + 2 * Hkv) * D).to(dtype)             # strided views, as in Attention
+    q, k, v = (t.view(T, -1, D) for t in qkv.split([Hq * D, Hkv * D, Hkv * D], dim=-1))
+    slots = torch.randperm(pages * ps)[:T - 2]                      # last 2 tokens: padding, no slot
+    slots[3] = -1                                                   # skipped
+    kc, vc = torch.zeros(pages, ps, Hkv, D, dtype=dtype), torch.zeros(pages, ps, Hkv, D, dtype=dtype)
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    keep = slots >= 0
+    write_kv(apply_rope(k, cos, sin)[:T - 2][keep], v[:T - 2][keep], kc_ref, vc_ref, slots[keep])
+    out = rope_and_write_kv(q, k, v, positions, inv_freq, kc, vc, slots)
+    # fp32: numpy's and torch's fp32 cos/sin may differ by an ulp. fp16: casts round to nearest
+    # even in both, so the per-op rounding emulation is bit-exact (observed; cos/sin ulp flips
+    # could rarely break a tie, hence a one-ulp-sized tolerance rather than equality).
+    tol = dict(rtol=1e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(out, apply_rope(q, cos, sin), **tol)
+    torch.testing.assert_close(kc, kc_ref, **tol)
+    assert torch.equal(vc, vc_ref)
+
+
+def test_compiles_for_sm90(tmp_path):
+    """The interpreter runs kernels as Python: it misses compile-time errors (loop-carried
+    constexprs, layout/shape rules of tl.dot). Compile each kernel ahead of time for sm_90 with
+    triton's bundled ptxas, in a subprocess without the interpreter. No GPU needed."""
+    code = textwrap.dedent("""
+        import triton
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+        from rollout.kernels import paged_decode as pd, paged_prefill as pp, rope_kv as rk
+        PTR = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "out_ptr": "*bf16", "qo_ptr": "*bf16",
+               "kc_ptr": "*bf16", "vc_ptr": "*bf16", "po_ptr": "*fp32", "plse_ptr": "*fp32", "bt_ptr": "*i32",
+               "lens_ptr": "*i32", "qsl_ptr": "*i32", "pos_ptr": "*i64", "inv_freq_ptr": "*fp32", "slot_ptr": "*i64"}
+        def compile_(fn, **const):
+            sig, attrs = {}, {}
+            for i, name in enumerate(fn.arg_names):
+                scalar = "fp32" if name == "sm_scale_log2" else "i32"
+                sig[name] = "constexpr" if name in const else PTR.get(name, scalar)
+                if name in PTR or name.startswith("s_"):     # as the JIT specialises 16-divisible args
+                    attrs[(i,)] = [["tt.divisibility", 16]]
+            triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs),
+                           target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=2))
+        common = dict(HEAD_DIM=128, PAGE_SIZE=16, BLOCK_N=64, DOT_PREC="tf32")
+        compile_(pd._decode_split_kernel, GROUP=4, GROUP_PAD=16, NUM_SPLITS=2, USE_WINDOW=True, **common)
+        compile_(pd._decode_merge_kernel, HEAD_DIM=128, NUM_SPLITS=3, SPLITS_PAD=4)
+        compile_(pp._prefill_kernel, GROUP=7, BLOCK_Q=9, BLOCK_M=64, USE_WINDOW=True, **common)
+        compile_(rk._rope_kv_kernel, HQ=28, HKV=4, HQ_PAD=32, HKV_PAD=4, HALF=64, PRECISE=True)
+        print("ok")
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    env["TRITON_CACHE_DIR"] = str(tmp_path)            # compile for real, not from a cache hit
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    if r.returncode != 0 and ("ptxas" in r.stderr and "not found" in r.stderr.lower()):
+        pytest.skip("no ptxas in this triton install")
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-3000:]
