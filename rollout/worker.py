@@ -33,7 +33,7 @@ class RolloutWorker:
         self._thread: Optional[threading.Thread] = None
         self._stop = False
         self.finished: list[RequestOutput] = []   # inline mode: outputs not yet collected
-        self.metrics = {"stale_finished": 0, "stale_recomputed": 0, "wasted_tokens": 0}
+        self.metrics = {"stale_finished": 0, "stale_recomputed": 0}
 
     @property
     def policy_version(self) -> int:
@@ -204,9 +204,15 @@ class RolloutWorker:
         m = dict(self.engine.metrics)
         m.update({f"weights/{k}": v for k, v in self.weights.metrics.items()})
         m.update(self.metrics)
+        sch = self.engine.scheduler
         m["policy_version"] = self.policy_version
         m["kv_pages_used"] = self.engine.kv.alloc.num_used
-        m["preemptions"] = self.engine.scheduler.num_preemptions
-        m["discarded_tokens"] = self.engine.scheduler.num_discarded_tokens
+        m["kv_pages_total"] = self.engine.kv.alloc.num_usable
+        m["running_seqs"] = len(sch.running)
+        m["max_num_seqs"] = sch.max_num_seqs
+        m["preemptions"] = sch.num_preemptions
+        m["recomputed_tokens"] = sch.num_recomputed_tokens
+        m["discarded_tokens"] = sch.num_discarded_tokens
+        m["gpu_busy_ms"] = self.engine.pipeline.busy_ms
         m["time"] = time.time()
         return m
