@@ -107,3 +107,15 @@ def test_wrong_shape_in_checkpoint(tmp_path, model_dir):
     save_file(sd, str(d / "model.safetensors"))
     with pytest.raises(ValueError, match=r"q_proj.weight has shape \(3, 3\)"):
         RolloutEngine.from_pretrained(d, device="cpu")
+
+
+def test_non_float_tensor_in_checkpoint(tmp_path, model_dir):
+    import torch
+    from safetensors.torch import load_file, save_file
+    d = tmp_path / "int_weights"
+    shutil.copytree(model_dir("llama"), d)
+    sd = load_file(str(d / "model.safetensors"))
+    sd["model.norm.weight"] = sd["model.norm.weight"].to(torch.int32)
+    save_file(sd, str(d / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"model.norm.weight has non-float dtype torch.int32"):
+        RolloutEngine.from_pretrained(d, device="cpu")
