@@ -20,6 +20,15 @@ class AttentionMetadata:
     seq_lens_host: list[int]
     query_start_host: list[int]
     page_size: int
+    backend: str = "torch"          # "torch" (reference) or "triton" (rollout.kernels)
+
+
+def attend(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, sliding_window=None) -> torch.Tensor:
+    """Paged attention over the pool (K/V of this step already written), by backend."""
+    if meta.backend == "triton":
+        from .kernels import paged_attention
+        return paged_attention(q, k_cache, v_cache, meta, scale, sliding_window)
+    return paged_attention_ref(q, k_cache, v_cache, meta, scale, sliding_window)
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -34,7 +34,7 @@ class RolloutEngine:
                  num_kv_pages: Optional[int] = None, page_size: int = 16, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 2048, seed: int = 0, kv_dtype=None,
                  bf16_reduced_precision_reduction: bool = False, async_pipeline: Optional[bool] = None,
-                 kv_reserve_fraction: float = 1.0):
+                 kv_reserve_fraction: float = 1.0, attention_backend: str = "torch"):
         self.model = model
         self.hf_config = hf_config
         if torch.cuda.is_available():
@@ -58,7 +58,10 @@ class RolloutEngine:
             self.kv, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=self.max_model_len, eos_token_ids=self.eos_token_ids, tokenizer=tokenizer,
             admission_reserve_pages=max(1, num_pages // 100), reserve_fraction=kv_reserve_fraction)
-        self.runner = ModelRunner(model, num_pages=num_pages, page_size=page_size, kv_dtype=kv_dtype)
+        # "triton": rollout.kernels (interpreter-tested; to become the CUDA default once
+        # validated on the GPU); "torch": the reference path.
+        self.runner = ModelRunner(model, num_pages=num_pages, page_size=page_size, kv_dtype=kv_dtype,
+                                  attention_backend=attention_backend)
         # Both modes run the same one-step-lag schedule; async overlaps the CPU with the GPU.
         # CPU always runs synchronously. Default stays sync until the CUDA stream path has
         # passed its GPU tests (issue 3); then None will mean "on for CUDA".

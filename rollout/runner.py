@@ -43,7 +43,11 @@ def carry_penalty_ids(penalty: torch.Tensor, prev_tokens: torch.Tensor) -> torch
 
 
 class ModelRunner:
-    def __init__(self, model: DecoderLM, *, num_pages: int, page_size: int, kv_dtype: torch.dtype):
+    def __init__(self, model: DecoderLM, *, num_pages: int, page_size: int, kv_dtype: torch.dtype,
+                 attention_backend: str = "torch"):
+        if attention_backend not in ("torch", "triton"):
+            raise ValueError(f"attention_backend must be 'torch' or 'triton', got {attention_backend!r}")
+        self.attention_backend = attention_backend
         self.model = model
         self.device = next(model.parameters()).device
         self.page_size = page_size
@@ -73,7 +77,7 @@ class ModelRunner:
             slot_mapping=self._dev(batch.slot_mapping), block_tables=self._dev(batch.block_tables),
             seq_lens=self._dev(batch.seq_lens), query_start_loc=self._dev(batch.query_start_loc),
             seq_lens_host=batch.seq_lens_host, query_start_host=batch.query_start_host,
-            page_size=self.page_size)
+            page_size=self.page_size, backend=self.attention_backend)
         return DeviceBatch(
             input_ids=self._dev(batch.input_ids), carry=self._dev(batch.carry) if batch.has_carry else None,
             positions=self._dev(batch.positions), logits_indices=self._dev(batch.logits_indices), meta=meta,

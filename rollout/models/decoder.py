@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..attention import AttentionMetadata, paged_attention_ref, write_kv
+from ..attention import AttentionMetadata, attend, write_kv
 
 SUPPORTED_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
@@ -129,7 +129,7 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         k_cache, v_cache = kv_cache
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        o = paged_attention_ref(q, k_cache, v_cache, meta, self.scale, self.sliding_window)
+        o = attend(q, k_cache, v_cache, meta, self.scale, self.sliding_window)
         return self.o_proj(o.reshape(T, self.q_size))
 
 
