@@ -154,8 +154,8 @@ class RolloutWorker:
         requests are aborted (pages freed, partial outputs returned and handed to their
         futures) unless abort_pending=False, which keeps them queued for a later start()."""
         if self._thread is not None:
-            with self._wake:
-                self._stop = True
+            self._stop = True          # seen by the loop before its next step, lock or not
+            with self._wake:           # (the loop re-takes the lock between steps; locks are not fair)
                 self._wake.notify_all()
             self._thread.join(timeout)
             if self._thread.is_alive():

@@ -1,0 +1,502 @@
+"""TRL plug-in generator: our RolloutWorker as the completion backend of TRL's GRPOTrainer / RLOOTrainer.
+
+Route A (primary): `attach_generator(trainer, worker)` puts a `TRLGenerationAdapter` into the trainer's vLLM
+generation slot (`trainer.vllm_generation`, private seam of trl 1.16). `args.use_vllm` stays False, so TRL never
+imports vLLM; after attaching, `trainer.use_vllm = True` makes TRL call our `sync_weights()` / `generate()` and keep
+its importance-sampling (IS) correction, which compares our sampling logprobs with its own recompute.
+
+Route B (fallback): `make_rollout_func(worker)` for TRL's public `rollout_func=` hook. TRL computes no IS correction
+on that route (it only does when `use_vllm`), so prefer route A for GRPO.
+
+Route C (AsyncGRPOTrainer): see `trainers.trl_async`.
+
+Logprob contract: per sampled token, fp32 `log_softmax(logits / T)` over the full vocabulary with T =
+`args.temperature`: exactly what TRL recomputes (no top-p/top-k/min-p renormalisation, no repetition penalty).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import time
+import warnings
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
+
+import torch
+
+from rollout.request import SamplingParams
+
+log = logging.getLogger(__name__)
+
+# The trl versions this adapter was written against and tested with. The generation slot, `_metrics`,
+# `_last_loaded_step` and the AsyncGRPO protocols are private or experimental seams of trl.
+TRL_MIN_VERSION = "1.16"
+TRL_MAX_VERSION = "1.17"   # exclusive
+TRL_REQUIREMENT = f"trl>={TRL_MIN_VERSION},<{TRL_MAX_VERSION}"
+
+# Wrapper prefixes that never exist in the checkpoint: DDP / accelerate (`module.`), torch.compile (`_orig_mod.`),
+# activation checkpointing and FSDP1 wrappers.
+_WRAPPER_PREFIXES = ("module.", "_orig_mod.")
+_WRAPPER_INFIXES = ("_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "_orig_mod.")
+
+
+# ---- version guard ------------------------------------------------------------------------------------------
+def check_trl_version(version: Optional[str] = None) -> str:
+    """Raise a clear error unless trl (or `version`) is in the tested range; return the version."""
+    from packaging.version import Version
+
+    if version is None:
+        try:
+            import trl
+        except ImportError as exc:   # pragma: no cover - trl is a test dependency
+            raise ImportError(f"the TRL adapters need {TRL_REQUIREMENT} (pip install '{TRL_REQUIREMENT}')") from exc
+        version = trl.__version__
+    v = Version(version)
+    if not (Version(TRL_MIN_VERSION) <= Version(v.base_version) < Version(TRL_MAX_VERSION)):
+        raise RuntimeError(
+            f"rollout's TRL adapters are tested with {TRL_REQUIREMENT} but trl {version} is installed. They plug into "
+            f"private trl seams (trainer.vllm_generation, _last_loaded_step, _metrics) that change between releases; "
+            f"install '{TRL_REQUIREMENT}' or use the public rollout_func route (make_rollout_func) after checking it.")
+    return version
+
+
+# ---- GRPOConfig / RLOOConfig -> SamplingParams -----------------------------------------------------------------
+# generation_kwargs keys (vLLM SamplingParams names, plus the transformers spelling max_new_tokens) -> ours.
+_KWARG_ALIASES = {"max_tokens": "max_new_tokens", "max_new_tokens": "max_new_tokens", "temperature": "temperature",
+                  "top_p": "top_p", "top_k": "top_k", "min_p": "min_p", "repetition_penalty": "repetition_penalty",
+                  "seed": "seed", "stop": "stop", "ignore_eos": "ignore_eos", "stop_token_ids": "stop_token_ids"}
+# Keys that change nothing we return (output formatting, or what the adapter always does).
+_KWARG_HARMLESS = {"n", "logprobs", "skip_special_tokens", "spaces_between_special_tokens", "detokenize",
+                   "include_stop_str_in_output", "output_kind", "prompt_logprobs", "do_sample", "eos_token_id",
+                   "pad_token_id", "bos_token_id", "use_cache", "cache_implementation", "return_dict_in_generate"}
+
+
+def sampling_params_from_trl_args(args, eos_ids: Iterable[int]) -> SamplingParams:
+    """Map a GRPOConfig / RLOOConfig / AsyncGRPOConfig onto our SamplingParams (n=1; the adapter sets n per request).
+
+    | TRL field                 | ours                                                                   |
+    |---------------------------|------------------------------------------------------------------------|
+    | max_completion_length     | max_new_tokens                                                         |
+    | temperature               | temperature (sampling and logprob temperature)                         |
+    | top_p / top_k / min_p     | top_p / top_k (0, None or -1 = off -> 0) / min_p (None -> 0.0)         |
+    | repetition_penalty        | repetition_penalty                                                     |
+    | generation_kwargs         | overrides the fields above: max_tokens/max_new_tokens, temperature,    |
+    |                           | top_p, top_k, min_p, repetition_penalty, seed, stop, stop_token_ids,   |
+    |                           | ignore_eos; formatting keys (logprobs, skip_special_tokens, ...) are   |
+    |                           | ignored; anything else raises (we would silently change the algorithm) |
+    | eos_ids (trainer.eos_token_ids) | stop_token_ids (+ generation_kwargs stop_token_ids); the engine's own |
+    |                           | EOS set is switched off (ignore_eos=True) so we stop on exactly the    |
+    |                           | ids TRL treats as EOS. `ignore_eos=True` in generation_kwargs drops    |
+    |                           | eos_ids (vLLM semantics: stop_token_ids still stop).                   |
+
+    A length cut never gets an EOS appended (finish_reason "length"), which `mask_truncated_completions` and
+    `completions/clipped_ratio` rely on.
+    """
+    kw = getattr(args, "generation_kwargs", None) or {}
+    if isinstance(kw, str):   # a JSON string (CLI); TRL's configs usually parse it already
+        import json
+        kw = json.loads(kw)
+    kw = dict(kw)
+    top_k = getattr(args, "top_k", 0)
+    min_p = getattr(args, "min_p", None)
+    fields: dict[str, Any] = dict(
+        max_new_tokens=int(args.max_completion_length),
+        temperature=float(args.temperature),
+        top_p=float(getattr(args, "top_p", 1.0)),
+        top_k=0 if top_k is None or top_k < 0 else int(top_k),
+        min_p=0.0 if min_p is None else float(min_p),
+        repetition_penalty=float(getattr(args, "repetition_penalty", 1.0)),
+        seed=None, stop=[], ignore_eos=False, stop_token_ids=[])
+    unknown = sorted(k for k in kw if k not in _KWARG_ALIASES and k not in _KWARG_HARMLESS)
+    if unknown:
+        raise ValueError(f"generation_kwargs {unknown} are not supported by the rollout engine (supported: "
+                         f"{sorted(_KWARG_ALIASES)}; ignored as formatting-only: {sorted(_KWARG_HARMLESS)})")
+    if kw.get("do_sample") is False:
+        raise ValueError("generation_kwargs do_sample=False (greedy) would make the sampling logprobs disagree with "
+                         "the trainer's recompute at args.temperature; set temperature instead")
+    for key, value in kw.items():
+        if key in _KWARG_ALIASES:
+            fields[_KWARG_ALIASES[key]] = value
+    if fields["top_k"] is None or fields["top_k"] < 0:
+        fields["top_k"] = 0
+    if fields["min_p"] is None:
+        fields["min_p"] = 0.0
+    if isinstance(fields["stop"], str):
+        fields["stop"] = [fields["stop"]]
+    fields["stop"] = list(fields["stop"] or [])
+    stop_ids = [int(t) for t in (fields["stop_token_ids"] or [])]
+    user_ignore_eos = bool(fields["ignore_eos"])
+    if not user_ignore_eos:
+        stop_ids = [int(t) for t in eos_ids if t is not None] + stop_ids
+    fields["stop_token_ids"] = list(dict.fromkeys(stop_ids))   # dedup, keep order
+    fields["ignore_eos"] = True       # the engine's own EOS set is replaced by the trainer's
+    fields["max_new_tokens"] = int(fields["max_new_tokens"])
+    fields["top_k"] = int(fields["top_k"])
+    if "temperature" in kw and float(kw["temperature"]) != float(args.temperature):
+        warnings.warn(f"generation_kwargs temperature={kw['temperature']} differs from args.temperature="
+                      f"{args.temperature}: TRL recomputes logprobs at args.temperature, so the IS ratio is biased",
+                      stacklevel=2)
+    return SamplingParams(n=1, detokenize=False, **fields)
+
+
+# ---- weights: trainer model -> our HF names ----------------------------------------------------------------------
+def _strip_wrappers(name: str) -> str:
+    changed = True
+    while changed:
+        changed = False
+        for p in _WRAPPER_PREFIXES:
+            if name.startswith(p):
+                name, changed = name[len(p):], True
+    for p in _WRAPPER_INFIXES:
+        name = name.replace(p, "")
+    return name
+
+
+class _TRLParamWalker:
+    """Borrows trl.generation.VLLMGeneration's parameter walk (FSDP1/2 summon/full_tensor, DeepSpeed ZeRO-3 gathers,
+    PEFT merge/unmerge, `modules_to_save` / `base_layer` renames) without constructing it (that needs vLLM)."""
+
+    def __init__(self, model, accelerator, dist):
+        from trl.generation.vllm_generation import VLLMGeneration as V
+
+        self.model, self.accelerator, self._dist = model, accelerator, dist
+        for name in ("_iter_named_params", "_iter_fsdp_params", "_iter_fsdp1_params", "_iter_fsdp2_params",
+                     "_fix_param_name_to_vllm"):
+            setattr(self, name, getattr(V, name).__get__(self))
+
+
+def iter_trainer_weights(trainer) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every parameter of the trainer's model, in checkpoint naming, PEFT adapters merged.
+    Every rank must iterate (the gathers are collectives). Tensors are only valid until the generator advances."""
+    model = trainer.model
+    acc = getattr(trainer, "accelerator", None)
+    if acc is not None:
+        try:
+            model = acc.unwrap_model(model)
+        except Exception:   # pragma: no cover - unusual wrappers
+            pass
+    dist = getattr(trainer, "_dist", None)
+    if dist is not None and acc is not None:
+        walker = _TRLParamWalker(model, acc, dist)
+        for name, t in walker._iter_named_params():
+            yield _strip_wrappers(name), t
+        return
+    for name, p in model.named_parameters():   # plain walk (no TRL distributed backend)
+        yield _strip_wrappers(name), p.data
+
+
+class _WeightMapper:
+    """Maps trainer parameter names onto the worker's HF tensor names and casts to the worker's dtype/device."""
+
+    def __init__(self, worker, name_map: Optional[Callable[[str], Optional[str]]] = None):
+        self.worker = worker
+        self.name_map = name_map
+        self.targets = worker.weights.targets        # hf name -> the engine's view (dtype, device, shape)
+
+    def map(self, named: Iterable[tuple[str, torch.Tensor]], *, copy: bool) -> list[tuple[str, torch.Tensor]]:
+        out, seen = [], set()
+        embed = None
+        for name, t in named:
+            name = _strip_wrappers(name)
+            if self.name_map is not None:
+                name = self.name_map(name)
+                if name is None:
+                    continue
+            if name not in self.targets and name == "lm_head.weight":
+                continue               # tied in the engine: the embedding carries it
+            if name in self.targets:
+                dst = self.targets[name]
+                t = t.detach().to(device=dst.device, dtype=dst.dtype, copy=copy)
+            if name == "model.embed_tokens.weight":
+                embed = t
+            out.append((name, t))      # unknown names are rejected whole by the worker (WeightUpdateError)
+            seen.add(name)
+        if "lm_head.weight" in self.targets and "lm_head.weight" not in seen and embed is not None:
+            out.append(("lm_head.weight", embed))   # trainer ties, engine holds a separate head
+        return out
+
+
+# ---- route A: the vLLM-generation slot -------------------------------------------------------------------------------
+def _consecutive_runs(prompts: Sequence[Sequence[int]], max_len: int) -> list[tuple[int, int]]:
+    """(start, length) of runs of identical consecutive rows, each run at most max_len long."""
+    runs, i = [], 0
+    while i < len(prompts):
+        j = i + 1
+        while j < len(prompts) and j - i < max_len and list(prompts[j]) == list(prompts[i]):
+            j += 1
+        runs.append((i, j - i))
+        i = j
+    return runs
+
+
+def _request_seed(base: int, call: int, index: int) -> int:
+    # Distinct per request (two requests of the same prompt must not replay the same samples), reproducible per run.
+    return (base * 1_000_003 + call * 10_007 + index * 97 + 1) % (2 ** 31)
+
+
+class TRLGenerationAdapter:
+    """Duck-types `trl.generation.VLLMGeneration` (trl 1.16) over a rank-local `RolloutWorker`.
+
+    - `sync_weights()`: walks the trainer model (PEFT merged, wrapper prefixes stripped), casts to the worker's
+      dtype and stages the update with `version = trainer.state.global_step`; the worker commits it in place at its
+      next batch boundary (no drain). Every rank pushes to its own worker.
+    - `generate(prompts, images, num_generations, profiler)`: one row per input row, input order. Consecutive
+      identical rows (TRL's G copies) become one request with n = run length (<= num_generations): the prompt is
+      prefilled once and its KV pages are shared. Returns (prompt_ids, completion_ids, logprobs (B, T, 1) of the
+      sampled token, logprob_token_ids (B, T, 1)).
+    - Per batch it appends `gen/policy_version`, `gen/policy_version_lag`, `gen/tokens_per_s`,
+      `gen/weight_barrier_ms`, `gen/weight_sync_ms` to `trainer._metrics[mode]` (-> `train/gen/*` in W&B).
+    """
+
+    mode = "server"     # what TRL's tool loop checks (it then reads max_model_len from the model config)
+
+    def __init__(self, worker, trainer, *, metrics_prefix: str = "gen/",
+                 name_map: Optional[Callable[[str], Optional[str]]] = None,
+                 sampling_params: Optional[SamplingParams] = None, log_metrics: bool = True):
+        self.worker = worker
+        self.trainer = trainer
+        self.metrics_prefix = metrics_prefix
+        self.log_metrics = log_metrics
+        self.model = trainer.model
+        self.accelerator = getattr(trainer, "accelerator", None)
+        self.processing_class = getattr(trainer, "processing_class", None)
+        self.eos_token_ids = _trainer_eos_ids(trainer)
+        self.sampling_params = sampling_params or sampling_params_from_trl_args(trainer.args, self.eos_token_ids)
+        sp = self.sampling_params
+        # mirrors of VLLMGeneration's public attributes
+        self.temperature, self.top_p, self.top_k, self.min_p = sp.temperature, sp.top_p, sp.top_k, sp.min_p
+        self.repetition_penalty, self.max_completion_length = sp.repetition_penalty, sp.max_new_tokens
+        self.generation_kwargs = dict(getattr(trainer.args, "generation_kwargs", None) or {})
+        self._mapper = _WeightMapper(worker, name_map)
+        self._offset = 0              # worker version = trainer global_step + offset (0 unless forced, see below)
+        self._synced = False
+        self._calls = 0
+        self._last_sync_ms = 0.0
+        self.sync_history: list[int] = []       # trainer versions pushed (or adopted)
+        self.batch_versions: list[list[int]] = []  # per generate call: sorted distinct token versions (trainer terms)
+
+    # -- versions --------------------------------------------------------------------------------------------------
+    def to_trainer_version(self, worker_version: int) -> int:
+        return worker_version - self._offset
+
+    def _newest_worker_version(self) -> int:
+        return newest_worker_version(self.worker)
+
+    # -- weights ------------------------------------------------------------------------------------------------------
+    def sync_weights(self) -> None:
+        t0 = time.perf_counter()
+        step = int(self.trainer.state.global_step)
+        dist = getattr(self.trainer, "_dist", None)
+        sharded = bool(getattr(self.trainer, "is_deepspeed_enabled", False) or getattr(dist, "is_fsdp", False))
+        # Copy while the parameter is gathered / the PEFT adapter is merged (ZeRO-3 / FSDP free the gathered tensor
+        # when the walk moves on, unmerge_adapter() rewrites the base weights in place at its end); otherwise the
+        # worker's staging copy is the only one.
+        items = self._mapper.map(iter_trainer_weights(self.trainer), copy=sharded or _is_peft(self.trainer.model))
+        with worker_lock(self.worker):        # no commit can run between reading the versions and staging
+            newest = self._newest_worker_version()
+            version = step + self._offset
+            if version <= newest:
+                if not self._synced and self._same_as_live(items):
+                    # First sync and the worker already serves these exact weights (built from the same
+                    # checkpoint): adopt them as this trainer version instead of re-sending.
+                    self._offset = self.worker.policy_version - step
+                    self._synced = True
+                    self.sync_history.append(step)
+                    self._last_sync_ms = (time.perf_counter() - t0) * 1e3
+                    return
+                # The worker already went past this version number (e.g. it served another trainer): keep versions
+                # monotone for the worker and report trainer-side numbers through the offset.
+                self._offset = newest + 1 - step
+                version = step + self._offset
+            self.worker.update_weights(items, version=version)
+        self._synced = True
+        self.sync_history.append(step)
+        self._last_sync_ms = (time.perf_counter() - t0) * 1e3
+
+    def _same_as_live(self, items) -> bool:
+        if getattr(self.worker.weights, "pending", None) is not None:
+            return False
+        targets = self._mapper.targets
+        names = {n for n, _ in items}
+        if names != set(targets):
+            return False
+        return all(torch.equal(t, targets[n]) for n, t in items)
+
+    # -- generation ----------------------------------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], images=None, num_generations: int = 1, profiler=None):
+        if images is not None and any(im is not None for im in images):
+            raise NotImplementedError("the rollout engine serves text-only models; got images")
+        prompts = [list(p) for p in prompts]
+        if not prompts:
+            return [], [], [], []
+        G = max(1, int(num_generations or 1))
+        runs = _consecutive_runs(prompts, G)
+        base = self.sampling_params
+        params = []
+        for k, (start, n) in enumerate(runs):
+            seed = None if base.seed is None else _request_seed(base.seed, self._calls, k)
+            params.append(dataclasses.replace(base, n=n, seed=seed))
+        self._calls += 1
+        barrier0 = self.worker.weights.metrics.get("barrier_ms", 0.0)
+        t0 = time.perf_counter()
+        with (profiler if profiler is not None else contextlib.nullcontext()):
+            outs = self._run([prompts[s] for s, _ in runs], params)
+        wall = time.perf_counter() - t0
+        prompt_ids, completion_ids, logprobs, token_ids = [], [], [], []
+        versions: list[int] = []
+        ntok = 0
+        for (start, n), out in zip(runs, outs):
+            if getattr(out, "error", None):
+                raise RuntimeError(f"rollout worker failed request {out.request_id}: {out.error}")
+            if len(out.completions) != n:
+                raise RuntimeError(f"worker returned {len(out.completions)} completions for n={n}")
+            for c in out.completions:
+                prompt_ids.append(list(prompts[start]))
+                completion_ids.append(list(c.token_ids))          # EOS only if sampled; never appended
+                logprobs.append([[float(lp)] for lp in c.logprobs])
+                token_ids.append([[int(t)] for t in c.token_ids])
+                versions += c.policy_versions
+                ntok += len(c.token_ids)
+        if self.log_metrics:
+            self._log_batch(versions, ntok, wall, self.worker.weights.metrics.get("barrier_ms", 0.0) - barrier0)
+        return prompt_ids, completion_ids, logprobs, token_ids
+
+    def _run(self, prompts, params):
+        if getattr(self.worker, "_thread", None) is not None:     # the worker's background loop is running
+            return self.worker.submit(prompts, params).result()
+        return self.worker.generate(prompts, params)
+
+    def _log_batch(self, versions, ntok, wall, barrier_ms) -> None:
+        step = int(self.trainer.state.global_step)
+        live = self.to_trainer_version(self.worker.policy_version)
+        tv = sorted({self.to_trainer_version(v) for v in versions}) or [live]
+        self.batch_versions.append(tv)
+        metrics = getattr(self.trainer, "_metrics", None)
+        if metrics is None:
+            return
+        mode = "train" if getattr(self.trainer.model, "training", True) else "eval"
+        m, p = metrics[mode], self.metrics_prefix
+        m[p + "policy_version"].append(float(tv[0]))           # oldest weights that sampled a token of this batch
+        m[p + "policy_version_lag"].append(float(step - tv[0]))
+        m[p + "tokens_per_s"].append(ntok / wall if wall > 0 else 0.0)
+        m[p + "weight_barrier_ms"].append(float(barrier_ms))
+        m[p + "weight_sync_ms"].append(float(self._last_sync_ms))
+        self._last_sync_ms = 0.0
+
+
+def _is_peft(model) -> bool:
+    try:
+        from accelerate.utils import is_peft_model
+    except ImportError:   # pragma: no cover
+        return False
+    inner = getattr(model, "module", model)
+    return bool(is_peft_model(model) or is_peft_model(inner))
+
+
+def worker_lock(worker):
+    """The worker's step lock: (policy_version, pending update) must be read together, or a commit running on the
+    worker's background thread can be seen half done (pending already taken, version not yet bumped)."""
+    lock = getattr(worker, "_lock", None)
+    return lock if lock is not None else contextlib.nullcontext()
+
+
+def newest_worker_version(worker) -> int:
+    """The version of the newest weights the worker has: staged (pending) or live."""
+    with worker_lock(worker):
+        pending = getattr(worker.weights, "pending", None)
+        return max(worker.policy_version, pending.version if pending is not None else -1)
+
+
+def _trainer_eos_ids(trainer) -> list[int]:
+    ids = getattr(trainer, "eos_token_ids", None)
+    if ids:
+        return [int(i) for i in ids if i is not None]
+    tok = getattr(trainer, "processing_class", None)
+    tok = getattr(tok, "tokenizer", tok)
+    e = getattr(tok, "eos_token_id", None)
+    return [] if e is None else ([int(x) for x in e] if isinstance(e, (list, tuple)) else [int(e)])
+
+
+def attach_generator(trainer, worker, **kw) -> TRLGenerationAdapter:
+    """Make `worker` the completion generator of a TRL `GRPOTrainer` or `RLOOTrainer` (trl 1.16.x).
+
+    The one-line change from vLLM: build the trainer with `use_vllm=False` (default), then
+    `attach_generator(trainer, worker)`. Sets `trainer.vllm_generation = adapter`, `trainer.use_vllm = True`,
+    `trainer.vllm_mode = "server"`, `trainer._last_loaded_step = -1`, so TRL syncs weights every step, generates
+    through us, and keeps its importance-sampling correction. Keyword arguments go to `TRLGenerationAdapter`.
+    """
+    check_trl_version()
+    from trl import GRPOTrainer, RLOOTrainer
+
+    if not isinstance(trainer, (GRPOTrainer, RLOOTrainer)):
+        raise TypeError(f"attach_generator supports GRPOTrainer and RLOOTrainer, got {type(trainer).__name__}; "
+                        f"for AsyncGRPOTrainer use trainers.trl_async (EngineRolloutWorker, EngineWeightTransfer)")
+    if getattr(trainer.args, "use_vllm", False):
+        raise ValueError("attach_generator replaces vLLM: build the trainer with use_vllm=False (the default), "
+                         "otherwise TRL starts its own vLLM engine/client first")
+    vocab = getattr(getattr(trainer.model, "config", None), "vocab_size", None)
+    if vocab is not None and vocab != worker.engine.vocab_size:
+        raise ValueError(f"the trainer model has vocab_size={vocab} but the worker's engine has "
+                         f"{worker.engine.vocab_size}: they must serve the same model")
+    max_len = getattr(trainer.args, "vllm_max_model_length", None)
+    if max_len and max_len > worker.engine.max_model_len:
+        warnings.warn(f"vllm_max_model_length={max_len} but the worker's engine has max_model_len="
+                      f"{worker.engine.max_model_len}: build the engine with max_model_len={max_len}", stacklevel=2)
+    if trainer.args.max_completion_length >= worker.engine.max_model_len:
+        warnings.warn(f"max_completion_length={trainer.args.max_completion_length} >= the engine's max_model_len="
+                      f"{worker.engine.max_model_len}: completions will be cut by the context", stacklevel=2)
+    adapter = TRLGenerationAdapter(worker, trainer, **kw)
+    trainer.vllm_generation = adapter
+    trainer.use_vllm = True
+    trainer.vllm_mode = "server"
+    trainer._last_loaded_step = -1
+    return adapter
+
+
+# ---- route B: rollout_func -----------------------------------------------------------------------------------------
+def make_rollout_func(worker, **kw) -> Callable[[list, Any], dict]:
+    """A TRL `rollout_func(prompts, trainer) -> dict` over `worker` (public, experimental TRL hook).
+
+    It applies the chat template itself (conversational prompts, with `chat_template_kwargs`) or tokenises plain
+    strings like TRL does, syncs the weights whenever `trainer.state.global_step` changes, and returns
+    `prompt_ids`, `completion_ids` and flat per-token `logprobs` (one row per input row, input order).
+
+    NOTE: on this route TRL applies NO importance-sampling correction (it only does when `use_vllm` is set): our
+    logprobs are stored as `sampling_per_token_logps` (used by `off_policy_mask_threshold`) but no IS ratio is
+    formed and no `sampling/importance_sampling_ratio/*` metric is logged. Use `attach_generator` (route A) to keep it.
+    Keyword arguments go to the internal `TRLGenerationAdapter`.
+    """
+    state: dict[str, Any] = {"trainer": None, "adapter": None, "step": None}
+
+    def rollout_func(prompts: list, trainer) -> dict:
+        if state["trainer"] is not trainer:
+            check_trl_version()
+            state.update(trainer=trainer, adapter=TRLGenerationAdapter(worker, trainer, **kw), step=None)
+        adapter: TRLGenerationAdapter = state["adapter"]
+        step = trainer.state.global_step
+        routed_a = getattr(trainer, "use_vllm", False) and getattr(trainer, "vllm_generation", None) is not None
+        if not routed_a and step != state["step"]:
+            adapter.sync_weights()
+            state["step"] = step
+        prompt_ids = tokenize_prompts(trainer, prompts)
+        mode = "train" if trainer.model.training else "eval"
+        G = trainer.num_generations if mode == "train" else trainer.num_generations_eval
+        p_ids, c_ids, lps, _ = adapter.generate(prompt_ids, None, G)
+        return {"prompt_ids": p_ids, "completion_ids": c_ids, "logprobs": [[x[0] for x in row] for row in lps]}
+
+    rollout_func.state = state      # for tests / introspection
+    return rollout_func
+
+
+def tokenize_prompts(trainer, prompts: list) -> list[list[int]]:
+    """Prompt ids as TRL's `_tokenize_prompts` makes them (text-only)."""
+    from trl.data_utils import is_conversational
+
+    proc = trainer.processing_class
+    if is_conversational({"prompt": prompts[0]}):
+        out = proc.apply_chat_template(
+            conversation=prompts, tools=getattr(trainer, "tools", None) or None,
+            chat_template=getattr(trainer, "chat_template", None), add_generation_prompt=True, tokenize=True,
+            return_dict=True, **(getattr(trainer, "chat_template_kwargs", None) or {}))
+        return [list(x) for x in out["input_ids"]]
+    return [list(x) for x in proc(text=prompts)["input_ids"]]
