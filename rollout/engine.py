@@ -70,6 +70,7 @@ class RolloutEngine:
             max_pages_per_seq=self.kv.pages_for(self.max_model_len), async_mode=bool(async_pipeline))
         self._inflight: Optional[InFlight] = None
         self.policy_version = 0      # stamped on every launched batch; the RL worker bumps it
+        self.cpu_spans: Optional[list] = None   # (name, start_s, end_s) while tracing
         self._ready: list[RequestOutput] = []     # finished while draining, handed out by step()
         self._rng = random.Random(seed)
         self._next_id = 0
@@ -173,6 +174,7 @@ class RolloutEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule and launch batch k, then wait for batch k-1 and process its outputs
         (stops, freed pages). Returns the requests that finished."""
+        t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         sched.policy_version = self.policy_version
         launched = None
@@ -187,7 +189,11 @@ class RolloutEngine:
         elif self._inflight is None and self.scheduler.has_work():
             raise RuntimeError("the scheduler made no progress (KV cache too small for any waiting request)")
         prev, self._inflight = self._inflight, launched
+        t1 = time.perf_counter()
         finished = self._complete(prev) if prev is not None else []
+        if self.cpu_spans is not None:       # timeline: host work vs waiting on the device
+            self.cpu_spans.append(("schedule+build+launch", t0, t1))
+            self.cpu_spans.append(("wait+update", t1, time.perf_counter()))
         ready, self._ready = self._ready + finished, []
         return ready
 

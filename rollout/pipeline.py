@@ -59,6 +59,8 @@ class DevicePipeline:
                       for _ in range(2)]
         self.current = 0
         self.busy_ms = 0.0                # compute-stream time, from CUDA events
+        self.gpu_spans: Optional[list] = None   # (start_s, end_s) per batch while tracing
+        self._trace_ref = None
         if self.cuda:
             self.h2d, self.compute, self.d2h = (torch.cuda.Stream(self.device) for _ in range(3))
 
@@ -115,6 +117,16 @@ class DevicePipeline:
             ev["d2h_done"].synchronize()
         return flight
 
+    def start_trace(self) -> None:
+        """Record compute-stream spans on the host clock (perf_counter seconds) from now on."""
+        self.gpu_spans = []
+        if self.cuda:
+            import time
+            ref = torch.cuda.Event(enable_timing=True)
+            ref.record(self.compute)
+            ref.synchronize()
+            self._trace_ref = (ref, time.perf_counter())
+
     def wait(self, flight: InFlight) -> Optional[SamplerOutput]:
         """Block until the batch's outputs are on the host; return them (host tensors)."""
         if not self.cuda:
@@ -122,6 +134,9 @@ class DevicePipeline:
         ev = self.slots[flight.slot].events
         ev["d2h_done"].synchronize()
         self.busy_ms += ev["start"].elapsed_time(ev["end"])
+        if self.gpu_spans is not None:
+            ref, t0 = self._trace_ref
+            self.gpu_spans.append((t0 + ref.elapsed_time(ev["start"]) / 1e3, t0 + ref.elapsed_time(ev["end"]) / 1e3))
         out = flight.keep_alive[1]
         flight.keep_alive = ()
         if out is None:

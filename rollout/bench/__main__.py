@@ -114,6 +114,8 @@ def main(argv=None):
                     help="also measure ours and HF against an fp32 copy of the weights")
     ap.add_argument("--bf16-reduced-precision-reduction", type=int, default=0,
                     help="cuBLAS split-K reductions in bf16 (PyTorch's default is 1; ours is 0)")
+    ap.add_argument("--trace", default=None, metavar="PREFIX",
+                    help="also trace a short sync and async run: PREFIX.json (Chrome trace) + PREFIX.png")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
 
@@ -182,6 +184,17 @@ def main(argv=None):
     result["ours"] = result[f"ours_{args.modes.split(',')[-1]}"]
     if len(tokens) > 1:
         result["sync_async_tokens_identical"] = len({str(t) for t in tokens.values()}) == 1
+    if args.trace:
+        from . import timeline
+        short = SamplingParams(max_new_tokens=min(G, 64), temperature=0.0, ignore_eos=True)
+        runs = {}
+        for mode in ("sync", "async"):
+            engine.pipeline.async_mode = mode == "async" and device.type == "cuda"
+            runs[mode] = timeline.collect(engine, prompts, short)
+        timeline.write_chrome_trace(runs, args.trace + ".json")
+        timeline.plot(runs, args.trace + ".png")
+        result["trace"] = {m: {"gpu_busy": timeline.busy_fraction(r["gpu"]), "steps": len(r["gpu"])}
+                           for m, r in runs.items()}
 
     if not args.skip_hf:
         ids = torch.tensor(prompts, device=device)
