@@ -69,6 +69,8 @@ class EngineConfig:                      # keyword arguments of RolloutEngine.fr
     num_kv_pages: Optional[int] = None
     kv_cache_memory: Optional[int] = None    # bytes
     async_pipeline: Optional[bool] = None
+    kv_reserve_fraction: float = 1.0         # admission by expected total length (1 = never overcommit)
+    attention_backend: str = "torch"         # "triton" once validated on the GPU
 
 
 @dataclass
