@@ -1,0 +1,385 @@
+"""RolloutFleet: N RolloutWorkers as Ray actors behind one driver (issue 8).
+
+    dispatch     one prompt = one request with its n samples (the GRPO group stays on one
+                 worker); each prompt goes to the live actor with the fewest outstanding
+                 sequences (queue depth, tracked on the driver)
+    collect      `generate` returns outputs in input order; `stream` yields them in
+                 completion order. Every RequestOutput's request_id is its prompt index.
+    weights      the driver (trainer) is rank 0 of a torch.distributed group, actor i is
+                 rank i+1; `update_weights` broadcasts with send_weights / receive_weights
+                 (bucketed; gloo on CPU, NCCL with GPUs) and waits until every live worker
+                 has committed the version
+    faults       a dead actor (RayActorError) loses nothing: its unfinished prompts go to
+                 the other actors; only the first result per prompt index is kept; with
+                 restart_dead=True the slot gets a fresh actor, which takes work again once
+                 it is on the fleet's weight version
+
+Importing this module imports ray; the single-worker path (rollout.worker) never does.
+"""
+from __future__ import annotations
+
+import asyncio
+import datetime
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+import torch
+
+from .request import RequestOutput, SamplingParams
+
+log = logging.getLogger(__name__)
+
+_ACTOR_DEATH = tuple(e for e in (getattr(ray.exceptions, "RayActorError", None),
+                                 getattr(ray.exceptions, "ActorUnavailableError", None)) if e is not None)
+
+
+@dataclass
+class EngineSpec:
+    """How each actor builds its engine: RolloutEngine.from_pretrained(model, **engine_kwargs),
+    or factory() -> RolloutEngine when given (must be picklable)."""
+    model: str | None = None
+    engine_kwargs: dict = field(default_factory=dict)
+    factory: Callable[[], Any] | None = None
+    worker_kwargs: dict = field(default_factory=dict)      # RolloutWorker(engine, **worker_kwargs)
+
+    def build(self):
+        from .engine import RolloutEngine
+        if self.factory is not None:
+            return self.factory()
+        if self.model is None:
+            raise ValueError("EngineSpec needs a model path or a factory")
+        return RolloutEngine.from_pretrained(self.model, **self.engine_kwargs)
+
+
+class _WorkerActor:
+    """Ray actor (async; generation runs on the RolloutWorker's background thread)."""
+
+    def __init__(self, spec: EngineSpec, index: int, torch_threads: int | None = None):
+        if torch_threads:
+            torch.set_num_threads(torch_threads)
+        from .worker import RolloutWorker
+        self.index = index
+        self.worker = RolloutWorker(spec.build(), **spec.worker_kwargs)
+        self.worker.start()
+        self.started = time.time()
+
+    async def run(self, prompt, params: SamplingParams | None) -> RequestOutput:
+        fut = self.worker.submit([prompt], params)
+        return (await asyncio.wrap_future(fut))[0]
+
+    async def ping(self) -> int:
+        return self.index
+
+    async def policy_version(self) -> int:
+        return self.worker.policy_version
+
+    async def stats(self) -> dict:
+        return self.worker.stats()
+
+    async def init_weight_group(self, backend: str, addr: str, port: int, rank: int, world_size: int,
+                                timeout_s: float = 600.0) -> None:
+        def _init():
+            import datetime
+
+            import torch.distributed as dist
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world_size,
+                                    timeout=datetime.timedelta(seconds=timeout_s))
+        await asyncio.get_running_loop().run_in_executor(None, _init)
+
+    async def receive_weights(self, version: int, bucket_bytes: int) -> None:
+        from .weights import receive_weights
+        device = self.worker.engine.device
+        rx_device = device if device.type == "cuda" else None
+
+        def _recv():
+            items = list(receive_weights(src=0, bucket_bytes=bucket_bytes, device=rx_device))
+            self.worker.update_weights(items, version)
+        await asyncio.get_running_loop().run_in_executor(None, _recv)
+
+    async def wait_version(self, version: int, timeout: float) -> int:
+        t0 = time.time()
+        while self.worker.policy_version < version and time.time() - t0 < timeout:
+            await asyncio.sleep(0.01)
+        return self.worker.policy_version
+
+    async def shutdown(self) -> None:
+        self.worker.stop()
+        import torch.distributed as dist
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+@dataclass
+class _Slot:
+    index: int
+    actor: Any
+    alive: bool = True
+    synced: bool = True          # on the fleet's weight version (a restarted actor may not be)
+    outstanding: int = 0         # sequences submitted and not yet returned
+    generations: int = 0         # how many actors this slot has had
+    tokens: int = 0              # generated tokens returned (cumulative)
+    job_tokens: int = 0          # in the last generate/stream call
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+class RolloutFleet:
+    def __init__(self, num_workers: int, engine: EngineSpec | dict | Callable | str, *,
+                 num_gpus_per_worker: float = 0, num_cpus_per_worker: float = 1,
+                 restart_dead: bool = False, torch_threads: int | None = 1,
+                 max_concurrency: int = 1000, bucket_bytes: int = 256 << 20,
+                 weight_timeout_s: float = 600.0):
+        if num_workers < 1:
+            raise ValueError(f"num_workers must be >= 1, got {num_workers}")
+        self.spec = self._spec(engine)
+        if num_gpus_per_worker and "device" not in self.spec.engine_kwargs and self.spec.factory is None:
+            self.spec.engine_kwargs["device"] = "cuda"      # Ray sets CUDA_VISIBLE_DEVICES per actor
+        if not ray.is_initialized():
+            ray.init(include_dashboard=False)
+        self.num_gpus_per_worker = num_gpus_per_worker
+        self.num_cpus_per_worker = num_cpus_per_worker
+        self.restart_dead = restart_dead
+        self.torch_threads = torch_threads
+        self.max_concurrency = max_concurrency
+        self.bucket_bytes = bucket_bytes
+        self.weight_timeout_s = weight_timeout_s      # collective timeout of the weight group
+        self.backend = "nccl" if num_gpus_per_worker else "gloo"
+        self._cls = ray.remote(_WorkerActor)
+        self.slots = [_Slot(i, self._new_actor(i)) for i in range(num_workers)]
+        self.version = 0
+        self._group_members: tuple | None = None     # actor ids in the current weight group
+        self.metrics = {"dead_actors": 0, "restarted_actors": 0, "resubmitted_prompts": 0,
+                        "duplicate_results": 0, "weight_updates": 0, "job_s": 0.0, "job_tokens": 0}
+        ray.get([s.actor.ping.remote() for s in self.slots])      # wait until every engine is built
+
+    @staticmethod
+    def _spec(engine) -> EngineSpec:
+        if isinstance(engine, EngineSpec):
+            return engine
+        if isinstance(engine, (str, os.PathLike)):
+            return EngineSpec(model=str(engine))
+        if isinstance(engine, dict):
+            kw = dict(engine)
+            model = kw.pop("model", None) or kw.pop("path", None)
+            worker_kwargs = kw.pop("worker_kwargs", {})
+            return EngineSpec(model=str(model) if model is not None else None, engine_kwargs=kw,
+                              worker_kwargs=worker_kwargs)
+        if callable(engine):
+            return EngineSpec(factory=engine)
+        raise TypeError(f"engine must be an EngineSpec, a dict, a model path or a factory, got {type(engine)}")
+
+    def _new_actor(self, index: int):
+        return self._cls.options(num_cpus=self.num_cpus_per_worker, num_gpus=self.num_gpus_per_worker,
+                                 max_concurrency=self.max_concurrency, max_restarts=0,
+                                 ).remote(self.spec, index, self.torch_threads)
+
+    # ---- workers -----------------------------------------------------------------------------
+    @property
+    def actors(self) -> list:
+        return [s.actor for s in self.slots if s.alive]
+
+    @property
+    def num_live(self) -> int:
+        return sum(s.alive for s in self.slots)
+
+    def queue_depths(self) -> dict[int, int]:
+        return {s.index: s.outstanding for s in self.slots if s.alive}
+
+    def _mark_dead(self, slot: _Slot) -> None:
+        if not slot.alive:
+            return
+        log.warning("rollout actor %d died", slot.index)
+        slot.alive, slot.outstanding = False, 0
+        self.metrics["dead_actors"] += 1
+        if self.restart_dead:
+            slot.actor = self._new_actor(slot.index)
+            slot.alive, slot.generations = True, slot.generations + 1
+            slot.synced = self.version == 0
+            self.metrics["restarted_actors"] += 1
+
+    def _pick(self, exclude=()) -> _Slot:
+        live = [s for s in self.slots if s.alive and s.synced and s.actor not in exclude]
+        if not live:
+            live = [s for s in self.slots if s.alive and s.synced]
+        if not live:
+            raise RuntimeError("no live rollout workers left in the fleet")
+        return min(live, key=lambda s: (s.outstanding, s.index))
+
+    # ---- generation ----------------------------------------------------------------------------
+    def stream(self, prompts, sampling_params=None) -> Iterator[RequestOutput]:
+        """Yield one RequestOutput per prompt in completion order; request_id = prompt index."""
+        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, (list, tuple)):
+            raise ValueError("prompts must be a list of strings or a list of token-id lists")  # noqa: TRY004
+        params = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        for s in self.slots:
+            s.job_tokens = 0
+        pending: dict[Any, tuple[int, _Slot, Any]] = {}      # ref -> (prompt index, slot, actor)
+        done: set[int] = set()
+        t0 = time.perf_counter()
+
+        def submit(i: int, exclude=()):
+            slot = self._pick(exclude)
+            p = params[i]
+            ref = slot.actor.run.remote(prompts[i], p)
+            slot.outstanding += p.n if p is not None else 1
+            pending[ref] = (i, slot, slot.actor)
+
+        for i in range(len(prompts)):
+            submit(i)
+        def release(i: int, slot: _Slot, actor) -> None:
+            if slot.actor is actor and slot.alive:
+                p = params[i]
+                slot.outstanding -= p.n if p is not None else 1
+
+        try:
+            while pending:
+                ready, _ = ray.wait(list(pending), num_returns=1)
+                ref = ready[0]
+                i, slot, actor = pending.pop(ref)
+                try:
+                    out = ray.get(ref)
+                except _ACTOR_DEATH:
+                    if slot.actor is actor:
+                        self._mark_dead(slot)
+                    # every prompt still on that actor goes elsewhere (its refs are dropped)
+                    lost = [r for r, (_, _, a) in pending.items() if a is actor]
+                    redo = [i] + [pending.pop(r)[0] for r in lost]
+                    for j in redo:
+                        if j not in done:
+                            self.metrics["resubmitted_prompts"] += 1
+                            submit(j, exclude=(actor,))
+                    continue
+                except BaseException:
+                    release(i, slot, actor)
+                    raise
+                release(i, slot, actor)
+                if i in done:
+                    self.metrics["duplicate_results"] += 1
+                    continue
+                done.add(i)
+                ntok = sum(len(c.token_ids) for c in out.completions)
+                slot.tokens += ntok
+                slot.job_tokens += ntok
+                out.request_id = i
+                yield out
+        finally:        # an error, or the consumer stopped early: drop what is still queued
+            for r, (i, slot, actor) in pending.items():
+                release(i, slot, actor)
+                try:
+                    ray.cancel(r)
+                except Exception as exc:  # noqa: BLE001
+                    log.debug("cancel: %r", exc)
+            self.metrics["job_s"] = time.perf_counter() - t0
+            self.metrics["job_tokens"] = sum(s.job_tokens for s in self.slots)
+
+    def generate(self, prompts, sampling_params=None) -> list[RequestOutput]:
+        """One RequestOutput per prompt, in input order (request_id = prompt index)."""
+        outs: list[RequestOutput | None] = [None] * len(prompts)
+        for o in self.stream(prompts, sampling_params):
+            outs[o.request_id] = o
+        return outs
+
+    # ---- weights -------------------------------------------------------------------------------
+    def _ensure_group(self) -> list[_Slot]:
+        import torch.distributed as dist
+        live = [s for s in self.slots if s.alive]
+        members = tuple((s.index, s.generations) for s in live)
+        if members == self._group_members:
+            return live
+        if dist.is_initialized() and self._group_members is None:
+            raise RuntimeError("the driver already has a default torch.distributed group; RolloutFleet makes "
+                               "the driver rank 0 of its own group (run the fleet from a process without one)")
+        if dist.is_initialized():
+            dist.destroy_process_group()      # membership changed (a worker died or restarted)
+        addr = ray.util.get_node_ip_address() if len(ray.nodes()) > 1 else "127.0.0.1"
+        port, world = _free_port(), len(live) + 1
+        refs = [s.actor.init_weight_group.remote(self.backend, addr, port, k + 1, world, self.weight_timeout_s)
+                for k, s in enumerate(live)]
+        dist.init_process_group(self.backend, init_method=f"tcp://{addr}:{port}", rank=0, world_size=world,
+                                timeout=datetime.timedelta(seconds=self.weight_timeout_s))
+        ray.get(refs)
+        self._group_members = members
+        return live
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int,
+                       *, wait_commit: bool = True, timeout: float = 300.0) -> int:
+        """Broadcast (name, tensor) pairs from this process (rank 0) to every live worker and
+        stage them as `version`; with wait_commit, return once all have committed it.
+        Returns bytes sent. Restarted workers need full updates to catch up."""
+        from .weights import send_weights
+        if version <= self.version:
+            raise ValueError(f"version {version} is not newer than the fleet's version {self.version}")
+        live = self._ensure_group()
+        refs = [s.actor.receive_weights.remote(version, self.bucket_bytes) for s in live]
+        device = "cuda" if self.backend == "nccl" else None
+        sent = send_weights(named_tensors, src=0, bucket_bytes=self.bucket_bytes, device=device)
+        ray.get(refs)
+        self.version = version
+        self.metrics["weight_updates"] += 1
+        if wait_commit:
+            got = ray.get([s.actor.wait_version.remote(version, timeout) for s in live])
+            if min(got) < version:
+                raise RuntimeError(f"workers did not commit version {version} within {timeout}s: {got}")
+        for s in live:
+            s.synced = True
+        return sent
+
+    def versions(self) -> dict[int, int]:
+        live = [s for s in self.slots if s.alive]
+        return dict(zip([s.index for s in live], ray.get([s.actor.policy_version.remote() for s in live])))
+
+    def version_skew(self) -> int:
+        """max - min committed weight version over the live workers."""
+        v = list(self.versions().values())
+        return max(v) - min(v) if v else 0
+
+    # ---- stats / shutdown ---------------------------------------------------------------------
+    def stats(self) -> dict:
+        live = [s for s in self.slots if s.alive]
+        remote = ray.get([s.actor.stats.remote() for s in live])
+        dt = max(self.metrics["job_s"], 1e-9)
+        workers = {}
+        for s, st in zip(live, remote):
+            st = dict(st)
+            st.update(outstanding=s.outstanding, synced=s.synced, restarts=s.generations,
+                      returned_tokens=s.tokens, tok_s=s.job_tokens / dt if self.metrics["job_s"] else 0.0)
+            workers[s.index] = st
+        vers = [w["policy_version"] for w in workers.values()]
+        return {"workers": workers, "num_live": len(live), "num_workers": len(self.slots),
+                "fleet_version": self.version, "version_skew": (max(vers) - min(vers)) if vers else 0,
+                "tok_s": self.metrics["job_tokens"] / dt if self.metrics["job_s"] else 0.0,
+                **self.metrics}
+
+    def shutdown(self) -> None:
+        import torch.distributed as dist
+        for s in self.slots:
+            if s.alive:
+                try:
+                    ray.get(s.actor.shutdown.remote(), timeout=30)
+                except Exception as exc:  # noqa: BLE001  already dead / unreachable
+                    log.debug("actor %d shutdown: %r", s.index, exc)
+                ray.kill(s.actor)
+                s.alive = False
+        if self._group_members is not None and dist.is_initialized():
+            dist.destroy_process_group()
+        self._group_members = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.shutdown()
