@@ -259,8 +259,9 @@ class Scheduler:
             return "stop", tok
         if not p.ignore_eos and tok in self.eos_token_ids:
             return "stop", tok
-        generated = seq.token_ids[seq.num_prompt:pos + 1]
+        num_generated = pos + 1 - seq.num_prompt
         if p.stop and self.tokenizer is not None:
+            generated = seq.token_ids[seq.num_prompt:pos + 1]   # copied only when stop strings are set
             # Decode only a tail window: enough tokens to cover the longest stop string.
             window = max(len(s) for s in p.stop) + 8
             tail = self.tokenizer.decode(generated[-window:], skip_special_tokens=True)
@@ -270,7 +271,7 @@ class Scheduler:
                     cut = text.find(s)
                     seq.final_text = text[:cut] if cut >= 0 else text
                     return "stop", s
-        if len(generated) >= p.max_new_tokens or pos + 1 >= self.max_model_len:
+        if num_generated >= p.max_new_tokens or pos + 1 >= self.max_model_len:
             return "length", None
         return None
 
