@@ -12,7 +12,7 @@ import torch
 
 from .kv_cache import KVCacheManager
 from .models.loader import build_model, init_random, load_model, resolve_dtype
-from .request import Request, RequestOutput, SamplingParams, Sequence, Status
+from .request import Request, RequestOutput, SamplingParams
 from .pipeline import DevicePipeline, InFlight
 from .runner import ModelRunner
 from .sampler import SamplerOutput
@@ -33,14 +33,10 @@ class RolloutEngine:
                  max_model_len: Optional[int] = None, kv_cache_memory: Optional[int] = None,
                  num_kv_pages: Optional[int] = None, page_size: int = 16, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 2048, seed: int = 0, kv_dtype=None,
-                 bf16_reduced_precision_reduction: bool = False, async_pipeline: Optional[bool] = None,
+                 async_pipeline: Optional[bool] = None,
                  kv_reserve_fraction: float = 1.0, attention_backend: str = "torch"):
         self.model = model
         self.hf_config = hf_config
-        if torch.cuda.is_available():
-            # cuBLAS may otherwise reduce split-K partial sums in bf16 for small-M (decode)
-            # GEMMs; that rounding drifts logprobs away from the trainer's forward.
-            torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = bool(bf16_reduced_precision_reduction)
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
@@ -75,7 +71,7 @@ class RolloutEngine:
         self._rng = random.Random(seed)
         self._next_id = 0
         self.requests: dict[int, Request] = {}
-        self.metrics = {"steps": 0, "generated_tokens": 0, "prefill_tokens": 0}
+        self.metrics = {"steps": 0, "generated_tokens": 0, "prefill_tokens": 0, "failed_steps": 0}
 
     # ---- construction --------------------------------------------------------------------
     @classmethod
@@ -211,7 +207,7 @@ class RolloutEngine:
         """Finish every request with a sequence in the failed batch: finish_reason "error",
         the exception in RequestOutput.error, pages freed. Other requests go on."""
         log.error("step failed; failing its requests: %r", exc)
-        self.metrics["failed_steps"] = self.metrics.get("failed_steps", 0) + 1
+        self.metrics["failed_steps"] += 1
         for rid in {i.seq.request.request_id for i in sched.items}:
             req = self.requests.get(rid)
             if req is not None:
