@@ -21,7 +21,7 @@ import torch
 
 from .batch import BatchBuilder
 from .kv_cache import KVCacheManager
-from .runner import DeviceBatch, ModelRunner
+from .runner import ModelRunner
 from .sampler import SamplerOutput
 from .scheduler import SchedulerOutput
 
@@ -54,7 +54,6 @@ class DevicePipeline:
         self.device = runner.device
         self.cuda = self.device.type == "cuda"
         self.async_mode = bool(async_mode) and self.cuda
-        self.max_rows = max_num_seqs
         self.slots = [self._make_slot(kv, max_num_batched_tokens, max_num_seqs, max_pages_per_seq)
                       for _ in range(2)]
         self.current = 0

@@ -16,6 +16,7 @@ from a trainer rank (gloo on CPU, NCCL on GPU): `send_weights` / `receive_weight
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator, Optional
@@ -45,6 +46,7 @@ class _Landing:
     landed_sums: torch.Tensor
     keep_alive: dict = field(default_factory=dict)
     done: object = None                     # CUDA event after the landed checksums
+    copy_events: tuple = ()                 # CUDA (start, end) around the in-place copies
 
 
 def _checksums(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -106,7 +108,7 @@ class WeightSync:
         items = self.validate(named_tensors)
         t0 = time.perf_counter()
         staged = dict(self.pending.tensors) if self.pending is not None else {}
-        ctx = torch.cuda.stream(self.stream) if self.cuda else _nullctx()
+        ctx = torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext()
         with ctx:
             for name, t in items:
                 buf = torch.empty_like(self.targets[name])
@@ -144,8 +146,7 @@ class WeightSync:
                 landed = _checksums([self.targets[n] for n in names])
                 done = torch.cuda.Event()
                 done.record()
-            self._landing = _Landing(st.version, names, st.sent_sums, landed, st.tensors, done)
-            self._barrier_events = (start, end)
+            self._landing = _Landing(st.version, names, st.sent_sums, landed, st.tensors, done, (start, end))
         else:
             t0 = time.perf_counter()
             for n in names:
@@ -174,7 +175,7 @@ class WeightSync:
             return False
         if ld.done is not None:
             ld.done.synchronize()
-            start, end = self._barrier_events
+            start, end = ld.copy_events
             self.metrics["barrier_ms"] += start.elapsed_time(end)
         bad = [n for n, a, b in zip(ld.names, ld.sent_sums.tolist(), ld.landed_sums.tolist()) if a != b]
         self._landing = None
@@ -182,14 +183,6 @@ class WeightSync:
             raise RuntimeError(f"weight update v{ld.version} did not land exactly: checksum mismatch in {bad[:3]}")
         self.metrics["verified"] += 1
         return True
-
-
-class _nullctx:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return False
 
 
 # ---- torch.distributed transport ---------------------------------------------------------------
