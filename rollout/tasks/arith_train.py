@@ -8,6 +8,7 @@ tokenizer files, README.md) that loads offline with ``AutoTokenizer`` /
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import pathlib
@@ -125,6 +126,18 @@ def evaluate(model, tokenizer, problems, batch_size: int = 200) -> float:
     return correct / len(problems)
 
 
+@contextlib.contextmanager
+def _torch_threads(n: int | None):
+    """Set torch's intra-op thread count for the block, then restore it."""
+    prev = torch.get_num_threads()
+    if n:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(prev)
+
+
 def train_tiny_model(
     out_dir,
     minutes: float = 2.0,
@@ -150,131 +163,94 @@ def train_tiny_model(
     # One thread by default: for a model this small, 2 threads are only ~1.3x
     # faster on an idle 2-core box, but ~30x *slower* when another process holds
     # one of the cores (OpenMP threads wait on the descheduled peer).
-    prev_threads = torch.get_num_threads()
-    if num_threads:
-        torch.set_num_threads(num_threads)
-    try:
-        return _train(
-            out_dir,
-            minutes,
-            seed,
-            max_steps,
-            batch_size,
-            lr,
-            warmup_steps,
-            log_every,
-            command,
-            model_kwargs,
-            one_digit_share,
-            weight_decay,
-            betas,
+    with _torch_threads(num_threads):
+        random.seed(seed)
+        tokenizer = build_tokenizer()
+        model = build_model(seed, **(model_kwargs or {}))
+        n_params = sum(p.numel() for p in model.parameters())
+        print(
+            f"[arith-tiny] params={n_params:,} threads={torch.get_num_threads()} budget={minutes}min max_steps={max_steps}",
+            flush=True,
         )
-    finally:
-        torch.set_num_threads(prev_threads)
 
+        held_out = eval_problems(seed)
+        # Exclude held-out 2-digit prompts from training.  The 1-digit space has only
+        # 200 problems, so 1-digit "held-out" accuracy is in-distribution recall.
+        held_out_prompts = {p for p, _ in held_out[2]}
+        rng = random.Random(seed)
 
-def _train(
-    out_dir,
-    minutes,
-    seed,
-    max_steps,
-    batch_size,
-    lr,
-    warmup_steps,
-    log_every,
-    command,
-    model_kwargs,
-    one_digit_share,
-    weight_decay,
-    betas,
-) -> dict:
-    random.seed(seed)
-    tokenizer = build_tokenizer()
-    model = build_model(seed, **(model_kwargs or {}))
-    n_params = sum(p.numel() for p in model.parameters())
-    print(
-        f"[arith-tiny] params={n_params:,} threads={torch.get_num_threads()} budget={minutes}min max_steps={max_steps}",
-        flush=True,
-    )
+        def sample_batch():
+            probs = []
+            while len(probs) < batch_size:
+                if one_digit_share is None:
+                    pa = make_problem(rng)
+                else:
+                    pa = make_problem(rng, digits=1 if rng.random() < one_digit_share else 2)
+                if pa[0] not in held_out_prompts:
+                    probs.append(pa)
+            return _encode_batch(probs)
 
-    held_out = eval_problems(seed)
-    # Exclude held-out 2-digit prompts from training.  The 1-digit space has only
-    # 200 problems, so 1-digit "held-out" accuracy is in-distribution recall.
-    held_out_prompts = {p for p, _ in held_out[2]}
-    rng = random.Random(seed)
-
-    def sample_batch():
-        probs = []
-        while len(probs) < batch_size:
-            if one_digit_share is None:
-                pa = make_problem(rng)
+        opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=tuple(betas), weight_decay=weight_decay)
+        budget = minutes * 60.0
+        model.train()
+        t0 = time.perf_counter()
+        step = 0
+        ema = None
+        while True:
+            elapsed = time.perf_counter() - t0
+            if max_steps is not None:
+                if step >= max_steps:
+                    break
+                frac = step / max_steps
             else:
-                pa = make_problem(rng, digits=1 if rng.random() < one_digit_share else 2)
-            if pa[0] not in held_out_prompts:
-                probs.append(pa)
-        return _encode_batch(probs)
+                if elapsed >= budget:
+                    break
+                frac = elapsed / budget
+            # linear warmup, then cosine decay to 5% of peak over the time budget
+            scale = min(1.0, (step + 1) / warmup_steps) * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * frac)))
+            for g in opt.param_groups:
+                g["lr"] = lr * scale
+            ids, _mask, labels = sample_batch()
+            # Right padding + causal attention: pads never influence real tokens, so
+            # the attention mask is unnecessary (and skipping it is faster).
+            loss = model(input_ids=ids, labels=labels).loss
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            step += 1
+            ema = loss.item() if ema is None else 0.95 * ema + 0.05 * loss.item()
+            if step % log_every == 0:
+                print(
+                    f"[arith-tiny] step {step:5d}  t={time.perf_counter() - t0:6.1f}s  "
+                    f"lr={lr * scale:.2e}  loss(ema)={ema:.4f}",
+                    flush=True,
+                )
+        train_seconds = time.perf_counter() - t0
 
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=tuple(betas), weight_decay=weight_decay)
-    budget = minutes * 60.0
-    model.train()
-    t0 = time.perf_counter()
-    step = 0
-    ema = None
-    while True:
-        elapsed = time.perf_counter() - t0
-        if max_steps is not None:
-            if step >= max_steps:
-                break
-            frac = step / max_steps
-        else:
-            if elapsed >= budget:
-                break
-            frac = elapsed / budget
-        # linear warmup, then cosine decay to 5% of peak over the time budget
-        scale = min(1.0, (step + 1) / warmup_steps) * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * frac)))
-        for g in opt.param_groups:
-            g["lr"] = lr * scale
-        ids, _mask, labels = sample_batch()
-        # Right padding + causal attention: pads never influence real tokens, so
-        # the attention mask is unnecessary (and skipping it is faster).
-        loss = model(input_ids=ids, labels=labels).loss
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        step += 1
-        ema = loss.item() if ema is None else 0.95 * ema + 0.05 * loss.item()
-        if step % log_every == 0:
-            print(
-                f"[arith-tiny] step {step:5d}  t={time.perf_counter() - t0:6.1f}s  "
-                f"lr={lr * scale:.2e}  loss(ema)={ema:.4f}",
-                flush=True,
-            )
-    train_seconds = time.perf_counter() - t0
+        acc = {d: evaluate(model, tokenizer, probs) for d, probs in held_out.items()}
+        print(
+            f"[arith-tiny] done: steps={step} train={train_seconds:.1f}s  "
+            f"held-out exact match: 1-digit={acc[1]:.3f} 2-digit={acc[2]:.3f}",
+            flush=True,
+        )
 
-    acc = {d: evaluate(model, tokenizer, probs) for d, probs in held_out.items()}
-    print(
-        f"[arith-tiny] done: steps={step} train={train_seconds:.1f}s  "
-        f"held-out exact match: 1-digit={acc[1]:.3f} 2-digit={acc[2]:.3f}",
-        flush=True,
-    )
-
-    stats = {
-        "params": n_params,
-        "steps": step,
-        "batch_size": batch_size,
-        "train_seconds": round(train_seconds, 1),
-        "acc_1digit": acc[1],
-        "acc_2digit": acc[2],
-        "final_loss_ema": round(ema or float("nan"), 4),
-        "seed": seed,
-        "minutes": minutes,
-        "lr": lr,
-        "threads": torch.get_num_threads(),
-        "torch_version": torch.__version__,
-    }
-    save(model, tokenizer, out_dir, stats, command)
-    return stats
+        stats = {
+            "params": n_params,
+            "steps": step,
+            "batch_size": batch_size,
+            "train_seconds": round(train_seconds, 1),
+            "acc_1digit": acc[1],
+            "acc_2digit": acc[2],
+            "final_loss_ema": round(ema or float("nan"), 4),
+            "seed": seed,
+            "minutes": minutes,
+            "lr": lr,
+            "threads": torch.get_num_threads(),
+            "torch_version": torch.__version__,
+        }
+        save(model, tokenizer, out_dir, stats, command)
+        return stats
 
 
 def _compat_fixups(out_dir: pathlib.Path) -> None:
