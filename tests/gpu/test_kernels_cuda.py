@@ -6,6 +6,7 @@ sets TRITON_INTERPRET=1 for its whole process (triton needs it from its first im
 such a process triton runs every kernel in the CPU interpreter; this module skips itself there.
 """
 import os
+import sys
 
 import pytest
 import torch
@@ -20,7 +21,9 @@ if os.environ.get("TRITON_INTERPRET") == "1":
                 "`python -m pytest tests/gpu` as its own invocation", allow_module_level=True)
 pytest.importorskip("triton")
 
-from rollout.attention import AttentionMetadata, paged_attention_ref, write_kv  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # tests/: shared builders
+from paged_cases import make_paged as _make_paged, meta_for, reference  # noqa: E402
+from rollout.attention import write_kv  # noqa: E402
 from rollout.kernels.paged_decode import paged_decode_attention  # noqa: E402
 from rollout.kernels.paged_prefill import paged_prefill_attention  # noqa: E402
 from rollout.kernels.rope_kv import rope_and_write_kv  # noqa: E402
@@ -39,46 +42,8 @@ FP32_TOL = dict(rtol=2e-5, atol=2e-5)
 TOL = {torch.bfloat16: BF16_TOL, torch.float32: FP32_TOL}
 
 
-def make_paged(lens, Hkv, D, ps, dtype, seed, spare_pages=8):
-    """Shuffled page pool; slots that hold no token are 0 in the clean copy (the reference
-    gathers whole pages) and NaN in the poisoned copy the kernel reads."""
-    g = torch.Generator().manual_seed(seed)
-    need = [-(-L // ps) for L in lens]
-    num_pages = sum(need) + spare_pages
-    perm = torch.randperm(num_pages, generator=g)
-    bt = torch.randint(0, num_pages, (len(lens), max(need + [1]) + 1), generator=g, dtype=torch.int32)
-    used = torch.zeros(num_pages, ps, dtype=torch.bool)
-    p = 0
-    for i, (L, n) in enumerate(zip(lens, need)):
-        bt[i, :n] = perm[p:p + n].int()
-        used.view(-1)[(perm[p:p + n, None] * ps + torch.arange(ps)).view(-1)[:L]] = True
-        p += n
-    used = used.to(DEV)
-    clean, poisoned = [], []
-    for _ in range(2):
-        c = torch.randn(num_pages, ps, Hkv, D, device=DEV).to(dtype)
-        c[~used] = 0
-        clean.append(c)
-        poisoned.append(c.masked_fill(~used[:, :, None, None], float("nan")))
-    return clean, poisoned, bt.to(DEV)
-
-
-def meta_for(lens, qlens, bt, ps):
-    qsl = [0]
-    for n in qlens:
-        qsl.append(qsl[-1] + n)
-    return AttentionMetadata(slot_mapping=None, block_tables=bt,
-                             seq_lens=torch.tensor(lens, dtype=torch.int32, device=DEV),
-                             query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=DEV),
-                             seq_lens_host=list(lens), query_start_host=qsl, page_size=ps)
-
-
-def reference(q, caches, meta, scale, window):
-    ref = paged_attention_ref(q.float(), caches[0].float(), caches[1].float(), meta, scale, window)
-    for i, L in enumerate(meta.seq_lens_host):
-        if L == 0:       # empty sequence: the reference's softmax is NaN; kernels define 0
-            ref[meta.query_start_host[i]:meta.query_start_host[i + 1]] = 0
-    return ref
+def make_paged(lens, Hkv, D, ps, dtype, seed):
+    return _make_paged(lens, Hkv, D, ps, dtype, seed, device=DEV, spare_pages=8)
 
 
 def check(out, ref, dtype):
