@@ -116,6 +116,7 @@ def main(argv=None):
                     help="cuBLAS split-K reductions in bf16 (PyTorch's default is 1); measured no effect on the 8B check")
     ap.add_argument("--trace", default=None, metavar="PREFIX",
                     help="also trace a short sync and async run: PREFIX.json (Chrome trace) + PREFIX.png")
+    ap.add_argument("--attention-backend", default="torch", choices=("torch", "triton"))
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
 
@@ -135,12 +136,13 @@ def main(argv=None):
     per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads) * dtype.itemsize
     engine = RolloutEngine(model, cfg, max_model_len=P + G + 8, max_num_seqs=max(B, 8),
                            kv_cache_memory=int(per_token * B * (P + G + 64) * 1.2),
-                           max_num_batched_tokens=max(2048, P * 4), seed=args.seed)
+                           max_num_batched_tokens=max(2048, P * 4), seed=args.seed,
+                           attention_backend=args.attention_backend)
     gen = torch.Generator().manual_seed(args.seed)
     prompts = torch.randint(10, cfg.vocab_size - 10, (B, P), generator=gen).tolist()
     greedy = SamplingParams(max_new_tokens=G, temperature=0.0, ignore_eos=True)
     sampled = SamplingParams(max_new_tokens=min(G, 64), temperature=1.0, top_p=0.9, seed=1, ignore_eos=True)
-    result = {"shape": args.shape, "batch": B, "prompt_len": P, "gen_len": G, "dtype": args.dtype,
+    result = {"shape": args.shape, "attention_backend": args.attention_backend, "batch": B, "prompt_len": P, "gen_len": G, "dtype": args.dtype,
               "bf16_reduced_precision_reduction": bool(args.bf16_reduced_precision_reduction)}
 
     # Correctness against HF's forward, same weights and dtype.
