@@ -1,5 +1,5 @@
-"""Paged attention, torch reference (CPU tests, CI, and the eager CUDA path until the
-Triton kernels land). Writes the step's K/V into the page pool through the slot
+"""Paged attention: the torch reference (CPU tests, CI) and the dispatch to the Triton
+kernels (CUDA default). Writes the step's K/V into the page pool through the slot
 mapping, then attends each sequence's queries over its pages via the block table.
 """
 from __future__ import annotations
@@ -16,11 +16,13 @@ class AttentionMetadata:
     block_tables: torch.Tensor      # [S, max_pages] int32
     seq_lens: torch.Tensor          # [S] int32, context length after this step
     query_start_loc: torch.Tensor   # [S + 1] int32
-    # Host copies for the reference loop (no device sync needed to read them).
-    seq_lens_host: list[int]
-    query_start_host: list[int]
+    # Host copies for the torch reference (no device sync needed to read them); None inside
+    # a CUDA graph's static step, which only the Triton backend runs.
+    seq_lens_host: Optional[list[int]]
+    query_start_host: Optional[list[int]]
     page_size: int
     backend: str = "torch"          # "torch" (reference) or "triton" (rollout.kernels)
+    decode_only: bool = False       # one query per sequence: the split-KV decode kernel applies
 
 
 def attend(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, sliding_window=None) -> torch.Tensor:
@@ -46,7 +48,7 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     value sum are computed in fp32 (as flash-style kernels accumulate): rounding the
     scores to bf16 before the softmax doubled our error against an fp32 forward.
     Decode rows (one query) run as one batched gather; prefill chunks per sequence."""
-    out = torch.empty_like(q)
+    out = torch.zeros_like(q)    # rows of no sequence (graph padding) stay 0, as in the kernels
     qsl, lens = meta.query_start_host, meta.seq_lens_host
     decode = [i for i in range(len(lens)) if qsl[i + 1] - qsl[i] == 1]
     if decode:
@@ -94,4 +96,7 @@ def _decode_batched(q, k_cache, v_cache, meta, scale, window, rows, out):
         allowed &= (L - 1 - k_pos) < window
     scores = scores.masked_fill(~allowed[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
+    # Columns past a row's length read other pages (the trash page, where padding tokens write
+    # anything): zero them, or a 0 weight times a NaN there would poison the row.
+    v = v.masked_fill(~allowed[:, :, None, None], 0.0)
     out[tok] = torch.einsum("shgk,skhd->shgd", probs, v).reshape(len(rows), Hq, D).to(q.dtype)

@@ -1,17 +1,38 @@
 """CPU batch builder: turns a SchedulerOutput into flat step inputs written into
 fixed-size host buffers (allocated once, pinned on CUDA), so a device pipeline can
 copy them in one go and a captured graph can read them at stable addresses.
+
+Python lists are gathered per field and written with one numpy slice assignment each
+(numpy views share the pinned memory): per-item torch ops cost ~10 us apiece and, at
+B = 64, were most of the host's time per decode step.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from .kv_cache import KVCacheManager
+from .kv_cache import TRASH_PAGE, KVCacheManager
 from .request import PLACEHOLDER
 from .sampler import SamplingTensors
 from .scheduler import SchedulerOutput
+
+# Host buffers of the builder, also mirrored on the device per slot: name -> (dim key, dtype).
+# Dim keys: T tokens, S sequences (+1 for query_start_loc), R rows, C copy-on-write pairs.
+STEP_FIELDS = {
+    "input_ids": ("T", torch.int64), "carry": ("T", torch.int64), "positions": ("T", torch.int64),
+    "slot_mapping": ("T", torch.int64), "query_start_loc": ("S1", torch.int32), "seq_lens": ("S", torch.int32),
+    "block_tables": ("SP", torch.int32), "logits_indices": ("R", torch.int64),
+    "temperature": ("R", torch.float32), "top_k": ("R", torch.int64), "top_p": ("R", torch.float32),
+    "min_p": ("R", torch.float32), "repetition_penalty": ("R", torch.float32), "seeds": ("R", torch.int64),
+    "counters": ("R", torch.int64), "copy_src": ("S", torch.int64), "copy_dst": ("S", torch.int64),
+}
+SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seeds", "counters")
+
+
+def field_shape(key: str, T: int, S: int, P: int) -> tuple[int, ...]:
+    return {"T": (T,), "S": (S,), "S1": (S + 1,), "SP": (S, P), "R": (S,)}[key]
 
 
 @dataclass
@@ -32,6 +53,8 @@ class Batch:
     query_start_host: list[int]
     num_top_logprobs: int = 0
     has_carry: bool = False         # any token (or penalty entry) comes from the previous batch
+    decode_only: bool = False       # every sequence computes one token and samples one row
+    padded_to: int = 0              # > 0: buffers hold inert padding rows up to this size
 
     @property
     def num_tokens(self) -> int:
@@ -41,37 +64,38 @@ class Batch:
     def num_rows(self) -> int:
         return self.logits_indices.numel()
 
+    @property
+    def graph_safe(self) -> bool:
+        """Decode steps whose sampling has a fixed shape: no penalty (its token list grows)
+        and no top logprobs (their width is per batch)."""
+        return self.decode_only and not self.sampling.any_penalty and self.num_top_logprobs == 0
+
 
 class BatchBuilder:
     def __init__(self, kv: KVCacheManager, *, max_num_batched_tokens: int, max_num_seqs: int,
                  max_pages_per_seq: int, pin_memory: bool = False):
         self.kv = kv
-        T, S, R, P = max_num_batched_tokens, max_num_seqs, max_num_seqs, max_pages_per_seq
-
-        def buf(*shape, dtype=torch.int64):
-            return torch.zeros(*shape, dtype=dtype, pin_memory=pin_memory)
-
-        self.input_ids, self.positions, self.slot_mapping = buf(T), buf(T), buf(T)
-        self.carry = buf(T)
-        self.query_start_loc, self.seq_lens = buf(S + 1, dtype=torch.int32), buf(S, dtype=torch.int32)
-        self.block_tables = buf(S, P, dtype=torch.int32)
-        self.logits_indices = buf(R)
-        self.temperature, self.top_p = buf(R, dtype=torch.float32), buf(R, dtype=torch.float32)
-        self.min_p, self.rep_penalty = buf(R, dtype=torch.float32), buf(R, dtype=torch.float32)
-        self.top_k, self.seeds, self.counters = buf(R), buf(R), buf(R)
-        self.max_pages_per_seq = P
+        self.dims = (max_num_batched_tokens, max_num_seqs, max_pages_per_seq)
+        self.host = {name: torch.zeros(field_shape(key, *self.dims), dtype=dtype, pin_memory=pin_memory)
+                     for name, (key, dtype) in STEP_FIELDS.items()}
+        self.np = {name: t.numpy() for name, t in self.host.items()}
+        self.max_pages_per_seq = max_pages_per_seq
 
     def build(self, sched: SchedulerOutput) -> Batch:
         """Flatten one scheduled step. Tokens sampled by the previous batch (still in
         flight) are PLACEHOLDERs on the host: their slot gets id 0 and a carry-over entry
         naming the previous batch's output row, which the device gathers before the forward."""
-        kv = self.kv
-        t = s = r = 0
-        qsl = [0]
-        seq_lens: list[int] = []
+        kv, ps, npb = self.kv, self.kv.page_size, self.np
+        ids: list[int] = []
+        carry: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        qsl, seq_lens = [0], []
+        rows = {f: [] for f in SAMPLING_FIELDS}
+        logits_idx: list[int] = []
         penalty_rows: list[list[int]] = []
         any_trunc = any_pen = has_carry = False
-        all_greedy = True
+        all_greedy = decode_only = True
         top_n = 0
         targets = iter(sched.targets)
 
@@ -80,36 +104,36 @@ class BatchBuilder:
             assert bid == sched.batch_id - 1, "placeholder not from the previous batch"
             return row
 
-        for item in sched.items:
+        for s, item in enumerate(sched.items):
             seq, n, start = item.seq, item.num_new, item.start
-            ids = seq.token_ids[start:start + n]
-            carry = [-1] * n
-            for j, tok in enumerate(ids):
+            decode_only &= n == 1 and item.num_samples == 1
+            for j, tok in enumerate(seq.token_ids[start:start + n]):
                 if tok == PLACEHOLDER:
-                    carry[j] = carried(seq, start + j)
+                    ids.append(0)
+                    carry.append(carried(seq, start + j))
                     has_carry = True
-            self.input_ids[t:t + n] = torch.tensor([max(x, 0) for x in ids], dtype=torch.int64)
-            self.carry[t:t + n] = torch.tensor(carry, dtype=torch.int64)
-            self.positions[t:t + n] = torch.arange(start, start + n)
-            self.slot_mapping[t:t + n] = torch.tensor([kv.slot(seq, p) for p in range(start, start + n)])
-            pages = seq.block_table
-            self.block_tables[s, :len(pages)] = torch.tensor(pages, dtype=torch.int32)
-            self.block_tables[s, len(pages):] = 0
-            t += n
-            qsl.append(t)
+                else:
+                    ids.append(tok)
+                    carry.append(-1)
+            positions.extend(range(start, start + n))
+            table = seq.block_table
+            slots.extend(table[p // ps] * ps + p % ps for p in range(start, start + n))
+            npb["block_tables"][s, :len(table)] = table
+            qsl.append(qsl[-1] + n)
             seq_lens.append(start + n)
-            s += 1
             p = seq.request.params
             for _ in range(item.num_samples):
                 # A group's prefill samples all n first tokens from its last position.
                 target = next(targets)
                 ts = target.seq
-                self.logits_indices[r] = t - 1
-                self.temperature[r] = p.temperature
-                self.top_p[r], self.top_k[r], self.min_p[r] = p.top_p, p.top_k, p.min_p
-                self.rep_penalty[r] = p.repetition_penalty
-                self.seeds[r] = ts.request.sample_seed(ts.sample_index)
-                self.counters[r] = target.pos      # position of the token being sampled
+                logits_idx.append(qsl[-1] - 1)
+                rows["temperature"].append(p.temperature)
+                rows["top_k"].append(p.top_k)
+                rows["top_p"].append(p.top_p)
+                rows["min_p"].append(p.min_p)
+                rows["repetition_penalty"].append(p.repetition_penalty)
+                rows["seeds"].append(ts.request.sample_seed(ts.sample_index))
+                rows["counters"].append(target.pos)      # position of the token being sampled
                 if p.repetition_penalty != 1.0:
                     # In-flight tokens are encoded as -(2 + previous row) and carried over too.
                     row = [x if x != PLACEHOLDER else -2 - carried(ts, i) for i, x in enumerate(ts.token_ids[:target.pos])]
@@ -121,26 +145,42 @@ class BatchBuilder:
                 any_pen |= p.repetition_penalty != 1.0
                 all_greedy &= p.greedy
                 top_n = max(top_n, p.top_logprobs)
-                r += 1
-        self.query_start_loc[:s + 1] = torch.tensor(qsl, dtype=torch.int32)
-        self.seq_lens[:s] = torch.tensor(seq_lens, dtype=torch.int32)
+        t, s, r, c = len(ids), len(seq_lens), len(logits_idx), len(sched.copies)
+        for name, values in (("input_ids", ids), ("carry", carry), ("positions", positions),
+                             ("slot_mapping", slots), ("query_start_loc", qsl), ("seq_lens", seq_lens),
+                             ("logits_indices", logits_idx), *rows.items(),
+                             ("copy_src", [x[0] for x in sched.copies]), ("copy_dst", [x[1] for x in sched.copies])):
+            npb[name][:len(values)] = values
         penalty = None
         if any_pen:
             width = max(len(x) for x in penalty_rows)
             penalty = torch.full((r, width), -1, dtype=torch.int64)
             for i, row in enumerate(penalty_rows):
                 penalty[i, :len(row)] = torch.tensor(row, dtype=torch.int64)
+        h = self.host
         sampling = SamplingTensors(
-            temperature=self.temperature[:r], top_k=self.top_k[:r], top_p=self.top_p[:r],
-            min_p=self.min_p[:r], repetition_penalty=self.rep_penalty[:r], seeds=self.seeds[:r],
-            counters=self.counters[:r], penalty_token_ids=penalty, num_top_logprobs=top_n,
+            **{f: h[f][:r] for f in SAMPLING_FIELDS}, penalty_token_ids=penalty, num_top_logprobs=top_n,
             all_greedy=all_greedy and r > 0, any_truncation=any_trunc, any_penalty=any_pen)
-        src = torch.tensor([c[0] for c in sched.copies], dtype=torch.int64)
-        dst = torch.tensor([c[1] for c in sched.copies], dtype=torch.int64)
         return Batch(
-            input_ids=self.input_ids[:t], carry=self.carry[:t], positions=self.positions[:t],
-            slot_mapping=self.slot_mapping[:t],
-            query_start_loc=self.query_start_loc[:s + 1], seq_lens=self.seq_lens[:s],
-            block_tables=self.block_tables[:s], logits_indices=self.logits_indices[:r],
-            sampling=sampling, copy_src=src, copy_dst=dst,
-            seq_lens_host=seq_lens, query_start_host=qsl, num_top_logprobs=top_n, has_carry=has_carry)
+            input_ids=h["input_ids"][:t], carry=h["carry"][:t], positions=h["positions"][:t],
+            slot_mapping=h["slot_mapping"][:t], query_start_loc=h["query_start_loc"][:s + 1],
+            seq_lens=h["seq_lens"][:s], block_tables=h["block_tables"][:s], logits_indices=h["logits_indices"][:r],
+            sampling=sampling, copy_src=h["copy_src"][:c], copy_dst=h["copy_dst"][:c],
+            seq_lens_host=seq_lens, query_start_host=qsl, num_top_logprobs=top_n, has_carry=has_carry,
+            decode_only=decode_only and s > 0 and c == 0)
+
+    def pad(self, batch: Batch, size: int) -> None:
+        """Fill rows [B, size) of a decode batch with inert entries for a graph of `size` rows:
+        token 0 written to the trash page, context length 0 (attention reads nothing and
+        writes zeros), no carry-over, a greedy sample that nobody reads."""
+        B = batch.num_rows
+        assert batch.decode_only and B <= size <= self.dims[1]
+        npb = self.np
+        for name, value in (("input_ids", 0), ("carry", -1), ("positions", 0),
+                            ("slot_mapping", TRASH_PAGE * self.kv.page_size), ("seq_lens", 0),
+                            ("temperature", 0.0), ("top_k", 0), ("top_p", 1.0), ("min_p", 0.0),
+                            ("repetition_penalty", 1.0), ("seeds", 0), ("counters", 0)):
+            npb[name][B:size] = value
+        npb["query_start_loc"][B + 1:size + 1] = np.arange(B + 1, size + 1)
+        npb["logits_indices"][B:size] = np.arange(B, size)
+        batch.padded_to = size

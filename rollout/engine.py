@@ -10,6 +10,7 @@ from typing import Optional, Sequence as Seq, Union
 
 import torch
 
+from .graphs import MODES
 from .kv_cache import KVCacheManager
 from .models.loader import build_model, init_random, load_model, resolve_dtype
 from .request import Request, RequestOutput, SamplingParams
@@ -33,8 +34,9 @@ class RolloutEngine:
                  max_model_len: Optional[int] = None, kv_cache_memory: Optional[int] = None,
                  num_kv_pages: Optional[int] = None, page_size: int = 16, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 2048, seed: int = 0, kv_dtype=None,
-                 async_pipeline: Optional[bool] = None,
-                 kv_reserve_fraction: float = 1.0, attention_backend: str = "torch"):
+                 async_pipeline: Optional[bool] = None, kv_reserve_fraction: float = 1.0,
+                 attention_backend: str = "auto", cuda_graphs: bool = True,
+                 cuda_graph_max_batch: Optional[int] = None, cuda_graph_modes: Seq[str] = MODES):
         self.model = model
         self.hf_config = hf_config
         self.tokenizer = tokenizer
@@ -54,16 +56,22 @@ class RolloutEngine:
             self.kv, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=self.max_model_len, eos_token_ids=self.eos_token_ids, tokenizer=tokenizer,
             admission_reserve_pages=max(1, num_pages // 100), reserve_fraction=kv_reserve_fraction)
-        # "triton": rollout.kernels (interpreter-tested; to become the CUDA default once
-        # validated on the GPU); "torch": the reference path.
+        # "auto": the Triton kernels (attention, fused sampler) on CUDA, the torch reference on CPU.
+        if attention_backend == "auto":
+            attention_backend = "triton" if self.device.type == "cuda" else "torch"
         self.runner = ModelRunner(model, num_pages=num_pages, page_size=page_size, kv_dtype=kv_dtype,
                                   attention_backend=attention_backend)
-        # Both modes run the same one-step-lag schedule; async overlaps the CPU with the GPU.
-        # CPU always runs synchronously. Default stays sync until the CUDA stream path has
-        # passed its GPU tests (issue 3); then None will mean "on for CUDA".
+        # Both modes run the same one-step-lag schedule; async overlaps the CPU with the GPU
+        # (default on CUDA). CPU always runs synchronously. Decode steps replay CUDA graphs
+        # when the Triton backend runs on CUDA (captured here, before serving).
+        cuda = self.device.type == "cuda"
         self.pipeline = DevicePipeline(
             self.runner, self.kv, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-            max_pages_per_seq=self.kv.pages_for(self.max_model_len), async_mode=bool(async_pipeline))
+            max_pages_per_seq=self.kv.pages_for(self.max_model_len),
+            async_mode=cuda if async_pipeline is None else bool(async_pipeline),
+            cuda_graphs=cuda and cuda_graphs and attention_backend == "triton", graph_max_batch=cuda_graph_max_batch,
+            graph_modes=tuple(cuda_graph_modes))
+        self.pipeline.capture_graphs()
         self._inflight: Optional[InFlight] = None
         self.policy_version = 0      # stamped on every launched batch; the RL worker bumps it
         self.cpu_spans: Optional[list] = None   # (name, start_s, end_s) while tracing
@@ -72,6 +80,13 @@ class RolloutEngine:
         self._next_id = 0
         self.requests: dict[int, Request] = {}
         self.metrics = {"steps": 0, "generated_tokens": 0, "prefill_tokens": 0, "failed_steps": 0}
+
+    def stats(self) -> dict:
+        """Counters plus the pipeline's: graph / eager steps and compute-stream busy time."""
+        p = self.pipeline
+        graph_s = p.graphs.capture_s if p.graphs is not None else 0.0
+        return {**self.metrics, **p.counts, "gpu_busy_ms": p.busy_ms, "graph_capture_s": graph_s,
+                "preemptions": self.scheduler.num_preemptions}
 
     # ---- construction --------------------------------------------------------------------
     @classmethod
@@ -289,7 +304,7 @@ class RolloutEngine:
         req = Request(-1, ids, SamplingParams(), 0)
         seq = req.seqs[0]
         builder = self.pipeline.slots[0].builder
-        chunk = builder.input_ids.numel()
+        chunk = builder.dims[0]      # max tokens per step
         if self.kv.pages_for(len(ids)) > self.kv.alloc.num_free:
             raise RuntimeError("not enough free KV pages to score now; retry when the engine is idle")
         out: list[float] = []

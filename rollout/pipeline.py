@@ -19,10 +19,11 @@ from typing import Optional
 
 import torch
 
-from .batch import BatchBuilder
+from .batch import STEP_FIELDS, BatchBuilder
+from .graphs import MODES, DecodeGraphs, default_buckets, mode_of
 from .kv_cache import KVCacheManager
-from .runner import ModelRunner
-from .sampler import SamplerOutput
+from .runner import DeviceBatch, ModelRunner
+from .sampler import SamplerOutput, SamplingTensors
 from .scheduler import SchedulerOutput
 
 _OUT_FIELDS = ("token_ids", "logprobs", "processed_logprobs", "kept_mass")
@@ -31,7 +32,9 @@ _OUT_FIELDS = ("token_ids", "logprobs", "processed_logprobs", "kept_mass")
 @dataclass
 class Slot:
     builder: BatchBuilder                 # pinned host input buffers
-    out_tokens: torch.Tensor              # device [max_rows + 1]; the last entry stays 0
+    bufs: Optional[dict]                  # their device mirror (CUDA only; CPU uses the host buffers)
+    out: dict[str, torch.Tensor]          # device outputs; out["token_ids"] has max_rows + 1
+                                          # entries, the last never written (stays 0)
     host_out: dict[str, torch.Tensor]     # pinned host copies of the outputs
     events: dict[str, object] = field(default_factory=dict)
 
@@ -45,11 +48,14 @@ class InFlight:
     keep_alive: tuple = ()                # device tensors in use until the outputs are read
     outputs: Optional[SamplerOutput] = None   # CPU path: the outputs themselves
     top: Optional[tuple] = None               # CUDA path: pinned host top-logprob ids and values
+    has_outputs: bool = False
 
 
 class DevicePipeline:
     def __init__(self, runner: ModelRunner, kv: KVCacheManager, *, max_num_batched_tokens: int,
-                 max_num_seqs: int, max_pages_per_seq: int, async_mode: bool):
+                 max_num_seqs: int, max_pages_per_seq: int, async_mode: bool,
+                 cuda_graphs: bool = False, graph_max_batch: Optional[int] = None,
+                 graph_modes: tuple[str, ...] = MODES):
         self.runner = runner
         self.device = runner.device
         self.cuda = self.device.type == "cuda"
@@ -58,56 +64,100 @@ class DevicePipeline:
                       for _ in range(2)]
         self.current = 0
         self.busy_ms = 0.0                # compute-stream time, from CUDA events
+        self.counts = {"graph_steps": 0, "eager_steps": 0, "eager_decode_steps": 0}
         self.gpu_spans: Optional[list] = None   # (start_s, end_s) per batch while tracing
         self._trace_ref = None
+        self.graphs: Optional[DecodeGraphs] = None
         if self.cuda:
             self.h2d, self.compute, self.d2h = (torch.cuda.Stream(self.device) for _ in range(3))
+            if cuda_graphs:
+                if runner.attention_backend != "triton":
+                    raise ValueError("cuda_graphs needs attention_backend='triton' (the torch reference "
+                                     "attention reads host-side lengths)")
+                top = min(graph_max_batch or max_num_seqs, max_num_seqs, max_num_batched_tokens)
+                bad = set(graph_modes) - set(MODES)
+                if bad:
+                    raise ValueError(f"unknown CUDA graph modes {sorted(bad)}; known: {MODES}")
+                self.graphs = DecodeGraphs(self._static_step, self.compute, default_buckets(top), graph_modes)
 
     def _make_slot(self, kv, T, S, P) -> Slot:
         builder = BatchBuilder(kv, max_num_batched_tokens=T, max_num_seqs=S, max_pages_per_seq=P,
                                pin_memory=self.cuda)
-        out_tokens = torch.zeros(S + 1, dtype=torch.int64, device=self.device)
-        host_out = {}
+        out = {f: torch.zeros(S + 1 if f == "token_ids" else S, device=self.device,
+                              dtype=torch.int64 if f == "token_ids" else torch.float32) for f in _OUT_FIELDS}
+        host_out, events, bufs = {}, {}, None
         if self.cuda:
-            host_out = {f: torch.zeros(S, dtype=torch.int64 if f == "token_ids" else torch.float32,
-                                       pin_memory=True) for f in _OUT_FIELDS}
-        events = {}
-        if self.cuda:
+            bufs = self.runner.device_buffers(builder)
+            host_out = {f: torch.zeros(S, dtype=t.dtype, pin_memory=True) for f, t in out.items()}
             events = {name: torch.cuda.Event(enable_timing=name in ("start", "end"))
                       for name in ("h2d_done", "start", "end", "d2h_done")}
-        return Slot(builder, out_tokens, host_out, events)
+        return Slot(builder, bufs, out, host_out, events)
+
+    def capture_graphs(self, progress: bool = True) -> None:
+        if self.graphs is not None and not self.graphs.graphs:
+            self.graphs.capture(progress)
+
+    # ---- one step on the compute stream ----------------------------------------------------
+    def _compute(self, s: int, dev: DeviceBatch) -> Optional[SamplerOutput]:
+        """Carry-over from the other slot, forward, sample; results into slot s's outputs."""
+        out = self.runner.run(dev, self.slots[1 - s].out["token_ids"])
+        if out is not None:
+            R = out.token_ids.shape[0]
+            for f in _OUT_FIELDS:
+                self.slots[s].out[f][:R].copy_(getattr(out, f))
+        return out
+
+    def _static_step(self, s: int, bucket: int, mode: str) -> None:
+        """A decode step of `bucket` rows read from slot s's device buffers: what a graph holds."""
+        bufs = self.slots[s].bufs
+        sizes = {"T": bucket, "S": bucket, "S1": bucket + 1, "SP": bucket, "R": bucket}
+        dev = {name: bufs[name][:0 if name.startswith("copy_") else sizes[key]]
+               for name, (key, _) in STEP_FIELDS.items()}
+        flags = SamplingTensors(*([None] * 8), num_top_logprobs=0, all_greedy=mode == "greedy",
+                                any_truncation=mode == "truncate", any_penalty=False)
+        self._compute(s, self.runner.device_batch(dev, flags, decode_only=True, has_carry=True))
 
     def launch(self, sched: SchedulerOutput) -> InFlight:
         s = self.current
-        slot, prev = self.slots[s], self.slots[1 - s].out_tokens
+        slot = self.slots[s]
         self.current ^= 1
         batch = slot.builder.build(sched)
         R = batch.num_rows
-        flight = InFlight(sched, s, R, batch.num_top_logprobs)
+        flight = InFlight(sched, s, R, batch.num_top_logprobs, has_outputs=R > 0)
         if not self.cuda:
-            dev = self.runner.upload(batch)
-            out = self.runner.run(dev, prev)
-            if out is not None:
-                slot.out_tokens[:R].copy_(out.token_ids)
+            out = self._compute(s, self.runner.upload(batch, slot.builder.host))
+            if out is not None and batch.padded_to:   # drop the padding rows' samples
+                out = SamplerOutput(*(getattr(out, f)[:R] for f in _OUT_FIELDS), top_ids=None, top_logprobs=None)
             flight.outputs = out
             return flight
+        bucket = None
+        mode = mode_of(batch.sampling.all_greedy, batch.sampling.any_truncation)
+        if self.graphs is not None and batch.graph_safe and mode in self.graphs.modes:
+            bucket = self.graphs.bucket_for(R)
+            if bucket is not None:
+                slot.builder.pad(batch, bucket)
         ev = slot.events
         with torch.cuda.stream(self.h2d):
-            dev = self.runner.upload(batch)
+            dev = self.runner.upload(batch, slot.builder.host, slot.bufs)
             ev["h2d_done"].record()
         self.compute.wait_event(ev["h2d_done"])
+        out = None
         with torch.cuda.stream(self.compute):
             ev["start"].record()
-            out = self.runner.run(dev, prev)
-            if out is not None:
-                slot.out_tokens[:R].copy_(out.token_ids)
+            if bucket is not None:
+                self.graphs.replay(s, bucket, mode)
+                self.counts["graph_steps"] += 1
+            else:
+                out = self._compute(s, dev)
+                self.counts["eager_steps"] += 1
+                self.counts["eager_decode_steps"] += batch.decode_only
             ev["end"].record()
         self.d2h.wait_event(ev["end"])
         with torch.cuda.stream(self.d2h):
-            if out is not None:
+            if R:
                 for f in _OUT_FIELDS:
-                    slot.host_out[f][:R].copy_(getattr(out, f), non_blocking=True)
-                if out.top_ids is not None:   # rare: pinned buffers per launch
+                    slot.host_out[f][:R].copy_(slot.out[f][:R], non_blocking=True)
+                if out is not None and out.top_ids is not None:   # rare: pinned buffers per launch
                     flight.top = tuple(torch.empty(x.shape, dtype=x.dtype, pin_memory=True).copy_(x, non_blocking=True)
                                        for x in (out.top_ids, out.top_logprobs))
             ev["d2h_done"].record()
@@ -136,9 +186,8 @@ class DevicePipeline:
         if self.gpu_spans is not None:
             ref, t0 = self._trace_ref
             self.gpu_spans.append((t0 + ref.elapsed_time(ev["start"]) / 1e3, t0 + ref.elapsed_time(ev["end"]) / 1e3))
-        out = flight.keep_alive[1]
         flight.keep_alive = ()
-        if out is None:
+        if not flight.has_outputs:
             return None
         host = self.slots[flight.slot].host_out
         R = flight.num_rows

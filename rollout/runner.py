@@ -9,7 +9,7 @@ from typing import Optional
 import torch
 
 from .attention import AttentionMetadata
-from .batch import Batch
+from .batch import SAMPLING_FIELDS, STEP_FIELDS, Batch, BatchBuilder
 from .models.decoder import DecoderLM
 from .sampler import SamplerOutput, SamplingTensors, sample
 
@@ -48,6 +48,8 @@ class ModelRunner:
         if attention_backend not in ("torch", "triton"):
             raise ValueError(f"attention_backend must be 'torch' or 'triton', got {attention_backend!r}")
         self.attention_backend = attention_backend
+        # The Triton backend also samples with the fused kernel where its contract applies.
+        self.fused_sampler = attention_backend == "triton"
         self.model = model
         self.device = next(model.parameters()).device
         self.page_size = page_size
@@ -63,26 +65,54 @@ class ModelRunner:
         elem = torch.tensor([], dtype=dtype).element_size()
         return 2 * hf_config.num_hidden_layers * page_size * kv_heads * head_dim * elem
 
-    def _dev(self, t: torch.Tensor) -> torch.Tensor:
-        return t.to(self.device, non_blocking=True)
+    def device_buffers(self, builder: BatchBuilder) -> dict[str, torch.Tensor]:
+        """One slot's device mirror of the builder's host buffers (stable addresses for graphs)."""
+        return {name: torch.zeros(t.shape, dtype=t.dtype, device=self.device) for name, t in builder.host.items()}
 
-    def upload(self, batch: Batch) -> DeviceBatch:
-        """Host -> device copies of one step's inputs (on the caller's current stream)."""
-        st = batch.sampling
-        fields = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seeds", "counters")
-        moved = {f: self._dev(getattr(st, f)) for f in fields}
-        if st.penalty_token_ids is not None:
-            moved["penalty_token_ids"] = self._dev(st.penalty_token_ids)
+    def upload(self, batch: Batch, host: Optional[dict[str, torch.Tensor]] = None,
+               bufs: Optional[dict[str, torch.Tensor]] = None) -> DeviceBatch:
+        """Host -> device copies of one step's inputs, on the caller's current stream. With the
+        builder's `host` buffers and a slot's device `bufs`, copies into the static buffers,
+        padding rows included; without, copies the batch's own tensors into fresh ones."""
+        T, S, R = batch.num_tokens, len(batch.seq_lens_host), batch.num_rows
+        if batch.padded_to:
+            T = S = R = batch.padded_to
+        size = {"T": T, "S": S, "S1": S + 1, "SP": S, "R": R}
+        dev = {}
+        for name, (key, _) in STEP_FIELDS.items():
+            if name.startswith("copy_"):
+                h = getattr(batch, name)
+            elif host is not None:
+                h = host[name][:size[key]]
+            else:
+                h = getattr(batch.sampling if name in SAMPLING_FIELDS else batch, name)
+            if bufs is None:
+                dev[name] = h.to(self.device, non_blocking=True)
+            else:
+                dev[name] = bufs[name][:h.shape[0]]
+                dev[name].copy_(h, non_blocking=True)
+        return self.device_batch(dev, batch)
+
+    def device_batch(self, dev: dict[str, torch.Tensor], batch_or_flags, *, decode_only: bool = False,
+                     has_carry: bool = True) -> DeviceBatch:
+        """Wrap device tensors (one per STEP_FIELDS name) for `run`. The second argument is the
+        host Batch, or for a graph's static step the SamplingTensors carrying only its flags."""
+        if isinstance(batch_or_flags, Batch):
+            b = batch_or_flags
+            st, lens, qsl = b.sampling, b.seq_lens_host, b.query_start_host
+            decode_only, has_carry = b.decode_only, b.has_carry
+        else:
+            st, lens, qsl = batch_or_flags, None, None
+        penalty = None if st.penalty_token_ids is None else st.penalty_token_ids.to(self.device, non_blocking=True)
         meta = AttentionMetadata(
-            slot_mapping=self._dev(batch.slot_mapping), block_tables=self._dev(batch.block_tables),
-            seq_lens=self._dev(batch.seq_lens), query_start_loc=self._dev(batch.query_start_loc),
-            seq_lens_host=batch.seq_lens_host, query_start_host=batch.query_start_host,
-            page_size=self.page_size, backend=self.attention_backend)
+            slot_mapping=dev["slot_mapping"], block_tables=dev["block_tables"], seq_lens=dev["seq_lens"],
+            query_start_loc=dev["query_start_loc"], seq_lens_host=lens, query_start_host=qsl,
+            page_size=self.page_size, backend=self.attention_backend, decode_only=decode_only)
+        sampling = replace(st, penalty_token_ids=penalty, **{f: dev[f] for f in SAMPLING_FIELDS})
         return DeviceBatch(
-            input_ids=self._dev(batch.input_ids), carry=self._dev(batch.carry) if batch.has_carry else None,
-            positions=self._dev(batch.positions), logits_indices=self._dev(batch.logits_indices), meta=meta,
-            sampling=replace(st, **moved), copy_src=self._dev(batch.copy_src), copy_dst=self._dev(batch.copy_dst),
-            num_rows=batch.num_rows)
+            input_ids=dev["input_ids"], carry=dev["carry"] if has_carry else None,
+            positions=dev["positions"], logits_indices=dev["logits_indices"], meta=meta, sampling=sampling,
+            copy_src=dev["copy_src"], copy_dst=dev["copy_dst"], num_rows=dev["logits_indices"].numel())
 
     def copy_pages(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         if src.numel() == 0:
@@ -104,6 +134,11 @@ class ModelRunner:
         if dev.num_rows == 0:
             return None
         logits = self.model.compute_logits(hidden[dev.logits_indices])   # lm_head only where needed
+        if self.fused_sampler and not (st.any_truncation or st.any_penalty or st.num_top_logprobs):
+            from .kernels.fused_sampler import fused_sample
+            tok, lp = fused_sample(logits, st.temperature, st.seeds, st.counters, greedy_only=st.all_greedy)
+            # No truncation and no penalty: the processed distribution is the full one.
+            return SamplerOutput(tok, lp, lp, torch.zeros_like(lp), None, None)
         return sample(logits, st)
 
     @torch.inference_mode()
@@ -113,4 +148,4 @@ class ModelRunner:
         hidden = self.model(dev.input_ids, dev.positions, self.kv_caches, dev.meta)
         logits = self.model.compute_logits(hidden[dev.logits_indices]).float()
         logp = torch.log_softmax(logits / temperature, dim=-1)
-        return logp.gather(1, self._dev(targets)[:, None])[:, 0]
+        return logp.gather(1, targets.to(self.device)[:, None])[:, 0]

@@ -201,7 +201,7 @@ class RolloutWorker:
                 "probe/tokens": d.numel()}
 
     def stats(self) -> dict:
-        m = dict(self.engine.metrics)
+        m = self.engine.stats()
         m.update({f"weights/{k}": v for k, v in self.weights.metrics.items()})
         m.update(self.metrics)
         sch = self.engine.scheduler
@@ -210,9 +210,7 @@ class RolloutWorker:
         m["kv_pages_total"] = self.engine.kv.alloc.num_usable
         m["running_seqs"] = len(sch.running)
         m["max_num_seqs"] = sch.max_num_seqs
-        m["preemptions"] = sch.num_preemptions
         m["recomputed_tokens"] = sch.num_recomputed_tokens
         m["discarded_tokens"] = sch.num_discarded_tokens
-        m["gpu_busy_ms"] = self.engine.pipeline.busy_ms
         m["time"] = time.time()
         return m

@@ -1,25 +1,40 @@
 #!/usr/bin/env bash
-# One device call that validates and measures everything GPU-only, writing to $OUT
-# (the device tool's output folder) or ./h200_out. Sections can be picked:
-#   bash scripts/h200_validate.sh tests kernels sampler e2e weights
+# One device call that validates and measures what is GPU-only, writing to $OUT (the device
+# tool's output folder) or ./h200_out. Sections can be picked:
+#   bash scripts/h200_validate.sh tests kernels sampler q05 l8b_short l8b_fp32 seed p3 p5 weights
 # Run from the repo root on the H200; ROLLOUT_GIT_COMMIT should be passed in (no .git there).
 set -uo pipefail
 OUT=${OUT:-h200_out}; mkdir -p "$OUT"
 export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:${PYTHONPATH:-}
-sections=${*:-tests kernels sampler e2e weights}
+B="python3 -m rollout.bench"
+sections=${*:-tests kernels sampler q05 l8b_short}
 for s in $sections; do
+  t0=$(date +%s)
   case $s in
-    tests)    # correctness first: bf16 vs HF, the stream pipeline, kernels, fused sampler
+    tests)    # correctness first: bf16 vs HF, pipeline, graphs, kernels, fused sampler
       ROLLOUT_GPU_REPORT=$OUT/gpu_tests.jsonl timeout 420 python3 -m pytest -q -p no:cacheprovider --noconftest \
-        tests/gpu 2>&1 | tail -40 | tee $OUT/gpu_tests.log ;;
+        -s tests/gpu 2>&1 | grep -E "passed|failed|FAILED|Error|busy=|peak bytes|barrier_ms" | tail -30 | tee $OUT/gpu_tests.log ;;
     kernels)  timeout 240 python3 -m rollout.bench.kernels --out $OUT/kernels.json 2>&1 | tail -25 ;;
     sampler)  timeout 120 python3 -m rollout.bench.sampler --out $OUT/sampler.json 2>&1 | tail -15 ;;
-    e2e)      # sync vs async vs HF, with a timeline; then the 8B bf16 drift check in fp32
-      timeout 300 python3 -m rollout.bench --shape qwen2.5-0.5b --batch 64 --prompt-len 128 --gen-len 512 \
-        --modes sync,async --trace $OUT/timeline_q05 --out $OUT/e2e_q05.json 2>&1 | tail -8
-      timeout 300 python3 -m rollout.bench --shape llama3-8b --batch 16 --prompt-len 128 --gen-len 64 \
-        --dtype float32 --skip-hf --out $OUT/l8b_fp32_check.json 2>&1 | grep -E "^check" ;;
+    q05)      # issue 3's CPU-overhead-heavy workload, sync vs async, with a timeline
+      timeout 300 $B --shape qwen2.5-0.5b --batch 64 --prompt-len 128 --gen-len 2048 --modes sync,async --hf none \
+        --trace $OUT/timeline_q05 --out $OUT/q05_B64_G2048.json 2>&1 | grep -A12 "^roofline" ;;
+    l8b_short) # 8B shape, short generations: sync vs async vs HF generate_batch; bf16 drift vs fp32
+      timeout 400 $B --shape llama3-8b --batch 32 --prompt-len 256 --gen-len 1024 --modes sync,async \
+        --hf generate_batch --hf-gen-len 256 --fp32-reference --out $OUT/l8b_B32_G1024.json 2>&1 | grep -E -A12 "^check|^roofline" ;;
+    l8b_fp32) # the same weights in fp32: ours vs HF's fp32 forward (a logic error would show here)
+      timeout 200 $B --shape llama3-8b --dtype float32 --batch 4 --prompt-len 128 --gen-len 32 --check-gen-len 32 \
+        --modes async --hf none --out $OUT/l8b_fp32.json 2>&1 | grep "^check" ;;
+    seed)     # issue 3 / issue 4 P1: the seed workload, sync vs async vs HF generate_batch
+      timeout 590 $B --shape llama3-8b --batch 32 --prompt-len 256 --gen-len 8192 --modes sync,async \
+        --hf generate_batch --hf-gen-len 512 --trace $OUT/timeline_seed --out $OUT/seed_l8b_B32_G8192.json 2>&1 | grep -A12 "^roofline" ;;
+    p3)       timeout 400 $B --shape qwen2.5-1.5b --batch 64 --n 8 --prompt-len 256 --gen-len 4096 --modes async --hf none \
+        --out $OUT/p3_q15_64x8_G4096.json 2>&1 | grep -A8 "^roofline" ;;
+    p5)       timeout 400 $B --shape llama3-8b --batch 32 --prompt-len 256 --gen-len 16384 --modes async --hf none \
+        --out $OUT/p5_l8b_B32_G16384.json 2>&1 | grep -A8 "^roofline" ;;
+    drift)    timeout 240 python3 scripts/diag_bf16_drift.py --layers 32 --out $OUT/drift_l8b.json 2>&1 | tail -12 ;;
     weights)  timeout 300 python3 -m rollout.bench.weights --shape llama3-8b --batch 32 --gen-len 128 \
         --update-at-step 64 --out $OUT/weights_l8b.json 2>&1 | tail -5 ;;
   esac
+  echo "[section $s: $(( $(date +%s) - t0 )) s]"
 done

@@ -39,7 +39,8 @@ def meta_for(lens, qlens, bt, ps):
     return AttentionMetadata(slot_mapping=None, block_tables=bt,
                              seq_lens=torch.tensor(lens, dtype=torch.int32, device=bt.device),
                              query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=bt.device),
-                             seq_lens_host=list(lens), query_start_host=qsl, page_size=ps)
+                             seq_lens_host=list(lens), query_start_host=qsl, page_size=ps,
+                             decode_only=all(b - a == 1 for a, b in zip(qsl, qsl[1:])))
 
 
 def reference(q, caches, meta, scale, window):

@@ -107,7 +107,7 @@ def test_prefill_fp16_and_dispatch():
     torch.testing.assert_close(out.float(), reference(q, caches, meta, 0.125, None), **FP16_TOL)
     dmeta = meta_for(lens, [1, 1, 1], bt, ps)
     qd = q[:3]
-    out = paged_attention(qd, *poisoned, dmeta, 0.125, num_splits=2)  # all decode -> split-KV kernel
+    out = paged_attention(qd, *poisoned, dmeta, 0.125)   # all decode -> split-KV kernel (3 rows x 2 heads: 16 splits)
     torch.testing.assert_close(out.float(), reference(qd, caches, dmeta, 0.125, None), **FP16_TOL)
 
 

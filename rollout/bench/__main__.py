@@ -1,4 +1,5 @@
-"""Ours against HF transformers `generate` on the same random weights, side by side.
+"""Ours (sync and async) against HF transformers (`generate` or `generate_batch`) on the same
+random weights, side by side, with the HBM roofline of each run.
 
     python -m rollout.bench --shape qwen2.5-0.5b --batch 16 --prompt-len 128 --gen-len 256 \
         --out bench/results/<name>.json
@@ -24,6 +25,8 @@ import torch
 from ..engine import RolloutEngine
 from ..models.loader import build_model, copy_hf_tensors
 from ..request import SamplingParams
+from . import timeline
+from .roofline import model_sizes, roofline
 from .shapes import SHAPES, make_config
 
 
@@ -98,25 +101,65 @@ def hf_incremental_vs_fp32(hf, hf_fp32, prompts, max_new_tokens: int, device) ->
             "tokens": d.numel()}
 
 
+def hf_generate_batch(hf, prompts, G: int, attn: str = "paged|sdpa") -> dict:
+    """HF transformers' continuous batching (`generate_batch`) with CUDA graphs forced, greedy,
+    EOS off. Options its version does not know are dropped and reported. Async batching stays
+    off: with `paged|sdpa` it allocated a dense mask per slot sized from the whole KV cache and
+    ran out of memory on this machine (docs/performance.md section 4)."""
+    import inspect
+    from transformers import GenerationConfig
+    from transformers.generation import ContinuousBatchingConfig
+    known = inspect.signature(ContinuousBatchingConfig).parameters
+    wanted = dict(use_cuda_graph=True, use_async_batching=False)
+    cb = ContinuousBatchingConfig(**{k: v for k, v in wanted.items() if k in known})
+    prev = hf.config._attn_implementation
+    hf.set_attn_implementation(attn)
+    gen = GenerationConfig(max_new_tokens=G, do_sample=False, eos_token_id=None, pad_token_id=0)
+    try:
+        hf.generate_batch(inputs=prompts[:2], generation_config=GenerationConfig(
+            max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0),
+            continuous_batching_config=cb, progress_bar=False)       # warm-up and graph capture
+        _sync()
+        t0 = time.perf_counter()
+        outs = hf.generate_batch(inputs=prompts, generation_config=gen, continuous_batching_config=cb,
+                                 progress_bar=False)
+        _sync()
+        wall = time.perf_counter() - t0
+    finally:
+        hf.set_attn_implementation(prev)
+    tokens = sum(len(o.generated_tokens) for o in outs.values())
+    return {"wall_s": wall, "tok_s": tokens / wall, "tokens": tokens, "sequences": len(outs),
+            "gen_len": G, "attn_implementation": attn,
+            "cb_config": {k: v for k, v in wanted.items() if k in known},
+            "cb_options_unknown": [k for k in wanted if k not in known]}
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="qwen2.5-0.5b", choices=sorted(SHAPES))
-    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--layers", type=int, default=None, help="override the shape's layer count")
+    ap.add_argument("--batch", type=int, default=16, help="prompts")
+    ap.add_argument("--n", type=int, default=1, help="samples per prompt (GRPO groups: one prefill per prompt)")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--gen-len", type=int, default=256)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeats", type=int, default=1)
-    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--hf", default="generate", choices=("generate", "generate_batch", "none"),
+                    help="the HF baseline timed on the same weights")
+    ap.add_argument("--hf-gen-len", type=int, default=None, help="new tokens for the HF run (default: --gen-len)")
+    ap.add_argument("--skip-hf", action="store_true", help="same as --hf none")
     ap.add_argument("--modes", default="async", help="comma list of ours' modes to time: sync,async")
+    ap.add_argument("--no-graphs", action="store_true", help="decode eagerly (no CUDA graphs)")
     ap.add_argument("--check-seqs", type=int, default=4, help="sequences checked against HF's forward")
+    ap.add_argument("--check-gen-len", type=int, default=128, help="new tokens of the checked sequences")
     ap.add_argument("--fp32-reference", action="store_true",
                     help="also measure ours and HF against an fp32 copy of the weights")
     ap.add_argument("--bf16-reduced-precision-reduction", type=int, default=1,
                     help="cuBLAS split-K reductions in bf16 (PyTorch's default is 1); measured no effect on the 8B check")
     ap.add_argument("--trace", default=None, metavar="PREFIX",
                     help="also trace a short sync and async run: PREFIX.json (Chrome trace) + PREFIX.png")
-    ap.add_argument("--attention-backend", default="torch", choices=("torch", "triton"))
+    ap.add_argument("--attention-backend", default="auto", choices=("auto", "torch", "triton"))
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
 
@@ -124,8 +167,9 @@ def main(argv=None):
     dtype = getattr(torch, args.dtype)
     if device.type == "cuda":   # a process-wide setting: the bench sets it, the engine never does
         torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = bool(args.bf16_reduced_precision_reduction)
-    cfg = make_config(args.shape)
-    B, P, G = args.batch, args.prompt_len, args.gen_len
+    cfg = make_config(args.shape, **({"num_hidden_layers": args.layers} if args.layers else {}))
+    B, P, G, n = args.batch, args.prompt_len, args.gen_len, args.n
+    S = B * n                      # sequences decoding together
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(args.seed)
@@ -133,17 +177,22 @@ def main(argv=None):
         hf = AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
     model = build_model(cfg, dtype, device)
     copy_hf_tensors(model, hf.state_dict().items(), "HF model")
-    per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads) * dtype.itemsize
-    engine = RolloutEngine(model, cfg, max_model_len=P + G + 8, max_num_seqs=max(B, 8),
-                           kv_cache_memory=int(per_token * B * (P + G + 64) * 1.2),
+    per_token = model_sizes(cfg, dtype.itemsize)["kv_bytes_per_token"]
+    t_engine = time.perf_counter()
+    engine = RolloutEngine(model, cfg, max_model_len=P + G + 8, max_num_seqs=max(S, 8),
+                           kv_cache_memory=int(per_token * S * (P + G + 64) * 1.2),
                            max_num_batched_tokens=max(2048, P * 4), seed=args.seed,
-                           attention_backend=args.attention_backend)
+                           attention_backend=args.attention_backend, cuda_graphs=not args.no_graphs,
+                           cuda_graph_modes=("greedy", "truncate"))   # what this bench samples with
+    engine_init_s = time.perf_counter() - t_engine
     gen = torch.Generator().manual_seed(args.seed)
     prompts = torch.randint(10, cfg.vocab_size - 10, (B, P), generator=gen).tolist()
-    greedy = SamplingParams(max_new_tokens=G, temperature=0.0, ignore_eos=True)
-    sampled = SamplingParams(max_new_tokens=min(G, 64), temperature=1.0, top_p=0.9, seed=1, ignore_eos=True)
-    result = {"shape": args.shape, "attention_backend": args.attention_backend, "batch": B, "prompt_len": P, "gen_len": G, "dtype": args.dtype,
-              "bf16_reduced_precision_reduction": bool(args.bf16_reduced_precision_reduction)}
+    greedy = SamplingParams(n=n, max_new_tokens=G, temperature=0.0, ignore_eos=True)
+    result = {"shape": args.shape, "attention_backend": engine.runner.attention_backend,
+              "cuda_graphs": engine.pipeline.graphs is not None, "batch": B, "n": n, "prompt_len": P,
+              "gen_len": G, "dtype": args.dtype, "engine_init_s": engine_init_s,
+              "bf16_reduced_precision_reduction": bool(args.bf16_reduced_precision_reduction),
+              "roofline": roofline(cfg, S, P, G, prefill_seqs=B, dtype_bytes=dtype.itemsize)}
 
     # Correctness against HF's forward, same weights and dtype.
     k = min(args.check_seqs, B)
@@ -151,8 +200,11 @@ def main(argv=None):
     if args.fp32_reference and dtype != torch.float32:
         import copy
         hf32 = copy.deepcopy(hf).float()
-    outs = engine.generate(prompts[:k], greedy, use_tqdm=False)
+    cg = min(G, args.check_gen_len)
+    outs = engine.generate(prompts[:k], SamplingParams(max_new_tokens=cg, temperature=0.0, ignore_eos=True),
+                           use_tqdm=False)
     result["check_greedy"] = hf_logprob_agreement(hf, prompts[:k], outs, 1.0, device, hf32)
+    sampled = SamplingParams(max_new_tokens=min(cg, 64), temperature=1.0, top_p=0.9, seed=1, ignore_eos=True)
     outs = engine.generate(prompts[:k], sampled, use_tqdm=False)
     result["check_sampled_T1_top_p0.9"] = hf_logprob_agreement(hf, prompts[:k], outs, 1.0, device, hf32)
     if hf32 is not None:
@@ -164,32 +216,49 @@ def main(argv=None):
 
     def time_ours():
         _sync()
-        busy0 = engine.pipeline.busy_ms
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        busy0, counts0 = engine.pipeline.busy_ms, dict(engine.pipeline.counts)
+        engine.pipeline.start_trace()
         t0 = time.perf_counter()
-        o = engine.generate(prompts, greedy, use_tqdm=False)
+        o = engine.generate(prompts, greedy, use_tqdm=True)
         engine.drain()
         _sync()
         wall = time.perf_counter() - t0
-        assert all(len(x.completions[0].token_ids) == G for x in o)
-        return wall, (engine.pipeline.busy_ms - busy0) / 1e3 / wall, [c.token_ids for x in o for c in x.completions]
+        spans, engine.pipeline.gpu_spans = engine.pipeline.gpu_spans, None
+        assert all(len(c.token_ids) == G for x in o for c in x.completions)
+        steady = spans[len(spans) // 10: len(spans) - len(spans) // 10]   # decode, away from the ends
+        cuda = device.type == "cuda"
+        return {"wall_s": wall, "tok_s": S * G / wall,
+                "gpu_busy": (engine.pipeline.busy_ms - busy0) / 1e3 / wall if cuda else None,
+                "gpu_busy_steady_decode": timeline.busy_fraction(steady) if cuda else None,
+                "peak_memory_gb": torch.cuda.max_memory_allocated() / 1e9 if cuda else None,
+                **{f"{c}": engine.pipeline.counts[c] - counts0[c] for c in counts0},
+                "tokens": [c.token_ids for x in o for c in x.completions]}
 
     engine.generate(prompts[:2], SamplingParams(max_new_tokens=8, temperature=0.0), use_tqdm=False)
     tokens = {}
-    for mode in args.modes.split(","):
+    modes = args.modes.split(",")
+    for mode in modes:
         # Same engine, same schedule; async only stops waiting after each launch.
         engine.pipeline.async_mode = mode == "async" and device.type == "cuda"
         runs = [time_ours() for _ in range(args.repeats)]
-        wall = statistics.median(r[0] for r in runs)
-        tokens[mode] = runs[-1][2]
-        result[f"ours_{mode}"] = {"wall_s": wall, "tok_s": B * G / wall,
-                                  "gpu_busy": statistics.median(r[1] for r in runs) if device.type == "cuda" else None,
-                                  "preemptions": engine.scheduler.num_preemptions}
-    result["ours"] = result[f"ours_{args.modes.split(',')[-1]}"]
+        best = sorted(runs, key=lambda r: r["wall_s"])[len(runs) // 2]     # the median run
+        tokens[mode] = best.pop("tokens")
+        best["fraction_of_roofline"] = best["tok_s"] / result["roofline"]["tok_s"]
+        best["preemptions"] = engine.scheduler.num_preemptions
+        result[f"ours_{mode}"] = best
+    result["ours"] = result[f"ours_{modes[-1]}"]
+    result["engine_stats"] = engine.stats()
     if len(tokens) > 1:
         result["sync_async_tokens_identical"] = len({str(t) for t in tokens.values()}) == 1
+    if "sync" in modes and "async" in modes:
+        a, s_ = result["ours_async"], result["ours_sync"]
+        result["async_speedup"] = s_["wall_s"] / a["wall_s"]
+        if s_["gpu_busy"] is not None:
+            result["sync_idle_fraction"] = 1 - s_["gpu_busy"]
     if args.trace:
-        from . import timeline
-        short = SamplingParams(max_new_tokens=min(G, 64), temperature=0.0, ignore_eos=True)
+        short = SamplingParams(n=n, max_new_tokens=min(G, 64), temperature=0.0, ignore_eos=True)
         runs = {}
         for mode in ("sync", "async"):
             engine.pipeline.async_mode = mode == "async" and device.type == "cuda"
@@ -199,7 +268,17 @@ def main(argv=None):
         result["trace"] = {m: {"gpu_busy": timeline.busy_fraction(r["gpu"]), "steps": len(r["gpu"])}
                            for m, r in runs.items()}
 
-    if not args.skip_hf:
+    hf_kind = "none" if args.skip_hf else args.hf
+    hf_G = args.hf_gen_len or G
+    if hf_kind == "generate_batch":
+        try:
+            result["hf_generate_batch"] = hf_generate_batch(hf, [p for p in prompts for _ in range(n)], hf_G)
+        except Exception as exc:      # reported, not hidden: the comparison row says why it is missing
+            result["hf_generate_batch"] = {"error": f"{type(exc).__name__}: {exc}"}
+        h = result["hf_generate_batch"]
+        if "tok_s" in h:
+            result["speedup_vs_hf"] = result["ours"]["tok_s"] / h["tok_s"]
+    elif hf_kind == "generate":
         ids = torch.tensor(prompts, device=device)
         mask = torch.ones_like(ids)
 
@@ -207,18 +286,18 @@ def main(argv=None):
             _sync()
             t0 = time.perf_counter()
             with torch.no_grad():
-                out = hf.generate(ids, attention_mask=mask, max_new_tokens=G, min_new_tokens=G,
+                out = hf.generate(ids, attention_mask=mask, max_new_tokens=hf_G, min_new_tokens=hf_G,
                                   do_sample=False, pad_token_id=0)
             _sync()
-            assert out.shape[1] == P + G
+            assert out.shape[1] == P + hf_G
             return time.perf_counter() - t0
 
         with torch.no_grad():
             hf.generate(ids[:2], attention_mask=mask[:2], max_new_tokens=8, do_sample=False, pad_token_id=0)
-        hf_t = [time_hf() for _ in range(args.repeats)]
-        result["hf_generate"] = {"wall_s": statistics.median(hf_t), "tok_s": B * G / statistics.median(hf_t),
+        hf_t = statistics.median(time_hf() for _ in range(args.repeats))
+        result["hf_generate"] = {"wall_s": hf_t, "tok_s": B * hf_G / hf_t, "gen_len": hf_G,
                                  "attn_implementation": hf.config._attn_implementation}
-        result["speedup_vs_hf"] = result["hf_generate"]["wall_s"] / result["ours"]["wall_s"]
+        result["speedup_vs_hf"] = result["ours"]["tok_s"] / result["hf_generate"]["tok_s"]
 
     result["meta"] = {
         "command": "python -m rollout.bench " + " ".join(argv if argv is not None else sys.argv[1:]),
@@ -226,14 +305,22 @@ def main(argv=None):
         "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
         "torch": torch.__version__, "transformers": __import__("transformers").__version__}
     print(json.dumps(result, indent=2))
-    print("\n| run | wall s | tok/s | GPU busy |\n|---|---|---|---|")
-    for mode in args.modes.split(","):
+    rf = result["roofline"]
+    print(f"\nroofline: {rf['tok_s']:.0f} tok/s ({rf['step_ms']:.2f} ms/step at mean context "
+          f"{rf['mean_context']:.0f}, {rf['bytes_per_step'] / 1e9:.2f} GB/step)")
+    print("| run | wall s | tok/s | % roofline | GPU busy (steady) |\n|---|---|---|---|---|")
+    for mode in modes:
         r = result[f"ours_{mode}"]
-        busy = f"{100 * r['gpu_busy']:.1f}%" if r["gpu_busy"] is not None else "n/a"
-        print(f"| ours {mode} | {r['wall_s']:.2f} | {r['tok_s']:.0f} | {busy} |")
-    if "hf_generate" in result:
-        h = result["hf_generate"]
-        print(f"| hf generate | {h['wall_s']:.2f} | {h['tok_s']:.0f} | |")
+        busy = (f"{100 * r['gpu_busy']:.1f}% ({100 * r['gpu_busy_steady_decode']:.1f}%)"
+                if r["gpu_busy"] is not None else "n/a")
+        print(f"| ours {mode} | {r['wall_s']:.2f} | {r['tok_s']:.0f} | {100 * r['fraction_of_roofline']:.1f}% | {busy} |")
+    for key in ("hf_generate", "hf_generate_batch"):
+        h = result.get(key)
+        if h and "tok_s" in h:
+            print(f"| {key} (G={h['gen_len']}) | {h['wall_s']:.2f} | {h['tok_s']:.0f} | "
+                  f"{100 * h['tok_s'] / rf['tok_s']:.1f}% | |")
+        elif h:
+            print(f"| {key} | failed: {h['error'][:80]} | | | |")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=2)

@@ -52,16 +52,15 @@ def __getattr__(name):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def paged_attention(q, k_cache, v_cache, meta, scale, sliding_window=None, num_splits=1):
+def paged_attention(q, k_cache, v_cache, meta, scale, sliding_window=None):
     """Drop-in for `attention.paged_attention_ref` (same arguments; K/V already written).
-    All-decode batches (one query per sequence, known from the host copies) take the split-KV
-    decode kernel; anything with a longer chunk takes the varlen prefill kernel, which is
-    correct for mixed batches too."""
-    from .paged_decode import paged_decode_attention
+    Decode-only batches (one query per sequence) take the split-KV decode kernel with a split
+    count from the batch size alone (graph-safe); anything with a longer chunk takes the varlen
+    prefill kernel, which is correct for mixed batches too."""
+    from .paged_decode import paged_decode_attention, pick_num_splits
     from .paged_prefill import paged_prefill_attention
-    qsl = meta.query_start_host
-    if q.shape[0] == len(meta.seq_lens_host) == qsl[-1] and all(b - a == 1 for a, b in zip(qsl, qsl[1:])):
+    if meta.decode_only:
         return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,
-                                      sliding_window, num_splits)
+                                      sliding_window, pick_num_splits(q.shape[0], k_cache.shape[2]))
     return paged_prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
                                    meta.seq_lens, scale, sliding_window)
