@@ -5,6 +5,7 @@
                  sequences (queue depth, tracked on the driver)
     collect      `generate` returns outputs in input order; `stream` yields them in
                  completion order. Every RequestOutput's request_id is its prompt index.
+                 max_inflight bounds the prompts out at once (the rest follow in input order)
     weights      the driver (trainer) is rank 0 of a torch.distributed group, actor i is
                  rank i+1; `update_weights` broadcasts with send_weights / receive_weights
                  (bucketed; gloo on CPU, NCCL with GPUs) and waits until every live worker
@@ -218,8 +219,12 @@ class RolloutFleet:
         return min(live, key=lambda s: (s.outstanding, s.index))
 
     # ---- generation ----------------------------------------------------------------------------
-    def stream(self, prompts, sampling_params=None) -> Iterator[RequestOutput]:
-        """Yield one RequestOutput per prompt in completion order; request_id = prompt index."""
+    def stream(self, prompts, sampling_params=None, *, max_inflight: int | None = None) -> Iterator[RequestOutput]:
+        """Yield one RequestOutput per prompt in completion order; request_id = prompt index.
+        max_inflight: at most this many prompts submitted and not yet returned; the rest are
+        submitted in input order as results come back (None = all at once)."""
+        if max_inflight is not None and max_inflight < 1:
+            raise ValueError(f"max_inflight must be >= 1 or None, got {max_inflight}")
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, (list, tuple)):
             raise ValueError("prompts must be a list of strings or a list of token-id lists")  # noqa: TRY004
         params = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
@@ -238,15 +243,25 @@ class RolloutFleet:
             slot.outstanding += p.n if p is not None else 1
             pending[ref] = (i, slot, slot.actor)
 
-        for i in range(len(prompts)):
-            submit(i)
+        todo = iter(range(len(prompts)))
+
+        def fill() -> None:
+            while max_inflight is None or len(pending) < max_inflight:
+                i = next(todo, None)
+                if i is None:
+                    return
+                submit(i)
+
         def release(i: int, slot: _Slot, actor) -> None:
             if slot.actor is actor and slot.alive:
                 p = params[i]
                 slot.outstanding -= p.n if p is not None else 1
 
         try:
-            while pending:
+            while True:
+                fill()
+                if not pending:
+                    break
                 ready, _ = ray.wait(list(pending), num_returns=1)
                 ref = ready[0]
                 i, slot, actor = pending.pop(ref)
@@ -286,10 +301,10 @@ class RolloutFleet:
             self.metrics["job_s"] = time.perf_counter() - t0
             self.metrics["job_tokens"] = sum(s.job_tokens for s in self.slots)
 
-    def generate(self, prompts, sampling_params=None) -> list[RequestOutput]:
+    def generate(self, prompts, sampling_params=None, *, max_inflight: int | None = None) -> list[RequestOutput]:
         """One RequestOutput per prompt, in input order (request_id = prompt index)."""
         outs: list[RequestOutput | None] = [None] * len(prompts)
-        for o in self.stream(prompts, sampling_params):
+        for o in self.stream(prompts, sampling_params, max_inflight=max_inflight):
             outs[o.request_id] = o
         return outs
 

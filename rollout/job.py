@@ -1,6 +1,7 @@
-"""The rollout job (issue 5): prompts from a dataset -> RolloutWorker -> parquet parts + W&B.
+"""The rollout job (issues 5, 8): prompts from a dataset -> RolloutWorker(s) -> parquet parts + W&B.
 
     python scripts/rollout.py +experiment=grpo [key=value ...]
+    python scripts/rollout.py +experiment=grpo fleet.num_workers=4     # 4 workers as Ray actors
 
 `run(cfg)` takes the composed config (Hydra CLI, `hydra.compose`, or a plain dict) and
 returns the summary. It sits outside the engine core and uses only the public
@@ -12,6 +13,11 @@ same output_dir resumes: prompts whose n samples are in a committed part are ski
 a killed job loses only its unfinished waves and duplicates nothing. With a sampling
 seed, each prompt's seed is derived from (seed, prompt index), so a wave regenerated after
 a kill gives the same completions an uninterrupted run would have.
+
+fleet.num_workers == 1 runs one RolloutWorker in this process and never imports Ray. With
+more, this process (the driver) holds only the tokenizer: a rollout.fleet.RolloutFleet of
+Ray actors builds the engines, each prompt goes with its n samples to one actor, and the
+results land in the same waves, parts and resume logic.
 """
 from __future__ import annotations
 
@@ -23,11 +29,15 @@ import logging
 import os
 import time
 from collections import defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Optional
 
 from omegaconf import MISSING, DictConfig, OmegaConf
+
+from rollout.metrics import MetricsSink
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +80,7 @@ class EngineConfig:                      # keyword arguments of RolloutEngine.fr
     kv_cache_memory: Optional[int] = None    # bytes
     async_pipeline: Optional[bool] = None
     kv_reserve_fraction: float = 1.0         # admission by expected total length (1 = never overcommit)
-    attention_backend: str = "torch"         # "triton" once validated on the GPU
+    attention_backend: str = "auto"          # auto (Triton on CUDA, torch on CPU) | torch | triton
 
 
 @dataclass
@@ -92,12 +102,24 @@ class SamplingConfig:                    # rollout.SamplingParams, less top_logp
 
 
 @dataclass
+class FleetConfig:                       # several RolloutWorkers as Ray actors (rollout.fleet.RolloutFleet)
+    num_workers: int = 1                 # 1 = one worker in this process, Ray never imported
+    num_gpus_per_worker: Optional[float] = None   # null = 1 if device is cuda, or device is null and
+                                                  # the Ray cluster has GPUs; else 0 (CPU workers)
+    num_cpus_per_worker: float = 1.0
+    restart_dead: bool = False           # a dead actor's slot gets a fresh actor (its prompts go elsewhere anyway)
+    ray_address: Optional[str] = None    # null = Ray's default: RAY_ADDRESS, else a `ray start` cluster on
+                                         # this machine, else a new local one; or auto | host:port | local
+
+
+@dataclass
 class JobConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    fleet: FleetConfig = field(default_factory=FleetConfig)
     output_dir: str = "outputs/rollout"
     seed: int = 0
     device: Optional[str] = None
@@ -243,6 +265,230 @@ def _rows(outs: dict[int, Any], prompts, reward_fn) -> list[dict]:
     return rows
 
 
+# ---- where the rollouts run: one worker here, or a Ray fleet -------------------------------------
+def _engine_kwargs(cfg) -> dict:
+    return {"seed": cfg.seed, **OmegaConf.to_container(cfg.engine, resolve=True)}
+
+
+class _LocalRollouts:
+    """fleet.num_workers == 1: one RolloutWorker in this process (Ray is never imported)."""
+
+    def __init__(self, cfg, model_path, device: str):
+        from rollout import RolloutEngine
+        self.engine = RolloutEngine.from_pretrained(model_path, device=device, **_engine_kwargs(cfg))
+        self.tokenizer, self.vocab_size = self.engine.tokenizer, self.engine.vocab_size
+
+    def start(self) -> None:
+        from rollout.worker import RolloutWorker
+        self.worker = RolloutWorker(self.engine)
+        self._busy0 = self.engine.pipeline.busy_ms
+
+    def sink(self, **kw) -> MetricsSink:
+        return MetricsSink(self.worker, **kw)
+
+    def results(self, waves, prompts, params, batch: int) -> Iterator[list[tuple[int, int, Any]]]:
+        """[(wave, prompt index, RequestOutput)] finished by each worker step. The next wave is
+        queued as soon as the current one starts draining, so the batch stays full across wave
+        boundaries (at most two waves in flight)."""
+        owner: dict[int, tuple[int, int]] = {}          # request id -> (wave, prompt index)
+        nxt = 0
+        while True:
+            while nxt < len(waves) and len(owner) < batch:
+                idx = waves[nxt]
+                ids = self.worker.add_requests([prompts[i][1] for i in idx], [params(i) for i in idx])
+                owner.update((r, (nxt, i)) for r, i in zip(ids, idx))
+                nxt += 1
+            if not owner:
+                return
+            yield [(*owner.pop(o.request_id), o) for o in self.worker.step()]
+
+    def generated_tokens(self) -> int:
+        return self.engine.metrics["generated_tokens"]
+
+    def summary(self, gen_s: float) -> dict:
+        busy = self.engine.pipeline.busy_ms - self._busy0
+        cuda = self.engine.device.type == "cuda" and gen_s > 0
+        return {"gpu_busy": f"{100 * busy / (gen_s * 1e3):.1f}%" if cuda else "n/a"}
+
+    def close(self) -> None:
+        pass
+
+
+class _FleetRollouts:
+    """fleet.num_workers > 1: a RolloutFleet of Ray actors builds the engines; this process
+    holds only the tokenizer (chat templates) and the vocabulary size (validation)."""
+
+    def __init__(self, cfg, model_path):
+        import importlib.util
+
+        from transformers import AutoConfig
+
+        from rollout.engine import _load_tokenizer
+        if importlib.util.find_spec("ray") is None:
+            raise ImportError(f"fleet.num_workers={cfg.fleet.num_workers} runs workers as Ray actors: "
+                              f"pip install 'rollout[fleet]' (or fleet.num_workers=1)")
+        path = Path(model_path)
+        if not (path / "config.json").exists():
+            raise FileNotFoundError(f"{path} is not a local Hugging Face checkpoint folder (no config.json)")
+        self.cfg, self.fc, self.model_path = cfg, cfg.fleet, str(path)
+        self.tokenizer = _load_tokenizer(path)
+        self.vocab_size = AutoConfig.from_pretrained(str(path), local_files_only=True).vocab_size
+        self.fleet, self.own_ray, self.cuda, self.tokens = None, False, False, 0
+
+    def _placement(self, cluster_gpus: float) -> tuple[str, float]:
+        """(worker device, GPUs per actor) from device and fleet.num_gpus_per_worker."""
+        dev, gpus = self.cfg.device, self.fc.num_gpus_per_worker
+        if dev is None:
+            dev = "cuda" if (cluster_gpus if gpus is None else gpus) > 0 else "cpu"
+        dev = "cuda" if dev.startswith("cuda") else dev      # an actor sees its own GPUs from cuda:0
+        if gpus is None:
+            gpus = 1 if dev == "cuda" else 0
+        if (dev == "cuda") != (gpus > 0):
+            raise ValueError(f"device={dev} with fleet.num_gpus_per_worker={gpus:g}: CUDA workers need GPUs "
+                             f"and CPU workers none (Ray hides the GPUs an actor did not ask for)")
+        return dev, float(gpus)
+
+    def start(self) -> None:
+        import ray
+
+        from rollout.fleet import RolloutFleet
+        fc = self.fc
+        if ray.is_initialized():
+            log.info("using the Ray cluster this process is already connected to (fleet.ray_address ignored)")
+        else:
+            ray.init(address=fc.ray_address, include_dashboard=False)
+            self.own_ray = True
+        have = ray.cluster_resources()
+        dev, gpus = self._placement(have.get("GPU", 0))
+        need = {"CPU": fc.num_workers * fc.num_cpus_per_worker, "GPU": fc.num_workers * gpus}
+        if any(have.get(k, 0) < v for k, v in need.items()):
+            raise ValueError(f"fleet.num_workers={fc.num_workers} needs {need['CPU']:g} CPUs and {need['GPU']:g} GPUs "
+                             f"but the Ray cluster has {have.get('CPU', 0):g} and {have.get('GPU', 0):g}; lower "
+                             f"fleet.num_workers or fleet.num_cpus_per_worker, or add nodes")
+        threads = self.cfg.torch_threads or (1 if dev == "cpu" else None)
+        self.fleet = RolloutFleet(fc.num_workers, {"model": self.model_path, "device": dev, **_engine_kwargs(self.cfg)},
+                                  num_gpus_per_worker=gpus, num_cpus_per_worker=fc.num_cpus_per_worker,
+                                  restart_dead=fc.restart_dead, torch_threads=threads)
+        self.cuda = dev == "cuda"
+        log.info("fleet: %d workers on %s (%g GPUs, %g CPUs each)", fc.num_workers, dev, gpus, fc.num_cpus_per_worker)
+
+    def sink(self, **kw) -> MetricsSink:
+        return _FleetMetricsSink(self.fleet, self.cuda, **kw)
+
+    def results(self, waves, prompts, params, batch: int) -> Iterator[list[tuple[int, int, Any]]]:
+        """[(wave, prompt index, RequestOutput)] per prompt, in completion order. Prompts go out in
+        wave order with at most two waves per live worker in flight (as one worker keeps), so
+        waves finish roughly in order and each actor's batch stays full across wave boundaries."""
+        order = [(w, i) for w, idx in enumerate(waves) for i in idx]
+        stream = self.fleet.stream([prompts[i][1] for _, i in order], [params(i) for _, i in order],
+                                   max_inflight=2 * batch * self.fleet.num_live)
+        try:
+            for o in stream:                 # o.request_id is the position in `order`
+                w, i = order[o.request_id]
+                self.tokens += sum(len(c.token_ids) for c in o.completions)
+                yield [(w, i, o)]
+        finally:
+            stream.close()                   # interrupted: cancel what is still out
+
+    def generated_tokens(self) -> int:
+        return self.tokens                   # returned with finished prompts
+
+    def summary(self, gen_s: float) -> dict:
+        try:
+            st = self.fleet.stats()
+        except Exception as exc:  # noqa: BLE001  the summary must not hide the job's own error
+            log.warning("fleet stats: %r", exc)
+            return {"gpu_busy": "n/a"}
+        ws = st["workers"]
+        busy = [w.get("gpu_busy_ms", 0.0) / (gen_s * 1e3) for w in ws.values()] if gen_s > 0 else []
+        return {"gpu_busy": f"{100 * sum(busy) / len(busy):.1f}%" if self.cuda and busy else "n/a",
+                "workers": st["num_live"], "fleet_tok_s": round(st["tok_s"], 1),
+                "worker_tok_s": {str(i): round(w["tok_s"], 1) for i, w in ws.items()},
+                "dead_actors": st["dead_actors"], "resubmitted_prompts": st["resubmitted_prompts"]}
+
+    def close(self) -> None:
+        if self.fleet is not None:
+            self.fleet.shutdown()
+            self.fleet = None
+        if self.own_ray:
+            import ray
+            ray.shutdown()
+            self.own_ray = False
+
+
+class _FleetView:
+    """The worker / engine attributes MetricsSink reads outside _snapshot and log, for a fleet."""
+
+    def __init__(self, fleet, cuda: bool):
+        self.fleet, self.engine = fleet, self
+        self.device = SimpleNamespace(type="cuda" if cuda else "cpu")
+
+    @property
+    def policy_version(self) -> int:
+        return self.fleet.version
+
+
+class _FleetMetricsSink(MetricsSink):
+    """MetricsSink over a RolloutFleet: the same run, samples table, reward and version ages;
+    rates and gauges summed over the workers' stats (fleet.stats()), plus each worker's
+    generated tok/s and queue depth and the fleet's live actors, version skew and faults."""
+
+    def __init__(self, fleet, cuda: bool, **kw):
+        self.fleet = fleet
+        self._stats: dict = {"workers": {}}
+        super().__init__(_FleetView(fleet, cuda), **kw)
+
+    def _snapshot(self):
+        try:
+            self._stats = self.fleet.stats()
+        except Exception as exc:  # noqa: BLE001  an actor died since the last call: keep the last stats
+            log.warning("fleet stats: %r", exc)
+        ws = self._stats["workers"]
+        # keyed by (slot, restarts): a restarted actor's counters start again from 0
+        gen = {(i, w["restarts"]): w["generated_tokens"] for i, w in ws.items()}
+        pre = {(i, w["restarts"]): w["prefill_tokens"] for i, w in ws.items()}
+        return time.perf_counter(), gen, pre, sum(w.get("gpu_busy_ms", 0.0) for w in ws.values())
+
+    def log(self, extra: dict | None = None) -> dict:
+        now, gen, pre, busy = snap = self._snapshot()
+        t0, gen0, pre0, busy0 = self._last
+        self._last, dt = snap, max(now - t0, 1e-9)
+        st, ws = self._stats, self._stats["workers"]
+        rate = {k: max(v - gen0.get(k, 0), 0) / dt for k, v in gen.items()}
+
+        def total(key: str) -> float:
+            return sum(w.get(key, 0) for w in ws.values())
+
+        discarded = total("discarded_tokens")
+        m = {
+            "throughput/gen_tok_s": sum(rate.values()),
+            "throughput/prefill_tok_s": sum(max(v - pre0.get(k, 0), 0) for k, v in pre.items()) / dt,
+            "batch/running": total("running_seqs"),
+            "batch/occupancy": total("running_seqs") / max(total("max_num_seqs"), 1),
+            "kv/pages_used": total("kv_pages_used"),
+            "kv/usage": total("kv_pages_used") / max(total("kv_pages_total"), 1),
+            "sched/preemptions": total("preemptions"),
+            "sched/recomputed_tokens": total("recomputed_tokens"),
+            "weights/updates": st.get("weight_updates", 0), "weights/policy_version": self.fleet.version,
+            "tokens/generated": total("generated_tokens"), "tokens/discarded": discarded,
+            "tokens/aborted": self.aborted_tokens, "tokens/wasted": discarded + self.aborted_tokens,
+            "rollouts/completions": self.completions,
+            **{f"tokens/version_age_{a}": c for a, c in sorted(self.ages.items())},
+            **{f"fleet/{k}": st.get(k, 0) for k in ("num_live", "version_skew", "dead_actors",
+                                                    "restarted_actors", "resubmitted_prompts")},
+            **{f"fleet/worker_{i}/gen_tok_s": r for (i, _), r in rate.items()},
+            **{f"fleet/worker_{i}/outstanding": w["outstanding"] for i, w in ws.items()},
+        }
+        if self.cuda and ws:
+            m["gpu/busy_pct"] = 100.0 * max(busy - busy0, 0) / (dt * 1e3) / len(ws)
+        if self._rewards:
+            m["rollouts/mean_reward"] = sum(self._rewards) / len(self._rewards)
+            self._rewards = []
+        self.run.log({**m, **(extra or {})})
+        self._next = time.monotonic() + self.log_every_s
+        return m
+
+
 # ---- the job -------------------------------------------------------------------------------------
 def run(cfg) -> dict:
     t_start = time.perf_counter()
@@ -254,14 +500,12 @@ def run(cfg) -> dict:
                          f"or null for the embedded model)")
     cfg = merged
     import torch
-    from tqdm.auto import tqdm
-    from tqdm.contrib.logging import logging_redirect_tqdm
 
-    from rollout import RolloutEngine, SamplingParams
-    from rollout.metrics import MetricsSink
+    from rollout import SamplingParams
     from rollout.tasks import arith
-    from rollout.worker import RolloutWorker
 
+    if cfg.fleet.num_workers < 1:
+        raise ValueError(f"fleet.num_workers must be >= 1, got {cfg.fleet.num_workers}")
     device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
     # Small models are overhead-bound on CPU, where OpenMP threads spin: 1 thread ran the
     # embedded model ~10x faster than 2 on a 2-core machine.
@@ -271,22 +515,33 @@ def run(cfg) -> dict:
 
     # Everything that can be wrong is checked before the output dir is touched.
     model_path = cfg.model.path or arith.ensure_default_model()
-    engine = RolloutEngine.from_pretrained(model_path, device=device, seed=cfg.seed,
-                                           **OmegaConf.to_container(cfg.engine, resolve=True))
+    rollouts = (_LocalRollouts(cfg, model_path, device) if cfg.fleet.num_workers == 1
+                else _FleetRollouts(cfg, model_path))
     base = SamplingParams(**OmegaConf.to_container(cfg.sampling, resolve=True))
-    base.validate(engine.vocab_size)
-    n, B = base.n, cfg.batch_prompts
-    if B < 1:
-        raise ValueError(f"batch_prompts must be >= 1, got {B}")
+    base.validate(rollouts.vocab_size)
+    if cfg.batch_prompts < 1:
+        raise ValueError(f"batch_prompts must be >= 1, got {cfg.batch_prompts}")
     reward_fn = _reward_fn(cfg.reward)
-    prompts = load_prompts(cfg.data, engine.tokenizer)
+    prompts = load_prompts(cfg.data, rollouts.tokenizer)
+    try:
+        rollouts.start()                     # a fleet's actors build their engines here
+        return _generate(cfg, rollouts, base, prompts, reward_fn, t_start)
+    finally:
+        rollouts.close()
+
+
+def _generate(cfg, rollouts, base, prompts, reward_fn, t_start: float) -> dict:
+    from tqdm.auto import tqdm
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    n, B = base.n, cfg.batch_prompts
     out = Path(cfg.output_dir)
     parts_dir = out / "rollouts"
     _check_fingerprint(out, cfg)
     parts_dir.mkdir(parents=True, exist_ok=True)
     done, next_part = scan_parts(parts_dir, n, prompts)
 
-    def params(i: int) -> SamplingParams:
+    def params(i: int):
         return base if base.seed is None else dataclasses.replace(base, seed=_prompt_seed(base.seed, i))
 
     pending = [i for i in range(len(prompts)) if i not in done]
@@ -294,29 +549,17 @@ def run(cfg) -> dict:
     log.info("%d prompts x %d samples: %d already in %s, %d to generate in %d waves",
              len(prompts), n, len(prompts) - len(pending), parts_dir, len(pending), len(waves))
 
-    worker = RolloutWorker(engine)
-    sink = MetricsSink(worker, config=OmegaConf.to_container(cfg, resolve=True),
-                       **{**OmegaConf.to_container(cfg.logging, resolve=True), "dir": cfg.logging.dir or str(out)})
-    owner: dict[int, tuple[int, int]] = {}          # request id -> (wave, prompt index)
+    sink = rollouts.sink(config=OmegaConf.to_container(cfg, resolve=True),
+                         **{**OmegaConf.to_container(cfg.logging, resolve=True), "dir": cfg.logging.dir or str(out)})
     got: list[dict] = [{} for _ in waves]
     tot = {"prompts": 0, "completions": 0, "tokens": 0, "reward_sum": 0.0, "rewards": 0}
-    nxt, t0, busy0, gen0 = 0, time.perf_counter(), engine.pipeline.busy_ms, engine.metrics["generated_tokens"]
+    t0, gen0 = time.perf_counter(), rollouts.generated_tokens()
     bar = tqdm(total=len(pending), desc="rollout", unit="prompt")
     ok = False
     try:
         with logging_redirect_tqdm():
-            while True:
-                # Queue the next wave as soon as the current one starts draining, so the batch
-                # stays full across wave boundaries (at most two waves in flight).
-                while nxt < len(waves) and len(owner) < B:
-                    idx = waves[nxt]
-                    ids = worker.add_requests([prompts[i][1] for i in idx], [params(i) for i in idx])
-                    owner.update((r, (nxt, i)) for r, i in zip(ids, idx))
-                    nxt += 1
-                if not owner:
-                    break
-                for o in worker.step():
-                    w, i = owner.pop(o.request_id)
+            for finished in rollouts.results(waves, prompts, params, B):
+                for w, i, o in finished:
                     got[w][i] = o
                     bar.update(1)
                     if len(got[w]) < len(waves[w]):
@@ -336,7 +579,7 @@ def run(cfg) -> dict:
                     log.info("%s: %d prompts, %d completions; total %d tokens, %.0f tok/s", path.name,
                              len(waves[w]), len(rows), tot["tokens"], tot["tokens"] / el)
                 sink.maybe_log()
-                rate = (engine.metrics["generated_tokens"] - gen0) / max(time.perf_counter() - t0, 1e-9)
+                rate = (rollouts.generated_tokens() - gen0) / max(time.perf_counter() - t0, 1e-9)
                 bar.set_postfix(tok_s=f"{rate:.0f}", refresh=False)
         ok = True
     except KeyboardInterrupt:
@@ -351,9 +594,7 @@ def run(cfg) -> dict:
             "wall_s": round(time.perf_counter() - t_start, 2), "generate_s": round(gen_s, 2),
             "tok_s": round(tot["tokens"] / gen_s, 1) if gen_s > 0 else 0.0,
             "mean_reward": tot["reward_sum"] / tot["rewards"] if tot["rewards"] else None,
-            "gpu_busy": (f"{100 * (engine.pipeline.busy_ms - busy0) / (gen_s * 1e3):.1f}%"
-                         if engine.device.type == "cuda" and gen_s > 0 else "n/a"),
-            "output": str(parts_dir)}
+            **rollouts.summary(gen_s), "output": str(parts_dir)}
         sink.close(summary if ok else None)
     mr = summary["mean_reward"]
     print(f"rollout: {summary['prompts']} prompts ({summary['skipped_prompts']} already done), "
@@ -361,4 +602,8 @@ def run(cfg) -> dict:
           f"({summary['tok_s']:.0f} tok/s), wall {summary['wall_s']:.1f} s, "
           f"mean reward {'n/a' if mr is None else f'{mr:.3f}'}, GPU busy {summary['gpu_busy']}; "
           f"{summary['parts']} parts in {summary['output']}")
+    if "workers" in summary:
+        per = ", ".join(f"worker {i} {r:.0f}" for i, r in summary["worker_tok_s"].items())
+        print(f"fleet: {summary['workers']} workers, {summary['fleet_tok_s']:.0f} tok/s ({per}); "
+              f"{summary['dead_actors']} dead actors, {summary['resubmitted_prompts']} prompts resubmitted")
     return summary

@@ -1,6 +1,7 @@
-"""The rollout job: prompts -> RolloutWorker -> parquet parts + W&B (logic in rollout/job.py).
+"""The rollout job: prompts -> RolloutWorker(s) -> parquet parts + W&B (logic in rollout/job.py).
 
     python scripts/rollout.py +experiment=grpo
+    python scripts/rollout.py +experiment=grpo fleet.num_workers=2          # 2 Ray actors (docs/fleet.md)
     python scripts/rollout.py +experiment=grpo sampling.n=4 data.limit=64 output_dir=outputs/try
     python scripts/rollout.py +experiment=grpo model=local model.path=/ckpt data=jsonl data.path=p.jsonl reward=null
     python scripts/rollout.py +experiment=grpo --cfg job      # print the composed config

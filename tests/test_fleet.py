@@ -46,6 +46,14 @@ def test_fleet_greedy_equals_single_worker_and_weight_update_reaches_all(ray_clu
         # both workers got work (queue-depth balancing), each group whole on one worker
         assert all(w["returned_tokens"] > 0 and w["tok_s"] > 0 for w in st["workers"].values())
         assert sum(w["returned_tokens"] for w in st["workers"].values()) == 6 * 2 * 12
+        # a bounded window (the job's waves): at most 2 prompts out at once, the rest follow; same outputs
+        windowed = {}
+        for o in fleet.stream(prompts, p, max_inflight=2):
+            assert sum(fleet.queue_depths().values()) <= 2 * p.n
+            windowed[o.request_id] = o
+        assert _tokens([windowed[i] for i in range(len(prompts))]) == _tokens(expected)
+        with pytest.raises(ValueError, match="max_inflight"):
+            next(fleet.stream(prompts, p, max_inflight=0))
 
         # weight update: the driver is rank 0 of a gloo group, each actor a rank
         sent = fleet.update_weights(load_file(str(new / "model.safetensors")).items(), version=3)
