@@ -15,6 +15,7 @@ top logprobs run eagerly.
 """
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from typing import Callable, Optional
@@ -70,6 +71,23 @@ class DecodeGraphs:
             from tqdm.auto import tqdm
             bar = tqdm(total=len(keys), desc="capturing CUDA graphs", unit="graph")
         self.pool = torch.cuda.graph_pool_handle()
+        # No garbage collection during capture: collecting an older engine's graphs frees
+        # device memory, which is not permitted while a stream captures (the capture fails and
+        # leaves the CUDA RNG in capture state).
+        gc.collect()
+        gc.disable()
+        try:
+            self._capture(keys, slots, bar)
+        finally:
+            gc.enable()
+        torch.cuda.synchronize()
+        if bar is not None:
+            bar.close()
+        self.capture_s = time.perf_counter() - t0
+        log.info("captured %d CUDA graphs (buckets %s, modes %s) in %.1f s",
+                 len(keys), self.buckets, self.modes, self.capture_s)
+
+    def _capture(self, keys, slots, bar) -> None:
         for slot, bucket, mode in keys:
             if slot == slots[0]:   # warm-up (Triton compiles, cuBLAS workspaces) outside any capture
                 with torch.cuda.stream(self.stream):
@@ -81,12 +99,6 @@ class DecodeGraphs:
             self.graphs[(slot, bucket, mode)] = g
             if bar is not None:
                 bar.update(1)
-        torch.cuda.synchronize()
-        if bar is not None:
-            bar.close()
-        self.capture_s = time.perf_counter() - t0
-        log.info("captured %d CUDA graphs (buckets %s, modes %s) in %.1f s",
-                 len(keys), self.buckets, self.modes, self.capture_s)
 
     def replay(self, slot: int, bucket: int, mode: str) -> None:
         """On the caller's current stream."""

@@ -13,7 +13,11 @@ for s in $sections; do
   case $s in
     tests)    # correctness first: bf16 vs HF, pipeline, graphs, kernels, fused sampler
       ROLLOUT_GPU_REPORT=$OUT/gpu_tests.jsonl timeout 420 python3 -m pytest -q -p no:cacheprovider --noconftest \
-        -s tests/gpu 2>&1 | grep -E "passed|failed|FAILED|Error|busy=|peak bytes|barrier_ms" | tail -30 | tee $OUT/gpu_tests.log ;;
+        -s tests/gpu > $OUT/gpu_tests.log 2>&1
+      grep -E "passed|failed|FAILED|busy=|peak bytes|barrier_ms" $OUT/gpu_tests.log | tail -30 ;;
+    profile)  # per-step breakdown, fused small ops off and on
+      for f in --no-fused-ops ""; do timeout 150 python3 -m rollout.bench.profile --shape llama3-8b --batch 32 \
+        --context 1024 $f --out $OUT/profile_l8b_B32_C1024${f:+_unfused}.json 2>&1 | grep -A12 "^| part"; done ;;
     kernels)  timeout 240 python3 -m rollout.bench.kernels --out $OUT/kernels.json 2>&1 | tail -25 ;;
     sampler)  timeout 120 python3 -m rollout.bench.sampler --out $OUT/sampler.json 2>&1 | tail -15 ;;
     q05)      # issue 3's CPU-overhead-heavy workload, sync vs async, with a timeline

@@ -139,3 +139,18 @@ def test_sharded_checkpoint_and_top_logprobs(model_dir, sharded_model_dir, tiny_
         for t, tok, lp in zip(tops, x.completions[0].token_ids, x.completions[0].logprobs):
             best = max(t, key=t.get)
             assert best == tok and abs(t[best] - lp) < 1e-6    # greedy = top-1
+
+
+@pytest.mark.parametrize("shape", ["llama3-8b", "qwen2.5-0.5b"])
+def test_bf16_model_keeps_fp32_rope_frequencies(shape):
+    """Casting the model to bf16 must not round the RoPE frequencies (a bf16 inv_freq puts
+    angles ~1 rad off by position 300: it was the 8B bf16 drift of issue 2)."""
+    from rollout.bench.shapes import make_config
+    from rollout.models.decoder import rope_inv_freq
+    from rollout.models.loader import build_model
+    cfg = make_config(shape, num_hidden_layers=1, hidden_size=256, intermediate_size=256, vocab_size=512,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=128)
+    model = build_model(cfg, torch.bfloat16, torch.device("cpu"))
+    want = rope_inv_freq(cfg, 128)
+    assert model.inv_freq.dtype == torch.float32 and torch.equal(model.inv_freq, want)
+    assert not torch.equal(want.bfloat16().float(), want)     # the check can fail

@@ -25,6 +25,7 @@ pytest.importorskip("triton")
 
 import torch  # noqa: E402
 
+from fused_cases import fused_ops_cases  # noqa: E402
 from paged_cases import make_paged, meta_for, reference  # noqa: E402
 from rollout.attention import write_kv  # noqa: E402
 from rollout.kernels import paged_attention  # noqa: E402
@@ -137,6 +138,17 @@ def test_rope_kv(dtype):
     assert torch.equal(vc, vc_ref)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_ops(dtype):
+    for name, got, want in fused_ops_cases("cpu", dtype):
+        # fp32: summation order only (~1e-6). bf16: the interpreter truncates on bf16 casts
+        # where the GPU rounds to nearest (measured: 1-ulp differences in 26-72% of elements,
+        # even for the plain add), and "normed" rounds twice: two ulps (< 2**-6 relative).
+        # tests/gpu/test_kernels_cuda.py holds the GPU to one ulp.
+        tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2 ** -7, rtol=2 ** -6)
+        torch.testing.assert_close(got, want, **tol, msg=name)
+
+
 def test_compiles_for_sm90(tmp_path):
     """The interpreter runs kernels as Python: it misses compile-time errors (loop-carried
     constexprs, layout/shape rules of tl.dot). Compile each kernel ahead of time for sm_90 with
@@ -145,14 +157,15 @@ def test_compiles_for_sm90(tmp_path):
         import triton
         from triton.backends.compiler import GPUTarget
         from triton.compiler import ASTSource
-        from rollout.kernels import paged_decode as pd, paged_prefill as pp, rope_kv as rk
+        from rollout.kernels import paged_decode as pd, paged_prefill as pp, rope_kv as rk, fused_ops as fo
         PTR = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "out_ptr": "*bf16", "qo_ptr": "*bf16",
                "kc_ptr": "*bf16", "vc_ptr": "*bf16", "po_ptr": "*fp32", "plse_ptr": "*fp32", "bt_ptr": "*i32",
-               "lens_ptr": "*i32", "qsl_ptr": "*i32", "pos_ptr": "*i64", "inv_freq_ptr": "*fp32", "slot_ptr": "*i64"}
+               "lens_ptr": "*i32", "qsl_ptr": "*i32", "pos_ptr": "*i64", "inv_freq_ptr": "*fp32", "slot_ptr": "*i64",
+               "x_ptr": "*bf16", "d_ptr": "*bf16", "w_ptr": "*bf16", "res_ptr": "*bf16", "gu_ptr": "*bf16"}
         def compile_(fn, **const):
             sig, attrs = {}, {}
             for i, name in enumerate(fn.arg_names):
-                scalar = "fp32" if name == "sm_scale_log2" else "i32"
+                scalar = "fp32" if name in ("sm_scale_log2", "eps") else "i32"
                 sig[name] = "constexpr" if name in const else PTR.get(name, scalar)
                 if name in PTR or name.startswith("s_"):     # as the JIT specialises 16-divisible args
                     attrs[(i,)] = [["tt.divisibility", 16]]
@@ -163,6 +176,8 @@ def test_compiles_for_sm90(tmp_path):
         compile_(pd._decode_merge_kernel, HEAD_DIM=128, NUM_SPLITS=3, SPLITS_PAD=4)
         compile_(pp._prefill_kernel, GROUP=7, BLOCK_Q=9, BLOCK_M=64, USE_WINDOW=True, **common)
         compile_(rk._rope_kv_kernel, HQ=28, HKV=4, HQ_PAD=32, HKV_PAD=4, HALF=64, PRECISE=True)
+        compile_(fo._add_rmsnorm_kernel, HAS_DELTA=True, BLOCK=4096)
+        compile_(fo._silu_mul_kernel, BLOCK=1024)
         print("ok")
     """)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

@@ -45,6 +45,20 @@ def _git_commit() -> str:
         return "unknown"
 
 
+def run_meta(module: str, argv) -> dict:
+    """Command, commit, date and device stamped into every benchmark JSON."""
+    return {"command": f"python -m {module} " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "git_commit": _git_commit(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu",
+            "torch": torch.__version__, "transformers": __import__("transformers").__version__}
+
+
+def write_json(result: dict, path) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(result, f, indent=2)
+
+
 def hf_logprob_agreement(hf, prompts, outs, temperature: float, device, hf_fp32=None) -> dict:
     """|Δ| between our per-token logprobs and HF's forward (same dtype) on prompt +
     completion. With `hf_fp32`, both ours and HF's are also measured against an fp32
@@ -110,7 +124,9 @@ def hf_generate_batch(hf, prompts, G: int, attn: str = "paged|sdpa") -> dict:
     from transformers import GenerationConfig
     from transformers.generation import ContinuousBatchingConfig
     known = inspect.signature(ContinuousBatchingConfig).parameters
-    wanted = dict(use_cuda_graph=True, use_async_batching=False)
+    # Half the free memory for its KV cache: our engine is resident too (at the default 0.9 its
+    # CUDA-graph warm-up ran out of memory on the 8B shape).
+    wanted = dict(use_cuda_graph=True, use_async_batching=False, max_memory_percent=0.5)
     cb = ContinuousBatchingConfig(**{k: v for k, v in wanted.items() if k in known})
     prev = hf.config._attn_implementation
     hf.set_attn_implementation(attn)
@@ -299,11 +315,7 @@ def main(argv=None):
                                  "attn_implementation": hf.config._attn_implementation}
         result["speedup_vs_hf"] = result["ours"]["tok_s"] / result["hf_generate"]["tok_s"]
 
-    result["meta"] = {
-        "command": "python -m rollout.bench " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "git_commit": _git_commit(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-        "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
-        "torch": torch.__version__, "transformers": __import__("transformers").__version__}
+    result["meta"] = run_meta("rollout.bench", argv)
     print(json.dumps(result, indent=2))
     rf = result["roofline"]
     print(f"\nroofline: {rf['tok_s']:.0f} tok/s ({rf['step_ms']:.2f} ms/step at mean context "
@@ -321,9 +333,7 @@ def main(argv=None):
                   f"{100 * h['tok_s'] / rf['tok_s']:.1f}% | |")
         elif h:
             print(f"| {key} | failed: {h['error'][:80]} | | | |")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
+    write_json(result, args.out)
 
 
 if __name__ == "__main__":

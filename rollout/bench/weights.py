@@ -7,7 +7,6 @@ engine built with the new weights produces.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import statistics
 import time
@@ -17,7 +16,7 @@ import torch
 from ..engine import RolloutEngine
 from ..request import SamplingParams
 from ..worker import RolloutWorker
-from .__main__ import _git_commit
+from .__main__ import run_meta, write_json
 from .shapes import SHAPES, make_config
 
 
@@ -71,17 +70,13 @@ def main(argv=None):
         "verified": wm["verified"], "pipeline_counts": dict(worker.engine.pipeline.counts),
         "steady_step_ms": steady, "step_ms_around_update": around,
         "outputs_equal_fresh_engine": [o.completions[0].token_ids for o in got] == [o.completions[0].token_ids for o in fresh],
-        "meta": {"command": "python -m rollout.bench.weights " + " ".join(argv or []), "git_commit": _git_commit(),
-                 "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-                 "device": torch.cuda.get_device_name(), "torch": torch.__version__},
+        "meta": run_meta("rollout.bench.weights", argv),
     }
     print(json.dumps(result, indent=2))
     print(f"\n| bytes | staging ms | barrier stall ms | steady step ms | equal fresh |\n|---|---|---|---|---|\n"
           f"| {wm['bytes'] / 1e9:.1f} GB | {wm['staging_ms']:.1f} | {wm['barrier_ms']:.2f} | {steady:.1f} | "
           f"{result['outputs_equal_fresh_engine']} |")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
+    write_json(result, args.out)
 
 
 if __name__ == "__main__":

@@ -14,10 +14,12 @@ _EXPORTS = {
     "pick_num_splits": "paged_decode",
     "paged_prefill_attention": "paged_prefill",
     "rope_and_write_kv": "rope_kv",
+    "add_rmsnorm": "fused_ops",
+    "silu_mul": "fused_ops",
 }
 
 __all__ = ["triton_available", "fix_interpreter", "paged_attention", "paged_decode_attention", "pick_num_splits",
-           "paged_prefill_attention", "rope_and_write_kv"]
+           "paged_prefill_attention", "rope_and_write_kv", "add_rmsnorm", "silu_mul"]
 
 
 def triton_available() -> bool:

@@ -9,7 +9,7 @@ from typing import Optional, Union
 
 import torch
 
-from .decoder import DecoderLM, check_supported
+from .decoder import rope_inv_freq, DecoderLM, check_supported
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -38,7 +38,10 @@ def build_model(hf_config, dtype: torch.dtype, device: torch.device) -> DecoderL
     with torch.device(device):
         model = DecoderLM(hf_config)
     model.to(dtype)
-    model.inv_freq = model.inv_freq.float()   # RoPE angles stay fp32, as in HF
+    # RoPE frequencies stay fp32, as in HF. Recomputed, not cast back: `.to(bf16)` already
+    # rounded them, and bf16 frequencies put angles ~1 rad off by position 300 (this was the
+    # 8B bf16 drift of issue 2: 0.45-0.98 mean |dlogp| from fp32 against HF's 0.07).
+    model.inv_freq = rope_inv_freq(hf_config, model.head_dim).to(device)
     return model.eval().requires_grad_(False)
 
 

@@ -141,3 +141,13 @@ def test_rope_kv(dtype):
         torch.testing.assert_close(got, want, rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-5)
         if dtype == torch.bfloat16:
             assert (got != want).float().mean().item() < 1e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_ops_cuda(dtype):
+    from fused_cases import fused_ops_cases
+    for name, got, want in fused_ops_cases(DEV, dtype):
+        # fp32: summation order only. bf16: round-to-nearest at the same points as torch's
+        # eager ops, so at most one bf16 ulp (2**-7 relative at worst) where fp32 sums differ.
+        tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2 ** -8, rtol=2 ** -7)
+        torch.testing.assert_close(got, want, **tol, msg=name)

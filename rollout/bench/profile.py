@@ -1,0 +1,99 @@
+"""Per-step time breakdown of steady decode: attention / GEMMs / sampling / small ops / gaps.
+
+    python -m rollout.bench.profile --shape llama3-8b --batch 32 --context 1024 [--no-fused-ops]
+
+B sequences are prefilled to `--context` tokens, then decode runs as the engine runs it (async,
+CUDA graphs). The step time comes from CUDA events on the compute stream; the kernel split from
+the torch profiler over the same steps (kernels inside graph replays are traced one by one).
+Gaps = step time - kernel time: launch latency between kernels, and host stalls.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from collections import defaultdict
+
+import torch
+
+from ..engine import RolloutEngine
+from ..request import SamplingParams
+from .__main__ import run_meta, write_json
+from .roofline import model_sizes, step_time_s
+from .shapes import SHAPES, make_config
+
+CATEGORIES = (   # first match wins; names as CUDA reports them
+    ("attention", r"_decode_split|_decode_merge|_prefill_kernel"),
+    ("sampling", r"_sample_kernel|_merge_kernel|sort|topk|softmax|gather|argmax|cumsum"),
+    ("gemm", r"gemm|gemv|cutlass|xmma|nvjet|cublas|splitK|sm90_"),
+    ("fused small ops", r"_add_rmsnorm|_silu_mul|_rope_kv"),
+)
+
+
+def categorize(name: str) -> str:
+    for cat, pattern in CATEGORIES:
+        if re.search(pattern, name, re.IGNORECASE):
+            return cat
+    return "other small ops"
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES))
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--no-fused-ops", action="store_true", help="torch RMSNorm / RoPE / SiLU ops (Triton attention kept)")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("rollout.bench.profile needs CUDA")
+    cfg = make_config(args.shape)
+    B, C, K = args.batch, args.context, args.steps
+    eng = RolloutEngine.from_config(cfg, seed=0, device="cuda", dtype="bfloat16", max_model_len=C + 4 * K + 64,
+                                    max_num_seqs=B, max_num_batched_tokens=4096,
+                                    kv_cache_memory=int(model_sizes(cfg)["kv_bytes_per_token"] * B * (C + 4 * K + 128)),
+                                    cuda_graph_modes=("greedy",))
+    eng.model.fused_small_ops = not args.no_fused_ops
+    prompts = torch.randint(10, cfg.vocab_size - 10, (B, C), generator=torch.Generator().manual_seed(0)).tolist()
+    eng.add_requests(prompts, SamplingParams(max_new_tokens=4 * K, temperature=0.0, ignore_eos=True))
+    while eng.pipeline.counts["graph_steps"] < 5:      # prefill done, decode replaying graphs
+        eng.step()
+    p = eng.pipeline
+    busy0, n0 = p.busy_ms, p.counts["graph_steps"]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(K):
+            eng.step()
+        torch.cuda.synchronize()
+    steps = p.counts["graph_steps"] - n0
+    # busy_ms counts completed steps only (one is still in flight); close enough over K steps.
+    step_ms = (p.busy_ms - busy0) / max(steps, 1)
+    per_cat = defaultdict(float)
+    count = defaultdict(int)
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA and ev.device_time_total > 0:
+            per_cat[categorize(ev.name)] += ev.device_time_total / 1e3 / steps
+            count[categorize(ev.name)] += 1
+    kernels_ms = sum(per_cat.values())
+    sizes = model_sizes(cfg)
+    result = {
+        "shape": args.shape, "batch": B, "context": C, "steps": steps, "fused_small_ops": not args.no_fused_ops,
+        "step_ms": step_ms, "kernel_ms": dict(per_cat), "kernels_per_step": {k: v / steps for k, v in count.items()},
+        "gaps_ms": step_ms - kernels_ms,
+        "roofline_step_ms": 1e3 * step_time_s(sizes, B, C + 2 * K),
+        "weights_at_hbm_ms": 1e3 * sizes["weight_bytes"] / 4.8e12,
+        "kv_at_hbm_ms": 1e3 * B * (C + 2 * K) * sizes["kv_bytes_per_token"] / 4.8e12,
+        "meta": run_meta("rollout.bench.profile", argv),
+    }
+    print(json.dumps(result, indent=1))
+    print(f"\n| part | ms/step | kernels/step |\n|---|---|---|")
+    for cat in sorted(per_cat, key=per_cat.get, reverse=True):
+        print(f"| {cat} | {per_cat[cat]:.3f} | {count[cat] / steps:.0f} |")
+    print(f"| gaps | {result['gaps_ms']:.3f} | |\n| **step** | **{step_ms:.3f}** | |\n"
+          f"| roofline step | {result['roofline_step_ms']:.3f} | |")
+    write_json(result, args.out)
+
+
+if __name__ == "__main__":
+    import sys
+    main(sys.argv[1:])

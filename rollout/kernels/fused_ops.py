@@ -1,0 +1,82 @@
+"""Fused small ops of the decoder layer: residual add + RMSNorm, and SiLU(gate) * up.
+
+A decode step at B = 32 spends more time in small elementwise kernels than in their bytes:
+each torch op is one launch of a few microseconds even inside a CUDA graph, and the eager
+RMSNorm alone is ~7 of them. These kernels do one pass each and round where torch's eager
+bf16 ops round (after the add, after normalising, after the weight product; after SiLU,
+after the product), so switching them on moves logprobs by reduction order only.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from . import fix_interpreter
+
+fix_interpreter()
+
+
+@triton.jit
+def _add_rmsnorm_kernel(x_ptr, d_ptr, w_ptr, out_ptr, res_ptr, N, eps, s_x, s_d, s_o, s_r,
+                        HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    m = cols < N
+    x = tl.load(x_ptr + row * s_x + cols, mask=m, other=0.0)
+    if HAS_DELTA:
+        d = tl.load(d_ptr + row * s_d + cols, mask=m, other=0.0)
+        x = (x.to(tl.float32) + d.to(tl.float32)).to(x_ptr.dtype.element_ty)   # the residual, rounded
+        tl.store(res_ptr + row * s_r + cols, x, mask=m)
+    xf = x.to(tl.float32)
+    inv = 1.0 / tl.sqrt_rn(tl.sum(xf * xf, axis=0) / N + eps)
+    y = (xf * inv).to(out_ptr.dtype.element_ty)
+    w = tl.load(w_ptr + cols, mask=m, other=0.0)
+    tl.store(out_ptr + row * s_o + cols, (w.to(tl.float32) * y.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=m)
+
+
+def add_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, delta: Optional[torch.Tensor] = None,
+                out: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x, delta [T, N] -> (rmsnorm(r) * weight, r) with r = x + delta (r = x without delta).
+    HF's order: residual add in the activation dtype; norm in fp32, cast, then times weight.
+    `out`: preallocated (normed, residual) to write (tests poison them)."""
+    T, N = x.shape
+    assert x.stride(1) == 1 and weight.is_contiguous() and weight.numel() == N
+    if out is not None:
+        out, res = out
+    else:
+        out, res = torch.empty_like(x), (torch.empty_like(x) if delta is not None else x)
+    if T:
+        block = triton.next_power_of_2(N)
+        _add_rmsnorm_kernel[(T,)](x, delta if delta is not None else x, weight, out, res, N, eps,
+                                  x.stride(0), (delta if delta is not None else x).stride(0), out.stride(0),
+                                  res.stride(0), HAS_DELTA=delta is not None, BLOCK=block,
+                                  num_warps=8 if block >= 4096 else 4)
+    return out, res
+
+
+@triton.jit
+def _silu_mul_kernel(gu_ptr, out_ptr, inter, s_gu, s_o, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = cols < inter
+    g = tl.load(gu_ptr + row * s_gu + cols, mask=m, other=0.0).to(tl.float32)
+    u = tl.load(gu_ptr + row * s_gu + inter + cols, mask=m, other=0.0)
+    s = (g / (1.0 + tl.exp(-g))).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * s_o + cols, (s.to(tl.float32) * u.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=m)
+
+
+def silu_mul(gate_up: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """gate_up [T, 2I] (gate then up, as our fused projection writes them) -> silu(gate) * up."""
+    T, two_i = gate_up.shape
+    inter = two_i // 2
+    assert gate_up.stride(1) == 1
+    if out is None:
+        out = torch.empty((T, inter), dtype=gate_up.dtype, device=gate_up.device)
+    if T:
+        block = 1024
+        _silu_mul_kernel[(T, triton.cdiv(inter, block))](gate_up, out, inter, gate_up.stride(0), out.stride(0),
+                                                         BLOCK=block, num_warps=4)
+    return out
