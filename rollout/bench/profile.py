@@ -54,7 +54,10 @@ def main(argv=None):
                                     max_num_seqs=B, max_num_batched_tokens=4096,
                                     kv_cache_memory=int(model_sizes(cfg)["kv_bytes_per_token"] * B * (C + 4 * K + 128)),
                                     cuda_graph_modes=("greedy",))
-    eng.model.fused_small_ops = not args.no_fused_ops
+    if args.no_fused_ops:       # graphs were captured with the fused ops: capture them again
+        eng.model.fused_small_ops = False
+        eng.pipeline.graphs.graphs.clear()
+        eng.pipeline.capture_graphs(progress=False)
     prompts = torch.randint(10, cfg.vocab_size - 10, (B, C), generator=torch.Generator().manual_seed(0)).tolist()
     eng.add_requests(prompts, SamplingParams(max_new_tokens=4 * K, temperature=0.0, ignore_eos=True))
     while eng.pipeline.counts["graph_steps"] < 5:      # prefill done, decode replaying graphs

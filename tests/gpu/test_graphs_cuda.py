@@ -109,16 +109,20 @@ def test_launch_makes_no_host_sync():
 
 
 def test_second_slot_graphs_cost_little_memory():
+    # Graph memory is what the capture reserves for its private pool (allocator stats of
+    # tensors inside a capture are not a reliable measure). With one shared pool, the second
+    # slot's graphs reuse the first slot's blocks: they run one at a time on one stream.
     eng = _engine(False)       # no graphs yet: capture them by hand, one slot then both
-    peaks = {}
+    reserved = {}
     for slots in ((0,), (0, 1)):
-        graphs = DecodeGraphs(eng.pipeline._static_step, eng.pipeline.compute, [1, 8, 16, 32])
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
+        before = torch.cuda.memory_reserved()
+        graphs = DecodeGraphs(eng.pipeline._static_step, eng.pipeline.compute, [1, 8, 16, 32])
         graphs.capture(progress=False, slots=slots)
-        peaks[slots] = torch.cuda.max_memory_allocated() - base
+        torch.cuda.synchronize()
+        reserved[slots] = torch.cuda.memory_reserved() - before
         del graphs
-    print("graph capture peak bytes", peaks)
-    assert peaks[(0, 1)] <= 1.1 * peaks[(0,)]
+    print("graph pool reserved bytes", reserved)
+    assert reserved[(0,)] > 0
+    assert reserved[(0, 1)] <= 1.1 * reserved[(0,)]

@@ -46,13 +46,21 @@ def test_sync_and_async_identical(sampled):
             assert ca.finish_reason == cb.finish_reason
 
 
-def test_gpu_busy_accounting_and_async_faster_or_equal():
+def test_gpu_busy_accounting_and_async_overlap():
+    # A GPU-bound shape (3.5 GB of weights: ~1 ms of HBM reads per step, more than the host's
+    # step), so overlap shows: async keeps the compute stream busy, sync leaves it idle while
+    # the host schedules and builds. The tiny models of the other tests are host-bound.
+    from transformers import AutoConfig
+    cfg = AutoConfig.for_model("llama", vocab_size=32000, hidden_size=4096, intermediate_size=14336,
+                               num_hidden_layers=8, num_attention_heads=32, num_key_value_heads=8)
     prompts = _prompts(32, seed=1)
     p = SamplingParams(max_new_tokens=64, temperature=0, ignore_eos=True)
-    res = {}
+    res, walls = {}, {}
     for mode in (False, True):
-        eng = _engine(mode)
-        eng.generate(prompts[:2], SamplingParams(max_new_tokens=4), use_tqdm=False)
+        eng = RolloutEngine.from_config(cfg, seed=0, device="cuda", dtype="bfloat16", max_model_len=256,
+                                        num_kv_pages=1024, max_num_batched_tokens=2048, max_num_seqs=32,
+                                        async_pipeline=mode, cuda_graph_modes=("greedy",))
+        eng.generate(prompts[:2], SamplingParams(max_new_tokens=4, temperature=0), use_tqdm=False)
         torch.cuda.synchronize()
         busy0 = eng.pipeline.busy_ms
         start = torch.cuda.Event(enable_timing=True)
@@ -62,14 +70,13 @@ def test_gpu_busy_accounting_and_async_faster_or_equal():
         eng.drain()
         end.record()
         end.synchronize()
-        wall = start.elapsed_time(end)
-        res[mode] = (eng.pipeline.busy_ms - busy0) / wall
-        print(f"async={mode} busy={res[mode]:.3f} wall_ms={wall:.1f}")
+        walls[mode] = start.elapsed_time(end)
+        res[mode] = (eng.pipeline.busy_ms - busy0) / walls[mode]
+        print(f"async={mode} busy={res[mode]:.3f} wall_ms={walls[mode]:.1f}")
         assert 0 < res[mode] <= 1.0
-    # This 4-layer model's graph step is far shorter than the host's step, so both modes are
-    # host-bound and busy fractions can tie; 0.02 absorbs timing noise. The real overlap
-    # figures come from the benchmark on full-size shapes.
-    assert res[True] >= res[False] - 0.02
+        del eng
+    # The wall includes prefill and the last step's drain, so not quite 100% even when overlapped.
+    assert res[True] > 0.9 and res[True] > res[False] and walls[True] < walls[False]
 
 
 def test_weight_update_during_async_decode_without_drain():
