@@ -60,7 +60,9 @@ def test_gpu_busy_accounting_and_async_overlap():
         eng = RolloutEngine.from_config(cfg, seed=0, device="cuda", dtype="bfloat16", max_model_len=256,
                                         num_kv_pages=1024, max_num_batched_tokens=2048, max_num_seqs=32,
                                         async_pipeline=mode, cuda_graph_modes=("greedy",))
-        eng.generate(prompts[:2], SamplingParams(max_new_tokens=4, temperature=0), use_tqdm=False)
+        # Warm up on the same prompts: Triton compiles the prefill kernels for these shapes on
+        # first use, inside an open compute-stream span (it counted as busy and as wall time).
+        eng.generate(prompts, SamplingParams(max_new_tokens=4, temperature=0), use_tqdm=False)
         torch.cuda.synchronize()
         busy0 = eng.pipeline.busy_ms
         start = torch.cuda.Event(enable_timing=True)
