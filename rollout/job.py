@@ -81,6 +81,8 @@ class EngineConfig:                      # keyword arguments of RolloutEngine.fr
     async_pipeline: Optional[bool] = None
     kv_reserve_fraction: float = 1.0         # admission by expected total length (1 = never overcommit)
     attention_backend: str = "auto"          # auto (Triton on CUDA, torch on CPU) | torch | triton
+    cuda_graphs: bool = True                 # decode CUDA graphs (CUDA + Triton)
+    cuda_graph_max_batch: Optional[int] = None
 
 
 @dataclass
