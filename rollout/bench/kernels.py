@@ -8,7 +8,9 @@ shuffled (a fragmented pool). Time = median of `triton.testing.do_bench`. KV-rea
 sum(seq_lens) * Hkv * D * 2 (K and V) * 2 bytes / time, next to a measured device-to-device copy
 (reported as read + write bytes / time, the same way HBM bandwidth is quoted) and the torch
 reference `paged_attention_ref`. Each config is checked against the reference first (max |err|).
-Also: chunked prefill (TFLOP/s) and the fused RoPE + KV write against the torch ops it replaces.
+Also: chunked prefill (TFLOP/s), the fused RoPE + KV write, and residual add + RMSNorm and
+SiLU*up (GB/s of their traffic; correctness: tests/gpu/test_kernels_cuda.py), each against the
+torch ops it replaces.
 """
 from __future__ import annotations
 
@@ -159,6 +161,33 @@ def bench_rope(args, results):
         print(f"rope+kv write T={T}: {ms_k * 1e3:6.1f} us  (torch ops {ms_t * 1e3:6.1f} us)")
 
 
+def bench_fused_ops(args, results):
+    """Residual add + RMSNorm and SiLU*up at decode and prefill row counts, in GB/s of
+    their HBM traffic (reads + writes), next to the torch ops they replace."""
+    import torch.nn.functional as F
+    from triton.testing import do_bench
+
+    from ..kernels.fused_ops import add_rmsnorm, silu_mul
+    from ..models.decoder import RMSNorm
+    H, inter = args.hidden, args.intermediate
+    norm = RMSNorm(H, 1e-5).cuda().bfloat16()
+    for T in (32, 256, 2048):
+        x, d = (torch.randn(T, H, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        gu = torch.randn(T, 2 * inter, device="cuda", dtype=torch.bfloat16)
+        cases = {   # name: (kernel, torch ops, bytes moved)
+            "add_rmsnorm": (lambda: add_rmsnorm(x, norm.weight, norm.eps, delta=d),
+                            lambda: norm(x + d), 2 * T * H * 2 * 2 + H * 2),
+            "silu_mul": (lambda: silu_mul(gu), lambda: F.silu(gu[:, :inter]) * gu[:, inter:], T * 3 * inter * 2),
+        }
+        for name, (kernel, ref, nbytes) in cases.items():
+            ms_k = do_bench(kernel, return_mode="median")
+            ms_t = do_bench(ref, return_mode="median")
+            gbps = nbytes / ms_k / 1e6
+            results.append(dict(kind=name, T=T, hidden=H, intermediate=inter, us=ms_k * 1e3, torch_us=ms_t * 1e3,
+                                bytes=nbytes, GBps=gbps))
+            print(f"{name:12s} T={T:5d}: {ms_k * 1e3:7.1f} us {gbps:7.0f} GB/s  (torch ops {ms_t * 1e3:7.1f} us)")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", nargs="+", default=["32x8K", "64x8K", "32x16K"], help="BxCTX, e.g. 32x8K")
@@ -173,8 +202,10 @@ def main(argv=None):
     ap.add_argument("--ragged", action="store_true", help="seq lens uniform in [ctx/2, ctx]")
     ap.add_argument("--no-check", dest="check", action="store_false", help="skip the fp32 reference check")
     ap.add_argument("--skip-ref", action="store_true", help="don't time the torch reference")
-    ap.add_argument("--only", choices=["decode", "prefill", "rope"], nargs="+",
-                    default=["decode", "prefill", "rope"])
+    ap.add_argument("--hidden", type=int, default=4096, help="fused ops: hidden size")
+    ap.add_argument("--intermediate", type=int, default=14336, help="fused ops: MLP intermediate size")
+    ap.add_argument("--only", choices=["decode", "prefill", "rope", "fused"], nargs="+",
+                    default=["decode", "prefill", "rope", "fused"])
     ap.add_argument("--out", help="write results as JSON here")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -193,6 +224,8 @@ def main(argv=None):
         bench_prefill(args, results)
     if "rope" in args.only:
         bench_rope(args, results)
+    if "fused" in args.only:
+        bench_fused_ops(args, results)
     if args.out:
         info = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                     python=platform.python_version(), copy_GBps=copy_gbps, args=vars(args), results=results)
