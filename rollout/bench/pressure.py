@@ -1,0 +1,288 @@
+"""KV pressure: the same greedy prompts twice in one process, on one set of random weights.
+
+    python -m rollout.bench.pressure --shape llama3-8b --batch 64 --prompt-len 256 --gen-len 8192 \
+        --out bench/results/<name>.json
+    python -m rollout.bench.pressure --shape tiny --batch 4 --prompt-len 16 --gen-len 64 \
+        --kv-fraction 0.5 --dtype float32 --device cpu          # the CPU smoke run
+
+1. unpressured: KV for every sequence at once,
+   kv_bytes_per_token * B * (P + G + 64) * 1.1;
+2. pressured: --kv-fraction of that, too small for everyone at once, so admission holds requests
+   back and (with --reserve-fraction 0, the default: admit by the next chunk only) running
+   sequences are preempted and recompute their KV.
+
+The model is built once (seeded random weights); each run gets its own RolloutEngine on it, the
+first engine and its KV freed before the second is built. Greedy, EOS off, every request G new
+tokens. Reported per run: wall s, tok/s, preemptions, recomputed tokens, peak and mean running
+sequences; then pressured / unpressured tok/s and whether the greedy outputs are equal. In bf16
+on a GPU a different batch composition changes GEMM shapes and so the rounding, which can flip
+a near-tie argmax: outputs that differ are counted, with the first differing position, not
+treated as a crash. A request that did not finish with G tokens is an error (after the JSON is
+written).
+
+Sizes: the unpressured KV of the Llama-3-8B shape at B = 64, P = 256 is 131072 B/token * 64 *
+(P + G + 64) * 1.1, i.e. 80 GB at G = 8192 and 154 GB at G = 16384 (more than one H200 holds
+beside the 16 GB of weights). Before allocating any KV the script checks the unpressured size
+against the free device memory and stops with the largest --gen-len that fits.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import time
+
+import torch
+
+from ..engine import RolloutEngine
+from ..models.loader import build_model
+from ..request import SamplingParams
+from .__main__ import run_meta, write_json
+from .roofline import model_sizes, roofline
+from .shapes import SHAPES, make_config
+
+KV_SLACK_TOKENS = 64     # per sequence, on top of P + G
+KV_MARGIN = 1.1          # the unpressured KV is this much more than the sequences need
+HEADROOM_BYTES = 3 << 30  # activations, logits, CUDA graph pool, cuBLAS workspace
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def unpressured_kv_bytes(cfg, dtype: torch.dtype, B: int, P: int, G: int) -> int:
+    per_token = model_sizes(cfg, dtype.itemsize)["kv_bytes_per_token"]
+    return int(per_token * B * (P + G + KV_SLACK_TOKENS) * KV_MARGIN)
+
+
+def max_gen_len_fitting(cfg, dtype: torch.dtype, B: int, P: int, free_bytes: int) -> int:
+    per_token = model_sizes(cfg, dtype.itemsize)["kv_bytes_per_token"]
+    return int((free_bytes - HEADROOM_BYTES) / (KV_MARGIN * per_token * B)) - P - KV_SLACK_TOKENS
+
+
+def random_model(cfg, dtype: torch.dtype, device: torch.device, seed: int):
+    """Seeded normal(0, initializer_range) weights drawn on the device (an 8B draw on the CPU
+    takes minutes), zero biases, unit norms."""
+    model = build_model(cfg, dtype, device)
+    std = float(getattr(cfg, "initializer_range", 0.02))
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.zero_()
+            elif "norm" in name:
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, std, generator=gen)
+    return model
+
+
+class Occupancy:
+    """Running sequences after each schedule() that launched something: the scheduler's own
+    method, wrapped on this engine's instance only."""
+
+    def __init__(self, engine: RolloutEngine):
+        self.sched = engine.scheduler
+        self._inner = self.sched.schedule
+        self.sched.schedule = self._schedule
+        self.reset()
+
+    def reset(self) -> None:
+        self.peak = 0
+        self.total = 0
+        self.steps = 0
+        self.peak_waiting = 0
+
+    def _schedule(self):
+        out = self._inner()
+        if out.items:
+            running = sum(s.fork_count for s in self.sched.running)
+            self.peak = max(self.peak, running)
+            self.total += running
+            self.steps += 1
+            self.peak_waiting = max(self.peak_waiting, len(self.sched.waiting))
+        return out
+
+    def summary(self) -> dict:
+        return {"peak_running_seqs": self.peak, "mean_running_seqs": self.total / max(self.steps, 1),
+                "peak_waiting_seqs": self.peak_waiting}
+
+
+def compare_outputs(ref_tokens: list[list[int]], got_tokens: list[list[int]],
+                    ref_logprobs: list[list[float]] | None = None,
+                    got_logprobs: list[list[float]] | None = None, keep: int = 16) -> dict:
+    """How many sequences differ and where each first differs; |Δlogprob| over the tokens
+    before the first difference (the same token in both runs)."""
+    if len(ref_tokens) != len(got_tokens):
+        raise ValueError(f"{len(ref_tokens)} reference sequences, {len(got_tokens)} to compare")
+    diffs, dlp = [], []
+    for i, (a, b) in enumerate(zip(ref_tokens, got_tokens)):
+        same = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        if same < max(len(a), len(b)):
+            diffs.append({"seq": i, "position": same})
+        if ref_logprobs is not None and got_logprobs is not None:
+            dlp += [abs(x - y) for x, y in zip(ref_logprobs[i][:same], got_logprobs[i][:same])]
+    out = {"sequences": len(ref_tokens), "sequences_differ": len(diffs), "identical": not diffs,
+           "first_diff_position": min((d["position"] for d in diffs), default=None),
+           "first_diffs": diffs[:keep]}
+    if dlp:
+        out["max_abs_dlogprob_same_tokens"] = max(dlp)
+        out["mean_abs_dlogprob_same_tokens"] = sum(dlp) / len(dlp)
+    return out
+
+
+def timed_run(label: str, model, cfg, prompts, G: int, kv_bytes: int, args, device) -> tuple[dict, list, list]:
+    """Build an engine with `kv_bytes` of KV, warm it up, time generate() on all prompts."""
+    B, P = len(prompts), len(prompts[0])
+    t0 = time.perf_counter()
+    engine = RolloutEngine(model, cfg, max_model_len=P + G + 8, max_num_seqs=B, kv_cache_memory=kv_bytes,
+                           max_num_batched_tokens=args.max_batched_tokens, seed=args.seed,
+                           kv_reserve_fraction=args.reserve_fraction, attention_backend=args.attention_backend,
+                           cuda_graphs=not args.no_graphs, cuda_graph_modes=("greedy",))
+    init_s = time.perf_counter() - t0
+    capacity = engine.kv.alloc.num_usable * engine.page_size
+    kv_alloc_gb = torch.cuda.memory_allocated(device) / 1e9 if device.type == "cuda" else None
+    engine.generate(prompts[:2], SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    occ = Occupancy(engine)
+    sched, m = engine.scheduler, engine.metrics
+    before = {"preemptions": sched.num_preemptions, "recomputed_tokens": sched.num_recomputed_tokens,
+              "discarded_tokens": sched.num_discarded_tokens, "steps": m["steps"],
+              "prefill_tokens": m["prefill_tokens"], **engine.pipeline.counts}
+    busy0 = engine.pipeline.busy_ms
+    greedy = SamplingParams(max_new_tokens=G, temperature=0.0, ignore_eos=True)
+    print(f"[{label}] KV {capacity} tokens = {capacity / (B * (P + G)):.2f} of the {B} x {P + G} "
+          f"the sequences need; timing", flush=True)
+    _sync(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    t0 = time.perf_counter()
+    outs = engine.generate(prompts, greedy, use_tqdm=True)
+    engine.drain()
+    _sync(device)
+    wall = time.perf_counter() - t0
+    now = {"preemptions": sched.num_preemptions, "recomputed_tokens": sched.num_recomputed_tokens,
+           "discarded_tokens": sched.num_discarded_tokens, "steps": m["steps"],
+           "prefill_tokens": m["prefill_tokens"], **engine.pipeline.counts}
+    comps = [c for o in outs for c in o.completions]
+    complete = [len(c.token_ids) == G and c.finish_reason == "length" for c in comps]
+    result = {
+        "kv_cache_bytes": kv_bytes, "kv_pages": engine.kv.alloc.num_usable, "kv_tokens": capacity,
+        "kv_fraction_of_demand": capacity / (B * (P + G)), "reserve_fraction": args.reserve_fraction,
+        "engine_init_s": init_s, "graph_capture_s": engine.stats()["graph_capture_s"],
+        "cuda_graphs": engine.pipeline.graphs is not None, "attention_backend": engine.runner.attention_backend,
+        "wall_s": wall, "tokens": sum(len(c.token_ids) for c in comps), "tok_s": B * G / wall,
+        **{k: now[k] - before[k] for k in now}, **occ.summary(),
+        "completed": sum(complete), "all_completed": all(complete) and len(comps) == B,
+        "errors": sorted({o.error for o in outs if o.error}),
+        "gpu_busy": (engine.pipeline.busy_ms - busy0) / 1e3 / wall if device.type == "cuda" else None,
+        "memory_allocated_gb_after_init": kv_alloc_gb,
+        "peak_memory_gb": torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None,
+    }
+    tokens = [c.token_ids for c in comps]
+    logprobs = [c.logprobs for c in comps]
+    # Free this engine (KV pool, graphs, buffers) before the caller builds the next one.
+    occ.sched = None
+    del engine, occ, sched, outs, comps
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+    return result, tokens, logprobs
+
+
+def markdown_table(result: dict) -> str:
+    rows = ["| run | KV / demand | wall s | tok/s | preemptions | recomputed tokens | peak running | completed |",
+            "|---|---|---|---|---|---|---|---|"]
+    for label in ("unpressured", "pressured"):
+        r = result[label]
+        rows.append(f"| {label} | {r['kv_fraction_of_demand']:.2f} | {r['wall_s']:.2f} | {r['tok_s']:.0f} | "
+                    f"{r['preemptions']} | {r['recomputed_tokens']} | {r['peak_running_seqs']} | "
+                    f"{r['completed']}/{result['batch']} |")
+    c = result["outputs"]
+    first = "" if c["identical"] else f", first at token {c['first_diff_position']}"
+    rows.append("")
+    rows.append(f"pressured / unpressured tok/s: {result['tok_s_ratio']:.3f}; greedy outputs "
+                f"{'identical' if c['identical'] else 'differ'} ({c['sequences_differ']}/{c['sequences']} "
+                f"sequences differ{first})")
+    return "\n".join(rows)
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES))
+    ap.add_argument("--batch", type=int, default=64, help="prompts (one sequence each)")
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--gen-len", type=int, default=16384)
+    ap.add_argument("--kv-fraction", type=float, default=0.5,
+                    help="pressured KV as a fraction of the unpressured KV")
+    ap.add_argument("--reserve-fraction", type=float, default=0.0,
+                    help="engine kv_reserve_fraction in both runs: 0 admits by the next chunk and preempts "
+                         "when pages run out; 1 admits only what fits at full length (no preemption)")
+    ap.add_argument("--max-batched-tokens", type=int, default=2048, help="per-step token budget")
+    ap.add_argument("--dtype", default="bfloat16", help="weights and KV (float32 for the CPU smoke run)")
+    ap.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--attention-backend", default="auto", choices=("auto", "torch", "triton"))
+    ap.add_argument("--no-graphs", action="store_true", help="decode eagerly (no CUDA graphs)")
+    ap.add_argument("--skip-fit-check", action="store_true",
+                    help="build the unpressured engine even if its KV looks larger than the free memory")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    if not 0.0 < args.kv_fraction < 1.0:
+        ap.error(f"--kv-fraction must be in (0, 1), got {args.kv_fraction}")
+    if not 0.0 <= args.reserve_fraction <= 1.0:
+        ap.error(f"--reserve-fraction must be in [0, 1], got {args.reserve_fraction}")
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = getattr(torch, args.dtype)
+    cfg = make_config(args.shape)
+    B, P, G = args.batch, args.prompt_len, args.gen_len
+    full_kv = unpressured_kv_bytes(cfg, dtype, B, P, G)
+    tight_kv = int(full_kv * args.kv_fraction)
+    rf = roofline(cfg, B, P, G, dtype_bytes=dtype.itemsize)
+    print(f"{args.shape} B={B} P={P} G={G} {args.dtype} on {device}: unpressured KV {full_kv / 1e9:.2f} GB, "
+          f"pressured {tight_kv / 1e9:.2f} GB; roofline {rf['tok_s']:.0f} tok/s = {rf['wall_s']:.0f} s "
+          f"for the unpressured run", flush=True)
+
+    t0 = time.perf_counter()
+    model = random_model(cfg, dtype, device, args.seed)
+    _sync(device)
+    model_init_s = time.perf_counter() - t0
+    weights_gb = None
+    if device.type == "cuda":
+        weights_gb = torch.cuda.memory_allocated(device) / 1e9
+        free, _ = torch.cuda.mem_get_info(device)
+        if full_kv + HEADROOM_BYTES > free and not args.skip_fit_check:
+            fit = max_gen_len_fitting(cfg, dtype, B, P, free)
+            raise SystemExit(f"the unpressured KV ({full_kv / 1e9:.1f} GB) + {HEADROOM_BYTES / 2**30:.0f} GiB "
+                             f"headroom exceeds the {free / 1e9:.1f} GB free after the weights: at --batch {B} "
+                             f"--prompt-len {P} the largest --gen-len that fits is {fit} "
+                             f"(or pass --skip-fit-check)")
+    prompts = torch.randint(10, cfg.vocab_size - 10, (B, P), generator=torch.Generator().manual_seed(args.seed)).tolist()
+
+    result = {"shape": args.shape, "batch": B, "prompt_len": P, "gen_len": G, "dtype": args.dtype,
+              "device_type": device.type, "kv_fraction": args.kv_fraction, "reserve_fraction": args.reserve_fraction,
+              "max_batched_tokens": args.max_batched_tokens, "seed": args.seed, "model_init_s": model_init_s,
+              "weights_gb": weights_gb, "roofline_unpressured": rf}
+    result["unpressured"], ref_tok, ref_lp = timed_run("unpressured", model, cfg, prompts, G, full_kv, args, device)
+    if device.type == "cuda":   # what is left once the first engine is gone: the weights (and caches)
+        result["memory_allocated_gb_between_runs"] = torch.cuda.memory_allocated(device) / 1e9
+    result["pressured"], tok, lp = timed_run("pressured", model, cfg, prompts, G, tight_kv, args, device)
+    for label in ("unpressured", "pressured"):
+        result[label]["fraction_of_roofline"] = result[label]["tok_s"] / rf["tok_s"]
+    result["tok_s_ratio"] = result["pressured"]["tok_s"] / result["unpressured"]["tok_s"]
+    result["outputs"] = compare_outputs(ref_tok, tok, ref_lp, lp)
+    result["all_completed"] = result["unpressured"]["all_completed"] and result["pressured"]["all_completed"]
+    result["meta"] = run_meta("rollout.bench.pressure", argv)
+    print(json.dumps(result, indent=2))
+    print(markdown_table(result))
+    write_json(result, args.out)
+    if not result["all_completed"]:
+        raise SystemExit(f"not every request finished with {G} tokens: unpressured "
+                         f"{result['unpressured']['completed']}/{B}, pressured {result['pressured']['completed']}/{B}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,59 @@
+"""The KV-pressure benchmark on CPU: the tiny shape in fp32, where a preempted sequence's
+recomputed KV must give exactly the tokens of the unpressured run."""
+import json
+
+import pytest
+import torch
+
+from rollout.bench import pressure
+from rollout.bench.shapes import make_config
+
+B, P, G = 4, 16, 64
+
+
+def test_pressured_run_preempts_and_matches_the_unpressured_run(tmp_path):
+    out = tmp_path / "pressure.json"
+    pressure.main(["--shape", "tiny", "--batch", str(B), "--prompt-len", str(P), "--gen-len", str(G),
+                   "--kv-fraction", "0.5", "--dtype", "float32", "--device", "cpu", "--out", str(out)])
+    r = json.loads(out.read_text())
+    un, pr = r["unpressured"], r["pressured"]
+    for run in (un, pr):
+        assert run["all_completed"] and run["completed"] == B and not run["errors"]
+        assert run["tokens"] == B * G
+        assert run["wall_s"] > 0 and run["tok_s"] == pytest.approx(B * G / run["wall_s"])
+        assert 1 <= run["peak_running_seqs"] <= B
+    # The unpressured KV holds everyone at once; the pressured one does not, and preempts.
+    assert un["kv_tokens"] >= B * (P + G) > pr["kv_tokens"]
+    assert un["preemptions"] == 0 and un["recomputed_tokens"] == 0
+    assert pr["preemptions"] > 0 and pr["recomputed_tokens"] > 0
+    assert pr["prefill_tokens"] > un["prefill_tokens"]          # the recompute is prefill work
+    o = r["outputs"]
+    assert o["sequences"] == B and o["identical"] and o["sequences_differ"] == 0
+    assert o["first_diff_position"] is None
+    assert o["max_abs_dlogprob_same_tokens"] < 1e-4              # fp32: prefill vs decode order only
+    assert r["tok_s_ratio"] > 0 and r["tok_s_ratio"] == pytest.approx(pr["tok_s"] / un["tok_s"])
+    assert r["all_completed"]
+    assert r["meta"]["command"].startswith("python -m rollout.bench.pressure --shape tiny")
+
+
+def test_compare_outputs_counts_differences_and_first_position():
+    ref = [[1, 2, 3, 4], [5, 6, 7, 8], [9, 9, 9, 9]]
+    got = [[1, 2, 3, 4], [5, 6, 0, 8], [9, 1, 9, 9]]
+    lp = [[-0.1] * 4 for _ in ref]
+    c = pressure.compare_outputs(ref, got, lp, [[-0.1, -0.2, -0.1, -0.1]] + lp[1:])
+    assert c["sequences_differ"] == 2 and not c["identical"]
+    assert c["first_diffs"] == [{"seq": 1, "position": 2}, {"seq": 2, "position": 1}]
+    assert c["first_diff_position"] == 1
+    assert c["max_abs_dlogprob_same_tokens"] == pytest.approx(0.1)
+    short = pressure.compare_outputs([[1, 2, 3]], [[1, 2]])                 # a truncated sequence differs
+    assert short["sequences_differ"] == 1 and short["first_diff_position"] == 2
+
+
+def test_fit_check_gives_the_largest_gen_len_that_fits():
+    cfg = make_config("llama3-8b")
+    # The 8B shape at B = 64, P = 256, G = 16384 needs more KV than one H200 has.
+    assert pressure.unpressured_kv_bytes(cfg, torch.bfloat16, 64, 256, 16384) > 141e9
+    free = 120 * 10**9
+    fit = pressure.max_gen_len_fitting(cfg, torch.bfloat16, 64, 256, free)
+    need = lambda g: pressure.unpressured_kv_bytes(cfg, torch.bfloat16, 64, 256, g) + pressure.HEADROOM_BYTES
+    assert need(fit) <= free < need(fit + 1)
