@@ -42,6 +42,9 @@ for s in $sections; do
     p5)       timeout 400 $B --shape llama3-8b --batch 32 --prompt-len 256 --gen-len 16384 --modes async --hf none \
         --out $OUT/p5_l8b_B32_G16384.json 2>&1 | grep -A8 "^roofline" ;;
     drift)    timeout 240 python3 scripts/diag_bf16_drift.py --layers 32 --out $OUT/drift_l8b.json 2>&1 | tail -12 ;;
+    pressure) # issue 7: KV too small for everyone at once vs enough KV (G=16384 does not fit one H200 unpressured)
+      timeout 590 python3 -m rollout.bench.pressure --shape llama3-8b --batch 64 --prompt-len 256 --gen-len 8192 \
+        --kv-fraction 0.5 --out $OUT/pressure_l8b_B64_G8192.json 2>&1 | tail -12 ;;
     weights)  timeout 300 python3 -m rollout.bench.weights --shape llama3-8b --batch 32 --gen-len 128 \
         --update-at-step 64 --out $OUT/weights_l8b.json 2>&1 | tail -5 ;;
   esac
