@@ -1,8 +1,10 @@
 """RolloutFleet: N RolloutWorkers as Ray actors behind one driver (issue 8).
 
     dispatch     one prompt = one request with its n samples (the GRPO group stays on one
-                 worker); each prompt goes to the live actor with the fewest outstanding
-                 sequences (queue depth, tracked on the driver)
+                 worker); each prompt goes to the live actor with the lowest load: the fuller
+                 of its two admission resources, KV pages (the worker's page demand at full
+                 length, reported with every result, plus what was sent since) and sequence
+                 slots (outstanding sequences / max_num_seqs); see `load_key`
     collect      `generate` returns outputs in input order; `stream` yields them in
                  completion order. Every RequestOutput's request_id is its prompt index.
                  max_inflight bounds the prompts out at once (the rest follow in input order)
@@ -13,7 +15,8 @@
     faults       a dead actor (RayActorError) loses nothing: its unfinished prompts go to
                  the other actors; only the first result per prompt index is kept; with
                  restart_dead=True the slot gets a fresh actor, which takes work again once
-                 it is on the fleet's weight version
+                 it is on the fleet's weight version. A prompt the driver drops (a stream
+                 closed early) is aborted on its worker, which keeps going
 
 Importing this module imports ray; the single-worker path (rollout.worker) never does.
 """
@@ -25,7 +28,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,6 +61,71 @@ class EngineSpec:
         return RolloutEngine.from_pretrained(self.model, **self.engine_kwargs)
 
 
+@dataclass
+class KVReport:
+    """A worker's KV state, taken under the worker lock and piggybacked on every `run` result
+    (no extra round trip); also returned by the actor's `kv_report` and `stats`."""
+    seq: int                 # per actor, increasing: the driver keeps the newest it has seen
+    used: int                # KV pages in use now
+    demand: int              # pages its requests hold at full length: used + what running sequences may
+                             # still allocate + waiting requests at full length (the scheduler's
+                             # reserve_fraction arithmetic); > pages: new groups wait or preemption follows
+    pages: int               # usable pages
+    page_size: int
+    max_num_seqs: int
+    max_model_len: int
+    running: int             # sequences running / waiting on the worker
+    waiting: int
+
+
+def group_tokens(prompt, params: SamplingParams | None, max_model_len: int | None = None) -> int:
+    """KV tokens a prompt's group holds at full length, as the driver can tell without a
+    tokenizer: the prompt once (its pages are shared by the n samples) plus n x max_new_tokens,
+    capped by max_model_len. A text prompt counts 4 characters a token (the workers' reports
+    replace the estimate once the group is on a worker)."""
+    p = params if params is not None else SamplingParams()
+    plen = len(prompt) // 4 + 1 if isinstance(prompt, (str, bytes)) else len(prompt)
+    gen = p.max_new_tokens
+    if max_model_len is not None:
+        plen = min(plen, max_model_len)
+        gen = max(0, min(gen, max_model_len - plen))
+    return plen + p.n * gen
+
+
+def load_key(slot: _Slot, default: KVReport | None) -> tuple[float, float, int, int]:
+    """How loaded a slot is, lowest first: (load, kv + seqs, outstanding sequences, index).
+
+    kv    = (reported page demand x page_size + tokens of groups sent after that report)
+            / KV capacity in tokens; before any report from this actor (a restarted one), the
+            driver's own estimate of its outstanding groups (`group_tokens`) over `default`'s capacity
+    seqs  = outstanding sequences / max_num_seqs
+    load  = max(kv, seqs): a worker is as full as the scarcer of the two resources its scheduler
+            admits by. With long generations KV binds first: a worker whose KV is (or will be)
+            full holds new groups back or preempts, so they go to the one with room. With short
+            generations the slots bind and this is queue depth, as before.
+    """
+    r = slot.kv if slot.kv is not None else default
+    if r is None:
+        kv = 0.0
+    else:
+        tokens = (slot.kv.demand * r.page_size + slot.tokens_since_report if slot.kv is not None
+                  else slot.outstanding_tokens)
+        kv = tokens / max(r.pages * r.page_size, 1)
+    seqs = slot.outstanding / max(r.max_num_seqs if r is not None else 1, 1)
+    return (max(kv, seqs), kv + seqs, slot.outstanding, slot.index)
+
+
+def pick_slot(slots: Sequence[_Slot], exclude=(), default: KVReport | None = None) -> _Slot:
+    """The live, weight-synced slot with the lowest `load_key` (an actor in `exclude`, one that
+    just died, only when there is no other)."""
+    live = [s for s in slots if s.alive and s.synced and s.actor not in exclude]
+    if not live:
+        live = [s for s in slots if s.alive and s.synced]
+    if not live:
+        raise RuntimeError("no live rollout workers left in the fleet")
+    return min(live, key=lambda s: load_key(s, default))
+
+
 class _WorkerActor:
     """Ray actor (async; generation runs on the RolloutWorker's background thread)."""
 
@@ -69,10 +137,52 @@ class _WorkerActor:
         self.worker = RolloutWorker(spec.build(), **spec.worker_kwargs)
         self.worker.start()
         self.started = time.time()
+        self._report: KVReport | None = None      # guarded by the worker lock
+        self._report_batch = -1
 
-    async def run(self, prompt, params: SamplingParams | None) -> RequestOutput:
+    def _kv_report(self, cached: bool = False) -> KVReport:
+        """The worker's KV state (takes the worker lock, reentrant on its loop thread). cached: reuse
+        the one taken after the same engine step (requests finishing together share one)."""
+        with self.worker._lock:
+            eng = self.worker.engine
+            sch, alloc = eng.scheduler, eng.kv.alloc
+            batch = sch._next_batch_id
+            if cached and self._report is not None and self._report_batch == batch:
+                return self._report
+            used = alloc.num_used
+            demand = used + sch._outstanding_pages() + sum(sch._final_pages(s) for s in sch.waiting)
+            seq = self._report.seq + 1 if self._report is not None else 1
+            self._report = KVReport(seq, used, demand, alloc.num_usable, eng.kv.page_size, sch.max_num_seqs,
+                                    sch.max_model_len, len(sch.running), len(sch.waiting))
+            self._report_batch = batch
+            return self._report
+
+    async def run(self, prompt, params: SamplingParams | None) -> tuple[RequestOutput, KVReport]:
+        """One prompt's RequestOutput and the worker's KV state right after it finished."""
         fut = self.worker.submit([prompt], params)
-        return (await asyncio.wrap_future(fut))[0]
+        box: list[KVReport] = []
+        # runs on the worker's loop thread as it resolves the future (under its lock), before
+        # wrap_future's callback (registered after this one) can wake this coroutine
+        fut.add_done_callback(lambda f: None if f.cancelled() else box.append(self._kv_report(cached=True)))
+        try:
+            # shielded: a ray.cancel (the driver dropped this prompt) must not cancel the worker's
+            # future, which its loop would then fail to resolve (InvalidStateError kills the loop)
+            out = (await asyncio.shield(asyncio.wrap_future(fut)))[0]
+        except asyncio.CancelledError:
+            await asyncio.get_running_loop().run_in_executor(None, self._abort, fut)
+            raise
+        return out, (box[0] if box else self._kv_report())
+
+    def _abort(self, fut) -> None:
+        """Abort the request behind `fut` (its KV pages are freed; the future gets the partial output)."""
+        w = self.worker
+        with w._lock:
+            ids = [i for f, rids, _ in w._futures.values() if f is fut for i in rids]
+            if ids:
+                w._resolve(w.engine.abort(ids))
+
+    async def kv_report(self) -> KVReport:
+        return await asyncio.get_running_loop().run_in_executor(None, self._kv_report)
 
     async def ping(self) -> int:
         return self.index
@@ -81,7 +191,9 @@ class _WorkerActor:
         return self.worker.policy_version
 
     async def stats(self) -> dict:
-        return self.worker.stats()
+        st = self.worker.stats()
+        st["kv_report"] = await self.kv_report()
+        return st
 
     async def init_weight_group(self, backend: str, addr: str, port: int, rank: int, world_size: int,
                                 timeout_s: float = 600.0) -> None:
@@ -125,6 +237,9 @@ class _Slot:
     alive: bool = True
     synced: bool = True          # on the fleet's weight version (a restarted actor may not be)
     outstanding: int = 0         # sequences submitted and not yet returned
+    outstanding_tokens: int = 0  # their groups' KV tokens at full length (driver estimate, group_tokens)
+    tokens_since_report: int = 0  # of those, sent after the newest KV report arrived
+    kv: KVReport | None = None   # the newest KV report from the current actor
     generations: int = 0         # how many actors this slot has had
     tokens: int = 0              # generated tokens returned (cumulative)
     job_tokens: int = 0          # in the last generate/stream call
@@ -163,7 +278,13 @@ class RolloutFleet:
         self._group_members: tuple | None = None     # actor ids in the current weight group
         self.metrics = {"dead_actors": 0, "restarted_actors": 0, "resubmitted_prompts": 0,
                         "duplicate_results": 0, "weight_updates": 0, "job_s": 0.0, "job_tokens": 0}
-        ray.get([s.actor.ping.remote() for s in self.slots])      # wait until every engine is built
+        self.placement: dict[int, int] = {}          # last stream: prompt index -> slot of its result
+        # waits until every engine is built; the first reports give each slot its KV capacity, and
+        # `kv_default` stands in for a restarted actor's until it reports
+        reports = ray.get([s.actor.kv_report.remote() for s in self.slots])
+        for s, r in zip(self.slots, reports):
+            s.kv = r
+        self.kv_default: KVReport = reports[0]
 
     @staticmethod
     def _spec(engine) -> EngineSpec:
@@ -198,11 +319,24 @@ class RolloutFleet:
     def queue_depths(self) -> dict[int, int]:
         return {s.index: s.outstanding for s in self.slots if s.alive}
 
+    def loads(self) -> dict[int, float]:
+        """Each live slot's dispatch load (`load_key`'s first term: the fuller of KV and slots)."""
+        return {s.index: load_key(s, self.kv_default)[0] for s in self.slots if s.alive}
+
+    def _observe(self, slot: _Slot, actor, report: KVReport | None) -> None:
+        """Keep a KV report if it is the newest from the slot's current actor."""
+        if report is None or slot.actor is not actor or not slot.alive:
+            return
+        if slot.kv is None or report.seq > slot.kv.seq:
+            slot.kv, slot.tokens_since_report = report, 0
+
     def _mark_dead(self, slot: _Slot) -> None:
         if not slot.alive:
             return
         log.warning("rollout actor %d died", slot.index)
         slot.alive, slot.outstanding = False, 0
+        slot.outstanding_tokens = slot.tokens_since_report = 0
+        slot.kv = None
         self.metrics["dead_actors"] += 1
         if self.restart_dead:
             slot.actor = self._new_actor(slot.index)
@@ -211,12 +345,7 @@ class RolloutFleet:
             self.metrics["restarted_actors"] += 1
 
     def _pick(self, exclude=()) -> _Slot:
-        live = [s for s in self.slots if s.alive and s.synced and s.actor not in exclude]
-        if not live:
-            live = [s for s in self.slots if s.alive and s.synced]
-        if not live:
-            raise RuntimeError("no live rollout workers left in the fleet")
-        return min(live, key=lambda s: (s.outstanding, s.index))
+        return pick_slot(self.slots, exclude, self.kv_default)
 
     # ---- generation ----------------------------------------------------------------------------
     def stream(self, prompts, sampling_params=None, *, max_inflight: int | None = None) -> Iterator[RequestOutput]:
@@ -232,6 +361,8 @@ class RolloutFleet:
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
         for s in self.slots:
             s.job_tokens = 0
+        self.placement = {}
+        cost = [0] * len(prompts)                             # group_tokens of each prompt, set on submit
         pending: dict[Any, tuple[int, _Slot, Any]] = {}      # ref -> (prompt index, slot, actor)
         done: set[int] = set()
         t0 = time.perf_counter()
@@ -241,6 +372,9 @@ class RolloutFleet:
             p = params[i]
             ref = slot.actor.run.remote(prompts[i], p)
             slot.outstanding += p.n if p is not None else 1
+            cost[i] = group_tokens(prompts[i], p, (slot.kv or self.kv_default).max_model_len)
+            slot.outstanding_tokens += cost[i]
+            slot.tokens_since_report += cost[i]
             pending[ref] = (i, slot, slot.actor)
 
         todo = iter(range(len(prompts)))
@@ -256,6 +390,8 @@ class RolloutFleet:
             if slot.actor is actor and slot.alive:
                 p = params[i]
                 slot.outstanding -= p.n if p is not None else 1
+                slot.outstanding_tokens -= cost[i]
+                slot.tokens_since_report = min(slot.tokens_since_report, slot.outstanding_tokens)
 
         try:
             while True:
@@ -266,7 +402,7 @@ class RolloutFleet:
                 ref = ready[0]
                 i, slot, actor = pending.pop(ref)
                 try:
-                    out = ray.get(ref)
+                    out, report = ray.get(ref)
                 except _ACTOR_DEATH:
                     if slot.actor is actor:
                         self._mark_dead(slot)
@@ -281,11 +417,13 @@ class RolloutFleet:
                 except BaseException:
                     release(i, slot, actor)
                     raise
+                self._observe(slot, actor, report)
                 release(i, slot, actor)
                 if i in done:
                     self.metrics["duplicate_results"] += 1
                     continue
                 done.add(i)
+                self.placement[i] = slot.index
                 ntok = sum(len(c.token_ids) for c in out.completions)
                 slot.tokens += ntok
                 slot.job_tokens += ntok
@@ -370,8 +508,13 @@ class RolloutFleet:
         workers = {}
         for s, st in zip(live, remote):
             st = dict(st)
+            self._observe(s, s.actor, st.pop("kv_report", None))
+            load, _, _, _ = load_key(s, self.kv_default)
             st.update(outstanding=s.outstanding, synced=s.synced, restarts=s.generations,
-                      returned_tokens=s.tokens, tok_s=s.job_tokens / dt if self.metrics["job_s"] else 0.0)
+                      returned_tokens=s.tokens, tok_s=s.job_tokens / dt if self.metrics["job_s"] else 0.0,
+                      outstanding_tokens=s.outstanding_tokens, load=load,
+                      kv_demand=s.kv.demand / max(s.kv.pages, 1) if s.kv is not None else 0.0,
+                      kv_used_frac=s.kv.used / max(s.kv.pages, 1) if s.kv is not None else 0.0)
             workers[s.index] = st
         vers = [w["policy_version"] for w in workers.values()]
         return {"workers": workers, "num_live": len(live), "num_workers": len(self.slots),

@@ -1,5 +1,8 @@
 """Ray fleet on CPU (a local Ray cluster): group-aware dispatch equals one worker, weight
-broadcast over gloo reaches every actor, and a killed actor loses no prompt."""
+broadcast over gloo reaches every actor, a killed actor loses no prompt, and dispatch by load
+(KV demand and queue depth) sends new prompts away from a worker whose KV is full."""
+import time
+
 import pytest
 
 ray = pytest.importorskip("ray")
@@ -21,9 +24,9 @@ def ray_cluster():
     ray.shutdown()
 
 
-def _fleet(path, n=2, **kw):
+def _fleet(path, n=2, engine=None, **kw):
     from rollout.fleet import RolloutFleet
-    return RolloutFleet(n, {"model": str(path), **ENGINE_KW}, num_cpus_per_worker=1, **kw)
+    return RolloutFleet(n, {"model": str(path), **ENGINE_KW, **(engine or {})}, num_cpus_per_worker=1, **kw)
 
 
 def _tokens(outs):
@@ -71,6 +74,10 @@ def test_fleet_greedy_equals_single_worker_and_weight_update_reaches_all(ray_clu
         next(it)
         it.close()
         assert set(fleet.queue_depths().values()) == {0}
+        # the cancelled prompts are aborted on the workers, whose loops keep going (a cancelled
+        # worker future used to kill the loop thread: the actor then never answered again)
+        short = SamplingParams(max_new_tokens=2, temperature=0)
+        ray.get([s.actor.run.remote(prompts[0], short) for s in fleet.slots], timeout=60)
     finally:
         fleet.shutdown()
 
@@ -104,5 +111,119 @@ def test_killed_actor_mid_job_loses_and_duplicates_nothing(ray_cluster, model_di
         # a weight update after the restart re-forms the gloo group and syncs the new actor too
         fleet.update_weights(load_file(str(model_dir("llama", seed=1) / "model.safetensors")).items(), version=1)
         assert fleet.versions() == {0: 1, 1: 1} and fleet.version_skew() == 0
+    finally:
+        fleet.shutdown()
+
+
+# ---- dispatch policy: load = max(KV demand, sequence slots) ---------------------------------------
+def _report(demand=0, pages=100, page_size=16, max_num_seqs=64, seq=1):
+    from rollout.fleet import KVReport
+    return KVReport(seq=seq, used=min(demand, pages), demand=demand, pages=pages, page_size=page_size,
+                    max_num_seqs=max_num_seqs, max_model_len=1024, running=0, waiting=0)
+
+
+def _slot(i, outstanding=0, demand=0, since=0, report=True):
+    from rollout.fleet import _Slot
+    return _Slot(i, actor=f"actor{i}", outstanding=outstanding, outstanding_tokens=since,
+                 tokens_since_report=since, kv=_report(demand) if report else None)
+
+
+def _old_pick(slots):        # the queue-depth-only policy this replaces
+    return min((s for s in slots if s.alive), key=lambda s: (s.outstanding, s.index))
+
+
+def test_pick_policy_on_fake_slots():
+    """No Ray actors: the load function and pick on hand-made slots (100 pages x 16 tokens,
+    64 sequence slots per worker)."""
+    from rollout.fleet import group_tokens, load_key, pick_slot
+    default = _report()
+    # KV idle: the slots bind, so this is queue depth (fewest outstanding sequences)
+    a, b = _slot(0, outstanding=8, demand=2), _slot(1, outstanding=2, demand=3)
+    assert pick_slot([a, b], default=default) is b
+    # worker 0 has fewer sequences but its KV is nearly full (long generations): new groups go to 1,
+    # where the queue-depth policy would have picked 0
+    a, b = _slot(0, outstanding=4, demand=95), _slot(1, outstanding=16, demand=10)
+    assert load_key(a, default)[0] == pytest.approx(0.95) and load_key(b, default)[0] == pytest.approx(0.25)
+    assert pick_slot([a, b], default=default) is b and _old_pick([a, b]) is a
+    # KV demand past capacity (the worker will hold groups back or preempt) still orders correctly
+    a, b = _slot(0, outstanding=2, demand=180), _slot(1, outstanding=2, demand=120)
+    assert pick_slot([a, b], default=default) is b
+    # groups sent after the newest report count by the driver's estimate until the next report
+    a, b = _slot(0, outstanding=2, demand=0, since=1200), _slot(1, outstanding=4, demand=40)
+    assert load_key(a, default)[0] == pytest.approx(0.75)
+    assert pick_slot([a, b], default=default) is b
+    # a restarted actor that has not reported yet: its outstanding groups over the default capacity
+    a, b = _slot(0, outstanding=1, since=1400, report=False), _slot(1, outstanding=3, demand=50)
+    assert load_key(a, default)[0] == pytest.approx(1400 / 1600)
+    assert pick_slot([a, b], default=default) is b
+    # equal loads: fewer outstanding sequences, then the lower index
+    a, b = _slot(0, outstanding=3, demand=10), _slot(1, outstanding=3, demand=10)
+    assert pick_slot([b, a], default=default) is a
+    # an excluded actor (one that just died) only when nothing else is left; dead / unsynced never
+    a, b = _slot(0, demand=90), _slot(1)
+    assert pick_slot([a, b], exclude=("actor1",), default=default) is a
+    assert pick_slot([b], exclude=("actor1",), default=default) is b
+    b.synced = False
+    assert pick_slot([a, b], default=default) is a
+    a.alive = False
+    with pytest.raises(RuntimeError, match="no live"):
+        pick_slot([a, b], default=default)
+    # the driver's estimate of a group: prompt once (shared) + n x max_new_tokens, capped by max_model_len
+    assert group_tokens([1] * 30, SamplingParams(n=8, max_new_tokens=100)) == 30 + 800
+    assert group_tokens([1] * 30, SamplingParams(n=8, max_new_tokens=100), max_model_len=80) == 30 + 8 * 50
+    assert group_tokens("x" * 40, SamplingParams(n=2, max_new_tokens=5)) == 11 + 10
+    assert group_tokens([1] * 3, None) == 3 + SamplingParams().max_new_tokens
+
+
+def test_new_prompts_avoid_the_worker_with_full_kv(ray_cluster, model_dir, tiny_tokenizer):
+    """Two workers with 320 KV pages each (max_model_len 256). A group of 16 long generations
+    (16 pages each at full length, 241 with the shared prompt page) fills worker 0's KV; new
+    prompts go to worker 1, once from worker 0's piggybacked KV report and once from the
+    driver's own estimate."""
+    path = model_dir("llama")
+    engine = {"num_kv_pages": 320, "max_model_len": 256}
+    (long_prompt,) = random_prompts(tiny_tokenizer, 1, 24, 24, seed=23)
+    shorts = random_prompts(tiny_tokenizer, 6, 6, 12, seed=24)
+    heavy_p = SamplingParams(n=16, max_new_tokens=220, temperature=0, ignore_eos=True)
+    short_p = SamplingParams(n=2, max_new_tokens=2, temperature=0, ignore_eos=True)
+    fleet = _fleet(path, engine=engine)
+    try:
+        assert fleet.kv_default.pages == 320 and fleet.loads() == {0: 0.0, 1: 0.0}
+        # 1) KV use the driver's queue depth cannot see: the heavy group sent straight to actor 0
+        # (it runs for ~220 steps; each short prompt needs 3). One prompt at a time: queue depth is
+        # 0 on both at every pick (so the old policy sent every prompt to worker 0). The first goes
+        # to 0 (a tie) and brings back 0's KV report; the rest go to 1.
+        heavy = fleet.slots[0].actor.run.remote(long_prompt, heavy_p)
+        t0 = time.time()
+        while ray.get(fleet.slots[0].actor.kv_report.remote()).used == 0:
+            assert time.time() - t0 < 60
+            time.sleep(0.005)
+        outs = fleet.generate(shorts, short_p, max_inflight=1)
+        assert [o.request_id for o in outs] == list(range(len(shorts)))
+        assert fleet.placement == {0: 0, **{i: 1 for i in range(1, len(shorts))}}
+        assert fleet.slots[0].kv.demand >= 240 and fleet.slots[1].kv.demand <= 2
+        assert fleet.loads()[0] > 0.7 and fleet.loads()[1] < 0.1
+        ray.cancel(heavy)                       # aborted on the worker, its pages freed
+        with pytest.raises(ray.exceptions.TaskCancelledError):
+            ray.get(heavy, timeout=60)
+        while ray.get(fleet.slots[0].actor.kv_report.remote()).used:
+            assert time.time() - t0 < 60
+            time.sleep(0.01)
+        st = fleet.stats()                      # refreshes the reports: worker 0 is empty again
+        assert st["workers"][0]["kv_demand"] == 0 and fleet.loads() == {0: 0.0, 1: 0.0}
+
+        # 2) all through the fleet, all at once (no report yet): the driver's estimate of a heavy
+        # group (24 + 4 x 200 tokens, 16% of worker 0's KV) sends every short group to worker 1;
+        # by queue depth alone the third short group would have gone to worker 0
+        heavy_p = SamplingParams(n=4, max_new_tokens=200, temperature=0, ignore_eos=True)
+        prompts, params = [long_prompt, *shorts[:4]], [heavy_p] + [short_p] * 4
+        outs = fleet.generate(prompts, params)
+        assert fleet.placement == {0: 0, 1: 1, 2: 1, 3: 1, 4: 1}
+        assert [len(o.completions) for o in outs] == [4, 2, 2, 2, 2]
+        assert all(s.outstanding == s.outstanding_tokens == s.tokens_since_report == 0 for s in fleet.slots)
+        # group-aware dispatch and outputs as before: same tokens as one engine
+        single = RolloutEngine.from_pretrained(path, **{**ENGINE_KW, **engine})
+        want = [single.generate([q], pp, use_tqdm=False)[0] for q, pp in zip(prompts, params)]
+        assert _tokens(outs) == _tokens(want)
     finally:
         fleet.shutdown()
