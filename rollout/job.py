@@ -479,7 +479,8 @@ class _FleetMetricsSink(MetricsSink):
             **{f"fleet/{k}": st.get(k, 0) for k in ("num_live", "version_skew", "dead_actors",
                                                     "restarted_actors", "resubmitted_prompts")},
             **{f"fleet/worker_{i}/gen_tok_s": r for (i, _), r in rate.items()},
-            **{f"fleet/worker_{i}/outstanding": w["outstanding"] for i, w in ws.items()},
+            **{f"fleet/worker_{i}/{k}": w[k] for i, w in ws.items()
+               for k in ("outstanding", "load", "kv_demand", "kv_used_frac") if k in w},
         }
         if self.cuda and ws:
             m["gpu/busy_pct"] = 100.0 * max(busy - busy0, 0) / (dt * 1e3) / len(ws)

@@ -68,6 +68,8 @@ def test_fleet_job_equals_one_worker_greedy(ray_cluster, tmp_path):
     for w in (0, 1):
         assert max(h[f"fleet/worker_{w}/gen_tok_s"] for h in history) > 0
         assert last[f"fleet/worker_{w}/outstanding"] == 0
+        # dispatch load and KV demand as fractions of the worker's capacity (KV-aware balancing)
+        assert all(0 <= h[f"fleet/worker_{w}/{k}"] <= 4 for h in history for k in ("load", "kv_demand"))
     assert max(h["throughput/gen_tok_s"] for h in history) > 0
     assert final["fleet_tok_s"] == two["fleet_tok_s"]
 
