@@ -89,12 +89,15 @@ class KVCacheManager:
             copies.append((old, new))
             seq.block_table[idx] = new
             self.alloc.decref(old)
+            seq.table_version += 1
         while len(seq.block_table) < self.pages_for(seq.num_computed + num_new):
             seq.block_table.append(self.alloc.allocate())
+            seq.table_version += 1
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """The child shares all of the parent's pages (full and partial)."""
         child.block_table = list(parent.block_table)
+        child.table_version += 1
         for p in child.block_table:
             self.alloc.incref(p)
 
@@ -102,6 +105,7 @@ class KVCacheManager:
         for p in seq.block_table:
             self.alloc.decref(p)
         seq.block_table = []
+        seq.table_version += 1
 
     def slot(self, seq: Sequence, pos: int) -> int:
         return seq.block_table[pos // self.page_size] * self.page_size + pos % self.page_size
