@@ -81,3 +81,31 @@ def test_full_pages_are_never_copied():
     copies = []
     kv.append(child, 1, copies)      # position 8 starts a new page
     assert copies == [] and len(child.block_table) == 3
+
+
+def test_builder_rewrites_a_block_table_row_when_its_pages_change():
+    """The batch builder skips rows whose (sequence, table_version) it already wrote; a
+    copy-on-write swaps a page without changing the table's length, and must still show."""
+    from rollout.batch import BatchBuilder
+    from rollout.scheduler import ScheduledSeq, SchedulerOutput
+    kv = KVCacheManager(16, 4)
+    parent = _seq(6, n=2)
+    kv.append(parent, 6, [])
+    parent.num_computed = 6
+    child = Request(1, list(range(1, 7)), SamplingParams(), seed=0).seqs[0]
+    kv.fork(parent, child)
+    b = BatchBuilder(kv, max_num_batched_tokens=8, max_num_seqs=4, max_pages_per_seq=4)
+
+    def build(seq):
+        b.build(SchedulerOutput(items=[ScheduledSeq(seq, 1, 0, seq.num_computed)]))
+        return b.host["block_tables"][0, :len(seq.block_table)].tolist()
+
+    parent.token_ids.append(9)
+    assert build(parent) == parent.block_table
+    before = list(parent.block_table)
+    copies = []
+    kv.append(parent, 1, copies)          # the shared partial page is copied on write
+    assert copies and parent.block_table != before and len(parent.block_table) == len(before)
+    assert build(parent) == parent.block_table
+    child.token_ids.append(9)
+    assert build(child) == child.block_table == before   # another sequence in the same row
