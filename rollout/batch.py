@@ -35,6 +35,11 @@ def field_shape(key: str, T: int, S: int, P: int) -> tuple[int, ...]:
     return {"T": (T,), "S": (S,), "S1": (S + 1,), "SP": (S, P), "R": (S,)}[key]
 
 
+def field_lengths(T: int, S: int, R: int) -> dict[str, int]:
+    """Leading length of each dim key for one step of T tokens, S sequences, R rows."""
+    return {"T": T, "S": S, "S1": S + 1, "SP": S, "R": R}
+
+
 @dataclass
 class Batch:
     """Host tensors for one step (views into the builder's buffers)."""

@@ -484,12 +484,7 @@ class _FleetMetricsSink(MetricsSink):
         }
         if self.cuda and ws:
             m["gpu/busy_pct"] = 100.0 * max(busy - busy0, 0) / (dt * 1e3) / len(ws)
-        if self._rewards:
-            m["rollouts/mean_reward"] = sum(self._rewards) / len(self._rewards)
-            self._rewards = []
-        self.run.log({**m, **(extra or {})})
-        self._next = time.monotonic() + self.log_every_s
-        return m
+        return self._emit(m, extra)
 
 
 # ---- the job -------------------------------------------------------------------------------------

@@ -95,6 +95,10 @@ class MetricsSink:
         }
         if self.cuda:
             m["gpu/busy_pct"] = 100.0 * (busy - busy0) / (dt * 1e3)
+        return self._emit(m, extra)
+
+    def _emit(self, m: dict, extra: Optional[dict]) -> dict:
+        """Add the mean reward since the last log, write the row, schedule the next one."""
         if self._rewards:
             m["rollouts/mean_reward"] = sum(self._rewards) / len(self._rewards)
             self._rewards = []

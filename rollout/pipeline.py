@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-from .batch import STEP_FIELDS, BatchBuilder
+from .batch import STEP_FIELDS, BatchBuilder, field_lengths
 from .graphs import MODES, DecodeGraphs, default_buckets, mode_of
 from .kv_cache import KVCacheManager
 from .runner import DeviceBatch, ModelRunner
@@ -110,7 +110,7 @@ class DevicePipeline:
     def _static_step(self, s: int, bucket: int, mode: str) -> None:
         """A decode step of `bucket` rows read from slot s's device buffers: what a graph holds."""
         bufs = self.slots[s].bufs
-        sizes = {"T": bucket, "S": bucket, "S1": bucket + 1, "SP": bucket, "R": bucket}
+        sizes = field_lengths(bucket, bucket, bucket)
         dev = {name: bufs[name][:0 if name.startswith("copy_") else sizes[key]]
                for name, (key, _) in STEP_FIELDS.items()}
         flags = SamplingTensors(*([None] * 8), num_top_logprobs=0, all_greedy=mode == "greedy",

@@ -9,7 +9,7 @@ from typing import Optional
 import torch
 
 from .attention import AttentionMetadata
-from .batch import SAMPLING_FIELDS, STEP_FIELDS, Batch, BatchBuilder
+from .batch import SAMPLING_FIELDS, STEP_FIELDS, Batch, BatchBuilder, field_lengths
 from .models.decoder import DecoderLM
 from .sampler import SamplerOutput, SamplingTensors, sample
 
@@ -77,7 +77,7 @@ class ModelRunner:
         T, S, R = batch.num_tokens, len(batch.seq_lens_host), batch.num_rows
         if batch.padded_to:
             T = S = R = batch.padded_to
-        size = {"T": T, "S": S, "S1": S + 1, "SP": S, "R": R}
+        size = field_lengths(T, S, R)
         dev = {}
         for name, (key, _) in STEP_FIELDS.items():
             if name.startswith("copy_"):
