@@ -273,13 +273,18 @@ class RolloutEngine:
         done: dict[int, RequestOutput] = {}
         bar = _progress(len(ids), use_tqdm)
         start, gen0 = time.perf_counter(), self.metrics["generated_tokens"]
+        shown = start
         while wanted - done.keys():
-            for out in self.step():
+            finished = [out for out in self.step()]
+            for out in finished:
                 done[out.request_id] = out
-                if bar is not None and out.request_id in wanted:
-                    bar.update(1)
-                    rate = (self.metrics["generated_tokens"] - gen0) / max(time.perf_counter() - start, 1e-9)
-                    bar.set_postfix(tok_s=f"{rate:.0f}")
+            now = time.perf_counter()
+            # Long generations finish together at the end: refresh the rate every few seconds.
+            if bar is not None and (finished or now - shown > 5.0):
+                bar.update(sum(out.request_id in wanted for out in finished))
+                gen = self.metrics["generated_tokens"] - gen0
+                bar.set_postfix(tokens=gen, tok_s=f"{gen / max(now - start, 1e-9):.0f}")
+                shown = now
         if bar is not None:
             bar.close()
         return [done[i] for i in ids]

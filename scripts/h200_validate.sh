@@ -45,6 +45,19 @@ for s in $sections; do
     pressure) # issue 7: KV too small for everyone at once vs enough KV (G=16384 does not fit one H200 unpressured)
       timeout 590 python3 -m rollout.bench.pressure --shape llama3-8b --batch 64 --prompt-len 256 --gen-len 8192 \
         --kv-fraction 0.5 --out $OUT/pressure_l8b_B64_G8192.json 2>&1 | tail -12 ;;
+    pressure_ref0|pressure_ref1) # issue 7: the unpressured reference of B=64 x G=16384 as two engines of 32
+      # (all 64 at once do not fit one H200); each chunk is also issue 4's P5 (8B, B=32, P=256, G=16384)
+      c=${s#pressure_ref}; timeout 290 python3 -m rollout.bench.pressure --shape llama3-8b --batch 64 --prompt-len 256 \
+        --gen-len 16384 --reference-chunks 2 --runs unpressured --chunk $c --reference-file $OUT/pressure_ref$c.npz \
+        --out $OUT/pressure_ref${c}_l8b_B64_G16384.json > $OUT/pressure_ref$c.log 2>&1
+      tr '\r' '\n' < $OUT/pressure_ref$c.log | grep -E "generate:|^reference" | tail -2 ;;
+    pressured) # issue 7: KV for half of the B=64 x G=16384 demand, compared with the reference chunks
+      timeout 590 python3 -m rollout.bench.pressure --shape llama3-8b --batch 64 --prompt-len 256 --gen-len 16384 \
+        --reference-chunks 2 --kv-fraction 0.5 --runs pressured --reference-file h200_ref/pressure_ref0.npz \
+        h200_ref/pressure_ref1.npz --out $OUT/pressure_l8b_B64_G16384.json > $OUT/pressured.log 2>&1
+      tr '\r' '\n' < $OUT/pressured.log | grep "generate:" | tail -1; tail -12 $OUT/pressured.log ;;
+    gemm)     timeout 200 python3 -m rollout.bench.gemm --shape llama3-8b --out $OUT/gemm_l8b.json 2>&1 | tail -30 ;;
+    fused)    timeout 100 python3 -m rollout.bench.kernels --only fused --out $OUT/kernels_fused.json 2>&1 | tail -8 ;;
     weights)  timeout 300 python3 -m rollout.bench.weights --shape llama3-8b --batch 32 --gen-len 128 \
         --update-at-step 64 --out $OUT/weights_l8b.json 2>&1 | tail -5 ;;
   esac

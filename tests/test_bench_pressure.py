@@ -57,3 +57,46 @@ def test_fit_check_gives_the_largest_gen_len_that_fits():
     fit = pressure.max_gen_len_fitting(cfg, torch.bfloat16, 64, 256, free)
     need = lambda g: pressure.unpressured_kv_bytes(cfg, torch.bfloat16, 64, 256, g) + pressure.HEADROOM_BYTES
     assert need(fit) <= free < need(fit + 1)
+
+
+def test_reference_in_chunks_saved_then_compared_in_a_second_call(tmp_path):
+    """The H200 flow for B=64 x G=16384: the unpressured reference in two engines of B/2 (all of
+    it does not fit at once), each chunk saved by its own call; the pressured run in another
+    call compares against both files."""
+    refs = [tmp_path / "ref0.npz", tmp_path / "ref1.npz"]
+    out = tmp_path / "pressured.json"
+    common = ["--shape", "tiny", "--batch", str(B), "--prompt-len", str(P), "--gen-len", str(G),
+              "--dtype", "float32", "--device", "cpu", "--reference-chunks", "2"]
+    parts = []
+    for c in (1, 0):                     # any order: each file knows its prompt range
+        r = pressure.main(common + ["--runs", "unpressured", "--chunk", str(c), "--reference-file", str(refs[c])])
+        assert "pressured" not in r and refs[c].exists()
+        un = r["unpressured"]
+        assert (un["prompts_from"], un["prompts_to"], un["batch"]) == (c * B // 2, (c + 1) * B // 2, B // 2)
+        assert un["tokens"] == B // 2 * G and un["all_completed"] and un["preemptions"] == 0
+        assert 0 < un["fraction_of_roofline"] == pytest.approx(un["tok_s"] / un["roofline_tok_s"])
+        parts.append(un)
+    second = pressure.main(common + ["--runs", "pressured", "--kv-fraction", "0.5", "--out", str(out),
+                                     "--reference-file", *map(str, refs)])
+    merged = second["unpressured"]
+    assert [c["prompts_from"] for c in merged["chunks"]] == [0, B // 2]
+    assert merged["tokens"] == B * G and merged["all_completed"]
+    assert merged["wall_s"] == pytest.approx(sum(p["wall_s"] for p in parts))
+    pr, o = second["pressured"], second["outputs"]
+    assert pr["preemptions"] > 0 and pr["all_completed"]
+    # fp32 on CPU: recompute gives the same tokens, so nothing differs, before or after a preemption.
+    assert o["identical"] and o["differ_at_or_after_first_preemption"] == 0
+    assert 1 <= o["sequences_preempted"] <= B
+    with pytest.raises(SystemExit, match="cover no output"):     # one chunk's file only
+        pressure.main(common + ["--runs", "pressured", "--reference-file", str(refs[0])])
+    with pytest.raises(SystemExit, match="other prompts"):       # another seed: other weights and prompts
+        pressure.main(common + ["--runs", "pressured", "--seed", "1", "--reference-file", *map(str, refs)])
+
+
+def test_differences_are_attributed_to_preemption_only_at_or_after_it():
+    ref = [[1, 2, 3, 4], [5, 6, 7, 8], [9, 9, 9, 9]]
+    got = [[1, 2, 0, 4], [5, 0, 7, 8], [9, 9, 9, 0]]
+    c = pressure.compare_outputs(ref, got, first_preempt=[2, 3, None])
+    assert c["sequences_preempted"] == 2
+    assert c["differ_at_or_after_first_preemption"] == 1      # seq 0: differs at 2, preempted at 2
+    assert c["differ_before_any_preemption"] == 2             # seq 1 before its preemption; seq 2 never preempted

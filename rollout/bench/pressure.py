@@ -79,14 +79,22 @@ def random_model(cfg, dtype: torch.dtype, device: torch.device, seed: int):
 
 
 class Occupancy:
-    """Running sequences after each schedule() that launched something: the scheduler's own
-    method, wrapped on this engine's instance only."""
+    """Running sequences after each schedule() that launched something, and how many tokens
+    each request had generated when it was first preempted: the scheduler's own methods,
+    wrapped on this engine's instance only."""
 
     def __init__(self, engine: RolloutEngine):
         self.sched = engine.scheduler
         self._inner = self.sched.schedule
         self.sched.schedule = self._schedule
+        self._inner_preempt = self.sched._preempt
+        self.sched._preempt = self._preempt
+        self.first_preempt: dict[int, int] = {}    # request id -> tokens generated then
         self.reset()
+
+    def _preempt(self, seq):
+        self._inner_preempt(seq)      # drops the in-flight placeholder: count real tokens only
+        self.first_preempt.setdefault(seq.request.request_id, seq.num_generated)
 
     def reset(self) -> None:
         self.peak = 0
@@ -111,29 +119,45 @@ class Occupancy:
 
 def compare_outputs(ref_tokens: list[list[int]], got_tokens: list[list[int]],
                     ref_logprobs: list[list[float]] | None = None,
-                    got_logprobs: list[list[float]] | None = None, keep: int = 16) -> dict:
+                    got_logprobs: list[list[float]] | None = None, keep: int = 16,
+                    first_preempt: list[int | None] | None = None) -> dict:
     """How many sequences differ and where each first differs; |Δlogprob| over the tokens
-    before the first difference (the same token in both runs)."""
+    before the first difference (the same token in both runs). With `first_preempt` (tokens
+    each sequence had generated when first preempted, None if never), a difference is
+    attributed: it can only come from the recompute if it is at or after that position;
+    one before it (or in a sequence never preempted) comes from the batch composition
+    (bf16 GEMM rounding changes with the batch size)."""
     if len(ref_tokens) != len(got_tokens):
         raise ValueError(f"{len(ref_tokens)} reference sequences, {len(got_tokens)} to compare")
     diffs, dlp = [], []
     for i, (a, b) in enumerate(zip(ref_tokens, got_tokens)):
         same = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
         if same < max(len(a), len(b)):
-            diffs.append({"seq": i, "position": same})
+            d = {"seq": i, "position": same}
+            if first_preempt is not None:
+                d["first_preempted_at"] = first_preempt[i]
+            diffs.append(d)
         if ref_logprobs is not None and got_logprobs is not None:
             dlp += [abs(x - y) for x, y in zip(ref_logprobs[i][:same], got_logprobs[i][:same])]
     out = {"sequences": len(ref_tokens), "sequences_differ": len(diffs), "identical": not diffs,
            "first_diff_position": min((d["position"] for d in diffs), default=None),
            "first_diffs": diffs[:keep]}
+    if first_preempt is not None:
+        after = [d for d in diffs if d["first_preempted_at"] is not None
+                 and d["position"] >= d["first_preempted_at"]]
+        out["sequences_preempted"] = sum(p is not None for p in first_preempt)
+        out["differ_at_or_after_first_preemption"] = len(after)
+        out["differ_before_any_preemption"] = len(diffs) - len(after)
     if dlp:
         out["max_abs_dlogprob_same_tokens"] = max(dlp)
         out["mean_abs_dlogprob_same_tokens"] = sum(dlp) / len(dlp)
     return out
 
 
-def timed_run(label: str, model, cfg, prompts, G: int, kv_bytes: int, args, device) -> tuple[dict, list, list]:
-    """Build an engine with `kv_bytes` of KV, warm it up, time generate() on all prompts."""
+def timed_run(label: str, model, cfg, prompts, G: int, kv_bytes: int, args, device) -> tuple[dict, list, list, list]:
+    """Build an engine with `kv_bytes` of KV, warm it up, time generate() on all prompts.
+    Returns the result, the tokens and logprobs per prompt, and per prompt the tokens it had
+    generated when first preempted (None if never)."""
     B, P = len(prompts), len(prompts[0])
     t0 = time.perf_counter()
     engine = RolloutEngine(model, cfg, max_model_len=P + G + 8, max_num_seqs=B, kv_cache_memory=kv_bytes,
@@ -181,6 +205,7 @@ def timed_run(label: str, model, cfg, prompts, G: int, kv_bytes: int, args, devi
     }
     tokens = [c.token_ids for c in comps]
     logprobs = [c.logprobs for c in comps]
+    first_preempt = [occ.first_preempt.get(o.request_id) for o in outs]
     # Free this engine (KV pool, graphs, buffers) before the caller builds the next one.
     occ.sched = None
     del engine, occ, sched, outs, comps
@@ -188,7 +213,68 @@ def timed_run(label: str, model, cfg, prompts, G: int, kv_bytes: int, args, devi
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
-    return result, tokens, logprobs
+    return result, tokens, logprobs, first_preempt
+
+
+def chunk_bounds(B: int, chunks: int) -> list[tuple[int, int]]:
+    size = -(-B // chunks)
+    return [(lo, min(lo + size, B)) for lo in range(0, B, size)]
+
+
+def reference_run(model, cfg, prompts, G: int, lo: int, hi: int, args, device) -> tuple[dict, list, list]:
+    """One engine with KV for prompts[lo:hi] at once (unpressured), with its own roofline."""
+    P = len(prompts[0])
+    kv = unpressured_kv_bytes(cfg, _dtype_of(model), hi - lo, P, G)
+    r, tok, lp, _ = timed_run(f"unpressured [{lo}:{hi}]", model, cfg, prompts[lo:hi], G, kv, args, device)
+    rf = roofline(cfg, hi - lo, P, G, dtype_bytes=_dtype_of(model).itemsize)
+    r.update(prompts_from=lo, prompts_to=hi, batch=hi - lo, roofline_tok_s=rf["tok_s"],
+             fraction_of_roofline=r["tok_s"] / rf["tok_s"])
+    return r, tok, lp
+
+
+def merge_chunks(parts: list[dict], B: int, G: int) -> dict:
+    """The reference of all B prompts from engines run one after another."""
+    if len(parts) == 1:
+        return parts[0]
+    wall = sum(r["wall_s"] for r in parts)
+    return {"chunks": parts, "wall_s": wall, "tok_s": B * G / wall,
+            "kv_fraction_of_demand": min(r["kv_fraction_of_demand"] for r in parts),
+            **{k: sum(r[k] for r in parts) for k in ("tokens", "preemptions", "recomputed_tokens", "completed")},
+            "peak_running_seqs": max(r["peak_running_seqs"] for r in parts),
+            "all_completed": all(r["all_completed"] for r in parts),
+            "errors": sorted({e for r in parts for e in r["errors"]})}
+
+
+def _dtype_of(model) -> torch.dtype:
+    return next(model.parameters()).dtype
+
+
+def save_reference(path: str, prompts, tokens, logprobs, summary: dict) -> None:
+    """One reference chunk's outputs for a later --runs pressured call (same seed: same
+    weights and prompts); its prompts are kept to check that."""
+    import numpy as np
+    np.savez_compressed(path, prompts=np.asarray(prompts, dtype=np.int64),
+                        tokens=np.asarray(tokens, dtype=np.int64), logprobs=np.asarray(logprobs, dtype=np.float32),
+                        summary=json.dumps(summary))
+
+
+def load_reference(paths: list[str], prompts, G: int) -> tuple[list, list, dict]:
+    """Reference chunk files -> tokens and logprobs of every prompt, and the merged summary."""
+    import numpy as np
+    tokens, logprobs, parts = [None] * len(prompts), [None] * len(prompts), []
+    for path in paths:
+        ref = np.load(path)
+        summary = json.loads(str(ref["summary"]))
+        lo, hi = summary.get("prompts_from", 0), summary.get("prompts_to", len(prompts))
+        if ref["prompts"].tolist() != prompts[lo:hi]:
+            raise SystemExit(f"{path} was made from other prompts (another --seed, --batch or --prompt-len)")
+        tokens[lo:hi], logprobs[lo:hi] = ref["tokens"].tolist(), ref["logprobs"].tolist()
+        parts.append(summary)
+    missing = [i for i, t in enumerate(tokens) if t is None]
+    if missing:
+        raise SystemExit(f"the reference files cover no output for prompts {missing[:8]}...")
+    parts.sort(key=lambda r: r.get("prompts_from", 0))
+    return tokens, logprobs, merge_chunks(parts, len(prompts), G)
 
 
 def markdown_table(result: dict) -> str:
@@ -225,6 +311,16 @@ def main(argv=None) -> dict:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--attention-backend", default="auto", choices=("auto", "torch", "triton"))
     ap.add_argument("--no-graphs", action="store_true", help="decode eagerly (no CUDA graphs)")
+    ap.add_argument("--reference-chunks", type=int, default=1,
+                    help="run the unpressured reference as this many engines one after another, each with "
+                         "KV for its share of the prompts (B=64 x G=16384 of the 8B shape needs 2)")
+    ap.add_argument("--runs", default="both", choices=("both", "unpressured", "pressured"),
+                    help="split over device calls: 'unpressured' runs the reference chunks named by --chunk "
+                         "and saves each to its --reference-file; 'pressured' compares against those files")
+    ap.add_argument("--chunk", type=int, nargs="+", default=None,
+                    help="with --runs unpressured: which reference chunks to run (default all)")
+    ap.add_argument("--reference-file", nargs="+", default=None,
+                    help=".npz files of the unpressured tokens and logprobs, one per chunk run")
     ap.add_argument("--skip-fit-check", action="store_true",
                     help="build the unpressured engine even if its KV looks larger than the free memory")
     ap.add_argument("--out", default=None)
@@ -233,17 +329,28 @@ def main(argv=None) -> dict:
         ap.error(f"--kv-fraction must be in (0, 1), got {args.kv_fraction}")
     if not 0.0 <= args.reserve_fraction <= 1.0:
         ap.error(f"--reserve-fraction must be in [0, 1], got {args.reserve_fraction}")
+    if args.runs != "both" and not args.reference_file:
+        ap.error(f"--runs {args.runs} needs --reference-file")
+    if not 1 <= args.reference_chunks <= args.batch:
+        ap.error(f"--reference-chunks must be in [1, --batch], got {args.reference_chunks}")
+    bounds = chunk_bounds(args.batch, args.reference_chunks)
+    run_chunks = args.chunk if args.chunk is not None else list(range(len(bounds)))
+    if any(not 0 <= c < len(bounds) for c in run_chunks):
+        ap.error(f"--chunk must be in [0, {len(bounds)}), got {args.chunk}")
+    if args.runs == "unpressured" and len(args.reference_file) != len(run_chunks):
+        ap.error(f"--runs unpressured writes one --reference-file per chunk run ({len(run_chunks)})")
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = getattr(torch, args.dtype)
     cfg = make_config(args.shape)
     B, P, G = args.batch, args.prompt_len, args.gen_len
+    chunk = -(-B // args.reference_chunks)
     full_kv = unpressured_kv_bytes(cfg, dtype, B, P, G)
     tight_kv = int(full_kv * args.kv_fraction)
     rf = roofline(cfg, B, P, G, dtype_bytes=dtype.itemsize)
-    print(f"{args.shape} B={B} P={P} G={G} {args.dtype} on {device}: unpressured KV {full_kv / 1e9:.2f} GB, "
-          f"pressured {tight_kv / 1e9:.2f} GB; roofline {rf['tok_s']:.0f} tok/s = {rf['wall_s']:.0f} s "
-          f"for the unpressured run", flush=True)
+    print(f"{args.shape} B={B} P={P} G={G} {args.dtype} on {device}: unpressured KV {full_kv / 1e9:.2f} GB "
+          f"(in {args.reference_chunks} run(s) of {chunk} prompts), pressured {tight_kv / 1e9:.2f} GB; roofline "
+          f"{rf['tok_s']:.0f} tok/s at B={B}", flush=True)
 
     t0 = time.perf_counter()
     model = random_model(cfg, dtype, device, args.seed)
@@ -253,34 +360,54 @@ def main(argv=None) -> dict:
     if device.type == "cuda":
         weights_gb = torch.cuda.memory_allocated(device) / 1e9
         free, _ = torch.cuda.mem_get_info(device)
-        if full_kv + HEADROOM_BYTES > free and not args.skip_fit_check:
-            fit = max_gen_len_fitting(cfg, dtype, B, P, free)
-            raise SystemExit(f"the unpressured KV ({full_kv / 1e9:.1f} GB) + {HEADROOM_BYTES / 2**30:.0f} GiB "
-                             f"headroom exceeds the {free / 1e9:.1f} GB free after the weights: at --batch {B} "
-                             f"--prompt-len {P} the largest --gen-len that fits is {fit} "
-                             f"(or pass --skip-fit-check)")
+        chunk_kv = unpressured_kv_bytes(cfg, dtype, chunk, P, G)
+        if args.runs != "pressured" and chunk_kv + HEADROOM_BYTES > free and not args.skip_fit_check:
+            fit = max_gen_len_fitting(cfg, dtype, chunk, P, free)
+            raise SystemExit(f"the unpressured KV ({chunk_kv / 1e9:.1f} GB) + {HEADROOM_BYTES / 2**30:.0f} GiB "
+                             f"headroom exceeds the {free / 1e9:.1f} GB free after the weights: at {chunk} prompts "
+                             f"per run, --prompt-len {P}, the largest --gen-len that fits is {fit} "
+                             f"(or pass --reference-chunks, or --skip-fit-check)")
     prompts = torch.randint(10, cfg.vocab_size - 10, (B, P), generator=torch.Generator().manual_seed(args.seed)).tolist()
 
     result = {"shape": args.shape, "batch": B, "prompt_len": P, "gen_len": G, "dtype": args.dtype,
               "device_type": device.type, "kv_fraction": args.kv_fraction, "reserve_fraction": args.reserve_fraction,
+              "reference_chunks": args.reference_chunks, "runs": args.runs,
               "max_batched_tokens": args.max_batched_tokens, "seed": args.seed, "model_init_s": model_init_s,
-              "weights_gb": weights_gb, "roofline_unpressured": rf}
-    result["unpressured"], ref_tok, ref_lp = timed_run("unpressured", model, cfg, prompts, G, full_kv, args, device)
-    if device.type == "cuda":   # what is left once the first engine is gone: the weights (and caches)
-        result["memory_allocated_gb_between_runs"] = torch.cuda.memory_allocated(device) / 1e9
-    result["pressured"], tok, lp = timed_run("pressured", model, cfg, prompts, G, tight_kv, args, device)
-    for label in ("unpressured", "pressured"):
-        result[label]["fraction_of_roofline"] = result[label]["tok_s"] / rf["tok_s"]
-    result["tok_s_ratio"] = result["pressured"]["tok_s"] / result["unpressured"]["tok_s"]
-    result["outputs"] = compare_outputs(ref_tok, tok, ref_lp, lp)
-    result["all_completed"] = result["unpressured"]["all_completed"] and result["pressured"]["all_completed"]
+              "weights_gb": weights_gb, "roofline": rf}
+    if args.runs in ("both", "unpressured"):
+        parts, ref_tok, ref_lp = [], [], []
+        for i, c in enumerate(run_chunks):
+            lo, hi = bounds[c]
+            r, tok, lp = reference_run(model, cfg, prompts, G, lo, hi, args, device)
+            if args.runs == "unpressured":     # written at once: a later chunk timing out loses only itself
+                save_reference(args.reference_file[i], prompts[lo:hi], tok, lp, r)
+            parts.append(r)
+            ref_tok += tok
+            ref_lp += lp
+        result["unpressured"] = merge_chunks(parts, sum(r["batch"] for r in parts), G)
+        if device.type == "cuda":   # what is left once the engines are gone: the weights (and caches)
+            result["memory_allocated_gb_between_runs"] = torch.cuda.memory_allocated(device) / 1e9
+    if args.runs != "unpressured":
+        if args.runs == "pressured":
+            ref_tok, ref_lp, result["unpressured"] = load_reference(args.reference_file, prompts, G)
+        result["pressured"], tok, lp, first_preempt = timed_run("pressured", model, cfg, prompts, G, tight_kv,
+                                                                args, device)
+        result["pressured"]["fraction_of_roofline"] = result["pressured"]["tok_s"] / rf["tok_s"]
+        result["tok_s_ratio"] = result["pressured"]["tok_s"] / result["unpressured"]["tok_s"]
+        result["outputs"] = compare_outputs(ref_tok, tok, ref_lp, lp, first_preempt=first_preempt)
+        result["all_completed"] = result["unpressured"]["all_completed"] and result["pressured"]["all_completed"]
     result["meta"] = run_meta("rollout.bench.pressure", argv)
     print(json.dumps(result, indent=2))
-    print(markdown_table(result))
+    for r in result["unpressured"].get("chunks", [result["unpressured"]]) if args.runs == "unpressured" else []:
+        print(f"reference [{r['prompts_from']}:{r['prompts_to']}]: {r['wall_s']:.1f} s, {r['tok_s']:.0f} tok/s = "
+              f"{r['fraction_of_roofline']:.1%} of {r['roofline_tok_s']:.0f}, {r['preemptions']} preemptions, "
+              f"busy {r['gpu_busy']}, completed {r['completed']}/{r['batch']}")
+    if "pressured" in result:
+        print(markdown_table(result))
     write_json(result, args.out)
-    if not result["all_completed"]:
-        raise SystemExit(f"not every request finished with {G} tokens: unpressured "
-                         f"{result['unpressured']['completed']}/{B}, pressured {result['pressured']['completed']}/{B}")
+    if not result.get("all_completed", result["unpressured"]["all_completed"]):
+        got = {k: result[k]["completed"] for k in ("unpressured", "pressured") if k in result}
+        raise SystemExit(f"not every request finished with {G} tokens (completed of {B}): {got}")
     return result
 
 

@@ -1,0 +1,150 @@
+"""Decode GEMMs at small M: cuBLAS (F.linear) against the skinny Triton kernel, CUDA only.
+
+    python -m rollout.bench.gemm --shape llama3-8b --out bench/results/<name>.json
+
+For each linear of the shape (fused QKV, o_proj, fused gate_up, down_proj, lm_head) and each M:
+the time per call inside a CUDA graph (as decode runs them), cycling over enough weight copies
+that they do not sit in the 50 MB L2, so every call streams its weight from HBM. GB/s = weight
+bytes / time, next to a device-to-device copy. The Triton configs are swept at M = 32 (the seed
+workload), the best few are then timed at the other M. Each config is checked against an fp32
+reference first. Printed last: the whole model's GEMM time per decode step with cuBLAS only and
+with the faster of the two per linear, which is what wiring the kernel in can save.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from .__main__ import run_meta, write_json
+from .kernels import copy_bandwidth
+from .shapes import SHAPES, make_config
+
+L2_BYTES = 64 << 20
+
+
+def linear_shapes(cfg) -> dict[str, tuple[int, int, int]]:
+    """name -> (N, K, uses per step)."""
+    D = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    H, Hkv, L = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.num_hidden_layers
+    return {"qkv": ((H + 2 * Hkv) * D, cfg.hidden_size, L), "o_proj": (cfg.hidden_size, H * D, L),
+            "gate_up": (2 * cfg.intermediate_size, cfg.hidden_size, L),
+            "down": (cfg.hidden_size, cfg.intermediate_size, L), "lm_head": (cfg.vocab_size, cfg.hidden_size, 1)}
+
+
+def graph_time_us(fn_per_copy, copies: int, reps: int = 20) -> float:
+    """Median over `reps` replays of a graph that calls fn(i) for each weight copy i."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for i in range(copies):
+            fn_per_copy(i)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(copies):
+            fn_per_copy(i)
+    g.replay()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / copies)
+    return sorted(times)[len(times) // 2]
+
+
+def sweep_configs() -> list[tuple[int, int, int, int]]:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages)."""
+    out = []
+    for bn, bk, st in itertools.product((16, 32, 64, 128), (64, 128, 256), (3, 5)):
+        for nw in ((4, 8) if bn >= 64 else (4,)):
+            out.append((bn, bk, nw, st))
+    return out
+
+
+def bench_shape(name, N, K, Ms, configs, top, dtype, results, check=True):
+    from ..kernels.skinny_gemm import skinny_gemm
+    wbytes = N * K * torch.finfo(dtype).bits // 8
+    copies = max(2, -(-2 * L2_BYTES // wbytes))
+    ws = [torch.randn(N, K, device="cuda", dtype=dtype) * 0.02 for _ in range(copies)]
+    best_at_32 = None
+    for M in Ms:
+        x = torch.randn(M, K, device="cuda", dtype=dtype)
+        y = torch.empty(M, N, device="cuda", dtype=dtype)
+        ref = (x.float() @ ws[0].float().T) if check else None
+        cublas = graph_time_us(lambda i: torch.matmul(x, ws[i].T, out=y), copies)
+        row = dict(linear=name, N=N, K=K, M=M, weight_bytes=wbytes, cublas_us=cublas,
+                   cublas_GBps=wbytes / cublas / 1e3, triton={})
+        cands = configs if best_at_32 is None else best_at_32
+        for c in cands:
+            bn, bk, nw, st = c
+            if K % bk:
+                continue
+            try:
+                out = skinny_gemm(x, ws[0], bn, bk, nw, st)
+                torch.cuda.synchronize()
+            except Exception as e:        # e.g. out of shared memory for big tiles x stages
+                row["triton"][str(c)] = {"error": type(e).__name__}
+                continue
+            err = (out.float() - ref).abs().max().item() if check else None
+            us = graph_time_us(lambda i: skinny_gemm(x, ws[i], bn, bk, nw, st, out=y), copies)
+            row["triton"][str(c)] = {"us": us, "GBps": wbytes / us / 1e3, "max_abs_err": err}
+        ok = {k: v for k, v in row["triton"].items() if "us" in v}
+        if ok:
+            bk_ = min(ok, key=lambda k: ok[k]["us"])
+            row["best"], row["best_us"] = bk_, ok[bk_]["us"]
+            row["best_GBps"], row["speedup_vs_cublas"] = ok[bk_]["GBps"], cublas / ok[bk_]["us"]
+            if best_at_32 is None:
+                ranked = sorted(ok, key=lambda k: ok[k]["us"])[:top]
+                best_at_32 = [tuple(int(v) for v in k.strip("()").split(", ")) for k in ranked]
+        print(f"{name:8s} N={N:6d} K={K:5d} M={M:3d}: cuBLAS {cublas:7.1f} us {row['cublas_GBps']:5.0f} GB/s | "
+              f"triton best {row.get('best')} {row.get('best_us', float('nan')):7.1f} us "
+              f"{row.get('best_GBps', float('nan')):5.0f} GB/s  x{row.get('speedup_vs_cublas', float('nan')):.2f}",
+              flush=True)
+        results.append(row)
+    del ws
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES))
+    ap.add_argument("--m", nargs="+", type=int, default=[32, 1, 16, 64], help="first one is the sweep point")
+    ap.add_argument("--top", type=int, default=6, help="configs from the sweep timed at the other M")
+    ap.add_argument("--linears", nargs="+", default=None, help="subset of qkv o_proj gate_up down lm_head")
+    ap.add_argument("--no-check", dest="check", action="store_false")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("rollout.bench.gemm needs a CUDA GPU")
+    cfg = make_config(args.shape)
+    shapes = linear_shapes(cfg)
+    copy_gbps = copy_bandwidth()
+    print(f"{torch.cuda.get_device_name()}: copy {copy_gbps:.0f} GB/s (read + write)", flush=True)
+    results: list = []
+    for name, (N, K, _) in shapes.items():
+        if args.linears is None or name in args.linears:
+            bench_shape(name, N, K, args.m, sweep_configs(), args.top, torch.bfloat16, results, args.check)
+    # Per decode step: each linear times its uses, cuBLAS only vs the faster of the two.
+    step = {}
+    for M in args.m:
+        rows = [r for r in results if r["M"] == M]
+        cub = sum(r["cublas_us"] * shapes[r["linear"]][2] for r in rows)
+        best = sum(min(r["cublas_us"], r.get("best_us", float("inf"))) * shapes[r["linear"]][2] for r in rows)
+        wbytes = sum(r["weight_bytes"] * shapes[r["linear"]][2] for r in rows)
+        step[M] = dict(cublas_ms=cub / 1e3, best_ms=best / 1e3, weight_bytes=wbytes,
+                       at_copy_bw_ms=wbytes / copy_gbps / 1e6)
+    print("| M | cuBLAS ms/step | best-of-both ms/step | weights at copy BW ms |\n|---|---|---|---|")
+    for M, s in step.items():
+        print(f"| {M} | {s['cublas_ms']:.3f} | {s['best_ms']:.3f} | {s['at_copy_bw_ms']:.3f} |")
+    write_json(dict(shape=args.shape, copy_GBps=copy_gbps, per_step=step, results=results,
+                    meta=run_meta("rollout.bench.gemm", argv)), args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,74 @@
+"""y = x @ w.T for a few rows of x (decode: M <= 64 tokens), w an nn.Linear weight [N, K].
+
+At M = 32 the Llama-3-8B decode GEMMs are pure weight streaming, and cuBLAS reads the weights
+at ~3.8 TB/s against a 4.27 TB/s copy (performance.md; our profile: 4.11 ms of GEMMs per step
+against 3.13 ms at peak). This kernel gives each program BLOCK_N weight rows over all of K,
+so the grid is N / BLOCK_N programs with no split-K (no atomics, no second pass, and the same
+result bitwise for a row whatever M is). The weight tile is the MMA's left operand
+(acc[BLOCK_N, BLOCK_M] = w @ x.T, the "swap AB" form), so a 16-row x still uses the tensor cores.
+Rounding: fp32 accumulation in K order, one cast at the end (cuBLAS also accumulates in fp32).
+
+`pick_config` is a table from the H200 sweep (`python -m rollout.bench.gemm`); `skinny_linear`
+returns None where the table says cuBLAS is faster, and the caller uses F.linear.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from . import fix_interpreter
+
+fix_interpreter()
+
+
+@triton.jit
+def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, s_xm, s_wn, s_ym,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        EVEN_N: tl.constexpr):
+    pid = tl.program_id(0)
+    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = tl.arange(0, BLOCK_M)
+    rk = tl.arange(0, BLOCK_K)
+    w_ptrs = w_ptr + rn.to(tl.int64)[:, None] * s_wn + rk[None, :]
+    x_ptrs = x_ptr + rm[:, None] * s_xm + rk[None, :]
+    m_ok = rm[:, None] < M
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for _ in range(0, tl.cdiv(K, BLOCK_K)):      # K % BLOCK_K == 0 (checked by the wrapper)
+        if EVEN_N:
+            w = tl.load(w_ptrs)
+        else:
+            w = tl.load(w_ptrs, mask=rn[:, None] < N, other=0.0)
+        x = tl.load(x_ptrs, mask=m_ok, other=0.0)
+        acc = tl.dot(w, tl.trans(x), acc)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    y_ptrs = y_ptr + rm[None, :] * s_ym + rn[:, None]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(rm[None, :] < M) & (rn[:, None] < N))
+
+
+MAX_M = 64
+
+
+def block_m(M: int) -> int:
+    """The MMA needs >= 16 rows; round M up to a power of two so few variants compile."""
+    return max(16, triton.next_power_of_2(M))
+
+
+def skinny_gemm(x: torch.Tensor, w: torch.Tensor, block_n: int, block_k: int, num_warps: int = 4,
+                num_stages: int = 4, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x [M, K] (unit stride in K), w [N, K] contiguous -> y [M, N] in x's dtype."""
+    M, K = x.shape
+    N = w.shape[0]
+    assert M <= MAX_M and w.shape[1] == K and x.stride(1) == 1 and w.is_contiguous()
+    assert K % block_k == 0, f"K={K} is not a multiple of BLOCK_K={block_k}"
+    if out is None:
+        out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    if M:
+        _skinny_gemm_kernel[(triton.cdiv(N, block_n),)](
+            x, w, out, M, N, K, x.stride(0), w.stride(0), out.stride(0), BLOCK_M=block_m(M),
+            BLOCK_N=block_n, BLOCK_K=block_k, EVEN_N=N % block_n == 0, num_warps=num_warps,
+            num_stages=num_stages)
+    return out
