@@ -42,9 +42,6 @@ for s in $sections; do
     p5)       timeout 400 $B --shape llama3-8b --batch 32 --prompt-len 256 --gen-len 16384 --modes async --hf none \
         --out $OUT/p5_l8b_B32_G16384.json 2>&1 | grep -A8 "^roofline" ;;
     drift)    timeout 240 python3 scripts/diag_bf16_drift.py --layers 32 --out $OUT/drift_l8b.json 2>&1 | tail -12 ;;
-    pressure) # issue 7: KV too small for everyone at once vs enough KV (G=16384 does not fit one H200 unpressured)
-      timeout 590 python3 -m rollout.bench.pressure --shape llama3-8b --batch 64 --prompt-len 256 --gen-len 8192 \
-        --kv-fraction 0.5 --out $OUT/pressure_l8b_B64_G8192.json 2>&1 | tail -12 ;;
     pressure_ref0|pressure_ref1) # issue 7: the unpressured reference of B=64 x G=16384 as two engines of 32
       # (all 64 at once do not fit one H200); each chunk is also issue 4's P5 (8B, B=32, P=256, G=16384)
       c=${s#pressure_ref}; timeout 290 python3 -m rollout.bench.pressure --shape llama3-8b --batch 64 --prompt-len 256 \
@@ -52,10 +49,13 @@ for s in $sections; do
         --out $OUT/pressure_ref${c}_l8b_B64_G16384.json > $OUT/pressure_ref$c.log 2>&1
       tr '\r' '\n' < $OUT/pressure_ref$c.log | grep -E "generate:|^reference" | tail -2 ;;
     pressured) # issue 7: KV for half of the B=64 x G=16384 demand, compared with the reference chunks
-      timeout 590 python3 -m rollout.bench.pressure --shape llama3-8b --batch 64 --prompt-len 256 --gen-len 16384 \
-        --reference-chunks 2 --kv-fraction 0.5 --runs pressured --reference-file h200_ref/pressure_ref0.npz \
+      timeout ${PRESSURED_TIMEOUT:-590} python3 -m rollout.bench.pressure --shape llama3-8b --batch 64 --prompt-len 256 --gen-len 16384 \
+        --reference-chunks 2 --kv-fraction 0.5 --runs pressured --linear cublas --reference-file h200_ref/pressure_ref0.npz \
         h200_ref/pressure_ref1.npz --out $OUT/pressure_l8b_B64_G16384.json > $OUT/pressured.log 2>&1
       tr '\r' '\n' < $OUT/pressured.log | grep "generate:" | tail -1; tail -12 $OUT/pressured.log ;;
+    tests_gemm) timeout 240 python3 -m pytest -q -p no:cacheprovider --noconftest tests/gpu/test_skinny_gemm_cuda.py \
+        tests/gpu/test_pipeline_cuda.py::test_gpu_busy_accounting_and_async_overlap > $OUT/gpu_tests_gemm.log 2>&1
+      grep -E "passed|failed|FAILED|Error|assert" $OUT/gpu_tests_gemm.log | tail -15 ;;
     gemm)     timeout 200 python3 -m rollout.bench.gemm --shape llama3-8b --out $OUT/gemm_l8b.json 2>&1 | tail -30 ;;
     fused)    timeout 100 python3 -m rollout.bench.kernels --only fused --out $OUT/kernels_fused.json 2>&1 | tail -8 ;;
     weights)  timeout 300 python3 -m rollout.bench.weights --shape llama3-8b --batch 32 --gen-len 128 \

@@ -106,3 +106,23 @@ def test_sequence_larger_than_cache_raises_instead_of_hanging():
     with pytest.raises(RuntimeError, match="more KV pages than the whole cache"):
         for _ in range(10):
             _run_step(s)
+
+
+def test_a_preempted_sequence_waits_until_it_can_finish():
+    """KV for about half of the sequences at full length, admission by the next chunk: victims
+    are preempted once, then wait until their whole remaining length fits, instead of being
+    readmitted by their next chunk and preempted again before the recompute is done."""
+    page, n, prompt, gen = 4, 8, 8, 40
+    s = _sched(num_pages=1 + n * (prompt + gen) // page // 2, page=page, budget=16, max_seqs=n, max_len=64)
+    reqs = [_req(i, n_prompt=prompt, max_new_tokens=gen, ignore_eos=True) for i in range(n)]
+    for r in reqs:
+        s.add(r)
+    steps = 0
+    while s.has_work():
+        _run_step(s)
+        steps += 1
+    assert all(r.seqs[0].num_generated == gen for r in reqs) and s.kv.alloc.num_used == 0
+    victims = [r.seqs[0] for r in reqs if r.seqs[0].num_preemptions]
+    assert victims and max(v.num_preemptions for v in victims) == 1
+    # Recompute work: each victim's prompt + what it had generated, once.
+    assert s.num_recomputed_tokens <= len(victims) * (prompt + gen)

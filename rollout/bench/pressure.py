@@ -311,6 +311,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--attention-backend", default="auto", choices=("auto", "torch", "triton"))
     ap.add_argument("--no-graphs", action="store_true", help="decode eagerly (no CUDA graphs)")
+    ap.add_argument("--linear", default="auto", choices=("auto", "cublas"),
+                    help="decode GEMMs: auto = the skinny Triton GEMM where its table says it wins; cublas = "
+                         "F.linear only (to compare with reference files made before that kernel)")
     ap.add_argument("--reference-chunks", type=int, default=1,
                     help="run the unpressured reference as this many engines one after another, each with "
                          "KV for its share of the prompts (B=64 x G=16384 of the 8B shape needs 2)")
@@ -354,6 +357,7 @@ def main(argv=None) -> dict:
 
     t0 = time.perf_counter()
     model = random_model(cfg, dtype, device, args.seed)
+    model.skinny_gemm = args.linear == "auto"
     _sync(device)
     model_init_s = time.perf_counter() - t0
     weights_gb = None

@@ -8,8 +8,8 @@ result bitwise for a row whatever M is). The weight tile is the MMA's left opera
 (acc[BLOCK_N, BLOCK_M] = w @ x.T, the "swap AB" form), so a 16-row x still uses the tensor cores.
 Rounding: fp32 accumulation in K order, one cast at the end (cuBLAS also accumulates in fp32).
 
-`pick_config` is a table from the H200 sweep (`python -m rollout.bench.gemm`); `skinny_linear`
-returns None where the table says cuBLAS is faster, and the caller uses F.linear.
+`pick_config` is a table from the H200 sweep (`python -m rollout.bench.gemm`); where it has no
+entry (cuBLAS was faster, or the shape was not swept) the model calls F.linear.
 """
 from __future__ import annotations
 
@@ -25,9 +25,9 @@ fix_interpreter()
 
 
 @triton.jit
-def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, s_xm, s_wn, s_ym,
+def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, s_xm, s_wn, s_ym,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        EVEN_N: tl.constexpr):
+                        EVEN_N: tl.constexpr, HAS_BIAS: tl.constexpr):
     pid = tl.program_id(0)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
@@ -45,11 +45,33 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, s_xm, s_wn, s_ym,
         acc = tl.dot(w, tl.trans(x), acc)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
+    if HAS_BIAS:      # in fp32 before the one rounding, like cuBLAS's bias epilogue
+        acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[:, None]
     y_ptrs = y_ptr + rm[None, :] * s_ym + rn[:, None]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(rm[None, :] < M) & (rn[:, None] < N))
 
 
 MAX_M = 64
+
+# (N, K) -> ((largest M, (BLOCK_N, BLOCK_K, num_warps, num_stages) or None for cuBLAS), ...),
+# the fastest per M range in the H200 sweep `python -m rollout.bench.gemm --shape llama3-8b`
+# (bench/results/2026-11-29_kernels_gemm_l8b.json: 1.01-1.14x cuBLAS where chosen; at M = 32
+# the whole step's GEMMs 4.68 -> 4.39 ms). Shapes not swept here stay on cuBLAS.
+_LLAMA3_8B = {
+    (6144, 4096): ((32, (64, 128, 4, 5)),),                                        # fused QKV
+    (4096, 4096): ((16, (32, 256, 4, 5)), (32, (64, 128, 4, 5))),                  # o_proj
+    (28672, 4096): ((16, (128, 128, 8, 3)), (32, (64, 64, 8, 3)), (64, (64, 64, 4, 3))),   # gate_up
+    (4096, 14336): ((16, (32, 256, 4, 5)),),                                       # down_proj
+    (128256, 4096): ((64, (64, 128, 4, 3)),),                                      # lm_head
+}
+
+
+def pick_config(N: int, K: int, M: int) -> Optional[tuple[int, int, int, int]]:
+    """The swept config for this weight shape and row count, or None: use cuBLAS."""
+    for max_m, cfg in _LLAMA3_8B.get((N, K), ()):
+        if M <= max_m:
+            return cfg
+    return None
 
 
 def block_m(M: int) -> int:
@@ -58,8 +80,9 @@ def block_m(M: int) -> int:
 
 
 def skinny_gemm(x: torch.Tensor, w: torch.Tensor, block_n: int, block_k: int, num_warps: int = 4,
-                num_stages: int = 4, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """x [M, K] (unit stride in K), w [N, K] contiguous -> y [M, N] in x's dtype."""
+                num_stages: int = 4, out: Optional[torch.Tensor] = None,
+                bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x [M, K] (unit stride in K), w [N, K] contiguous, bias [N] or None -> y [M, N] in x's dtype."""
     M, K = x.shape
     N = w.shape[0]
     assert M <= MAX_M and w.shape[1] == K and x.stride(1) == 1 and w.is_contiguous()
@@ -68,7 +91,8 @@ def skinny_gemm(x: torch.Tensor, w: torch.Tensor, block_n: int, block_k: int, nu
         out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M:
         _skinny_gemm_kernel[(triton.cdiv(N, block_n),)](
-            x, w, out, M, N, K, x.stride(0), w.stride(0), out.stride(0), BLOCK_M=block_m(M),
-            BLOCK_N=block_n, BLOCK_K=block_k, EVEN_N=N % block_n == 0, num_warps=num_warps,
+            x, w, bias if bias is not None else w, out, M, N, K, x.stride(0), w.stride(0), out.stride(0), BLOCK_M=block_m(M),
+            BLOCK_N=block_n, BLOCK_K=block_k, EVEN_N=N % block_n == 0, HAS_BIAS=bias is not None,
+            num_warps=num_warps,
             num_stages=num_stages)
     return out
