@@ -2,6 +2,7 @@
 # One device call that validates and measures what is GPU-only, writing to $OUT (the device
 # tool's output folder) or ./h200_out. Sections can be picked:
 #   bash scripts/h200_validate.sh tests kernels sampler q05 l8b_short l8b_fp32 seed p3 p5 weights
+#   (issue 7: pressure_ref0 pressure_ref1 pressured; issue 9 on 2+ GPUs: fleet_scaling fleet_broadcast)
 # Run from the repo root on the H200; ROLLOUT_GIT_COMMIT should be passed in (no .git there).
 set -uo pipefail
 OUT=${OUT:-h200_out}; mkdir -p "$OUT"
@@ -56,6 +57,12 @@ for s in $sections; do
     tests_gemm) timeout 240 python3 -m pytest -q -p no:cacheprovider --noconftest tests/gpu/test_skinny_gemm_cuda.py \
         tests/gpu/test_pipeline_cuda.py::test_gpu_busy_accounting_and_async_overlap > $OUT/gpu_tests_gemm.log 2>&1
       grep -E "passed|failed|FAILED|Error|assert" $OUT/gpu_tests_gemm.log | tail -15 ;;
+    fleet_scaling)   # issue 9 (multi-GPU kinds): P3 per worker, 1 .. all GPUs
+      timeout 480 python3 -m rollout.bench.fleet scaling --shape qwen2.5-1.5b --prompts-per-worker 64 --n 8 \
+        --prompt-len 256 --gen-len 4096 --out $OUT/fleet_scaling_q15.json 2>&1 | grep -A8 "^| workers" ;;
+    fleet_broadcast) # issue 9: 8B weights, trainer on GPU 0 -> workers on the others, over NCCL, during decode
+      timeout 300 python3 -m rollout.bench.fleet broadcast --shape llama3-8b --batch 32 --gen-len 2048 \
+        --update-after-s 20 --out $OUT/fleet_broadcast_l8b.json 2>&1 | grep "^broadcast" ;;
     gemm)     timeout 200 python3 -m rollout.bench.gemm --shape llama3-8b --out $OUT/gemm_l8b.json 2>&1 | tail -30 ;;
     fused)    timeout 100 python3 -m rollout.bench.kernels --only fused --out $OUT/kernels_fused.json 2>&1 | tail -8 ;;
     weights)  timeout 300 python3 -m rollout.bench.weights --shape llama3-8b --batch 32 --gen-len 128 \
