@@ -176,21 +176,23 @@ def test_pick_policy_on_fake_slots():
 
 
 def test_new_prompts_avoid_the_worker_with_full_kv(ray_cluster, model_dir, tiny_tokenizer):
-    """Two workers with 320 KV pages each (max_model_len 256). A group of 16 long generations
-    (16 pages each at full length, 241 with the shared prompt page) fills worker 0's KV; new
+    """Two workers with 1280 KV pages each (max_model_len 1024). A group of 16 long generations
+    (63 pages each at full length, 993 with the shared prompt page) fills worker 0's KV; new
     prompts go to worker 1, once from worker 0's piggybacked KV report and once from the
-    driver's own estimate."""
+    driver's own estimate. The group runs ~3 s on CPU (976 steps), so it is still running
+    while the short prompts are dispatched (with 220 steps, ~0.6 s, a loaded CI machine lost
+    that race once)."""
     path = model_dir("llama")
-    engine = {"num_kv_pages": 320, "max_model_len": 256}
+    engine = {"num_kv_pages": 1280, "max_model_len": 1024}
     (long_prompt,) = random_prompts(tiny_tokenizer, 1, 24, 24, seed=23)
     shorts = random_prompts(tiny_tokenizer, 6, 6, 12, seed=24)
-    heavy_p = SamplingParams(n=16, max_new_tokens=220, temperature=0, ignore_eos=True)
+    heavy_p = SamplingParams(n=16, max_new_tokens=976, temperature=0, ignore_eos=True)
     short_p = SamplingParams(n=2, max_new_tokens=2, temperature=0, ignore_eos=True)
     fleet = _fleet(path, engine=engine)
     try:
-        assert fleet.kv_default.pages == 320 and fleet.loads() == {0: 0.0, 1: 0.0}
+        assert fleet.kv_default.pages == 1280 and fleet.loads() == {0: 0.0, 1: 0.0}
         # 1) KV use the driver's queue depth cannot see: the heavy group sent straight to actor 0
-        # (it runs for ~220 steps; each short prompt needs 3). One prompt at a time: queue depth is
+        # (it runs for ~976 steps; each short prompt needs 3). One prompt at a time: queue depth is
         # 0 on both at every pick (so the old policy sent every prompt to worker 0). The first goes
         # to 0 (a tie) and brings back 0's KV report; the rest go to 1.
         heavy = fleet.slots[0].actor.run.remote(long_prompt, heavy_p)
@@ -201,7 +203,7 @@ def test_new_prompts_avoid_the_worker_with_full_kv(ray_cluster, model_dir, tiny_
         outs = fleet.generate(shorts, short_p, max_inflight=1)
         assert [o.request_id for o in outs] == list(range(len(shorts)))
         assert fleet.placement == {0: 0, **{i: 1 for i in range(1, len(shorts))}}
-        assert fleet.slots[0].kv.demand >= 240 and fleet.slots[1].kv.demand <= 2
+        assert fleet.slots[0].kv.demand >= 960 and fleet.slots[1].kv.demand <= 2
         assert fleet.loads()[0] > 0.7 and fleet.loads()[1] < 0.1
         ray.cancel(heavy)                       # aborted on the worker, its pages freed
         with pytest.raises(ray.exceptions.TaskCancelledError):
@@ -213,7 +215,8 @@ def test_new_prompts_avoid_the_worker_with_full_kv(ray_cluster, model_dir, tiny_
         assert st["workers"][0]["kv_demand"] == 0 and fleet.loads() == {0: 0.0, 1: 0.0}
 
         # 2) all through the fleet, all at once (no report yet): the driver's estimate of a heavy
-        # group (24 + 4 x 200 tokens, 16% of worker 0's KV) sends every short group to worker 1;
+        # group (24 + 4 x 200 tokens: 53 pages, 4% of worker 0's KV, above the 2.3% that three
+        # short groups' 6 sequences of 256 slots make on worker 1) sends every short group to worker 1;
         # by queue depth alone the third short group would have gone to worker 0
         heavy_p = SamplingParams(n=4, max_new_tokens=200, temperature=0, ignore_eos=True)
         prompts, params = [long_prompt, *shorts[:4]], [heavy_p] + [short_p] * 4

@@ -5,6 +5,7 @@ modeling code so our logits can be checked against it, but none of it is importe
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional
 
@@ -86,6 +87,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
+@functools.lru_cache(maxsize=None)
+def _triton_ok() -> bool:
+    from ..kernels import triton_available
+    return triton_available()
+
+
 def plain_linear(lin: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return F.linear(x, lin.weight, getattr(lin, "bias", None))
 
@@ -95,7 +102,7 @@ def skinny_or_cublas(lin: nn.Module, x: torch.Tensor) -> torch.Tensor:
     GEMM if the swept table (kernels/skinny_gemm.py) says it beats cuBLAS for this weight shape.
     `lin` may be the tied embedding (its weight is the LM head's)."""
     w = lin.weight
-    if x.is_cuda and x.dtype == torch.bfloat16 and x.shape[0] <= 64 and x.stride(-1) == 1:
+    if x.is_cuda and x.dtype == torch.bfloat16 and x.shape[0] <= 64 and x.stride(-1) == 1 and _triton_ok():
         from ..kernels.skinny_gemm import pick_config, skinny_gemm
         cfg = pick_config(w.shape[0], w.shape[1], x.shape[0])
         if cfg is not None:
