@@ -89,11 +89,21 @@ class BatchBuilder:
         # sequence or that sequence's pages changed (a new page every page_size decode steps),
         # which was the largest host cost of a 512-sequence decode step.
         self._rows: list = [None] * max_num_seqs
+        # The sequence whose sampling parameters each row holds (decode steps only; see
+        # `_build_decode`); None where another path wrote the row.
+        self._param_rows: list = [None] * max_num_seqs
+        self.fast_decode = True       # tests turn it off to compare the two paths
 
     def build(self, sched: SchedulerOutput) -> Batch:
         """Flatten one scheduled step. Tokens sampled by the previous batch (still in
         flight) are PLACEHOLDERs on the host: their slot gets id 0 and a carry-over entry
         naming the previous batch's output row, which the device gathers before the forward."""
+        if self.fast_decode and not sched.copies and all(i.num_new == 1 and i.num_samples == 1
+                                                         for i in sched.items):
+            batch = self._build_decode(sched)
+            if batch is not None:
+                return batch
+        self._param_rows = [None] * len(self._param_rows)
         kv, ps, npb = self.kv, self.kv.page_size, self.np
         ids: list[int] = []
         carry: list[int] = []
@@ -169,6 +179,12 @@ class BatchBuilder:
             penalty = torch.full((r, width), -1, dtype=torch.int64)
             for i, row in enumerate(penalty_rows):
                 penalty[i, :len(row)] = torch.tensor(row, dtype=torch.int64)
+        return self._batch(t, s, r, c, seq_lens, qsl, penalty, top_n, all_greedy, any_trunc, any_pen, has_carry,
+                           decode_only and s > 0 and c == 0)
+
+    def _batch(self, t, s, r, c, seq_lens_host, qsl_host, penalty, top_n, all_greedy, any_trunc, any_pen,
+               has_carry, decode_only) -> Batch:
+        """The step's views of the host buffers: t tokens, s sequences, r rows, c page copies."""
         h = self.host
         sampling = SamplingTensors(
             **{f: h[f][:r] for f in SAMPLING_FIELDS}, penalty_token_ids=penalty, num_top_logprobs=top_n,
@@ -178,8 +194,67 @@ class BatchBuilder:
             slot_mapping=h["slot_mapping"][:t], query_start_loc=h["query_start_loc"][:s + 1],
             seq_lens=h["seq_lens"][:s], block_tables=h["block_tables"][:s], logits_indices=h["logits_indices"][:r],
             sampling=sampling, copy_src=h["copy_src"][:c], copy_dst=h["copy_dst"][:c],
-            seq_lens_host=seq_lens, query_start_host=qsl, num_top_logprobs=top_n, has_carry=has_carry,
-            decode_only=decode_only and s > 0 and c == 0)
+            seq_lens_host=seq_lens_host, query_start_host=qsl_host, num_top_logprobs=top_n, has_carry=has_carry,
+            decode_only=decode_only)
+
+    def _build_decode(self, sched: SchedulerOutput) -> Batch | None:
+        """The same buffers as the general path for a step where every sequence computes one
+        token and samples one row (steady decode, most steps of a long generation). Per item
+        it reads only what changes from step to step (the input token or its carry-over row,
+        the position, a block-table row when its pages changed); positions, slots, lengths and
+        row indices are then computed with numpy, and a row's sampling parameters are written
+        only when the row changes sequence. At 512 sequences this is ~3x faster than the
+        general path. None (nothing written that the general path relies on) when a row has a
+        repetition penalty, whose token lists are built per step."""
+        npb, ps, prm = self.np, self.kv.page_size, self._param_rows
+        items, targets = sched.items, sched.targets
+        S = len(items)
+        ids, carry, starts, counters = [], [], [], []
+        prev = sched.batch_id - 1
+        has_carry = any_trunc = False
+        all_greedy = True
+        top_n = 0
+        for s, item in enumerate(items):
+            seq, start = item.seq, item.start
+            p = seq.request.params
+            if p.repetition_penalty != 1.0:
+                return None
+            tok = seq.token_ids[start]
+            if tok == PLACEHOLDER:
+                bid, row = seq.inflight[start]
+                assert bid == prev, "placeholder not from the previous batch"
+                ids.append(0)
+                carry.append(row)
+                has_carry = True
+            else:
+                ids.append(tok)
+                carry.append(-1)
+            starts.append(start)
+            counters.append(targets[s].pos)
+            key = (seq.seq_id, seq.table_version)
+            if self._rows[s] != key:
+                table = seq.block_table
+                npb["block_tables"][s, :len(table)] = table
+                self._rows[s] = key
+            if prm[s] is not seq:
+                npb["temperature"][s], npb["top_k"][s], npb["top_p"][s] = p.temperature, p.top_k, p.top_p
+                npb["min_p"][s], npb["repetition_penalty"][s] = p.min_p, p.repetition_penalty
+                npb["seeds"][s] = seq.request.sample_seed(seq.sample_index)
+                prm[s] = seq
+            any_trunc |= p.truncates
+            all_greedy &= p.greedy
+            top_n = max(top_n, p.top_logprobs)
+        npb["input_ids"][:S] = ids
+        npb["carry"][:S] = carry
+        pos = npb["positions"][:S]
+        pos[:] = starts
+        npb["slot_mapping"][:S] = npb["block_tables"][np.arange(S), pos // ps].astype(np.int64) * ps + pos % ps
+        npb["query_start_loc"][:S + 1] = np.arange(S + 1)
+        npb["seq_lens"][:S] = pos + 1
+        npb["logits_indices"][:S] = np.arange(S)
+        npb["counters"][:S] = counters
+        return self._batch(S, S, S, 0, [x + 1 for x in starts], list(range(S + 1)), None, top_n, all_greedy,
+                           any_trunc, False, has_carry, S > 0)
 
     def pad(self, batch: Batch, size: int) -> None:
         """Fill rows [B, size) of a decode batch with inert entries for a graph of `size` rows:
@@ -195,4 +270,5 @@ class BatchBuilder:
             npb[name][B:size] = value
         npb["query_start_loc"][B + 1:size + 1] = np.arange(B + 1, size + 1)
         npb["logits_indices"][B:size] = np.arange(B, size)
+        self._param_rows[B:size] = [None] * (size - B)     # inert parameters written there
         batch.padded_to = size

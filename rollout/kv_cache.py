@@ -75,6 +75,11 @@ class KVCacheManager:
         extra = self.pages_for(seq.num_computed + num_new) - len(seq.block_table)
         return max(extra, 0) + (1 if self._needs_cow(seq) else 0)
 
+    def fits_in_place(self, seq: Sequence, num_new: int) -> bool:
+        """The tokens land in pages the sequence already owns alone (most decode steps):
+        `append` would do nothing."""
+        return seq.num_computed + num_new <= len(seq.block_table) * self.page_size and not self._needs_cow(seq)
+
     def can_append(self, seq: Sequence, num_new: int, reserve: int = 0) -> bool:
         return self.pages_needed(seq, num_new) + reserve <= self.alloc.num_free
 

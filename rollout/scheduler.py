@@ -88,6 +88,7 @@ class Scheduler:
         self.num_recomputed_tokens = 0
         self.num_discarded_tokens = 0   # sampled for a sequence that had already finished
         self._next_batch_id = 0
+        self._forked_now: set[Sequence] = set()
 
     # ---- queue -------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -149,23 +150,25 @@ class Scheduler:
         """Its last (maybe in-flight) token already reaches a length limit: nothing to schedule."""
         return seq.num_generated >= seq.request.params.max_new_tokens or seq.num_tokens >= self.max_model_len
 
-    @staticmethod
-    def _sampled_in(seq: Sequence, batch_id: int) -> bool:
-        return any(b == batch_id for b, _ in seq.inflight.values())
-
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(items=[], batch_id=self._next_batch_id)
         self._next_batch_id += 1
         budget = self.max_num_batched_tokens
         preempted = False
+        self._forked_now = set()     # children forked by this step: they sample with their parent
         i = 0
         # Running sequences first, oldest first; the newest are the preemption victims.
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            if self._length_done(seq) or self._sampled_in(seq, out.batch_id):
+            if self._length_done(seq) or seq in self._forked_now:
                 i += 1            # nothing to compute, or forked in this very step
                 continue
             num_new = min(seq.num_tokens - seq.num_computed, budget)
+            if self.kv.fits_in_place(seq, num_new):     # a decode step inside its last page
+                self._add_item(out, seq, num_new, in_place=True)
+                budget -= num_new
+                i += 1
+                continue
             while not self.kv.can_append(seq, num_new):
                 if len(self.running) == 1:   # alone and still no room: it can never fit
                     raise RuntimeError(f"{seq} needs more KV pages than the whole cache has")
@@ -194,10 +197,12 @@ class Scheduler:
             budget -= num_new
         return out
 
-    def _add_item(self, out: SchedulerOutput, seq: Sequence, num_new: int) -> None:
-        """Commit the step at schedule time: KV pages, num_computed (computed or in flight),
-        and a placeholder for every token the step samples (a group forks here)."""
-        self.kv.append(seq, num_new, out.copies)
+    def _add_item(self, out: SchedulerOutput, seq: Sequence, num_new: int, in_place: bool = False) -> None:
+        """Commit the step at schedule time: KV pages (none to add when `in_place`),
+        num_computed (computed or in flight), and a placeholder for every token the step
+        samples (a group forks here)."""
+        if not in_place:
+            self.kv.append(seq, num_new, out.copies)
         item = ScheduledSeq(seq, num_new, 0, seq.num_computed)
         seq.num_computed += num_new
         if seq.num_computed == seq.num_tokens:
@@ -241,6 +246,7 @@ class Scheduler:
             children.append(child)
         parent.fork_count = 1
         req.seqs.extend(children)
+        self._forked_now.update(children)
         pos = self.running.index(parent) + 1
         self.running[pos:pos] = children
         return children
