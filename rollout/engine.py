@@ -17,7 +17,7 @@ from .request import Request, RequestOutput, SamplingParams
 from .pipeline import DevicePipeline, InFlight
 from .runner import ModelRunner
 from .sampler import SamplerOutput
-from .scheduler import SampledRow, ScheduledSeq, Scheduler, SchedulerOutput
+from .scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 
 Prompt = Union[str, list[int]]
 log = logging.getLogger(__name__)
@@ -214,9 +214,9 @@ class RolloutEngine:
         except Exception as exc:
             self._fail(flight.sched, exc)
             return []
-        rows = self._rows(out, flight.top_n)
-        self.metrics["generated_tokens"] += len(rows)
-        return [self._finish(r) for r in self.scheduler.update(flight.sched, rows)]
+        cols = self._columns(out, flight.top_n)
+        self.metrics["generated_tokens"] += len(cols[0])
+        return [self._finish(r) for r in self.scheduler.update_columns(flight.sched, *cols)]
 
     def _fail(self, sched: SchedulerOutput, exc: Exception) -> None:
         """Finish every request with a sequence in the failed batch: finish_reason "error",
@@ -243,15 +243,15 @@ class RolloutEngine:
         return req.output(self.tokenizer)
 
     @staticmethod
-    def _rows(out: Optional[SamplerOutput], top_n: int) -> list[SampledRow]:
+    def _columns(out: Optional[SamplerOutput], top_n: int) -> tuple[list, list, list, list, Optional[list]]:
+        """Sampled tokens, logprobs, processed logprobs, kept mass (and top logprobs) as lists."""
         if out is None:
-            return []
-        toks, lps = out.token_ids.tolist(), out.logprobs.tolist()
-        plps, kept = out.processed_logprobs.tolist(), out.kept_mass.tolist()
-        tops = [None] * len(toks)
+            return [], [], [], [], None
+        tops = None
         if top_n and out.top_ids is not None:
             tops = [dict(zip(i, v)) for i, v in zip(out.top_ids.tolist(), out.top_logprobs.tolist())]
-        return [SampledRow(*x) for x in zip(toks, lps, plps, kept, tops)]
+        return (out.token_ids.tolist(), out.logprobs.tolist(), out.processed_logprobs.tolist(),
+                out.kept_mass.tolist(), tops)
 
     def abort(self, request_ids: Seq[int], reason: str = "abort") -> list[RequestOutput]:
         """Finish the given requests now (finish_reason `reason`); their pages are freed and

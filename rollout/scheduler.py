@@ -217,21 +217,40 @@ class Scheduler:
     # ---- outputs -------------------------------------------------------------------
     def update(self, sched: SchedulerOutput, rows: list[SampledRow]) -> list[Request]:
         """Fill the batch's sampled tokens in; return requests that finished with it."""
-        assert len(rows) == len(sched.targets), (len(rows), len(sched.targets))
+        return self.update_columns(sched, [r.token_id for r in rows], [r.logprob for r in rows],
+                                   [r.processed_logprob for r in rows], [r.kept_mass for r in rows],
+                                   [r.top for r in rows])
+
+    def update_columns(self, sched: SchedulerOutput, tokens: list[int], logprobs: list[float],
+                       processed: list[float], kept: list[float],
+                       tops: Optional[list[Optional[dict]]] = None) -> list[Request]:
+        """`update` with one list per field in row order, as the engine has them (no per-row
+        objects: at 512 rows a step that saves a few hundred microseconds)."""
+        assert len(tokens) == len(sched.targets), (len(tokens), len(sched.targets))
         finished: list[Request] = []
-        for t, row in zip(sched.targets, rows):
-            s = t.seq
-            if s.status != Status.RUNNING or s.epoch != t.epoch:
+        running, version = Status.RUNNING, sched.policy_version
+        for i, t in enumerate(sched.targets):
+            s, pos = t.seq, t.pos
+            if s.status is not running or s.epoch != t.epoch:
                 # Finished (or aborted, or preempted) after this batch was scheduled: the
                 # extra token is discarded and never reaches the output.
                 self.num_discarded_tokens += 1
                 continue
-            assert s.token_ids[t.pos] == PLACEHOLDER
-            del s.inflight[t.pos]
-            s.policy_versions.append(sched.policy_version)
-            self._fill(s, t.pos, row)
-            if s.finished and s.request.finished:
-                finished.append(s.request)
+            assert s.token_ids[pos] == PLACEHOLDER
+            del s.inflight[pos]
+            s.policy_versions.append(version)
+            s.token_ids[pos] = tokens[i]
+            s.logprobs.append(logprobs[i])
+            s.processed_logprobs.append(processed[i])
+            s.kept_mass.append(kept[i])
+            if tops is not None and tops[i] is not None:
+                s.top_logprobs.append(tops[i])
+            reason = self._stop_reason(s, pos)
+            if reason is not None:
+                del s.token_ids[pos + 1:]          # a later token may already be in flight
+                self.finish(s, *reason)
+                if s.request.finished:
+                    finished.append(s.request)
         return finished
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
@@ -250,18 +269,6 @@ class Scheduler:
         pos = self.running.index(parent) + 1
         self.running[pos:pos] = children
         return children
-
-    def _fill(self, seq: Sequence, pos: int, row: SampledRow) -> None:
-        seq.token_ids[pos] = row.token_id
-        seq.logprobs.append(row.logprob)
-        seq.processed_logprobs.append(row.processed_logprob)
-        seq.kept_mass.append(row.kept_mass)
-        if row.top is not None:
-            seq.top_logprobs.append(row.top)
-        reason = self._stop_reason(seq, pos)
-        if reason is not None:
-            del seq.token_ids[pos + 1:]          # a later token may already be in flight
-            self.finish(seq, *reason)
 
     def _stop_reason(self, seq: Sequence, pos: int):
         p = seq.request.params

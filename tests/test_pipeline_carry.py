@@ -33,7 +33,7 @@ def _no_lag_generate(eng, prompts, params):
     while eng.scheduler.has_work():
         sched = eng.scheduler.schedule()
         out = eng.pipeline.wait(eng.pipeline.launch(sched))
-        for r in eng.scheduler.update(sched, eng._rows(out, 0)):
+        for r in eng.scheduler.update_columns(sched, *eng._columns(out, 0)):
             done[r.request_id] = eng._finish(r)
     return [done[i] for i in ids]
 

@@ -4,7 +4,7 @@
 
 A one-layer, 64-wide model on the CPU keeps the forward cheap, so what is timed is the Python
 around it: scheduler.schedule, the batch builder, turning sampled rows into Python, and
-scheduler.update (medians over --steps decode steps, after --warmup steps). On the H200 the
+scheduler.update_columns (medians over --steps decode steps, after --warmup steps). On the H200 the
 Qwen2.5-1.5B GRPO shape (512 sequences) was host-bound at 86% GPU busy: these stages run once
 per step while the GPU runs the previous one.
 """
@@ -54,8 +54,8 @@ def main(argv=None) -> dict:
                                     max_num_batched_tokens=args.prompts * args.prompt_len)
     times: dict[str, list] = {k: [] for k in ("schedule", "build", "rows", "update")}
     _timed(eng.scheduler, "schedule", times["schedule"])
-    _timed(eng.scheduler, "update", times["update"])
-    _timed(eng, "_rows", times["rows"])
+    _timed(eng.scheduler, "update_columns", times["update"])
+    _timed(eng, "_columns", times["rows"])
     for slot in eng.pipeline.slots:
         slot.builder.fast_decode = not args.no_fast_decode
         _timed(slot.builder, "build", times["build"])
