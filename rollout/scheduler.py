@@ -21,7 +21,7 @@ from .kv_cache import KVCacheManager
 from .request import PLACEHOLDER, Request, Sequence, Status
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledSeq:
     seq: Sequence
     num_new: int        # tokens computed this step, from `start`
@@ -29,7 +29,7 @@ class ScheduledSeq:
     start: int = 0      # seq.num_computed before this step
 
 
-@dataclass
+@dataclass(slots=True)
 class SampleTarget:
     """Where one sampled row lands: a placeholder position of a sequence, valid while the
     sequence's epoch (bumped by preemption) is unchanged."""
