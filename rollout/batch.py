@@ -98,8 +98,7 @@ class BatchBuilder:
         """Flatten one scheduled step. Tokens sampled by the previous batch (still in
         flight) are PLACEHOLDERs on the host: their slot gets id 0 and a carry-over entry
         naming the previous batch's output row, which the device gathers before the forward."""
-        if self.fast_decode and not sched.copies and all(i.num_new == 1 and i.num_samples == 1
-                                                         for i in sched.items):
+        if self.fast_decode and not sched.copies:
             batch = self._build_decode(sched)
             if batch is not None:
                 return batch
@@ -204,8 +203,9 @@ class BatchBuilder:
         the position, a block-table row when its pages changed); positions, slots, lengths and
         row indices are then computed with numpy, and a row's sampling parameters are written
         only when the row changes sequence. At 512 sequences this is ~3x faster than the
-        general path. None (nothing written that the general path relies on) when a row has a
-        repetition penalty, whose token lists are built per step."""
+        general path. None (nothing written that the general path relies on) when an item is
+        not a one-token, one-row decode, or has a repetition penalty (its token lists are built
+        per step)."""
         npb, ps, prm = self.np, self.kv.page_size, self._param_rows
         items, targets = sched.items, sched.targets
         S = len(items)
@@ -217,7 +217,7 @@ class BatchBuilder:
         for s, item in enumerate(items):
             seq, start = item.seq, item.start
             p = seq.request.params
-            if p.repetition_penalty != 1.0:
+            if item.num_new != 1 or item.num_samples != 1 or p.repetition_penalty != 1.0:
                 return None
             tok = seq.token_ids[start]
             if tok == PLACEHOLDER:

@@ -347,7 +347,7 @@ def main(argv=None) -> dict:
     dtype = getattr(torch, args.dtype)
     cfg = make_config(args.shape)
     B, P, G = args.batch, args.prompt_len, args.gen_len
-    chunk = -(-B // args.reference_chunks)
+    chunk = bounds[0][1] - bounds[0][0]          # the largest reference run
     full_kv = unpressured_kv_bytes(cfg, dtype, B, P, G)
     tight_kv = int(full_kv * args.kv_fraction)
     rf = roofline(cfg, B, P, G, dtype_bytes=dtype.itemsize)
