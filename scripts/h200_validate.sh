@@ -66,6 +66,22 @@ for s in $sections; do
     fleet_broadcast) # issue 9: 8B weights, trainer on GPU 0 -> workers on the others, over NCCL, during decode
       timeout 300 python3 -m rollout.bench.fleet broadcast --shape llama3-8b --batch 32 --gen-len 2048 \
         --update-after-s 20 --out $OUT/fleet_broadcast_l8b.json 2>&1 | grep "^broadcast" ;;
+    tests_new) # this session's GPU tests: PDL, the fused truncating sampler, the skinny GEMM in graphs
+      timeout 300 python3 -m pytest -q -p no:cacheprovider --noconftest tests/gpu/test_pdl_cuda.py \
+        tests/gpu/test_fused_sampler_cuda.py tests/gpu/test_skinny_gemm_cuda.py > $OUT/gpu_tests_new.log 2>&1
+      grep -E "passed|failed|FAILED|Error|assert" $OUT/gpu_tests_new.log | tail -15 ;;
+    p1_pdl)   # issue 4 P1 with programmatic dependent launch off, then on (two processes, same weights)
+      for v in 0 1; do ROLLOUT_PDL=$v timeout 280 $B --shape llama3-8b --batch 32 --prompt-len 256 --gen-len 8192 \
+        --modes async --hf none --out $OUT/p1_l8b_B32_G8192_pdl$v.json 2>&1 | grep -A4 "^| run"; done ;;
+    p5_pdl)   ROLLOUT_PDL=1 timeout 400 $B --shape llama3-8b --batch 32 --prompt-len 256 --gen-len 16384 --modes async \
+        --hf none --out $OUT/p5_l8b_B32_G16384_pdl1.json 2>&1 | grep -A8 "^roofline" ;;
+    gemm_pdl) timeout 200 python3 -m rollout.bench.gemm --shape llama3-8b --m 32 --top 4 --pdl-top 4 \
+        --out $OUT/gemm_l8b_pdl.json 2>&1 | tail -9 ;;
+    pressure_fp32) # issue 7: greedy equality under KV pressure at the 8B shape, B = 64, in fp32 (argmax
+      # decided by the math, not by bf16 rounding of a different batch composition); G = 2048 fits
+      timeout 400 python3 -m rollout.bench.pressure --shape llama3-8b --batch 64 --prompt-len 256 --gen-len 2048 \
+        --dtype float32 --kv-fraction 0.5 --runs both --out $OUT/pressure_fp32_l8b_B64_G2048.json > $OUT/pressure_fp32.log 2>&1
+      tail -8 $OUT/pressure_fp32.log ;;
     gemm)     timeout 200 python3 -m rollout.bench.gemm --shape llama3-8b --out $OUT/gemm_l8b.json 2>&1 | tail -30 ;;
     fused)    timeout 100 python3 -m rollout.bench.kernels --only fused --out $OUT/kernels_fused.json 2>&1 | tail -8 ;;
     weights)  timeout 300 python3 -m rollout.bench.weights --shape llama3-8b --batch 32 --gen-len 128 \

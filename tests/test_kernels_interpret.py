@@ -152,25 +152,41 @@ def test_fused_ops(dtype):
 def test_compiles_for_sm90(tmp_path):
     """The interpreter runs kernels as Python: it misses compile-time errors (loop-carried
     constexprs, layout/shape rules of tl.dot). Compile each kernel ahead of time for sm_90 with
-    triton's bundled ptxas, in a subprocess without the interpreter. No GPU needed."""
+    triton's bundled ptxas, in a subprocess without the interpreter. No GPU needed.
+    The decode kernels are also compiled with programmatic dependent launch (kernels/pdl.py),
+    and their PTX must keep its rule: `griddepcontrol.wait` before the first global store, and
+    (except the GEMM, which loads its first weight tile early) before the first global load."""
     code = textwrap.dedent("""
+        import re
         import triton
         from triton.backends.compiler import GPUTarget
         from triton.compiler import ASTSource
         from rollout.kernels import paged_decode as pd, paged_prefill as pp, rope_kv as rk, fused_ops as fo
+        from rollout.kernels import skinny_gemm as sg
         PTR = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "out_ptr": "*bf16", "qo_ptr": "*bf16",
                "kc_ptr": "*bf16", "vc_ptr": "*bf16", "po_ptr": "*fp32", "plse_ptr": "*fp32", "bt_ptr": "*i32",
                "lens_ptr": "*i32", "qsl_ptr": "*i32", "pos_ptr": "*i64", "inv_freq_ptr": "*fp32", "slot_ptr": "*i64",
-               "x_ptr": "*bf16", "d_ptr": "*bf16", "w_ptr": "*bf16", "res_ptr": "*bf16", "gu_ptr": "*bf16"}
-        def compile_(fn, **const):
+               "x_ptr": "*bf16", "d_ptr": "*bf16", "w_ptr": "*bf16", "res_ptr": "*bf16", "gu_ptr": "*bf16",
+               "b_ptr": "*bf16", "y_ptr": "*bf16"}
+        def compile_(fn, pdl=False, early_loads=False, **const):
+            const = dict(const, PDL=pdl) if "PDL" in fn.arg_names else const
             sig, attrs = {}, {}
             for i, name in enumerate(fn.arg_names):
                 scalar = "fp32" if name in ("sm_scale_log2", "eps") else "i32"
                 sig[name] = "constexpr" if name in const else PTR.get(name, scalar)
                 if name in PTR or name.startswith("s_"):     # as the JIT specialises 16-divisible args
                     attrs[(i,)] = [["tt.divisibility", 16]]
-            triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs),
-                           target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=2))
+            k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs),
+                               target=GPUTarget("cuda", 90, 32),
+                               options=dict(num_warps=4, num_stages=2, launch_pdl=pdl))
+            if pdl:
+                ptx = k.asm["ptx"]
+                wait = ptx.find("griddepcontrol.wait")
+                assert wait >= 0 and "griddepcontrol.launch_dependents" in ptx, fn.__name__
+                first = lambda *ops: min([ptx.find(op) for op in ops if op in ptx] or [len(ptx)])
+                assert wait < first("st.global"), fn.__name__ + ": a store before the wait"
+                if not early_loads:
+                    assert wait < first("ld.global", "cp.async"), fn.__name__ + ": a load before the wait"
         common = dict(HEAD_DIM=128, PAGE_SIZE=16, BLOCK_N=64, DOT_PREC="tf32")
         compile_(pd._decode_split_kernel, GROUP=4, GROUP_PAD=16, NUM_SPLITS=2, USE_WINDOW=True, **common)
         compile_(pd._decode_merge_kernel, HEAD_DIM=128, NUM_SPLITS=3, SPLITS_PAD=4)
@@ -178,6 +194,14 @@ def test_compiles_for_sm90(tmp_path):
         compile_(rk._rope_kv_kernel, HQ=28, HKV=4, HQ_PAD=32, HKV_PAD=4, HALF=64, PRECISE=True)
         compile_(fo._add_rmsnorm_kernel, HAS_DELTA=True, BLOCK=4096)
         compile_(fo._silu_mul_kernel, BLOCK=1024)
+        for pdl in (False, True):
+            compile_(pd._decode_split_kernel, pdl, GROUP=4, GROUP_PAD=16, NUM_SPLITS=2, USE_WINDOW=False, **common)
+            compile_(pd._decode_merge_kernel, pdl, HEAD_DIM=128, NUM_SPLITS=3, SPLITS_PAD=4)
+            compile_(rk._rope_kv_kernel, pdl, HQ=32, HKV=8, HQ_PAD=32, HKV_PAD=8, HALF=64, PRECISE=False)
+            compile_(fo._add_rmsnorm_kernel, pdl, HAS_DELTA=True, BLOCK=4096)
+            compile_(fo._silu_mul_kernel, pdl, BLOCK=1024)
+            compile_(sg._skinny_gemm_kernel, pdl, early_loads=True, BLOCK_M=32, BLOCK_N=64, BLOCK_K=128,
+                     EVEN_N=True, HAS_BIAS=False)
         print("ok")
     """)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

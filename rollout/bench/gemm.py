@@ -68,7 +68,8 @@ def sweep_configs() -> list[tuple[int, int, int, int]]:
     return out
 
 
-def bench_shape(name, N, K, Ms, configs, top, dtype, results, check=True):
+def bench_shape(name, N, K, Ms, configs, top, dtype, results, check=True, pdl_top=0):
+    from ..kernels import pdl
     from ..kernels.skinny_gemm import skinny_gemm
     wbytes = N * K * torch.finfo(dtype).bits // 8
     copies = max(2, -(-2 * L2_BYTES // wbytes))
@@ -103,9 +104,23 @@ def bench_shape(name, N, K, Ms, configs, top, dtype, results, check=True):
             if best_at_32 is None:
                 ranked = sorted(ok, key=lambda k: ok[k]["us"])[:top]
                 best_at_32 = [tuple(int(v) for v in k.strip("()").split(", ")) for k in ranked]
+            # The fastest few again with programmatic dependent launch: each call's first weight
+            # tile loads while the previous call drains (kernels/pdl.py), as in the decode graph.
+            if pdl_top:
+                was = pdl.enabled()
+                pdl.set_enabled(True)
+                try:
+                    for k in sorted(ok, key=lambda k: ok[k]["us"])[:pdl_top]:
+                        bn, bk, nw, st = (int(v) for v in k.strip("()").split(", "))
+                        ok[k]["pdl_us"] = graph_time_us(lambda i: skinny_gemm(x, ws[i], bn, bk, nw, st, out=y), copies)
+                finally:
+                    pdl.set_enabled(was)
+                kp = min((k for k in ok if "pdl_us" in ok[k]), key=lambda k: ok[k]["pdl_us"])
+                row["best_pdl"], row["best_pdl_us"] = kp, ok[kp]["pdl_us"]
         print(f"{name:8s} N={N:6d} K={K:5d} M={M:3d}: cuBLAS {cublas:7.1f} us {row['cublas_GBps']:5.0f} GB/s | "
               f"triton best {row.get('best')} {row.get('best_us', float('nan')):7.1f} us "
-              f"{row.get('best_GBps', float('nan')):5.0f} GB/s  x{row.get('speedup_vs_cublas', float('nan')):.2f}",
+              f"{row.get('best_GBps', float('nan')):5.0f} GB/s  x{row.get('speedup_vs_cublas', float('nan')):.2f}"
+              + (f" | PDL {row['best_pdl']} {row['best_pdl_us']:7.1f} us" if "best_pdl" in row else ""),
               flush=True)
         results.append(row)
     del ws
@@ -118,6 +133,8 @@ def main(argv=None):
     ap.add_argument("--top", type=int, default=6, help="configs from the sweep timed at the other M")
     ap.add_argument("--linears", nargs="+", default=None, help="subset of qkv o_proj gate_up down lm_head")
     ap.add_argument("--no-check", dest="check", action="store_false")
+    ap.add_argument("--pdl-top", type=int, default=3,
+                    help="time the fastest N configs again with programmatic dependent launch (0: off)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -127,9 +144,12 @@ def main(argv=None):
     copy_gbps = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}: copy {copy_gbps:.0f} GB/s (read + write)", flush=True)
     results: list = []
+    from ..kernels import pdl
+    pdl.set_enabled(False)       # the sweep itself: one launch at a time, as before PDL existed
     for name, (N, K, _) in shapes.items():
         if args.linears is None or name in args.linears:
-            bench_shape(name, N, K, args.m, sweep_configs(), args.top, torch.bfloat16, results, args.check)
+            bench_shape(name, N, K, args.m, sweep_configs(), args.top, torch.bfloat16, results, args.check,
+                        args.pdl_top)
     # Per decode step: each linear times its uses, cuBLAS only vs the faster of the two.
     step = {}
     for M in args.m:
@@ -137,11 +157,15 @@ def main(argv=None):
         cub = sum(r["cublas_us"] * shapes[r["linear"]][2] for r in rows)
         best = sum(min(r["cublas_us"], r.get("best_us", float("inf"))) * shapes[r["linear"]][2] for r in rows)
         wbytes = sum(r["weight_bytes"] * shapes[r["linear"]][2] for r in rows)
-        step[M] = dict(cublas_ms=cub / 1e3, best_ms=best / 1e3, weight_bytes=wbytes,
-                       at_copy_bw_ms=wbytes / copy_gbps / 1e6)
-    print("| M | cuBLAS ms/step | best-of-both ms/step | weights at copy BW ms |\n|---|---|---|---|")
+        best_pdl = sum(min(r["cublas_us"], r.get("best_us", float("inf")), r.get("best_pdl_us", float("inf")))
+                       * shapes[r["linear"]][2] for r in rows)
+        step[M] = dict(cublas_ms=cub / 1e3, best_ms=best / 1e3, best_with_pdl_ms=best_pdl / 1e3,
+                       weight_bytes=wbytes, at_copy_bw_ms=wbytes / copy_gbps / 1e6)
+    print("| M | cuBLAS ms/step | best-of-both ms/step | with PDL ms/step | weights at copy BW ms |\n"
+          "|---|---|---|---|---|")
     for M, s in step.items():
-        print(f"| {M} | {s['cublas_ms']:.3f} | {s['best_ms']:.3f} | {s['at_copy_bw_ms']:.3f} |")
+        print(f"| {M} | {s['cublas_ms']:.3f} | {s['best_ms']:.3f} | {s['best_with_pdl_ms']:.3f} | "
+              f"{s['at_copy_bw_ms']:.3f} |")
     write_json(dict(shape=args.shape, copy_GBps=copy_gbps, per_step=step, results=results,
                     meta=run_meta("rollout.bench.gemm", argv)), args.out)
 

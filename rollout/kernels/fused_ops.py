@@ -15,13 +15,15 @@ import triton
 import triton.language as tl
 
 from . import fix_interpreter
+from .pdl import enter, pdl_for
 
 fix_interpreter()
 
 
 @triton.jit
 def _add_rmsnorm_kernel(x_ptr, d_ptr, w_ptr, out_ptr, res_ptr, N, eps, s_x, s_d, s_o, s_r,
-                        HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
+                        HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     m = cols < N
@@ -53,12 +55,13 @@ def add_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, delta: Option
         _add_rmsnorm_kernel[(T,)](x, delta if delta is not None else x, weight, out, res, N, eps,
                                   x.stride(0), (delta if delta is not None else x).stride(0), out.stride(0),
                                   res.stride(0), HAS_DELTA=delta is not None, BLOCK=block,
-                                  num_warps=8 if block >= 4096 else 4)
+                                  PDL=pdl_for(x), num_warps=8 if block >= 4096 else 4, launch_pdl=pdl_for(x))
     return out, res
 
 
 @triton.jit
-def _silu_mul_kernel(gu_ptr, out_ptr, inter, s_gu, s_o, BLOCK: tl.constexpr):
+def _silu_mul_kernel(gu_ptr, out_ptr, inter, s_gu, s_o, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = cols < inter
@@ -78,5 +81,6 @@ def silu_mul(gate_up: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch
     if T:
         block = 1024
         _silu_mul_kernel[(T, triton.cdiv(inter, block))](gate_up, out, inter, gate_up.stride(0), out.stride(0),
-                                                         BLOCK=block, num_warps=4)
+                                                         BLOCK=block, PDL=pdl_for(out), num_warps=4,
+                                                         launch_pdl=pdl_for(out))
     return out

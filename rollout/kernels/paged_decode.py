@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from . import fix_interpreter
+from .pdl import enter, pdl_for
 
 fix_interpreter()
 
@@ -33,7 +34,9 @@ def _decode_split_kernel(
         sm_scale_log2, window,
         s_qb, s_qh, s_kp, s_ks, s_kh, s_vp, s_vs, s_vh, s_bt, s_ob, s_oh,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
-        BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr):
+        BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr,
+        PDL: tl.constexpr):
+    enter(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -93,7 +96,9 @@ def _decode_split_kernel(
 
 @triton.jit
 def _decode_merge_kernel(po_ptr, plse_ptr, out_ptr, s_ob, s_oh,
-                         HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr):
+                         HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+                         PDL: tl.constexpr):
+    enter(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     sp = tl.arange(0, SPLITS_PAD)
@@ -147,6 +152,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         po = plse = out  # unused
     # fp32 inputs: ieee dot (default would be tf32, ~1e-3 error); bf16/fp16 ignore this.
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
+    pdl = pdl_for(q)
     _decode_split_kernel[(B, Hkv, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, po, plse,
         scale * LOG2E, int(sliding_window or 0),
@@ -155,9 +161,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         out.stride(0), out.stride(1),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=D, PAGE_SIZE=page_size,
         BLOCK_N=block_n, NUM_SPLITS=num_splits, USE_WINDOW=sliding_window is not None, DOT_PREC=prec,
-        num_warps=num_warps, num_stages=num_stages)
+        PDL=pdl, num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl)
     if num_splits > 1:
         _decode_merge_kernel[(B, Hq)](po, plse, out, out.stride(0), out.stride(1), HEAD_DIM=D,
                                       NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits),
-                                      num_warps=1 if D <= 64 else 2)
+                                      PDL=pdl, num_warps=1 if D <= 64 else 2, launch_pdl=pdl)
     return out

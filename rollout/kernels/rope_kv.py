@@ -17,6 +17,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from . import fix_interpreter
+from .pdl import enter, pdl_for
 
 fix_interpreter()
 
@@ -46,7 +47,8 @@ def _rope_kv_kernel(
         q_ptr, k_ptr, v_ptr, qo_ptr, pos_ptr, inv_freq_ptr, kc_ptr, vc_ptr, slot_ptr, n_slots,
         s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_qot, s_qoh, s_kcs, s_kch, s_vcs, s_vch,
         HQ: tl.constexpr, HKV: tl.constexpr, HQ_PAD: tl.constexpr, HKV_PAD: tl.constexpr,
-        HALF: tl.constexpr, PRECISE: tl.constexpr):
+        HALF: tl.constexpr, PRECISE: tl.constexpr, PDL: tl.constexpr):
+    enter(PDL)
     t = tl.program_id(0)
     dt = qo_ptr.dtype.element_ty
     f = tl.arange(0, HALF)
@@ -99,6 +101,6 @@ def rope_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positio
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out_q.stride(0), out_q.stride(1), k_cache.stride(1), k_cache.stride(2), v_cache.stride(1), v_cache.stride(2),
         HQ=Hq, HKV=Hkv, HQ_PAD=triton.next_power_of_2(Hq), HKV_PAD=triton.next_power_of_2(Hkv), HALF=D // 2,
-        PRECISE=_PRECISE, num_warps=4 if Hq * D >= 4096 else 1,
+        PRECISE=_PRECISE, PDL=pdl_for(q), num_warps=4 if Hq * D >= 4096 else 1, launch_pdl=pdl_for(q),
         enable_fp_fusion=False)   # no mul+add -> FMA: torch's fp32 path rounds the products
     return out_q

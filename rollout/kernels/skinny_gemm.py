@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from . import fix_interpreter
+from .pdl import enter, pdl_for
 
 fix_interpreter()
 
@@ -27,7 +28,7 @@ fix_interpreter()
 @triton.jit
 def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, s_xm, s_wn, s_ym,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        EVEN_N: tl.constexpr, HAS_BIAS: tl.constexpr):
+                        EVEN_N: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr):
     pid = tl.program_id(0)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
@@ -36,7 +37,18 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, s_xm, s_wn, s_ym,
     x_ptrs = x_ptr + rm[:, None] * s_xm + rk[None, :]
     m_ok = rm[:, None] < M
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for _ in range(0, tl.cdiv(K, BLOCK_K)):      # K % BLOCK_K == 0 (checked by the wrapper)
+    k0 = 0
+    if PDL:   # the first weight tile while the previous kernel drains (weights are not its output)
+        if EVEN_N:
+            w = tl.load(w_ptrs)
+        else:
+            w = tl.load(w_ptrs, mask=rn[:, None] < N, other=0.0)
+        enter(PDL)
+        acc = tl.dot(w, tl.trans(tl.load(x_ptrs, mask=m_ok, other=0.0)), acc)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+        k0 = 1
+    for _ in range(k0, tl.cdiv(K, BLOCK_K)):     # K % BLOCK_K == 0 (checked by the wrapper)
         if EVEN_N:
             w = tl.load(w_ptrs)
         else:
@@ -90,9 +102,9 @@ def skinny_gemm(x: torch.Tensor, w: torch.Tensor, block_n: int, block_k: int, nu
     if out is None:
         out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M:
+        pdl = pdl_for(x)
         _skinny_gemm_kernel[(triton.cdiv(N, block_n),)](
             x, w, bias if bias is not None else w, out, M, N, K, x.stride(0), w.stride(0), out.stride(0), BLOCK_M=block_m(M),
             BLOCK_N=block_n, BLOCK_K=block_k, EVEN_N=N % block_n == 0, HAS_BIAS=bias is not None,
-            num_warps=num_warps,
-            num_stages=num_stages)
+            PDL=pdl, num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl)
     return out

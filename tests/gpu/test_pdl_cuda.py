@@ -1,0 +1,90 @@
+"""Programmatic dependent launch (kernels/pdl.py) on the GPU: the same kernels with and without
+PDL must give the same bits, since PDL only changes when a kernel's programs start, never what
+they compute. A kernel that read its input or wrote its output before `griddepcontrol.wait`
+would race with the kernel before it; the chains below make every kernel consume the previous
+one's output at once, in a CUDA graph, replayed many times. Skipped without an sm_90+ GPU."""
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+                                reason="needs an sm_90+ GPU")
+
+
+def _mlp_chain(x, norm_w, w_gu, w_down, layers):
+    """The fused decode path's MLP half, repeated: add+RMSNorm -> gate_up GEMM -> SiLU*up ->
+    down GEMM (both skinny, their swept configs at M = 32) -> the next add+RMSNorm."""
+    from rollout.kernels.fused_ops import add_rmsnorm, silu_mul
+    from rollout.kernels.skinny_gemm import skinny_gemm
+    res, f = x, torch.zeros_like(x)
+    for _ in range(layers):
+        h, res = add_rmsnorm(res, norm_w, 1e-5, delta=f)
+        f = skinny_gemm(silu_mul(skinny_gemm(h, w_gu, 64, 64, 8, 3)), w_down, 32, 256, 4, 5)
+    return add_rmsnorm(res, norm_w, 1e-5, delta=f)[0]
+
+
+def test_kernel_chain_in_a_graph_equal_bits_with_and_without_pdl():
+    from rollout.kernels import pdl
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(32, 4096, device="cuda", dtype=torch.bfloat16, generator=g)
+    norm_w = 1 + 0.1 * torch.randn(4096, device="cuda", dtype=torch.bfloat16, generator=g)
+    w_gu = 0.02 * torch.randn(28672, 4096, device="cuda", dtype=torch.bfloat16, generator=g)
+    w_down = 0.02 * torch.randn(4096, 14336, device="cuda", dtype=torch.bfloat16, generator=g)
+    outs = {}
+    was = pdl.enabled()
+    try:
+        for on in (False, True):
+            pdl.set_enabled(on)
+            assert pdl.pdl_for(x) == on
+            _mlp_chain(x, norm_w, w_gu, w_down, 2)          # compile outside the capture
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                y = _mlp_chain(x, norm_w, w_gu, w_down, 8)
+            replays = []
+            for _ in range(20):
+                y.fill_(float("nan"))                        # a replay that skips a write shows
+                graph.replay()
+                replays.append(y.clone())
+            torch.cuda.synchronize()
+            outs[on] = replays
+            del graph
+    finally:
+        pdl.set_enabled(was)
+    ref = outs[False][0]
+    assert torch.isfinite(ref.float()).all()
+    for on in (False, True):
+        for y in outs[on]:
+            assert torch.equal(y, ref), f"pdl={on}: a replay differs"
+
+
+def test_engine_decode_graphs_equal_bits_with_and_without_pdl():
+    """Two layers of the Llama-3-8B shape through the engine (fused small ops, skinny GEMMs,
+    RoPE + KV write, split-KV decode attention, all in the decode graphs): greedy tokens and
+    logprobs identical with PDL on and off."""
+    from transformers import AutoConfig
+
+    from rollout import RolloutEngine, SamplingParams
+    from rollout.kernels import pdl
+    from rollout.models.loader import build_model, init_random
+    cfg = AutoConfig.for_model("llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                               num_hidden_layers=2, num_attention_heads=32, num_key_value_heads=8,
+                               max_position_embeddings=1024, rope_theta=500000.0)
+    model = build_model(cfg, torch.bfloat16, torch.device("cuda"))
+    init_random(model, 0)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 128000, (int(n),), generator=g).tolist() for n in torch.randint(5, 90, (32,), generator=g)]
+    params = SamplingParams(max_new_tokens=48, temperature=0, ignore_eos=True)
+    outs = {}
+    was = pdl.enabled()
+    try:
+        for on in (False, True):
+            pdl.set_enabled(on)                              # before the engine captures its graphs
+            eng = RolloutEngine(model, cfg, seed=0, max_model_len=256, num_kv_pages=512, max_num_seqs=32)
+            outs[on] = eng.generate(prompts, params, use_tqdm=False)
+            assert eng.pipeline.counts["graph_steps"] > 0
+            del eng
+    finally:
+        pdl.set_enabled(was)
+    for a, b in zip(outs[False], outs[True]):
+        assert a.completions[0].token_ids == b.completions[0].token_ids
+        assert a.completions[0].logprobs == b.completions[0].logprobs
