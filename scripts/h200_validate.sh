@@ -75,8 +75,9 @@ for s in $sections; do
         --modes async --hf none --out $OUT/p1_l8b_B32_G8192_pdl$v.json 2>&1 | grep -A4 "^| run"; done ;;
     p5_pdl)   ROLLOUT_PDL=1 timeout 400 $B --shape llama3-8b --batch 32 --prompt-len 256 --gen-len 16384 --modes async \
         --hf none --out $OUT/p5_l8b_B32_G16384_pdl1.json 2>&1 | grep -A8 "^roofline" ;;
-    gemm_pdl) timeout 200 python3 -m rollout.bench.gemm --shape llama3-8b --m 32 --top 4 --pdl-top 4 \
-        --out $OUT/gemm_l8b_pdl.json 2>&1 | tail -9 ;;
+    gemm_pdl) # split-K and PDL for the small-N decode GEMMs at M = 32 (gate_up / lm_head already fill the GPU)
+      timeout 240 python3 -m rollout.bench.gemm --shape llama3-8b --m 32 --top 4 --pdl-top 4 --quick \
+        --linears qkv o_proj down --out $OUT/gemm_l8b_pdl.json 2>&1 | tail -8 ;;
     pressure_fp32) # issue 7: greedy equality under KV pressure at the 8B shape, B = 64, in fp32 (argmax
       # decided by the math, not by bf16 rounding of a different batch composition); G = 2048 fits
       timeout 400 python3 -m rollout.bench.pressure --shape llama3-8b --batch 64 --prompt-len 256 --gen-len 2048 \

@@ -149,6 +149,26 @@ def test_fused_ops(dtype):
         torch.testing.assert_close(got, want, **tol, msg=name)
 
 
+@pytest.mark.parametrize("split_k", [1, 2, 4])
+def test_skinny_gemm_split_k(split_k):
+    """The decode GEMM (fp32 here: the interpreter's fp32 dot is exact numpy, so only summation
+    order differs from torch, ~1e-6 on these O(1) sums; 1e-5 catches a lost or doubled split).
+    N = 96 is not a multiple of BLOCK_N (masked tail); the counters are back at 0 after each
+    call, so a second call (as a graph replay would) gives the same bits."""
+    from rollout.kernels import skinny_gemm as sg
+    g = torch.Generator().manual_seed(split_k)
+    x, w, b = torch.randn(5, 512, generator=g), torch.randn(96, 512, generator=g) / 16, torch.randn(96, generator=g)
+    out = torch.full((5, 96), float("nan"))
+    sg.skinny_gemm(x, w, 64, 64, 4, 2, split_k, out=out, bias=b)
+    torch.testing.assert_close(out, x @ w.T + b, atol=1e-5, rtol=1e-5)
+    if split_k > 1:
+        assert int(sg._COUNTERS[x.device][:2].abs().sum()) == 0
+    again = sg.skinny_gemm(x, w, 64, 64, 4, 2, split_k, bias=b)
+    assert torch.equal(again, out)
+    with pytest.raises(AssertionError, match="do not split"):
+        sg.skinny_gemm(x, w, 64, 64, 4, 2, 3)
+
+
 def test_compiles_for_sm90(tmp_path):
     """The interpreter runs kernels as Python: it misses compile-time errors (loop-carried
     constexprs, layout/shape rules of tl.dot). Compile each kernel ahead of time for sm_90 with
@@ -167,7 +187,7 @@ def test_compiles_for_sm90(tmp_path):
                "kc_ptr": "*bf16", "vc_ptr": "*bf16", "po_ptr": "*fp32", "plse_ptr": "*fp32", "bt_ptr": "*i32",
                "lens_ptr": "*i32", "qsl_ptr": "*i32", "pos_ptr": "*i64", "inv_freq_ptr": "*fp32", "slot_ptr": "*i64",
                "x_ptr": "*bf16", "d_ptr": "*bf16", "w_ptr": "*bf16", "res_ptr": "*bf16", "gu_ptr": "*bf16",
-               "b_ptr": "*bf16", "y_ptr": "*bf16"}
+               "b_ptr": "*bf16", "y_ptr": "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32"}
         def compile_(fn, pdl=False, early_loads=False, **const):
             const = dict(const, PDL=pdl) if "PDL" in fn.arg_names else const
             sig, attrs = {}, {}
@@ -200,8 +220,9 @@ def test_compiles_for_sm90(tmp_path):
             compile_(rk._rope_kv_kernel, pdl, HQ=32, HKV=8, HQ_PAD=32, HKV_PAD=8, HALF=64, PRECISE=False)
             compile_(fo._add_rmsnorm_kernel, pdl, HAS_DELTA=True, BLOCK=4096)
             compile_(fo._silu_mul_kernel, pdl, BLOCK=1024)
-            compile_(sg._skinny_gemm_kernel, pdl, early_loads=True, BLOCK_M=32, BLOCK_N=64, BLOCK_K=128,
-                     EVEN_N=True, HAS_BIAS=False)
+            for split in (1, 2):
+                compile_(sg._skinny_gemm_kernel, pdl, early_loads=True, BLOCK_M=32, BLOCK_N=64, BLOCK_K=128,
+                         EVEN_N=split == 1, HAS_BIAS=split == 2, SPLIT_K=split)
         print("ok")
     """)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

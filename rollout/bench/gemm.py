@@ -59,12 +59,16 @@ def graph_time_us(fn_per_copy, copies: int, reps: int = 20) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def sweep_configs() -> list[tuple[int, int, int, int]]:
-    """(BLOCK_N, BLOCK_K, num_warps, num_stages)."""
+def sweep_configs(N: int, K: int, split_k: tuple[int, ...] = (1,), quick: bool = False) -> list[tuple[int, ...]]:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages, split_k). Split-K with 4 warps and BLOCK_N 32
+    or 64 only where N / BLOCK_N leaves SMs idle (< 2 x 132 programs) and K's tiles divide
+    evenly. quick: BLOCK_N 32 / 64 with 4 warps only (each config compiles for ~1 s)."""
     out = []
-    for bn, bk, st in itertools.product((16, 32, 64, 128), (64, 128, 256), (3, 5)):
-        for nw in ((4, 8) if bn >= 64 else (4,)):
-            out.append((bn, bk, nw, st))
+    for bn, bk, st in itertools.product((32, 64) if quick else (16, 32, 64, 128), (64, 128, 256), (3, 5)):
+        for nw in ((4, 8) if bn >= 64 and not quick else (4,)):
+            for sk in split_k:
+                if sk == 1 or (bn in (32, 64) and nw == 4 and -(-N // bn) < 264 and (K // bk) % sk == 0):
+                    out.append((bn, bk, nw, st, sk))
     return out
 
 
@@ -84,17 +88,16 @@ def bench_shape(name, N, K, Ms, configs, top, dtype, results, check=True, pdl_to
                    cublas_GBps=wbytes / cublas / 1e3, triton={})
         cands = configs if best_at_32 is None else best_at_32
         for c in cands:
-            bn, bk, nw, st = c
-            if K % bk:
+            if K % c[1]:
                 continue
             try:
-                out = skinny_gemm(x, ws[0], bn, bk, nw, st)
+                out = skinny_gemm(x, ws[0], *c)
                 torch.cuda.synchronize()
             except Exception as e:        # e.g. out of shared memory for big tiles x stages
                 row["triton"][str(c)] = {"error": type(e).__name__}
                 continue
             err = (out.float() - ref).abs().max().item() if check else None
-            us = graph_time_us(lambda i: skinny_gemm(x, ws[i], bn, bk, nw, st, out=y), copies)
+            us = graph_time_us(lambda i: skinny_gemm(x, ws[i], *c, out=y), copies)
             row["triton"][str(c)] = {"us": us, "GBps": wbytes / us / 1e3, "max_abs_err": err}
         ok = {k: v for k, v in row["triton"].items() if "us" in v}
         if ok:
@@ -111,8 +114,8 @@ def bench_shape(name, N, K, Ms, configs, top, dtype, results, check=True, pdl_to
                 pdl.set_enabled(True)
                 try:
                     for k in sorted(ok, key=lambda k: ok[k]["us"])[:pdl_top]:
-                        bn, bk, nw, st = (int(v) for v in k.strip("()").split(", "))
-                        ok[k]["pdl_us"] = graph_time_us(lambda i: skinny_gemm(x, ws[i], bn, bk, nw, st, out=y), copies)
+                        c = tuple(int(v) for v in k.strip("()").split(", "))
+                        ok[k]["pdl_us"] = graph_time_us(lambda i: skinny_gemm(x, ws[i], *c, out=y), copies)
                 finally:
                     pdl.set_enabled(was)
                 kp = min((k for k in ok if "pdl_us" in ok[k]), key=lambda k: ok[k]["pdl_us"])
@@ -133,6 +136,8 @@ def main(argv=None):
     ap.add_argument("--top", type=int, default=6, help="configs from the sweep timed at the other M")
     ap.add_argument("--linears", nargs="+", default=None, help="subset of qkv o_proj gate_up down lm_head")
     ap.add_argument("--no-check", dest="check", action="store_false")
+    ap.add_argument("--split-k", nargs="+", type=int, default=[1, 2, 4], help="split-K factors swept")
+    ap.add_argument("--quick", action="store_true", help="a smaller config space (see sweep_configs)")
     ap.add_argument("--pdl-top", type=int, default=3,
                     help="time the fastest N configs again with programmatic dependent launch (0: off)")
     ap.add_argument("--out", default=None)
@@ -148,8 +153,8 @@ def main(argv=None):
     pdl.set_enabled(False)       # the sweep itself: one launch at a time, as before PDL existed
     for name, (N, K, _) in shapes.items():
         if args.linears is None or name in args.linears:
-            bench_shape(name, N, K, args.m, sweep_configs(), args.top, torch.bfloat16, results, args.check,
-                        args.pdl_top)
+            bench_shape(name, N, K, args.m, sweep_configs(N, K, tuple(args.split_k), args.quick), args.top, torch.bfloat16,
+                        results, args.check, args.pdl_top)
     # Per decode step: each linear times its uses, cuBLAS only vs the faster of the two.
     step = {}
     for M in args.m:

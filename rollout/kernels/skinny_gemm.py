@@ -3,10 +3,15 @@
 At M = 32 the Llama-3-8B decode GEMMs are pure weight streaming, and cuBLAS reads the weights
 at ~3.8 TB/s against a 4.27 TB/s copy (performance.md; our profile: 4.11 ms of GEMMs per step
 against 3.13 ms at peak). This kernel gives each program BLOCK_N weight rows over all of K,
-so the grid is N / BLOCK_N programs with no split-K (no atomics, no second pass, and the same
-result bitwise for a row whatever M is). The weight tile is the MMA's left operand
-(acc[BLOCK_N, BLOCK_M] = w @ x.T, the "swap AB" form), so a 16-row x still uses the tensor cores.
-Rounding: fp32 accumulation in K order, one cast at the end (cuBLAS also accumulates in fp32).
+so the grid is N / BLOCK_N programs (the same result bitwise for a row whatever M is). The
+weight tile is the MMA's left operand (acc[BLOCK_N, BLOCK_M] = w @ x.T, the "swap AB" form), so
+a 16-row x still uses the tensor cores. Rounding: fp32 accumulation in K order, one cast at the
+end (cuBLAS also accumulates in fp32).
+
+A small N leaves SMs idle (o_proj at BLOCK_N 64: 64 programs on 132 SMs), so a config may
+split K over `split_k` programs per tile: each stores an fp32 partial, and the last to arrive
+(an atomic counter per tile) adds the partials in split order and writes the tile. The sum
+order is fixed, so results stay deterministic and M-independent for a given config.
 
 `pick_config` is a table from the H200 sweep (`python -m rollout.bench.gemm`); where it has no
 entry (cuBLAS was faster, or the shape was not swept) the model calls F.linear.
@@ -26,18 +31,23 @@ fix_interpreter()
 
 
 @triton.jit
-def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, s_xm, s_wn, s_ym,
+def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, s_xm, s_wn, s_ym,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        EVEN_N: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr):
+                        EVEN_N: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
+                        PDL: tl.constexpr):
     pid = tl.program_id(0)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
     rk = tl.arange(0, BLOCK_K)
-    w_ptrs = w_ptr + rn.to(tl.int64)[:, None] * s_wn + rk[None, :]
-    x_ptrs = x_ptr + rm[:, None] * s_xm + rk[None, :]
+    # This program's K tiles [kt0, kt1): all of K, or its share of a split.
+    k_tiles = K // BLOCK_K                       # K % BLOCK_K == 0 (checked by the wrapper)
+    per = tl.cdiv(k_tiles, SPLIT_K)
+    kt0 = tl.program_id(1) * per
+    kt1 = tl.minimum(kt0 + per, k_tiles)
+    w_ptrs = w_ptr + rn.to(tl.int64)[:, None] * s_wn + (kt0 * BLOCK_K + rk)[None, :]
+    x_ptrs = x_ptr + rm[:, None] * s_xm + (kt0 * BLOCK_K + rk)[None, :]
     m_ok = rm[:, None] < M
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    k0 = 0
     if PDL:   # the first weight tile while the previous kernel drains (weights are not its output)
         if EVEN_N:
             w = tl.load(w_ptrs)
@@ -47,8 +57,8 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, s_xm, s_wn, s_ym,
         acc = tl.dot(w, tl.trans(tl.load(x_ptrs, mask=m_ok, other=0.0)), acc)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
-        k0 = 1
-    for _ in range(k0, tl.cdiv(K, BLOCK_K)):     # K % BLOCK_K == 0 (checked by the wrapper)
+        kt0 += 1
+    for _ in range(kt0, kt1):
         if EVEN_N:
             w = tl.load(w_ptrs)
         else:
@@ -57,6 +67,27 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, s_xm, s_wn, s_ym,
         acc = tl.dot(w, tl.trans(x), acc)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
+    if SPLIT_K > 1:
+        # Serial split-K fix-up: each split stores its fp32 partial; the last of the tile's
+        # programs to arrive adds them in split order (the same bits whichever arrives last)
+        # and resets the tile's counter for the next call. No atomics on the output.
+        n_ok = rn[:, None] < N
+        tl.store(ws_ptr + (tl.program_id(1) * BLOCK_M + rm[None, :]) * N + rn[:, None], acc, mask=n_ok)
+        tl.debug_barrier()                        # every thread's partial before the release
+        arrived = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel")
+        if arrived == SPLIT_K - 1:
+            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            for sk in range(SPLIT_K):              # .cg: from L2, where the other SMs wrote
+                acc += tl.load(ws_ptr + (sk * BLOCK_M + rm[None, :]) * N + rn[:, None], mask=n_ok, other=0.0,
+                               cache_modifier=".cg")
+            tl.atomic_xchg(cnt_ptr + pid, 0)
+            _epilogue(acc, b_ptr, y_ptr, rm, rn, M, N, s_ym, HAS_BIAS)
+    else:
+        _epilogue(acc, b_ptr, y_ptr, rm, rn, M, N, s_ym, HAS_BIAS)
+
+
+@triton.jit
+def _epilogue(acc, b_ptr, y_ptr, rm, rn, M, N, s_ym, HAS_BIAS: tl.constexpr):
     if HAS_BIAS:      # in fp32 before the one rounding, like cuBLAS's bias epilogue
         acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[:, None]
     y_ptrs = y_ptr + rm[None, :] * s_ym + rn[:, None]
@@ -65,7 +96,7 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, s_xm, s_wn, s_ym,
 
 MAX_M = 64
 
-# (N, K) -> ((largest M, (BLOCK_N, BLOCK_K, num_warps, num_stages) or None for cuBLAS), ...),
+# (N, K) -> ((largest M, (BLOCK_N, BLOCK_K, num_warps, num_stages[, split_k]) or None for cuBLAS), ...),
 # the fastest per M range in the H200 sweep `python -m rollout.bench.gemm --shape llama3-8b`
 # (bench/results/2026-11-29_kernels_gemm_l8b.json: 1.01-1.14x cuBLAS where chosen; at M = 32
 # the whole step's GEMMs 4.68 -> 4.39 ms). Shapes not swept here stay on cuBLAS.
@@ -78,7 +109,7 @@ _LLAMA3_8B = {
 }
 
 
-def pick_config(N: int, K: int, M: int) -> Optional[tuple[int, int, int, int]]:
+def pick_config(N: int, K: int, M: int) -> Optional[tuple[int, ...]]:
     """The swept config for this weight shape and row count, or None: use cuBLAS."""
     for max_m, cfg in _LLAMA3_8B.get((N, K), ()):
         if M <= max_m:
@@ -91,20 +122,45 @@ def block_m(M: int) -> int:
     return max(16, triton.next_power_of_2(M))
 
 
+_COUNTERS: dict = {}     # device -> int32 arrival counters of split-K tiles (zero between calls)
+
+
+def _split_counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """One zeroed counter per output tile, reset by the kernel itself after each use, so one
+    buffer per device serves every call. Made on the first (eager) call: CUDA-graph warm-up runs
+    each shape eagerly before capture. Split-K calls on one device must not overlap in time on
+    two streams (the engine runs its forward on one compute stream)."""
+    buf = _COUNTERS.get(device)
+    if buf is None or buf.numel() < tiles:
+        if torch.cuda.is_available() and device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("skinny_gemm: run a split-K shape once eagerly before capturing a CUDA graph")
+        buf = _COUNTERS[device] = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
+    return buf
+
+
 def skinny_gemm(x: torch.Tensor, w: torch.Tensor, block_n: int, block_k: int, num_warps: int = 4,
-                num_stages: int = 4, out: Optional[torch.Tensor] = None,
+                num_stages: int = 4, split_k: int = 1, out: Optional[torch.Tensor] = None,
                 bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """x [M, K] (unit stride in K), w [N, K] contiguous, bias [N] or None -> y [M, N] in x's dtype."""
+    """x [M, K] (unit stride in K), w [N, K] contiguous, bias [N] or None -> y [M, N] in x's dtype.
+    split_k > 1: each output tile's K is shared by split_k programs (more programs for a small N
+    than SMs would otherwise get); K / block_k must be a multiple of split_k."""
     M, K = x.shape
     N = w.shape[0]
     assert M <= MAX_M and w.shape[1] == K and x.stride(1) == 1 and w.is_contiguous()
     assert K % block_k == 0, f"K={K} is not a multiple of BLOCK_K={block_k}"
+    assert split_k >= 1 and (K // block_k) % split_k == 0, f"{K // block_k} K tiles do not split {split_k} ways"
     if out is None:
         out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M:
         pdl = pdl_for(x)
-        _skinny_gemm_kernel[(triton.cdiv(N, block_n),)](
-            x, w, bias if bias is not None else w, out, M, N, K, x.stride(0), w.stride(0), out.stride(0), BLOCK_M=block_m(M),
-            BLOCK_N=block_n, BLOCK_K=block_k, EVEN_N=N % block_n == 0, HAS_BIAS=bias is not None,
-            PDL=pdl, num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl)
+        bm, tiles = block_m(M), triton.cdiv(N, block_n)
+        if split_k > 1:
+            ws = torch.empty((split_k, bm, N), dtype=torch.float32, device=x.device)
+            cnt = _split_counters(x.device, tiles)
+        else:
+            ws = cnt = out          # unused
+        _skinny_gemm_kernel[(tiles, split_k)](
+            x, w, bias if bias is not None else w, out, ws, cnt, M, N, K, x.stride(0), w.stride(0), out.stride(0),
+            BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_N=N % block_n == 0, HAS_BIAS=bias is not None,
+            SPLIT_K=split_k, PDL=pdl, num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl)
     return out
