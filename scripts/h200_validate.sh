@@ -21,6 +21,9 @@ for s in $sections; do
       grep -E "passed|failed|FAILED|busy=|peak bytes|barrier_ms" $OUT/gpu_tests.log | tail -30 ;;
     profile_unfused) timeout 150 python3 -m rollout.bench.profile --shape llama3-8b --batch 32 --context 1024 \
         --no-fused-ops --out $OUT/profile_l8b_B32_C1024_unfused.json 2>&1 | grep -A12 "^| part" ;;
+    profile_p1) # per-step breakdown at P1's mean context (256 + 8192 / 2 = 4352), fused path, PDL on
+      timeout 200 python3 -m rollout.bench.profile --shape llama3-8b --batch 32 --context 4352 \
+        --out $OUT/profile_l8b_B32_C4352.json 2>&1 | grep -A12 "^| part" ;;
     profile)  # per-step breakdown, fused small ops off and on
       for f in --no-fused-ops ""; do timeout 150 python3 -m rollout.bench.profile --shape llama3-8b --batch 32 \
         --context 1024 $f --out $OUT/profile_l8b_B32_C1024${f:+_unfused}.json 2>&1 | grep -A12 "^| part"; done ;;

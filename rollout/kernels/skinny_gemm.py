@@ -97,14 +97,16 @@ def _epilogue(acc, b_ptr, y_ptr, rm, rn, M, N, s_ym, HAS_BIAS: tl.constexpr):
 MAX_M = 64
 
 # (N, K) -> ((largest M, (BLOCK_N, BLOCK_K, num_warps, num_stages[, split_k]) or None for cuBLAS), ...),
-# the fastest per M range in the H200 sweep `python -m rollout.bench.gemm --shape llama3-8b`
+# the fastest per M range in the H200 sweeps `python -m rollout.bench.gemm --shape llama3-8b`
 # (bench/results/2026-11-29_kernels_gemm_l8b.json: 1.01-1.14x cuBLAS where chosen; at M = 32
-# the whole step's GEMMs 4.68 -> 4.39 ms). Shapes not swept here stay on cuBLAS.
+# the whole step's GEMMs 4.68 -> 4.39 ms; M = 32 of o_proj and down_proj re-swept with split-K
+# and PDL in ..._kernels_gemm_l8b_splitk_pdl.json: 13.0 us against cuBLAS's 14.9, and 35.1 us
+# against 36.0). Shapes not swept here stay on cuBLAS.
 _LLAMA3_8B = {
     (6144, 4096): ((32, (64, 128, 4, 5)),),                                        # fused QKV
-    (4096, 4096): ((16, (32, 256, 4, 5)), (32, (64, 128, 4, 5))),                  # o_proj
+    (4096, 4096): ((16, (32, 256, 4, 5)), (32, (32, 256, 4, 5))),                  # o_proj
     (28672, 4096): ((16, (128, 128, 8, 3)), (32, (64, 64, 8, 3)), (64, (64, 64, 4, 3))),   # gate_up
-    (4096, 14336): ((16, (32, 256, 4, 5)),),                                       # down_proj
+    (4096, 14336): ((16, (32, 256, 4, 5)), (32, (64, 128, 4, 5, 2))),              # down_proj
     (128256, 4096): ((64, (64, 128, 4, 3)),),                                      # lm_head
 }
 
