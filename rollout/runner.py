@@ -134,11 +134,11 @@ class ModelRunner:
         if dev.num_rows == 0:
             return None
         logits = self.model.compute_logits(hidden[dev.logits_indices])   # lm_head only where needed
-        if self.fused_sampler and not (st.any_truncation or st.any_penalty or st.num_top_logprobs):
-            from .kernels.fused_sampler import fused_sample
-            tok, lp = fused_sample(logits, st.temperature, st.seeds, st.counters, greedy_only=st.all_greedy)
-            # No truncation and no penalty: the processed distribution is the full one.
-            return SamplerOutput(tok, lp, lp, torch.zeros_like(lp), None, None)
+        if self.fused_sampler and not st.any_penalty:
+            # Same contract as `sample` (truncation and top logprobs included) without an fp32 copy
+            # of the logits or a sort; a repetition penalty is the torch path's only.
+            from .kernels.fused_sampler import fused_sample_full
+            return fused_sample_full(logits, st)
         return sample(logits, st)
 
     @torch.inference_mode()

@@ -81,6 +81,14 @@ for s in $sections; do
     gemm_pdl) # split-K and PDL for the small-N decode GEMMs at M = 32 (gate_up / lm_head already fill the GPU)
       timeout 240 python3 -m rollout.bench.gemm --shape llama3-8b --m 32 --top 4 --pdl-top 4 --quick \
         --linears qkv o_proj down --out $OUT/gemm_l8b_pdl.json 2>&1 | tail -8 ;;
+    tests_sampler) timeout 100 python3 -m pytest -q -p no:cacheprovider --noconftest tests/gpu/test_fused_sampler_cuda.py \
+        > $OUT/gpu_tests_sampler.log 2>&1; grep -E "passed|failed|FAILED|Error" $OUT/gpu_tests_sampler.log | tail -8 ;;
+    sampler_trunc) timeout 60 python3 -m rollout.bench.sampler --rows 64 256 --num-splits 0 --dist flat peaked \
+        --out $OUT/sampler_trunc.json 2>&1 | tail -14 ;;
+    pressure_fp32_small) # as pressure_fp32 with G = 384 (fp32 8B decodes at ~700 tok/s: G = 2048 takes > 8 min)
+      timeout 130 python3 -m rollout.bench.pressure --shape llama3-8b --batch 64 --prompt-len 256 --gen-len 384 \
+        --dtype float32 --kv-fraction 0.5 --runs both --out $OUT/pressure_fp32_l8b_B64_G384.json > $OUT/pressure_fp32.log 2>&1
+      tail -6 $OUT/pressure_fp32.log ;;
     pressure_fp32) # issue 7: greedy equality under KV pressure at the 8B shape, B = 64, in fp32 (argmax
       # decided by the math, not by bf16 rounding of a different batch composition); G = 2048 fits
       timeout 400 python3 -m rollout.bench.pressure --shape llama3-8b --batch 64 --prompt-len 256 --gen-len 2048 \

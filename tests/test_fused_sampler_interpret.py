@@ -1,5 +1,6 @@
 """Fused Triton sampler (rollout/kernels/fused_sampler.py) under the CPU interpreter, against
-the torch reference `rollout.sampler.sample` for rows without truncation / penalty.
+the torch reference `rollout.sampler.sample`: rows without truncation (`fused_sample`), then
+top-k / top-p / min-p (`fused_sample_full`; their tolerances are justified above MASS_EPS below).
 
 TRITON_INTERPRET=1 is set at the top, before triton and the kernel module are imported
 (triton.jit picks the interpreter at decoration time, and triton's own jit'd helpers such as
@@ -30,10 +31,12 @@ if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
 os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton")
 
+from dataclasses import replace  # noqa: E402
+
 import torch  # noqa: E402
 
 from rollout.kernels import fused_sampler as fs  # noqa: E402
-from rollout.sampler import SamplingTensors, counter_uniform, sample  # noqa: E402
+from rollout.sampler import SamplerOutput, SamplingTensors, _truncation_mask, counter_uniform, sample  # noqa: E402
 
 LP_TOL = 1e-5
 NEAR_TIE = 1e-5
@@ -171,3 +174,228 @@ def test_strided_rows_never_read_past_v():
     wide[:, :V] = logits
     tok, lp = run_poisoned(wide[:, :V], temp, seeds, counters, num_splits=2, block_v=512)
     check(logits, temp, seeds, counters, tok, lp)
+
+
+# ------------------------------------------------------------------ top-k / top-p / min-p
+# Kept-set tolerance: the kernel (exp2, per-bin fp32 sums of a radix select) and the reference
+# (exp, fp32 softmax + cumsum of the sorted row) compute the same masses in different orders; here
+# (V <= 1500, <= 24 sequential adds per lane, then a tree) that is <= ~1.5e-6 worst case in a mass
+# normalised to 1 (typically 1e-7), and a few ulp relative in a probability ratio. A token's
+# top-p / min-p decision may therefore differ only if its float64 "mass before it" is within
+# MASS_EPS of top_p, or its float64 ratio p / p_max within MASS_EPS (relative) of min_p: both sets
+# must lie between the float64 masks at the tightened and loosened thresholds. 1e-5 is >= 7x those
+# errors; a rule bug (a wrong tie, bin, or off-by-one) moves the cut by whole tokens, whose
+# probabilities near these rows' boundaries are ~1e-4..1e-1 (deliberately broken rules fail here).
+MASS_EPS = 1e-5
+# kept_mass = log(kept / all): both fp32 sums, relative error ~1e-6, so ~1e-6 in the log; the
+# reference logsumexps fp32 logprobs. Same 1e-5 as tests/test_sampler.py's LOOSE.
+KM_TOL = 1e-5
+# temperature, top_k (V: = V, V1: > V), top_p, min_p. Ties (grid rows) or not, greedy or not.
+TRUNC_ROWS = [
+    (0.0, 0, 0.9, 0.0), (1.0, 1, 1.0, 0.0), (0.7, 5, 1.0, 0.0), (1.0, "V", 1.0, 0.0),
+    (1.3, "V1", 1.0, 0.0), (1.0, 0, 1e-6, 0.0), (1.0, 0, 0.999, 0.0), (0.5, 0, 0.5, 0.0),
+    (1.0, 0, 1.0, 0.05), (1.6, 0, 1.0, 0.3), (0.8, 40, 0.9, 0.05), (1.0, 0, 1.0, 0.0),
+    (0.0, 0, 1.0, 0.0), (0.3, 3, 0.7, 0.0), (1.0, 0, 0.95, 0.01), (0.05, 20, 0.9, 0.0),
+    (0.0, 7, 0.6, 0.1), (1.0, 300, 0.8, 0.0), (1.0, 0, 0.99999994, 0.0), (0.9, 0, 0.99999994, 0.0),
+]  # 0.99999994: the largest fp32 < 1, where rounding can leave every bin short of top_p * Zk
+
+
+def trunc_st(rows, V, seed, K=0, any_truncation=True):
+    g = torch.Generator().manual_seed(seed)
+    R = len(rows)
+    col = lambda i, dt: torch.tensor([r[i] for r in rows], dtype=dt)
+    k = [V if r[1] == "V" else V + 5 if r[1] == "V1" else r[1] for r in rows]
+    temp = col(0, torch.float32)
+    return SamplingTensors(
+        temperature=temp, top_k=torch.tensor(k), top_p=col(2, torch.float32), min_p=col(3, torch.float32),
+        repetition_penalty=torch.ones(R), seeds=torch.randint(0, 2**31, (R,), generator=g),
+        counters=torch.randint(0, 2**40, (R,), generator=g), penalty_token_ids=None, num_top_logprobs=K,
+        all_greedy=bool((temp <= 0).all()), any_truncation=any_truncation, any_penalty=False)
+
+
+def trunc_logits(R, V, dtype, seed):
+    """Random rows; odd rows on a 0.5 grid (~30 distinct values: many exact ties at every
+    boundary); row 0 also has 3 equal maxima (greedy / top-1 ties: the first index wins)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(R, V, generator=g) * 2.5
+    x[1::2] = torch.round(x[1::2] * 2) / 2
+    x[0, [V - 2, V // 3, V // 2]] = x[0].max() + 1.0
+    return x.to(dtype)
+
+
+def run_trunc(logits, st, **kw):
+    """Production variant with poisoned outputs, and the debug variant that also writes the kept
+    mask: they must agree bit for bit (MASK only adds the store)."""
+    R = logits.shape[0]
+    nan = lambda: torch.full((R,), float("nan"))
+    out = SamplerOutput(torch.full((R,), -7, dtype=torch.int64), nan(), nan(), nan(), None, None)
+    o = fs.fused_sample_full(logits, st, out=out, **kw)
+    assert o.token_ids is out.token_ids and o.kept_mass is out.kept_mass
+    mask, o2 = fs.fused_kept_mask(logits, st, **kw)
+    for f in ("token_ids", "logprobs", "processed_logprobs", "kept_mass"):
+        assert torch.equal(getattr(o, f), getattr(o2, f)), f
+    return o, mask
+
+
+def bounded_masks(logits, st):
+    """float64 reference masks at tightened / loosened top_p and min_p (see MASS_EPS)."""
+    x64 = logits.double() / torch.where(st.temperature > 0, st.temperature, 1.0).double()[:, None]
+    p, mp = st.top_p.double(), st.min_p.double()
+    on_p, on_m = p < 1, mp > 0
+    tight = replace(st, top_p=torch.where(on_p, p - MASS_EPS, p), min_p=torch.where(on_m, mp * (1 + MASS_EPS), mp))
+    loose = replace(st, top_p=torch.where(on_p, p + MASS_EPS, p), min_p=torch.where(on_m, mp * (1 - MASS_EPS), mp))
+    return _truncation_mask(x64, tight), _truncation_mask(x64, loose), x64
+
+
+def check_trunc(logits, st, o, mask):
+    """Asserts the contract of `sample` for truncating rows; returns (mask mismatches, near-tie
+    token flips) against the reference."""
+    V = logits.shape[1]
+    ref = sample(logits, st)
+    greedy = st.temperature <= 0
+    t = torch.where(greedy, 1.0, st.temperature)[:, None]
+    xt = logits.float() / t
+    ref_mask = _truncation_mask(xt, st)
+    tight, loose, x64 = bounded_masks(logits, st)
+    assert bool((tight <= ref_mask).all() and (ref_mask <= loose).all())  # the bounds hold the reference
+    assert bool((tight <= mask).all()), "kernel cut a token no rounding can cut"
+    assert bool((mask <= loose).all()), "kernel kept a token no rounding can keep"
+    only_k = (st.top_p >= 1) & (st.min_p <= 0)  # top-k alone is an integer rule: exact
+    assert torch.equal(mask[only_k], ref_mask[only_k])
+    same_mask = (mask == ref_mask).all(1)
+    # kept_mass, processed against float64 over the kernel's own kept set; exactly 0 when whole.
+    lp64 = torch.log_softmax(x64, dim=-1)
+    km64 = torch.where(mask.all(1), 0.0, torch.logsumexp(lp64.masked_fill(~mask, float("-inf")), 1))
+    whole = mask.all(1)
+    assert bool((o.kept_mass[whole] == 0).all()) and torch.equal(o.processed_logprobs[whole], o.logprobs[whole])
+    assert bool((o.kept_mass[km64 < -1e-6] < 0).all())  # a cut above fp32 resolution is reported
+    assert (o.kept_mass.double() - km64).abs().max().item() <= KM_TOL
+    tok = o.token_ids
+    assert bool(((tok >= 0) & (tok < V)).all()) and bool(mask.gather(1, tok[:, None]).all())
+    lp_at = torch.log_softmax(xt, dim=-1).gather(1, tok[:, None])[:, 0]
+    assert (o.logprobs - lp_at).abs().max().item() <= LP_TOL
+    proc64 = lp64.gather(1, tok[:, None])[:, 0] - km64  # processed = logprob - kept_mass: both errors add
+    assert (o.processed_logprobs.double() - proc64).abs().max().item() <= LP_TOL + KM_TOL
+    # Where the kept sets agree, the reference's own numbers.
+    assert bool(((o.kept_mass - ref.kept_mass)[same_mask].abs() <= KM_TOL).all())
+    # Tokens: greedy exactly; sampled = Gumbel-max over the kernel's kept set, up to fp32 near-ties.
+    assert torch.equal(tok[greedy], ref.token_ids[greedy])
+    gumbel = -torch.log(-torch.log(counter_uniform(st.seeds, st.counters, V)))
+    score = (xt + torch.where(greedy[:, None], 0.0, gumbel)).masked_fill(~mask, float("-inf"))
+    want = score.argmax(1)
+    flip = tok != want
+    if flip.any():
+        gap = (score.gather(1, want[:, None]) - score.gather(1, tok[:, None]))[:, 0][flip]
+        assert gap.abs().max().item() < NEAR_TIE, gap
+    assert torch.equal(want[same_mask], ref.token_ids[same_mask])
+    same = tok == ref.token_ids
+    assert bool(((o.processed_logprobs - ref.processed_logprobs)[same & same_mask].abs() <= KM_TOL).all())
+    return (mask != ref_mask).sum(1), int(flip.sum())
+
+
+@pytest.mark.parametrize("V, dtype, block_v, hist_block", [
+    (1500, torch.bfloat16, 512, None), (1500, torch.float32, 512, 128), (777, torch.float16, 256, 64),
+    (300, torch.bfloat16, 1024, 512),
+])
+def test_truncation_matches_reference(V, dtype, block_v, hist_block):
+    rows = TRUNC_ROWS
+    logits = trunc_logits(len(rows), V, dtype, seed=V)
+    st = trunc_st(rows, V, seed=V)
+    o, mask = run_trunc(logits, st, block_v=block_v, hist_block=hist_block)
+    mism, flips = check_trunc(logits, st, o, mask)
+    # Beyond the bounds above: sets differ only at rare boundary roundings (none seen at these
+    # sizes), except where top_p is 1 - 2**-24: there every tail token's mass-before is within
+    # rounding of top_p, and both sides cut a rounding-dependent part of the tail.
+    assert mism[st.top_p < 0.9999].sum() <= 2 and flips == 0
+    # Every truncating row cuts (not k = V, V + 5, the 2 rows without truncation, and the two
+    # top_p = 1 - 2**-24 rows, whose cut tail may round to nothing).
+    assert (~mask.all(1)).sum() >= len(rows) - 6
+
+
+def test_truncation_tie_runs():
+    # Every row: a handful of distinct values, each repeated many times, in shuffled positions:
+    # the top-k boundary (all ties kept) and the top-p boundary (first c ties by index) fall
+    # inside long runs of equal values. top_p spans fractions of a tie run's mass. Zeros come as
+    # +0.0 and -0.0, equal for the reference: the last two rows put the top-k / top-p boundary
+    # inside the zero run.
+    R, V = 18, 640
+    g = torch.Generator().manual_seed(21)
+    vals = torch.tensor([4.0, 3.0, 2.5, 2.0, 1.0, 0.0, -0.0, -1.0, -3.0])
+    logits = vals[torch.randint(0, 9, (R, V), generator=g)].bfloat16()
+    x16 = logits[16:].double()
+    z = torch.exp(x16).sum(1)
+    # top_p half a token's mass past the middle zero: no boundary within rounding of a tie.
+    p_mid = ((torch.exp(x16) * (x16 > 0)).sum(1) + (x16 == 0).sum(1) // 2 + 0.5) / z
+    rows = [(t, k, p, 0.0) for t, k, p in [
+        (1.0, 0, 0.3), (1.0, 0, 0.5), (0.0, 0, 0.7), (1.0, 10, 0.9), (0.7, 0, 0.05), (1.0, 100, 1.0),
+        (1.0, 1, 1.0), (1.3, 0, 0.95), (0.0, 200, 0.99), (1.0, 0, 0.15), (0.5, 50, 0.6), (1.0, 0, 0.999),
+        (1.0, 81, 0.4), (2.0, 0, 0.8), (0.0, 0, 0.01), (1.0, 639, 1.0),
+        (1.0, int((x16[0] > 0).sum()) + 1, 1.0), (1.0, 0, float(p_mid[1]))]]
+    st = trunc_st(rows, V, seed=5)
+    o, mask = run_trunc(logits, st, block_v=128)
+    mism, flips = check_trunc(logits, st, o, mask)
+    assert mism.sum() == 0 and flips == 0
+    # Rank rule: each row keeps a prefix (by index) of its boundary value's ties, and the cut
+    # really lands inside a run in most top-p rows.
+    inside = 0
+    for r in range(R):
+        x = logits[r].float()
+        v = x[mask[r]].min()
+        pos = (x == v).nonzero()[:, 0]
+        kept = mask[r][pos]
+        assert bool(kept[:int(kept.sum())].all()), r
+        inside += bool(0 < kept.sum() < len(pos))
+    assert inside >= 8 and bool(mask[16][logits[16] == 0].all())
+
+
+def test_truncation_rows_without_truncation_and_top_logprobs():
+    # A truncating batch whose other rows cut nothing: kept_mass exactly 0 and processed ==
+    # logprobs exactly for them. Top logprobs on both paths.
+    V = 900
+    rows = [(0.0, 0, 1.0, 0.0), (1.0, 0, 1.0, 0.0), (0.7, 0, 0.9, 0.0), (1.6, 0, 1.0, 0.0), (0.3, "V", 1.0, 0.0)]
+    logits = trunc_logits(len(rows), V, torch.bfloat16, seed=2)
+    for any_trunc in (True, False):
+        rs = rows if any_trunc else [r[:1] + (0, 1.0, 0.0) for r in rows]
+        st = trunc_st(rs, V, seed=3, K=6, any_truncation=any_trunc)
+        o = fs.fused_sample_full(logits, st, block_v=512)
+        ref = sample(logits, st)
+        assert torch.equal(o.token_ids[st.temperature <= 0], ref.token_ids[st.temperature <= 0])
+        none = torch.tensor([r[1] in (0, "V") and r[2] >= 1 and r[3] == 0 for r in rs])
+        assert bool((o.kept_mass[none] == 0).all()) and torch.equal(o.processed_logprobs[none], o.logprobs[none])
+        assert (o.logprobs - ref.logprobs).abs().max().item() <= LP_TOL
+        # Values as the reference's topk; ids carry those values (row 0's tied maxima may come in
+        # another index order than topk of the fp32 logprobs: same values, see fused_sample_full).
+        assert (o.top_logprobs - ref.top_logprobs).abs().max().item() <= LP_TOL
+        t = torch.where(st.temperature > 0, st.temperature, 1.0)[:, None]
+        lp_full = torch.log_softmax(logits.float() / t, dim=-1)
+        assert (lp_full.gather(1, o.top_ids) - o.top_logprobs).abs().max().item() <= LP_TOL
+        assert torch.equal(o.top_ids[1:], ref.top_ids[1:])
+
+
+def test_truncation_row_independent_of_batch():
+    # One program per row: a row's outputs are bit-identical alone or in any batch.
+    V = 700
+    rows = TRUNC_ROWS[:6]
+    logits = trunc_logits(len(rows), V, torch.bfloat16, seed=4)
+    st = trunc_st(rows, V, seed=9)
+    full = fs.fused_sample_full(logits, st, block_v=256)
+    for r in (1, 5):
+        one = fs.fused_sample_full(logits[r:r + 1], replace(st, **{f: getattr(st, f)[r:r + 1] for f in (
+            "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seeds", "counters")}), block_v=256)
+        for f in ("token_ids", "logprobs", "processed_logprobs", "kept_mass"):
+            assert getattr(one, f).item() == getattr(full, f)[r].item(), (r, f)
+
+
+def test_truncation_masked_vocab_and_penalty_refused():
+    # -inf logits (a masked vocabulary) are never kept by top-p / min-p and count as ties of
+    # each other at the top-k boundary. Penalty rows are the torch path's.
+    V = 500
+    rows = [(1.0, 0, 0.999, 0.0), (1.0, 480, 1.0, 0.0), (0.0, 0, 1.0, 0.01), (0.8, 450, 0.95, 0.0)]
+    logits = trunc_logits(len(rows), V, torch.bfloat16, seed=8)
+    logits[:, 100:150] = float("-inf")
+    st = trunc_st(rows, V, seed=1)
+    o, mask = run_trunc(logits, st, block_v=128)
+    check_trunc(logits, st, o, mask)
+    assert bool(mask[1, 100:150].all()) and not bool(mask[[0, 2], 100:150].any())
+    with pytest.raises(ValueError, match="penalty"):
+        fs.fused_sample_full(logits, replace(st, any_penalty=True))

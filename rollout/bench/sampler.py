@@ -1,15 +1,21 @@
 """Microbenchmark: fused Triton sampler + logprob vs the torch reference `rollout.sampler.sample`.
 
     python -m rollout.bench.sampler [--rows 64 256] [--vocab 151936] [--num-splits 0 1 2 4 8]
-        [--block-v 2048] [--num-warps 8] [--dist flat peaked] [--out bench/results/<name>.json]
+        [--block-v 2048] [--num-warps 8] [--trunc-block-v 1024] [--trunc-num-warps 8]
+        [--dist flat peaked] [--modes sampled greedy top_p top_k min_p combined]
+        [--out bench/results/<name>.json]
 
-bf16 logits, no truncation / penalty (the fused kernel's case). Modes: "sampled" (every row
-T = 1, the RL case) and "greedy" (T = 0, greedy_only=True). Median µs from
+bf16 logits, no penalty. Modes: "sampled" (every row T = 1, the RL case) and "greedy" (T = 0,
+greedy_only=True) time `fused_sample` (one pass); the truncation modes, every row T = 1, time
+`fused_sample_full`'s truncation kernel (one program per row, several passes over the row):
+"top_p" 0.9, "top_k" 50, "min_p" 0.05, "combined" all three. Median µs from
 `triton.testing.do_bench` (eager launch) and `do_bench_cudagraph` (launch overhead removed, as
 in the engine's decode graphs); GB/s = the bf16 logits read once (R * V * 2 bytes) / graph time. `--num-splits 0` = the default
 heuristic. Logit distributions: "flat" = N(0, 3^2) (no block can be pruned: worst case), "peaked"
 = N(0, 2^2) plus one token per row at +20 (LLM-like: most blocks skip their Gumbel noise).
-Each fused config is checked against the torch reference (token agreement, max |Δ logprob|).
+Each fused config is checked against the torch reference (token agreement, max |Δ logprob|, and
+for truncation max |Δ kept_mass|; agreement < 1 is expected only from fp32 near-ties and kept-set
+boundary roundings).
 """
 from __future__ import annotations
 
@@ -22,6 +28,9 @@ import subprocess
 import sys
 
 import torch
+
+TRUNC_MODES = {"top_p": {"top_p": 0.9}, "top_k": {"top_k": 50}, "min_p": {"min_p": 0.05},
+               "combined": {"top_k": 50, "top_p": 0.9, "min_p": 0.05}}
 
 
 def _git_commit() -> str:
@@ -49,7 +58,10 @@ def main(argv=None) -> int:
     ap.add_argument("--block-v", type=int, default=2048)
     ap.add_argument("--num-warps", type=int, default=8)
     ap.add_argument("--dist", nargs="+", default=["flat", "peaked"], choices=["flat", "peaked"])
-    ap.add_argument("--modes", nargs="+", default=["sampled", "greedy"], choices=["sampled", "greedy"])
+    ap.add_argument("--trunc-block-v", type=int, default=1024)
+    ap.add_argument("--trunc-num-warps", type=int, default=8)
+    modes = ["sampled", "greedy", *TRUNC_MODES]
+    ap.add_argument("--modes", nargs="+", default=modes, choices=modes)
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args(argv)
 
@@ -63,7 +75,7 @@ def main(argv=None) -> int:
     import triton
     from triton.testing import do_bench, do_bench_cudagraph
 
-    from ..kernels.fused_sampler import default_num_splits, fused_sample
+    from ..kernels.fused_sampler import default_num_splits, fused_sample, fused_sample_full
     from ..sampler import SamplingTensors, sample
 
     V = args.vocab
@@ -73,7 +85,9 @@ def main(argv=None) -> int:
     def record(**kw):
         rows.append(kw)
         extra = "" if kw["impl"] == "torch" else (
-            f"  S={kw['num_splits']:<3d} tok agree {kw['token_agreement']:.4f}  max|dlp| {kw['max_abs_dlogp']:.1e}")
+            f"  S={kw['num_splits'] or '-':<3} tok agree {kw['token_agreement']:.4f}"
+            f"  max|dlp| {kw['max_abs_dlogp']:.1e}"
+            + (f"  max|dkm| {kw['max_abs_dkept_mass']:.1e}" if "max_abs_dkept_mass" in kw else ""))
         print(f"R={kw['rows']:<4d} {kw['mode']:<8s} {kw['dist']:<7s} {kw['impl']:<6s} eager {kw['us']:8.1f} us  "
               f"graph {kw['us_graph']:8.1f} us {kw['gbps']:7.0f} GB/s{extra}", flush=True)
 
@@ -84,12 +98,14 @@ def main(argv=None) -> int:
         for dist in args.dist:
             logits = make_logits(R, V, dist, gen)
             for mode in args.modes:
-                temp = torch.full((R,), 1.0 if mode == "sampled" else 0.0, device="cuda")
+                trunc = TRUNC_MODES.get(mode, {})
+                temp = torch.full((R,), 0.0 if mode == "greedy" else 1.0, device="cuda")
                 st = SamplingTensors(
-                    temperature=temp, top_k=torch.zeros(R, dtype=torch.int64, device="cuda"),
-                    top_p=torch.ones(R, device="cuda"), min_p=torch.zeros(R, device="cuda"),
+                    temperature=temp, top_k=torch.full((R,), trunc.get("top_k", 0), device="cuda"),
+                    top_p=torch.full((R,), trunc.get("top_p", 1.0), device="cuda"),
+                    min_p=torch.full((R,), trunc.get("min_p", 0.0), device="cuda"),
                     repetition_penalty=torch.ones(R, device="cuda"), seeds=seeds, counters=counters,
-                    penalty_token_ids=None, all_greedy=mode == "greedy", any_truncation=False,
+                    penalty_token_ids=None, all_greedy=mode == "greedy", any_truncation=bool(trunc),
                     any_penalty=False)
                 ref = sample(logits, st)
                 def ref_fn(logits=logits, st=st):
@@ -98,6 +114,19 @@ def main(argv=None) -> int:
                 us_graph = do_bench_cudagraph(ref_fn, return_mode="median") * 1e3
                 record(rows=R, mode=mode, dist=dist, impl="torch", num_splits=None, us=us, us_graph=us_graph,
                        gbps=nbytes / us_graph / 1e3)
+                if trunc:  # one config: the truncation kernel has no splits
+                    kw = {"block_v": args.trunc_block_v, "num_warps": args.trunc_num_warps}
+                    o = fused_sample_full(logits, st, **kw)
+                    def fn(logits=logits, st=st, kw=kw):
+                        return fused_sample_full(logits, st, **kw)
+                    us = do_bench(fn, return_mode="median") * 1e3
+                    us_graph = do_bench_cudagraph(fn, return_mode="median") * 1e3
+                    record(rows=R, mode=mode, dist=dist, impl="fused", num_splits=None, us=us, us_graph=us_graph,
+                           gbps=nbytes / us_graph / 1e3, **kw,
+                           token_agreement=(o.token_ids == ref.token_ids).float().mean().item(),
+                           max_abs_dlogp=(o.logprobs - ref.logprobs).abs().max().item(),
+                           max_abs_dkept_mass=(o.kept_mass - ref.kept_mass).abs().max().item())
+                    continue
                 for S in args.num_splits:
                     S_eff = S or default_num_splits(R, V, logits.device, args.block_v)
                     kw = {"greedy_only": mode == "greedy", "num_splits": S_eff, "block_v": args.block_v,
@@ -116,7 +145,8 @@ def main(argv=None) -> int:
         "bench": "sampler", "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "git_commit": _git_commit(), "device": torch.cuda.get_device_name(),
         "torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
-        "vocab": V, "block_v": args.block_v, "num_warps": args.num_warps, "results": rows,
+        "vocab": V, "block_v": args.block_v, "num_warps": args.num_warps, "trunc_block_v": args.trunc_block_v,
+        "trunc_num_warps": args.trunc_num_warps, "results": rows,
     }
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

@@ -1,31 +1,49 @@
-"""Fused sampling + full-vocab logprob: one pass over the logits, no fp32 [R, V] copy.
+"""Fused sampling + full-vocab logprob without an fp32 [R, V] copy of the logits.
 
-Same contract as `rollout.sampler.sample` for rows without top-k / top-p / min-p and without a
-repetition penalty (the engine keeps the torch path for those; for these rows the caller sets
-processed_logprobs = logprobs and kept_mass = 0):
+`fused_sample_full` has the contract of `rollout.sampler.sample` for rows without a repetition
+penalty (those keep the torch path):
   * logprob = log_softmax(x / T)[token] in fp32 (T = 1 for greedy rows, temperature <= 0);
-  * greedy rows: argmax x, first index on ties;
-  * sampled rows: argmax_v x_v / T - log(-log u_v), u from the same 32-bit counter hash and the
-    same (0, 1) mapping as `rollout.sampler.counter_uniform` (bit-identical u).
+  * greedy rows: argmax x over the kept tokens, first index on ties (= argmax x: the top-1 is
+    always kept);
+  * sampled rows: argmax over the kept tokens of x_v / T - log(-log u_v), u from the same 32-bit
+    counter hash and the same (0, 1) mapping as `rollout.sampler.counter_uniform` (bit-identical u);
+  * kept = top_k -> top_p -> min_p with the reference's tie rules; processed_logprob = logprob -
+    kept_mass, kept_mass = log(kept mass / all), exactly 0 when nothing is cut.
 
-Kernel 1, grid (R, S): a program streams BLOCK_V-wide chunks of its split of a row. Per chunk:
-one CTA max of the raw x (running max m), per-lane sums of exp((x - m) / T) rescaled when m
-grows, and a per-lane best (perturbed score, index). With S == 1 it finishes the row, else it
-writes per-split partials that kernel 2 (grid R) merges. The winner's x is re-read once at the
-end instead of being carried through the loop. Sampled rows skip the noise of chunks that cannot
-win (max x / T + max Gumbel < best so far): exact, and most chunks for peaked LLM logits.
+No truncation in the batch (static flag): `fused_sample`, one pass. Kernel 1, grid (R, S): a
+program streams BLOCK_V-wide chunks of its split of a row. Per chunk: one CTA max of the raw x
+(running max m), per-lane sums of exp((x - m) / T) rescaled when m grows, and a per-lane best
+(perturbed score, index). With S == 1 it finishes the row, else it writes per-split partials that
+kernel 2 (grid R) merges. The winner's x is re-read once at the end instead of being carried
+through the loop. Sampled rows skip the noise of chunks that cannot win (max x / T + max Gumbel <
+best so far): exact, and most chunks for peaked LLM logits.
 Cost (sm_90 SASS, BLOCK_V 2048, 8 warps, 72 regs): ~24 instructions per element, ~72 with the
 noise (hash ~20, libdevice logf ~20): sampled rows are ALU-bound, greedy rows ~memory-bound.
-No host syncs; shapes depend only on (R, V, S): CUDA-graph capturable.
+
+Truncation (`_trunc_kernel`, grid (R,), one program per row, re-reading the row from L2): pass 1
+max / sum exp; top-k: a radix select of the k-th largest value over monotone integer keys of x
+(4-bit digits, one histogram pass each: 4 for bf16, 5 fp16, 8 fp32); top-p: a radix select of the
+boundary value by cumulative mass over the top-k survivors, then the first c of its ties by
+index; min-p: e(x) >= min_p; final pass: kept set, its mass, Gumbel-max over it. Passes for bf16:
+2 without truncation or with min-p alone, 6 with top-k or top-p, 10 with both (past the top
+digits most blocks hold no candidate and skip the histogram). Exact up to fp32 rounding of masses
+at the top-p / min-p boundaries (the reference rounds too, differently).
+Cost (sm_90 SASS loop sizes, not yet timed; 8 warps, 80 regs): per element ~21 instructions in
+pass 1, ~85 per count pass, ~150 per mass pass (16 compare-and-adds each), up to ~150 in the final
+pass (less where a block's noise is pruned): ALU-bound, unlike the one-pass kernel.
+No host syncs; shapes depend only on (R, V, S) and static flags: CUDA-graph capturable.
 """
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
+
+from ..sampler import SamplerOutput, SamplingTensors
 
 # Read once, as triton.jit does at decoration time.
 _INTERPRET = bool(triton.knobs.runtime.interpret)
@@ -81,18 +99,39 @@ def _uniform(idx, k1, k2):  # = rollout.sampler._to_uniform(_hash32(...)): top 2
 
 
 @triton.jit
-def _finish(row_ptr, t, m, total, tok, tok_out, lp_out):
-    # m = max raw x. Division is monotone, so m / T == max(x / T) bit for bit, and
-    # (x_tok / T - max) is exactly the reference's; only log(sum) differs (summation order).
-    # x_tok is re-read once instead of being carried through the loop.
-    xt = tl.math.div_rn(tl.load(row_ptr + tok).to(tl.float32), t)
-    tl.store(tok_out, tok.to(tl.int64))
-    tl.store(lp_out, (xt - tl.math.div_rn(m, t)) - _log_precise(total))
+def _gumbel_pruned(score, block_max, idx, k1, k2, bound):
+    """score + Gumbel noise, and the best perturbed score so far. A block whose best unperturbed
+    score is more than the largest possible noise below `bound` cannot win: its noise is skipped
+    and it scores -inf (exact, and most blocks for peaked LLM logits)."""
+    if block_max + _GUMBEL_MAX > bound:
+        score = score - _log_fast(-_log_precise(_uniform(idx, k1, k2)))
+        bound = tl.maximum(bound, tl.max(score, 0))
+    else:
+        score = tl.where(score == score, float("-inf"), score)
+    return score, bound
 
 
 @triton.jit
-def _sample_kernel(logits_ptr, stride, temp_ptr, seed_ptr, ctr_ptr, tok_ptr, lp_ptr,
-                   pf_ptr, pi_ptr, R, V, SAMPLE: tl.constexpr,
+def _finish(row_ptr, t, m, total, tok, tok_out, lp_out, stats_out, R, STATS: tl.constexpr):
+    # m = max raw x. Division is monotone, so m / T == max(x / T) bit for bit, and
+    # (x_tok / T - max) is exactly the reference's; only log(sum) differs (summation order).
+    # x_tok is re-read once instead of being carried through the loop. STATS: also store
+    # (max / T, log sum) so any x's logprob is (x / T - max / T) - log sum (top logprobs).
+    xt = tl.math.div_rn(tl.load(row_ptr + tok).to(tl.float32), t)
+    mt = tl.math.div_rn(m, t)
+    log_z = _log_precise(total)
+    lp = (xt - mt) - log_z
+    tl.store(tok_out, tok.to(tl.int64))
+    tl.store(lp_out, lp)
+    if STATS:
+        tl.store(stats_out, mt)
+        tl.store(stats_out + R, log_z)
+    return lp
+
+
+@triton.jit
+def _sample_kernel(logits_ptr, stride, temp_ptr, seed_ptr, ctr_ptr, tok_ptr, lp_ptr, stats_ptr,
+                   pf_ptr, pi_ptr, R, V, SAMPLE: tl.constexpr, STATS: tl.constexpr,
                    SPLITS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_V: tl.constexpr):
     row = tl.program_id(0)
     split = tl.program_id(1)
@@ -123,11 +162,7 @@ def _sample_kernel(logits_ptr, stride, temp_ptr, seed_ptr, ctr_ptr, tok_ptr, lp_
         score = x * inv_t
         if SAMPLE:  # noqa: SIM102 (constexpr test, then a runtime one)
             if t_raw > 0:
-                if bm * inv_t + _GUMBEL_MAX > bound:
-                    score = score - _log_fast(-_log_precise(_uniform(idx, k1, k2)))
-                    bound = tl.maximum(bound, tl.max(score, 0))
-                else:
-                    score = tl.full([BLOCK_V], float("-inf"), tl.float32)
+                score, bound = _gumbel_pruned(score, bm * inv_t, idx, k1, k2, bound)
         better = score > best
         best = tl.where(better, score, best)
         bidx = tl.where(better, idx, bidx)
@@ -135,7 +170,7 @@ def _sample_kernel(logits_ptr, stride, temp_ptr, seed_ptr, ctr_ptr, tok_ptr, lp_
     top = tl.max(best, 0)
     tok = tl.min(tl.where(best == top, bidx, 0x7FFFFFFF), 0)
     if SPLITS == 1:
-        _finish(row_ptr, t, m, total, tok, tok_ptr + row, lp_ptr + row)
+        _finish(row_ptr, t, m, total, tok, tok_ptr + row, lp_ptr + row, stats_ptr + row, R, STATS)
     else:  # partials [3, R, S] f32 (raw max, sum, best score) and [R, S] i32 (index)
         off = row * SPLITS + split
         tl.store(pf_ptr + off, m)
@@ -145,8 +180,8 @@ def _sample_kernel(logits_ptr, stride, temp_ptr, seed_ptr, ctr_ptr, tok_ptr, lp_
 
 
 @triton.jit
-def _merge_kernel(logits_ptr, stride, temp_ptr, tok_ptr, lp_ptr, pf_ptr, pi_ptr, R,
-                  SPLITS: tl.constexpr, BLOCK_S: tl.constexpr):
+def _merge_kernel(logits_ptr, stride, temp_ptr, tok_ptr, lp_ptr, stats_ptr, pf_ptr, pi_ptr, R,
+                  STATS: tl.constexpr, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr):
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK_S)
     ok = offs < SPLITS
@@ -161,7 +196,195 @@ def _merge_kernel(logits_ptr, stride, temp_ptr, tok_ptr, lp_ptr, pf_ptr, pi_ptr,
     t_raw = tl.load(temp_ptr + row)
     t = tl.where(t_raw > 0, t_raw, 1.0)
     total = tl.sum(s * tl.exp2((m - mx) * (1.4426950408889634 / t)), 0)
-    _finish(logits_ptr + row.to(tl.int64) * stride, t, mx, total, tok, tok_ptr + row, lp_ptr + row)
+    _finish(logits_ptr + row.to(tl.int64) * stride, t, mx, total, tok, tok_ptr + row, lp_ptr + row,
+            stats_ptr + row, R, STATS)
+
+
+# ------------------------------------------------------- top-k / top-p / min-p without a sort
+@triton.jit
+def _key(x, SHIFT: tl.constexpr):
+    # Integer key whose unsigned order is x's float order: negatives get every bit flipped,
+    # non-negatives the sign bit set; -0.0 takes +0.0's key (the reference compares them equal).
+    # >> SHIFT drops low bits the input dtype never sets (bf16: 16, fp16: 12): after the flip they
+    # are constant within each sign, so the order is kept and the key is exact.
+    b = x.to(tl.uint32, bitcast=True)
+    k = tl.where((b >> 31) != 0, b ^ 0xFFFFFFFF, b | 0x80000000)
+    return tl.where(x == 0, 0x80000000, k) >> SHIFT
+
+
+@triton.jit
+def _key_value(k, SHIFT: tl.constexpr):  # the x whose _key is k
+    k = k << SHIFT
+    b = tl.where((k >> 31) != 0, k ^ 0x80000000, (k | ((1 << SHIFT) - 1)) ^ 0xFFFFFFFF)
+    return b.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _radix_hist(row_ptr, V: tl.constexpr, lo, pre, m, c, D: tl.constexpr, NDIG: tl.constexpr,
+                SHIFT: tl.constexpr, MASS: tl.constexpr, SKIP: tl.constexpr, HBLOCK: tl.constexpr):
+    # One pass: 16-bin histogram of digit D (top first) of the keys >= lo whose higher digits equal
+    # pre: counts and, with MASS, sums of e(x) = exp2((x - m) * c). A compare-and-add into
+    # [16, HBLOCK] per-lane accumulators reduced once at the end: deterministic, weightable, and no
+    # per-block cross-thread reductions (they cost more than the compares). SKIP: blocks without a
+    # candidate skip the compares (past the top digits most blocks have none).
+    TOP: tl.constexpr = 4 * NDIG - 4
+    lanes = tl.arange(0, HBLOCK)
+    bins = tl.arange(0, 16)[:, None]
+    cnt = tl.zeros([16, HBLOCK], tl.int32)
+    mass = tl.zeros([16, HBLOCK], tl.float32)
+    for start in range(0, V, HBLOCK):
+        idx = start + lanes
+        ok = idx < V
+        x = tl.load(row_ptr + idx, mask=ok, other=float("-inf")).to(tl.float32)
+        key = _key(x, SHIFT)
+        ok = ok & (key >= lo)
+        if D > 0:
+            ok = ok & ((key >> (TOP + 4 - 4 * D)) == pre)
+        go = True
+        if SKIP:
+            go = tl.max(ok.to(tl.int32), 0) > 0
+        if go:
+            hit = ((key >> (TOP - 4 * D)) & 15).to(tl.int32)[None, :] == bins
+            hit = hit & ok[None, :]
+            cnt += hit.to(tl.int32)
+            if MASS:
+                mass += tl.where(hit, tl.exp2((x - m) * c)[None, :], 0.0)
+    return tl.sum(cnt, 1), tl.sum(mass, 1)
+
+
+@triton.jit
+def _select_count(cnt, k):
+    # Highest bin b with sum(cnt[b:]) >= k (it holds the k-th largest), and sum(cnt[b + 1:]).
+    # The suffix sums are exact integers and fall with b, so b = #{b: suffix >= k} - 1.
+    b = tl.sum((tl.cumsum(cnt, 0, reverse=True) >= k).to(tl.int32), 0) - 1
+    return b, tl.sum(tl.where(tl.arange(0, 16) > b, cnt, 0), 0)
+
+
+@triton.jit
+def _select_mass(cnt, mass, target, above, top_p, FIRST: tl.constexpr):
+    # Bins scanned high -> low from `above` (the mass above this key prefix): the first non-empty
+    # bin whose inclusive cumulative mass reaches target; if rounding keeps every bin below it,
+    # the lowest non-empty one (nothing under it is cut). FIRST (top digit): target = top_p * the
+    # cumulative mass at the lowest non-empty bin (= Zk), so that bin always qualifies.
+    # -> (bin, mass strictly above it, its count, target).
+    bins = tl.arange(0, 16)
+    incl = above + tl.cumsum(mass, 0, reverse=True)
+    low = tl.min(tl.where(cnt > 0, bins, 16), 0)
+    if FIRST:
+        target = top_p * tl.sum(tl.where(bins == low, incl, 0.0), 0)
+    sel = tl.max(tl.where((cnt > 0) & (incl >= target), bins, -1), 0)
+    sel = tl.where(sel >= 0, sel, low)
+    return (sel, above + tl.sum(tl.where(bins > sel, mass, 0.0), 0), tl.sum(tl.where(bins == sel, cnt, 0), 0),
+            target)
+
+
+@triton.jit
+def _trunc_kernel(logits_ptr, stride, temp_ptr, topk_ptr, topp_ptr, minp_ptr, seed_ptr, ctr_ptr,
+                  tok_ptr, lp_ptr, plp_ptr, km_ptr, stats_ptr, mask_ptr, R,
+                  V: tl.constexpr, SAMPLE: tl.constexpr, STATS: tl.constexpr, MASK: tl.constexpr,
+                  NDIG: tl.constexpr, SHIFT: tl.constexpr, BLOCK_V: tl.constexpr, HBLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    row_ptr = logits_ptr + row.to(tl.int64) * stride
+    t_raw = tl.load(temp_ptr + row)
+    t = tl.where(t_raw > 0, t_raw, 1.0)
+    inv_t = 1.0 / t
+    c = inv_t * 1.4426950408889634  # e(x) = exp((x - m) / T) = exp2((x - m) * c)
+    top_k = tl.load(topk_ptr + row)
+    top_p = tl.load(topp_ptr + row)
+    min_p = tl.load(minp_ptr + row)
+    do_k = (top_k > 0) & (top_k < V)
+    do_p = top_p < 1.0
+    lanes = tl.arange(0, BLOCK_V)
+
+    # Pass 1: max and sum exp as _sample_kernel (online per lane).
+    m = _NEG_BIG + 0.0
+    s = tl.zeros([BLOCK_V], tl.float32)
+    for start in range(0, V, BLOCK_V):
+        idx = start + lanes
+        x = tl.load(row_ptr + idx, mask=idx < V, other=float("-inf")).to(tl.float32)
+        m_new = tl.maximum(m, tl.max(x, 0))
+        s = s * tl.exp2((m - m_new) * c) + tl.exp2((x - m_new) * c)
+        m = m_new
+    total = tl.sum(s, 0)
+
+    # top-k: radix select of the k-th largest key, one 4-bit digit per pass, top digit first;
+    # kept <=> key >= kth, so ties at the boundary are all kept (the reference's vals >= kth).
+    kth = tl.full([], 0, tl.uint32)
+    if do_k:
+        krem = top_k.to(tl.int32)  # rank of the k-th largest among keys with the prefix so far
+        pre = tl.full([], 0, tl.uint32)
+        for d in tl.static_range(NDIG):
+            cnt, _ = _radix_hist(row_ptr, V, kth, pre, m, c, d, NDIG, SHIFT, MASS=False, SKIP=d > 0,
+                                 HBLOCK=HBLOCK)  # kth is still 0 here: no lower bound
+            b, above = _select_count(cnt, krem)
+            pre = (pre << 4) | b.to(tl.uint32)
+            krem -= above
+        kth = pre
+
+    # top-p over the top-k survivors (mass Zk). In the reference's stable descending order a token
+    # is kept iff the mass before it is < top_p * Zk. With G(v) = survivor mass above value v, the
+    # boundary v* is the lowest value with G(v*) < top_p * Zk: keep every key above it, and of its
+    # n ties (equal mass e*) the first c by index, c = #{r < n: G(v*) + r e* < top_p * Zk} >= 1.
+    # v* = the first key, scanning down, whose inclusive cumulative mass reaches top_p * Zk: a
+    # radix select with per-bin masses.
+    vstar = tl.full([], 0, tl.uint32)
+    n_keep = V
+    if do_p:
+        above = 0.0
+        target = 0.0
+        n = 0
+        pre = tl.full([], 0, tl.uint32)
+        for d in tl.static_range(NDIG):
+            cnt, mass = _radix_hist(row_ptr, V, kth, pre, m, c, d, NDIG, SHIFT, MASS=True, SKIP=True,
+                                    HBLOCK=HBLOCK)
+            b, above, n, target = _select_mass(cnt, mass, target, above, top_p, FIRST=d == 0)
+            pre = (pre << 4) | b.to(tl.uint32)
+        vstar = pre
+        e_star = tl.exp2((_key_value(pre, SHIFT) - m) * c)
+        # c = ceil((target - G) / e*) clamped to [1, n] (e* == 0: its ties add no mass, keep all n).
+        q = tl.where(e_star > 0, (target - above) / e_star, n.to(tl.float32))
+        n_keep = tl.minimum(tl.maximum(tl.ceil(q), 1.0), n.to(tl.float32)).to(tl.int32)
+
+    # Final pass, blocks in index order: the kept set, its mass, and the Gumbel-max / greedy argmax
+    # over it (same noise and pruning as _sample_kernel). min-p: the max survivor is the global max
+    # (e = 1), so probs >= min_p * max prob <=> e >= min_p.
+    k1, k2 = _row_keys(tl.load(seed_ptr + row), tl.load(ctr_ptr + row))
+    bound = float("-inf")
+    best = tl.full([BLOCK_V], float("-inf"), tl.float32)
+    bidx = tl.zeros([BLOCK_V], tl.int32)
+    kept_e = tl.zeros([BLOCK_V], tl.float32)
+    kept_n = tl.zeros([BLOCK_V], tl.int32)
+    ties = 0  # v* ties seen in earlier blocks
+    for start in range(0, V, BLOCK_V):
+        idx = start + lanes
+        ok = idx < V
+        x = tl.load(row_ptr + idx, mask=ok, other=float("-inf")).to(tl.float32)
+        key = _key(x, SHIFT)
+        e = tl.exp2((x - m) * c)
+        keep = ok & (key >= kth) & (e >= min_p)
+        if do_p:  # the scan only where top-p cuts
+            tie = (ok & (key == vstar)).to(tl.int32)
+            rank = ties + tl.cumsum(tie, 0) - 1  # index order among the ties
+            ties += tl.sum(tie, 0)
+            keep = keep & ((key > vstar) | ((tie != 0) & (rank < n_keep)))
+        if MASK:
+            tl.store(mask_ptr + row.to(tl.int64) * V + idx, keep.to(tl.int8), mask=ok)
+        kept_e += tl.where(keep, e, 0.0)
+        kept_n += keep.to(tl.int32)
+        score = tl.where(keep, x * inv_t, float("-inf"))
+        if SAMPLE:  # noqa: SIM102 (constexpr test, then a runtime one)
+            if t_raw > 0:
+                score, bound = _gumbel_pruned(score, tl.max(score, 0), idx, k1, k2, bound)
+        better = score > best
+        best = tl.where(better, score, best)
+        bidx = tl.where(better, idx, bidx)
+    top = tl.max(best, 0)
+    tok = tl.min(tl.where(best == top, bidx, 0x7FFFFFFF), 0)
+    lp = _finish(row_ptr, t, m, total, tok, tok_ptr + row, lp_ptr + row, stats_ptr + row, R, STATS)
+    # kept_mass = log(kept / all), exactly 0 when nothing was cut (as the reference).
+    km = tl.where(tl.sum(kept_n, 0) == V, 0.0, _log_precise(tl.sum(kept_e, 0) / total))
+    tl.store(km_ptr + row, km)
+    tl.store(plp_ptr + row, lp - km)
 
 
 @functools.cache
@@ -179,13 +402,14 @@ def default_num_splits(R: int, V: int, device, block_v: int = 2048) -> int:
 
 def fused_sample(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor,
                  counters: torch.Tensor, *, greedy_only: bool = False, num_splits: int | None = None,
-                 block_v: int = 2048, num_warps: int = 8,
-                 out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 block_v: int = 2048, num_warps: int = 8, out: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 stats: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (token_ids [R] int64, logprobs [R] float32). logits [R, V] bf16/fp16/fp32 (unit
     stride along V), temperature [R] f32 (<= 0: greedy), seeds / counters [R] int64.
     greedy_only: every row is greedy (no noise code compiled). out: optional preallocated
     (token_ids, logprobs) written in place (e.g. static CUDA-graph outputs). block_v / num_warps:
-    2048 / 8 keeps ~71 registers (3 CTAs per SM on sm_90); to be tuned on the GPU."""
+    2048 / 8 keeps ~71 registers (3 CTAs per SM on sm_90); to be tuned on the GPU.
+    stats: optional [2, R] float32 written with (max x / T, log sum exp(x / T - max x / T)) per row."""
     R, V = logits.shape
     assert logits.stride(1) == 1 and logits.dtype in (torch.bfloat16, torch.float16, torch.float32)
     dev = logits.device
@@ -199,12 +423,13 @@ def fused_sample(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.T
     pf = torch.empty((3, R, S) if S > 1 else (1,), dtype=torch.float32, device=dev)
     pi = torch.empty((R, S) if S > 1 else (1,), dtype=torch.int32, device=dev)
     temperature, seeds, counters = temperature.float(), seeds.long(), counters.long()  # no-ops
-    _sample_kernel[(R, S)](logits, logits.stride(0), temperature, seeds, counters, tok, lp, pf, pi,
-                           R, V, SAMPLE=not greedy_only, SPLITS=S, CHUNK=chunk, BLOCK_V=block_v,
-                           num_warps=num_warps)
+    st = stats if stats is not None else lp  # never written when STATS is off
+    _sample_kernel[(R, S)](logits, logits.stride(0), temperature, seeds, counters, tok, lp, st, pf, pi,
+                           R, V, SAMPLE=not greedy_only, STATS=stats is not None, SPLITS=S, CHUNK=chunk,
+                           BLOCK_V=block_v, num_warps=num_warps)
     if S > 1:
-        _merge_kernel[(R,)](logits, logits.stride(0), temperature, tok, lp, pf, pi, R,
-                            SPLITS=S, BLOCK_S=triton.next_power_of_2(S), num_warps=1)
+        _merge_kernel[(R,)](logits, logits.stride(0), temperature, tok, lp, st, pf, pi, R,
+                            STATS=stats is not None, SPLITS=S, BLOCK_S=triton.next_power_of_2(S), num_warps=1)
     return tok, lp
 
 
@@ -224,3 +449,70 @@ def counter_uniform_triton(seeds: torch.Tensor, counters: torch.Tensor, vocab_si
         _uniform_kernel[(seeds.shape[0], triton.cdiv(vocab_size, 1024))](seeds, counters, u, vocab_size,
                                                                          BLOCK_V=1024)
     return u
+
+
+# 4-bit radix digits covering the fp32 bits an input dtype can set -> (digits, low bits dropped).
+_DIGITS = {torch.bfloat16: (4, 16), torch.float16: (5, 12), torch.float32: (8, 0)}
+
+
+def fused_sample_full(logits: torch.Tensor, st: SamplingTensors, *, out: SamplerOutput | None = None,
+                      block_v: int = 1024, num_warps: int = 8, hist_block: int | None = None,
+                      num_splits: int | None = None, _kept_mask: torch.Tensor | None = None) -> SamplerOutput:
+    """`rollout.sampler.sample`'s contract (tokens, logprobs, processed_logprobs, kept_mass, top
+    logprobs) for rows without a repetition penalty, without an fp32 copy of the logits.
+    st.any_truncation False: `fused_sample` (one pass; processed = logprobs, kept_mass = 0).
+    True: `_trunc_kernel`, one program per row and several passes over it (rows without top-k /
+    top-p / min-p take two: max / sum, then the sample). Top logprobs: torch.topk of the raw
+    logits, turned into logprobs with the kernel's per-row (max / T, log sum): the values are the
+    reference's; on exact ties torch.topk may order (or, at the K-th place, pick) other indices of
+    the same value. out: preallocated token_ids / logprobs / processed_logprobs / kept_mass written
+    in place (its top fields are ignored). block_v / num_warps / hist_block: the truncation
+    kernel's block for its first and last passes, warps, and block for its histogram passes
+    (default 32 * num_warps: one element per thread, [16, hist_block] accumulators = 32 registers);
+    num_splits: the no-truncation kernel's."""
+    if st.any_penalty:
+        raise ValueError("repetition penalty rows take rollout.sampler.sample")
+    R, V = logits.shape
+    assert all(t.shape == (R,) for t in (st.temperature, st.top_k, st.top_p, st.min_p, st.seeds, st.counters))
+    dev = logits.device
+    if out is None:
+        tok = torch.empty(R, dtype=torch.int64, device=dev)
+        lp = torch.empty(R, dtype=torch.float32, device=dev)
+        plp = lp if not st.any_truncation else torch.empty_like(lp)
+        km = torch.empty_like(lp)
+    else:
+        tok, lp, plp, km = out.token_ids, out.logprobs, out.processed_logprobs, out.kept_mass
+    K = st.num_top_logprobs
+    stats = torch.empty(2, R, dtype=torch.float32, device=dev) if K else None
+    if R and not st.any_truncation:
+        fused_sample(logits, st.temperature, st.seeds, st.counters, greedy_only=st.all_greedy,
+                     num_splits=num_splits, out=(tok, lp), stats=stats)
+        km.zero_()
+        if plp is not lp:
+            plp.copy_(lp)
+    elif R:
+        assert logits.stride(1) == 1 and logits.dtype in _DIGITS
+        ndig, shift = _DIGITS[logits.dtype]
+        _trunc_kernel[(R,)](
+            logits, logits.stride(0), st.temperature.float(), st.top_k.long(), st.top_p.float(),
+            st.min_p.float(), st.seeds.long(), st.counters.long(), tok, lp, plp, km,
+            stats if stats is not None else lp, _kept_mask if _kept_mask is not None else lp, R, V,
+            SAMPLE=not st.all_greedy, STATS=stats is not None, MASK=_kept_mask is not None,
+            NDIG=ndig, SHIFT=shift, BLOCK_V=block_v, HBLOCK=hist_block or 32 * num_warps, num_warps=num_warps)
+    top_ids = top_lps = None
+    if K:
+        # Same formula as the kernel's logprob ((x / T - max / T) - log sum); x / T divides as the
+        # reference does, and bf16 -> fp32 is exact, so only log sum's summation order differs.
+        vals, top_ids = torch.topk(logits, K, dim=-1)
+        t = torch.where(st.temperature > 0, st.temperature, 1.0)[:, None]
+        top_lps = (vals.float() / t - stats[0][:, None]) - stats[1][:, None]
+    return SamplerOutput(tok, lp, plp, km, top_ids, top_lps)
+
+
+def fused_kept_mask(logits: torch.Tensor, st: SamplingTensors, **kw) -> tuple[torch.Tensor, SamplerOutput]:
+    """Debug / tests: the truncation kernel's kept set as a bool [R, V] tensor (compiled only
+    here), with its outputs."""
+    mask = torch.full(logits.shape, -1, dtype=torch.int8, device=logits.device)  # poison: -1
+    o = fused_sample_full(logits, replace(st, any_truncation=True), _kept_mask=mask, **kw)
+    assert bool(((mask == 0) | (mask == 1)).all()), "kernel did not write every mask entry"
+    return mask.bool(), o

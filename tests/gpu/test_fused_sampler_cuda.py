@@ -144,3 +144,136 @@ def test_cuda_graph_replay_matches_eager(fs, R):
         e_tok, e_lp = fs.fused_sample(logits, temp, seeds, counters)
         assert torch.equal(tok, e_tok) and torch.equal(lp, e_lp)
         check(logits, temp, seeds, counters, tok, lp)
+
+
+# ------------------------------------------------------------------ top-k / top-p / min-p
+# As tests/test_fused_sampler_interpret.py (whose comments justify the method): the kernel's kept
+# set must lie between float64 reference masks at top_p -/+ MASS_EPS and min_p * (1 +/- MASS_EPS).
+# At V = 152K the top-p histogram passes add V / hist_block = ~600 terms per lane before one tree
+# reduction: worst case ~600 * 2**-24 = 3.6e-5 relative (typical ~1e-6), so MASS_EPS = 4e-5. The
+# kept mass and Z add ~150 terms per lane (block_v 1024): <= 1e-5 relative each, so KM_TOL = 2e-5
+# on their log ratio. A rule bug moves far more: bf16 logits at this V repeat each value ~100
+# times near the top, so a wrong tie rule moves the cut by ~100 tokens' mass.
+MASS_EPS = 4e-5
+KM_TOL = 2e-5
+TRUNC = [(0.0, 0, 0.9, 0.0), (1.0, 50, 1.0, 0.0), (1.0, 0, 0.9, 0.0), (1.0, 0, 1.0, 0.05), (0.7, 50, 0.9, 0.05),
+         (1.0, 1, 1.0, 0.0), (1.0, 0, 1e-6, 0.0), (1.3, 0, 0.99, 0.0), (1.0, 0, 1.0, 0.0), (0.0, 0, 1.0, 0.0),
+         (0.6, 20, 0.8, 0.0), (1.0, 1000, 0.95, 0.02), (1.0, "V", 0.5, 0.0), (0.0, 5, 1.0, 0.2)]
+
+
+def trunc_inputs(R, Vv, seed, dist="flat"):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(R, Vv, generator=g, device="cuda") * (3 if dist == "flat" else 2)
+    if dist == "peaked":  # LLM-like: one dominant token, a few runners-up
+        x[torch.arange(R, device="cuda"), torch.randint(0, Vv, (R,), generator=g, device="cuda")] += 12
+        x[:, :64] += torch.rand(R, 64, generator=g, device="cuda") * 10
+    rows = [TRUNC[r % len(TRUNC)] for r in range(R)] if R > 1 else [TRUNC[4]]  # R = 1: the combined row
+    col = lambda i: torch.tensor([r[i] for r in rows], dtype=torch.float32, device="cuda")
+    temp = col(0)
+    st = SamplingTensors(
+        temperature=temp, top_k=torch.tensor([Vv if r[1] == "V" else r[1] for r in rows], device="cuda"),
+        top_p=col(2), min_p=col(3), repetition_penalty=torch.ones(R, device="cuda"),
+        seeds=torch.randint(0, 2**31, (R,), generator=g, device="cuda"),
+        counters=torch.randint(0, 2**40, (R,), generator=g, device="cuda"), penalty_token_ids=None,
+        all_greedy=False, any_truncation=True, any_penalty=False)
+    return x.bfloat16(), st
+
+
+def check_trunc(logits, st, o, mask):
+    from dataclasses import replace
+
+    from rollout.sampler import _truncation_mask
+    Vv = logits.shape[1]
+    ref = sample(logits, st)
+    greedy = st.temperature <= 0
+    xt = logits.float() / torch.where(greedy, 1.0, st.temperature)[:, None]
+    x64 = logits.double() / torch.where(greedy, 1.0, st.temperature).double()[:, None]
+    p, mp = st.top_p.double(), st.min_p.double()
+    tight = _truncation_mask(x64, replace(st, top_p=torch.where(p < 1, p - MASS_EPS, p),
+                                          min_p=torch.where(mp > 0, mp * (1 + MASS_EPS), mp)))
+    loose = _truncation_mask(x64, replace(st, top_p=torch.where(p < 1, p + MASS_EPS, p),
+                                          min_p=torch.where(mp > 0, mp * (1 - MASS_EPS), mp)))
+    assert bool((tight <= mask).all()) and bool((mask <= loose).all())
+    ref_mask = _truncation_mask(xt, st)
+    only_k = (st.top_p >= 1) & (st.min_p <= 0)
+    assert torch.equal(mask[only_k], ref_mask[only_k])
+    lp64 = torch.log_softmax(x64, dim=-1)
+    whole = mask.all(1)
+    km64 = torch.where(whole, 0.0, torch.logsumexp(lp64.masked_fill(~mask, float("-inf")), 1))
+    assert bool((o.kept_mass[whole] == 0).all()) and torch.equal(o.processed_logprobs[whole], o.logprobs[whole])
+    km_err = (o.kept_mass.double() - km64).abs().max().item()
+    assert km_err <= KM_TOL, km_err
+    tok = o.token_ids
+    assert bool(mask.gather(1, tok[:, None]).all())
+    lp_err = (o.logprobs - torch.log_softmax(xt, dim=-1).gather(1, tok[:, None])[:, 0]).abs().max().item()
+    assert lp_err <= LP_TOL, lp_err
+    proc64 = lp64.gather(1, tok[:, None])[:, 0] - km64  # processed = logprob - kept_mass: both errors add
+    assert (o.processed_logprobs.double() - proc64).abs().max().item() <= LP_TOL + KM_TOL
+    assert torch.equal(tok[greedy], ref.token_ids[greedy])
+    gumbel = -torch.log(-torch.log(counter_uniform(st.seeds, st.counters, Vv)))
+    score = (xt + torch.where(greedy[:, None], 0.0, gumbel)).masked_fill(~mask, float("-inf"))
+    want = score.argmax(1)
+    flip = tok != want
+    if flip.any():
+        gap = (score.gather(1, want[:, None]) - score.gather(1, tok[:, None]))[:, 0][flip]
+        assert gap.abs().max().item() < NEAR_TIE, gap
+    assert flip.sum().item() <= 0.01 * max(1, int((~greedy).sum()))
+    same_mask = (mask == ref_mask).all(1)
+    assert torch.equal(want[same_mask], ref.token_ids[same_mask])
+    return int((mask != ref_mask).sum()), int((~same_mask).sum()), km_err, lp_err
+
+
+@pytest.mark.parametrize("Vv", [151_936, 128_256])
+@pytest.mark.parametrize("R", [1, 64, 256])
+@pytest.mark.parametrize("dist", ["flat", "peaked"])
+def test_truncation_matches_reference(fs, R, Vv, dist):
+    logits, st = trunc_inputs(R, Vv, seed=R + Vv % 97, dist=dist)
+    nan = lambda: torch.full((R,), float("nan"), device="cuda")
+    from rollout.sampler import SamplerOutput
+    out = SamplerOutput(torch.full((R,), -7, dtype=torch.int64, device="cuda"), nan(), nan(), nan(), None, None)
+    o = fs.fused_sample_full(logits, st, out=out)
+    mask, o2 = fs.fused_kept_mask(logits, st)
+    for f in ("token_ids", "logprobs", "processed_logprobs", "kept_mass"):
+        assert torch.equal(getattr(o, f), getattr(o2, f)), f
+    tok_mism, row_mism, km_err, lp_err = check_trunc(logits, st, o, mask)
+    print(f"R={R} V={Vv} {dist}: kept-set token mismatches {tok_mism} in {row_mism} rows, "
+          f"max |d kept_mass| {km_err:.1e}, max |d logp| {lp_err:.1e}")
+
+
+def test_truncation_top_logprobs_and_greedy_only(fs):
+    from dataclasses import replace
+    logits, st = trunc_inputs(64, V, seed=11)
+    st = replace(st, num_top_logprobs=8)
+    o, ref = fs.fused_sample_full(logits, st), sample(logits, st)
+    assert (o.top_logprobs - ref.top_logprobs).abs().max().item() <= LP_TOL
+    t = torch.where(st.temperature > 0, st.temperature, 1.0)[:, None]
+    lp_full = torch.log_softmax(logits.float() / t, dim=-1)
+    assert (lp_full.gather(1, o.top_ids) - o.top_logprobs).abs().max().item() <= LP_TOL
+    gst = replace(st, temperature=torch.zeros_like(st.temperature), all_greedy=True, num_top_logprobs=0)
+    g = fs.fused_sample_full(logits, gst)
+    assert torch.equal(g.token_ids, sample(logits, gst).token_ids)
+    assert torch.equal(g.token_ids, fs.fused_sample_full(logits, replace(gst, all_greedy=False)).token_ids)
+
+
+@pytest.mark.parametrize("R", [64, 256])
+def test_truncation_cuda_graph_replay_matches_eager(fs, R):
+    logits, st = trunc_inputs(R, V, seed=7)
+    o = fs.fused_sample_full(logits, st)  # compile before capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fs.fused_sample_full(logits, st, out=o)
+    g = torch.Generator(device="cuda").manual_seed(99)
+    for step in range(4):
+        st.counters.add_(1)
+        logits.copy_(torch.randn(logits.shape, generator=g, device="cuda") * 3)
+        st.top_p.copy_(torch.rand(R, generator=g, device="cuda") * (step % 2) + (1 - step % 2))  # odd: top-p on
+        st.top_k.copy_(torch.randint(0, 200, (R,), generator=g, device="cuda"))
+        for t in (o.token_ids, o.logprobs, o.processed_logprobs, o.kept_mass):
+            t.fill_(-7)
+        graph.replay()
+        e = fs.fused_sample_full(logits, st)
+        for f in ("token_ids", "logprobs", "processed_logprobs", "kept_mass"):
+            assert torch.equal(getattr(o, f), getattr(e, f)), f
+        mask, _ = fs.fused_kept_mask(logits, st)
+        check_trunc(logits, st, o, mask)
