@@ -9,9 +9,9 @@ an upload runs the new batch. Every tensor a graph allocates is a temporary of t
 they never run concurrently (one compute stream) and none reads another's pool memory. Peak
 memory is then one step's activations, not one per graph or per slot.
 
-Modes (the sampler's static shape): "greedy" and "sample" use the fused Triton sampler (no
-truncation, no penalty), "truncate" the torch sampler with top-k / top-p / min-p. Penalties and
-top logprobs run eagerly.
+Modes (the sampler's static shape): "greedy" and "sample" use the fused one-pass Triton
+sampler, "truncate" its top-k / top-p / min-p kernel (the torch sampler on the torch backend).
+Penalties and top logprobs run eagerly.
 """
 from __future__ import annotations
 

@@ -36,7 +36,8 @@ from dataclasses import replace  # noqa: E402
 import torch  # noqa: E402
 
 from rollout.kernels import fused_sampler as fs  # noqa: E402
-from rollout.sampler import SamplerOutput, SamplingTensors, _truncation_mask, counter_uniform, sample  # noqa: E402
+from rollout.sampler import SamplerOutput, SamplingTensors, counter_uniform, sample  # noqa: E402
+from trunc_check import check_trunc as shared_check_trunc  # noqa: E402
 
 LP_TOL = 1e-5
 NEAR_TIE = 1e-5
@@ -237,60 +238,19 @@ def run_trunc(logits, st, **kw):
     return o, mask
 
 
-def bounded_masks(logits, st):
-    """float64 reference masks at tightened / loosened top_p and min_p (see MASS_EPS)."""
-    x64 = logits.double() / torch.where(st.temperature > 0, st.temperature, 1.0).double()[:, None]
-    p, mp = st.top_p.double(), st.min_p.double()
-    on_p, on_m = p < 1, mp > 0
-    tight = replace(st, top_p=torch.where(on_p, p - MASS_EPS, p), min_p=torch.where(on_m, mp * (1 + MASS_EPS), mp))
-    loose = replace(st, top_p=torch.where(on_p, p + MASS_EPS, p), min_p=torch.where(on_m, mp * (1 - MASS_EPS), mp))
-    return _truncation_mask(x64, tight), _truncation_mask(x64, loose), x64
-
-
 def check_trunc(logits, st, o, mask):
-    """Asserts the contract of `sample` for truncating rows; returns (mask mismatches, near-tie
-    token flips) against the reference."""
-    V = logits.shape[1]
-    ref = sample(logits, st)
-    greedy = st.temperature <= 0
-    t = torch.where(greedy, 1.0, st.temperature)[:, None]
-    xt = logits.float() / t
-    ref_mask = _truncation_mask(xt, st)
-    tight, loose, x64 = bounded_masks(logits, st)
-    assert bool((tight <= ref_mask).all() and (ref_mask <= loose).all())  # the bounds hold the reference
-    assert bool((tight <= mask).all()), "kernel cut a token no rounding can cut"
-    assert bool((mask <= loose).all()), "kernel kept a token no rounding can keep"
-    only_k = (st.top_p >= 1) & (st.min_p <= 0)  # top-k alone is an integer rule: exact
-    assert torch.equal(mask[only_k], ref_mask[only_k])
-    same_mask = (mask == ref_mask).all(1)
-    # kept_mass, processed against float64 over the kernel's own kept set; exactly 0 when whole.
-    lp64 = torch.log_softmax(x64, dim=-1)
-    km64 = torch.where(mask.all(1), 0.0, torch.logsumexp(lp64.masked_fill(~mask, float("-inf")), 1))
-    whole = mask.all(1)
-    assert bool((o.kept_mass[whole] == 0).all()) and torch.equal(o.processed_logprobs[whole], o.logprobs[whole])
-    assert bool((o.kept_mass[km64 < -1e-6] < 0).all())  # a cut above fp32 resolution is reported
-    assert (o.kept_mass.double() - km64).abs().max().item() <= KM_TOL
-    tok = o.token_ids
-    assert bool(((tok >= 0) & (tok < V)).all()) and bool(mask.gather(1, tok[:, None]).all())
-    lp_at = torch.log_softmax(xt, dim=-1).gather(1, tok[:, None])[:, 0]
-    assert (o.logprobs - lp_at).abs().max().item() <= LP_TOL
-    proc64 = lp64.gather(1, tok[:, None])[:, 0] - km64  # processed = logprob - kept_mass: both errors add
-    assert (o.processed_logprobs.double() - proc64).abs().max().item() <= LP_TOL + KM_TOL
-    # Where the kept sets agree, the reference's own numbers.
+    """The shared contract check (tests/trunc_check.py) plus what holds at these small V: the
+    rounding bounds hold the reference's own mask, any cut above fp32 resolution shows in
+    kept_mass, and where the kept sets agree kept_mass and processed match the reference's.
+    Returns (mask mismatches per row, near-tie token flips)."""
+    c = shared_check_trunc(logits, st, o, mask, mass_eps=MASS_EPS, km_tol=KM_TOL, lp_tol=LP_TOL, near_tie=NEAR_TIE)
+    ref, same_mask = c["ref"], c["same_mask"]
+    assert bool((c["tight"] <= c["ref_mask"]).all() and (c["ref_mask"] <= c["loose"]).all())
+    assert bool((o.kept_mass[c["km64"] < -1e-6] < 0).all())
     assert bool(((o.kept_mass - ref.kept_mass)[same_mask].abs() <= KM_TOL).all())
-    # Tokens: greedy exactly; sampled = Gumbel-max over the kernel's kept set, up to fp32 near-ties.
-    assert torch.equal(tok[greedy], ref.token_ids[greedy])
-    gumbel = -torch.log(-torch.log(counter_uniform(st.seeds, st.counters, V)))
-    score = (xt + torch.where(greedy[:, None], 0.0, gumbel)).masked_fill(~mask, float("-inf"))
-    want = score.argmax(1)
-    flip = tok != want
-    if flip.any():
-        gap = (score.gather(1, want[:, None]) - score.gather(1, tok[:, None]))[:, 0][flip]
-        assert gap.abs().max().item() < NEAR_TIE, gap
-    assert torch.equal(want[same_mask], ref.token_ids[same_mask])
-    same = tok == ref.token_ids
+    same = o.token_ids == ref.token_ids
     assert bool(((o.processed_logprobs - ref.processed_logprobs)[same & same_mask].abs() <= KM_TOL).all())
-    return (mask != ref_mask).sum(1), int(flip.sum())
+    return c["mask_diff_per_row"], c["flips"]
 
 
 @pytest.mark.parametrize("V, dtype, block_v, hist_block", [
