@@ -80,6 +80,8 @@ class EngineConfig:                      # keyword arguments of RolloutEngine.fr
     kv_cache_memory: Optional[int] = None    # bytes
     async_pipeline: Optional[bool] = None
     kv_reserve_fraction: float = 1.0         # admission by expected total length (1 = never overcommit)
+    preemption_mode: str = "recompute"       # recompute | swap | auto (swap where cheaper); swap needs:
+    swap_space_gb: float = 0.0               # host memory for swapped-out KV pages
     attention_backend: str = "auto"          # auto (Triton on CUDA, torch on CPU) | torch | triton
     cuda_graphs: bool = True                 # decode CUDA graphs (CUDA + Triton)
     cuda_graph_max_batch: Optional[int] = None

@@ -112,5 +112,27 @@ class KVCacheManager:
         seq.block_table = []
         seq.table_version += 1
 
+    def swap_out(self, seq: Sequence, host: PageAllocator, moves: list[tuple[int, int]]) -> None:
+        """Give the sequence's pages up for host slots: (device page, host slot) pairs are
+        queued in `moves` (copied before the next step's forward, after the step in flight)."""
+        slots = [host.allocate() for _ in seq.block_table]
+        moves.extend(zip(seq.block_table, slots))
+        self.free(seq)
+        seq.host_table = slots
+
+    def swap_in(self, seq: Sequence, host: PageAllocator, moves: list[tuple[int, int]]) -> None:
+        """Fresh pages for a swapped-out sequence; (host slot, device page) pairs into `moves`."""
+        pages = [self.alloc.allocate() for _ in seq.host_table]
+        moves.extend(zip(seq.host_table, pages))
+        self.drop_swapped(seq, host)
+        seq.block_table = pages
+        seq.table_version += 1
+
+    @staticmethod
+    def drop_swapped(seq: Sequence, host: PageAllocator) -> None:
+        for h in seq.host_table:
+            host.decref(h)
+        seq.host_table = []
+
     def slot(self, seq: Sequence, pos: int) -> int:
         return seq.block_table[pos // self.page_size] * self.page_size + pos % self.page_size

@@ -125,6 +125,7 @@ class DevicePipeline:
         R = batch.num_rows
         flight = InFlight(sched, s, R, batch.num_top_logprobs, has_outputs=R > 0)
         if not self.cuda:
+            self.runner.swap_pages(sched.swap_out, sched.swap_in)
             out = self._compute(s, self.runner.upload(batch, slot.builder.host))
             if out is not None and batch.padded_to:   # drop the padding rows' samples
                 out = SamplerOutput(*(getattr(out, f)[:R] for f in _OUT_FIELDS), top_ids=None, top_logprobs=None)
@@ -143,6 +144,8 @@ class DevicePipeline:
         self.compute.wait_event(ev["h2d_done"])
         out = None
         with torch.cuda.stream(self.compute):
+            if sched.swap_out or sched.swap_in:
+                self.runner.swap_pages(sched.swap_out, sched.swap_in)
             ev["start"].record()
             if bucket is not None:
                 self.graphs.replay(s, bucket, mode)

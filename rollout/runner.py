@@ -44,7 +44,7 @@ def carry_penalty_ids(penalty: torch.Tensor, prev_tokens: torch.Tensor) -> torch
 
 class ModelRunner:
     def __init__(self, model: DecoderLM, *, num_pages: int, page_size: int, kv_dtype: torch.dtype,
-                 attention_backend: str = "torch"):
+                 attention_backend: str = "torch", num_host_pages: int = 0):
         if attention_backend not in ("torch", "triton"):
             raise ValueError(f"attention_backend must be 'torch' or 'triton', got {attention_backend!r}")
         self.attention_backend = attention_backend
@@ -57,6 +57,11 @@ class ModelRunner:
         self.kv_caches = [(torch.zeros(shape, dtype=kv_dtype, device=self.device),
                            torch.zeros(shape, dtype=kv_dtype, device=self.device))
                           for _ in model.layers]
+        # Swap space: host pages (pinned on CUDA) with the device pages' layout, slot 0 unused.
+        pin = self.device.type == "cuda"
+        self.host_kv = [(torch.empty((num_host_pages + 1,) + shape[1:], dtype=kv_dtype, pin_memory=pin),
+                         torch.empty((num_host_pages + 1,) + shape[1:], dtype=kv_dtype, pin_memory=pin))
+                        for _ in model.layers] if num_host_pages else []
 
     @staticmethod
     def kv_bytes_per_page(hf_config, page_size: int, dtype: torch.dtype) -> int:
@@ -120,6 +125,24 @@ class ModelRunner:
         for k, v in self.kv_caches:
             k[dst] = k[src]
             v[dst] = v[src]
+
+    def swap_pages(self, out_moves: list[tuple[int, int]], in_moves: list[tuple[int, int]]) -> None:
+        """Preemption by swap, on the current (compute) stream before a step's forward. Out:
+        the device -> host copy waits for the step in flight, whose KV writes it must include,
+        and for the freed pages' new owners only after that. Swap events are rare (one per
+        victim), so they block the host instead of tracking pinned-buffer lifetimes."""
+        if out_moves:
+            d = torch.tensor([m[0] for m in out_moves], device=self.device)
+            h = torch.tensor([m[1] for m in out_moves])
+            for (k, v), (hk, hv) in zip(self.kv_caches, self.host_kv):
+                hk[h] = k[d].cpu()
+                hv[h] = v[d].cpu()
+        if in_moves:
+            h = torch.tensor([m[0] for m in in_moves])
+            d = torch.tensor([m[1] for m in in_moves], device=self.device)
+            for (k, v), (hk, hv) in zip(self.kv_caches, self.host_kv):
+                k[d] = hk[h].to(self.device)
+                v[d] = hv[h].to(self.device)
 
     @torch.inference_mode()
     def run(self, dev: DeviceBatch, prev_tokens: Optional[torch.Tensor]) -> Optional[SamplerOutput]:

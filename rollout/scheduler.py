@@ -1,5 +1,6 @@
 """Continuous-batching scheduler (CPU): admission by free KV pages under a per-step
-token budget, chunked prefill, preemption by recompute, and output processing
+token budget, chunked prefill, preemption (by recompute, or by swapping pages to host
+slots), and output processing
 (filling sampled tokens, stop checks, freeing pages).
 
 One step = a list of (sequence, tokens to compute, rows to sample). Decodes are
@@ -17,7 +18,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Optional
 
-from .kv_cache import KVCacheManager
+from .kv_cache import KVCacheManager, PageAllocator
 from .request import PLACEHOLDER, Request, Sequence, Status
 
 
@@ -42,6 +43,8 @@ class SampleTarget:
 class SchedulerOutput:
     items: list[ScheduledSeq]
     copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst) pages
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device page, host slot)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)   # (host slot, device page)
     targets: list[SampleTarget] = field(default_factory=list)    # one per sampled row, in row order
     batch_id: int = 0
     policy_version: int = 0   # weights live on the compute stream when the batch was launched
@@ -67,7 +70,9 @@ class SampledRow:
 class Scheduler:
     def __init__(self, kv: KVCacheManager, *, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, eos_token_ids: set[int], tokenizer=None,
-                 admission_reserve_pages: int = 0, reserve_fraction: float = 0.0):
+                 admission_reserve_pages: int = 0, reserve_fraction: float = 0.0,
+                 preemption_mode: str = "recompute", host_pages: Optional[PageAllocator] = None,
+                 swap_page_s: float = 0.0, recompute_token_s: float = 0.0):
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -82,6 +87,19 @@ class Scheduler:
         # plus the same fraction of what running sequences still need, fits in the free
         # pages. 1.0 = never preempt while the KV fits; 0.0 = admit by the next chunk only.
         self.reserve_fraction = reserve_fraction
+        # Preemption frees a victim's pages. "recompute": it prefills prompt + tokens again
+        # later. "swap": its pages go to host slots (`host_pages`) and come back before it runs
+        # again. "auto": swap where moving its pages out and back (swap_page_s each) costs less
+        # than prefilling its tokens (recompute_token_s each). No host slot free: recompute.
+        if preemption_mode not in ("recompute", "swap", "auto"):
+            raise ValueError(f"preemption_mode must be 'recompute', 'swap' or 'auto', got {preemption_mode!r}")
+        if preemption_mode != "recompute" and (host_pages is None or host_pages.num_usable < 1):
+            raise ValueError(f"preemption_mode={preemption_mode!r} needs host swap space (swap_space_gb > 0)")
+        self.preemption_mode = preemption_mode
+        self.host = host_pages if preemption_mode != "recompute" else None
+        self.swap_page_s, self.recompute_token_s = swap_page_s, recompute_token_s
+        self.num_swap_outs = 0
+        self.num_swapped_pages = 0
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -126,20 +144,42 @@ class Scheduler:
         return sum(s.fork_count for s in self.running)
 
     def recompute(self, seq: Sequence) -> None:
-        """Drop the sequence's KV; it re-prefills prompt + tokens so far (e.g. under new weights)."""
+        """Drop the sequence's KV (on the device, or swapped out to the host); it re-prefills
+        prompt + tokens so far (e.g. under new weights)."""
         if seq.status == Status.RUNNING:
             self._preempt(seq)
+        elif seq.host_table:
+            self.kv.drop_swapped(seq, self.host)
+            self.num_recomputed_tokens += seq.num_computed
+            seq.num_computed = 0
 
-    def _preempt(self, seq: Sequence) -> None:
-        """Free the sequence's pages; it re-prefills prompt + generated tokens later. A token
-        still in flight is dropped (its row is ignored) and sampled again after recompute;
-        the counter-keyed RNG makes it the same token."""
+    def _swaps(self, seq: Sequence) -> bool:
+        """Whether preempting `seq` now swaps its pages out instead of dropping them."""
+        if self.host is None or seq.fork_count > 1 or not seq.block_table \
+                or len(seq.block_table) > self.host.num_free:
+            return False          # an unforked group re-prefills one shared prompt: cheap
+        return self.preemption_mode == "swap" or \
+            len(seq.block_table) * self.swap_page_s < seq.num_computed * self.recompute_token_s
+
+    def _preempt(self, seq: Sequence, out: Optional[SchedulerOutput] = None) -> None:
+        """Take the sequence off the device. A token still in flight is dropped (its row is
+        ignored) and sampled again later; the counter-keyed RNG makes it the same token.
+        Recompute: its pages are freed and it re-prefills prompt + generated tokens. Swap
+        (only while scheduling `out`, whose step copies the pages out first): its KV waits in
+        host slots, and it recomputes just its last token to sample the dropped one again."""
         self.running.remove(seq)
-        self.kv.free(seq)
-        self.num_recomputed_tokens += seq.num_computed
+        swap = out is not None and self._swaps(seq)
         seq.drop_placeholders()
+        if swap:
+            self.num_swapped_pages += len(seq.block_table)
+            self.num_swap_outs += 1
+            self.kv.swap_out(seq, self.host, out.swap_out)
+            seq.num_computed = min(seq.num_computed, seq.num_tokens - 1)
+        else:
+            self.kv.free(seq)
+            self.num_recomputed_tokens += seq.num_computed
+            seq.num_computed = 0
         seq.epoch += 1
-        seq.num_computed = 0
         seq.status = Status.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -173,7 +213,7 @@ class Scheduler:
                 if len(self.running) == 1:   # alone and still no room: it can never fit
                     raise RuntimeError(f"{seq} needs more KV pages than the whole cache has")
                 victim = self.running[-1]
-                self._preempt(victim)
+                self._preempt(victim, out)
                 preempted = True
                 if victim is seq:
                     break
@@ -193,6 +233,8 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = Status.RUNNING
             self.running.append(seq)
+            if seq.host_table:       # swapped out: its pages come back before this step's forward
+                self.kv.swap_in(seq, self.host, out.swap_in)
             self._add_item(out, seq, num_new)
             budget -= num_new
         return out
@@ -310,6 +352,8 @@ class Scheduler:
                 continue
             if seq in self.waiting:
                 self.waiting.remove(seq)
+            if seq.host_table:
+                self.kv.drop_swapped(seq, self.host)
             if seq.fork_count > 1:   # never forked: materialise the missing samples
                 seq.fork_count = 1
                 for k in range(1, req.params.n):

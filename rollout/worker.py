@@ -62,7 +62,7 @@ class RolloutWorker:
                 continue
             if p.stale_kv == "recompute":
                 for s in req.seqs:
-                    if s.status == Status.RUNNING:
+                    if s.status == Status.RUNNING or s.host_table:   # KV on the device or swapped out
                         self.engine.scheduler.recompute(s)
                         self.metrics["stale_recomputed"] += 1
         return outs

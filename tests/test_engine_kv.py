@@ -114,3 +114,98 @@ def test_full_reservation_admission_avoids_preemption(model_dir, tiny_tokenizer)
     greedy_overcommit = _engine(path, num_kv_pages=40, max_num_batched_tokens=64, kv_reserve_fraction=0.0)
     greedy_overcommit.generate(prompts, params, use_tqdm=False)
     assert greedy_overcommit.scheduler.num_preemptions > 0        # the same load does preempt without it
+
+
+@pytest.mark.parametrize("mode", ["swap", "auto"])
+def test_preemption_by_swap_gives_identical_output_and_no_leak(model_dir, tiny_tokenizer, mode):
+    """The same tight KV as the recompute test, with host swap space: victims keep their KV in
+    host slots and recompute only their last token; outputs equal the roomy run, no device page
+    or host slot is left in use."""
+    path = model_dir("llama")
+    prompts = random_prompts(tiny_tokenizer, 6, 10, 60, seed=3)
+    params = [SamplingParams(n=2 if i % 3 == 0 else 1, max_new_tokens=60, temperature=t, seed=11,
+                             ignore_eos=True) for i, t in enumerate([0.0, 0.9] * 3)]
+    roomy = _engine(path).generate(prompts, params, use_tqdm=False)
+    kw = dict(num_kv_pages=20, max_num_batched_tokens=32, kv_reserve_fraction=0.0)
+    tight = _engine(path, preemption_mode=mode, swap_space_gb=0.01, **kw)
+    if mode == "auto":       # make swapping the cheaper choice for every victim
+        tight.scheduler.swap_page_s, tight.scheduler.recompute_token_s = 1e-6, 1.0
+    outs = tight.generate(prompts, params, use_tqdm=False)
+    recompute = _engine(path, **kw)
+    recompute.generate(prompts, params, use_tqdm=False)
+    st = tight.stats()
+    assert st["swap_outs"] > 0 and st["swapped_pages"] >= st["swap_outs"]
+    # Each swapped victim recomputes at most its last token; recompute victims all of theirs.
+    assert st["recomputed_tokens"] < recompute.stats()["recomputed_tokens"]
+    for a, b in zip(roomy, outs):
+        assert [c.token_ids for c in a.completions] == [c.token_ids for c in b.completions]
+        for ca, cb in zip(a.completions, b.completions):
+            assert max(abs(x - y) for x, y in zip(ca.logprobs, cb.logprobs)) < 1e-4   # fp32 reduction order
+    host = tight.scheduler.host
+    assert tight.kv.alloc.num_used == 0 and host.num_used == 0
+    assert all(r == 0 for r in tight.kv.alloc.refcount) and all(r == 0 for r in host.refcount)
+
+
+def test_auto_swaps_only_where_cheaper_and_recomputes_without_host_room(model_dir):
+    from rollout.request import Request
+    eng = _engine(model_dir("llama"), preemption_mode="auto", swap_space_gb=0.01)
+    sch = eng.scheduler
+    seq = Request(0, list(range(3, 100)), SamplingParams(), 0).seqs[0]
+    seq.block_table, seq.num_computed = [1, 2, 3, 4, 5, 6, 7], 97
+    sch.swap_page_s, sch.recompute_token_s = 1.0, 0.01     # 7 s to swap, 0.97 s to recompute
+    assert not sch._swaps(seq)
+    sch.swap_page_s = 0.001                                # 7 ms to swap
+    assert sch._swaps(seq)
+    taken = [sch.host.allocate() for _ in range(sch.host.num_free - 6)]   # 6 host slots left, 7 needed
+    assert not sch._swaps(seq)
+    for h in taken:
+        sch.host.decref(h)
+    seq.fork_count = 2                                     # an unforked group: always recompute
+    assert not sch._swaps(seq)
+
+
+def test_swap_configuration_errors(model_dir):
+    path = model_dir("llama")
+    with pytest.raises(ValueError, match="preemption_mode must be"):
+        _engine(path, preemption_mode="spill")
+    with pytest.raises(ValueError, match="needs host swap space"):
+        _engine(path, preemption_mode="swap")
+
+
+def test_swapped_out_sequence_recomputed_on_request_and_abort_frees_host_slots(model_dir, tiny_tokenizer):
+    """What the RL worker's stale_kv="recompute" policy does at a weight update: a sequence
+    waiting with its KV in host slots drops it and re-prefills (same tokens: same weights
+    here). And aborting a request whose sequence is swapped out frees its host slots."""
+    from rollout.request import Status
+    path = model_dir("llama")
+    prompts = random_prompts(tiny_tokenizer, 6, 10, 60, seed=3)
+    p = SamplingParams(max_new_tokens=60, temperature=0, ignore_eos=True)
+    roomy = _engine(path).generate(prompts, p, use_tqdm=False)
+    for abort in (False, True):
+        eng = _engine(path, num_kv_pages=20, max_num_batched_tokens=32, kv_reserve_fraction=0.0,
+                      preemption_mode="swap", swap_space_gb=0.01)
+        ids = eng.add_requests(prompts, p)
+        outs = []
+        while not any(s.host_table for r in eng.requests.values() for s in r.seqs):
+            outs += eng.step()
+        swapped = [s for r in eng.requests.values() for s in r.seqs if s.host_table]
+        assert all(s.status == Status.WAITING and not s.block_table for s in swapped)
+        if abort:
+            outs += eng.abort([s.request.request_id for s in swapped])
+            assert eng.scheduler.host.num_used == 0
+        else:
+            before = eng.scheduler.num_recomputed_tokens
+            for s in swapped:
+                eng.scheduler.recompute(s)
+            assert eng.scheduler.host.num_used == 0 and all(s.num_computed == 0 for s in swapped)
+            assert eng.scheduler.num_recomputed_tokens > before
+        while eng.has_unfinished():
+            outs += eng.step()
+        by_id = {o.request_id: o for o in outs}
+        for rid, ref in zip(ids, roomy):
+            got = by_id[rid].completions[0]
+            if got.finish_reason == "abort":
+                assert got.token_ids == ref.completions[0].token_ids[:len(got.token_ids)]
+            else:
+                assert got.token_ids == ref.completions[0].token_ids
+        assert eng.kv.alloc.num_used == 0 and eng.scheduler.host.num_used == 0

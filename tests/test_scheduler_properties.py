@@ -3,14 +3,15 @@
 A fake device samples token f(seed, sample, position) for every row, so the expected
 completion of every request is known in closed form whatever the schedule. Hypothesis
 draws arrivals, prompt and output lengths, group sizes, KV sizes, token budgets,
-admission reservation, aborts and weight-version bumps; after every step the page
-refcounts must equal the block-table references exactly, and at the end every request
-must have finished exactly once, with the unpressured output unless it was aborted.
+admission reservation, preemption by recompute or by swap (host slots), aborts and
+weight-version bumps; after every step the page refcounts (device pages and host slots)
+must equal the block-table references exactly, and at the end every request must have
+finished exactly once, with the unpressured output unless it was aborted.
 """
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rollout.kv_cache import KVCacheManager
+from rollout.kv_cache import KVCacheManager, PageAllocator
 from rollout.request import PLACEHOLDER, Request, SamplingParams, Status
 from rollout.scheduler import SampledRow, Scheduler
 
@@ -37,23 +38,26 @@ request_st = st.fixed_dictionaries({
 })
 
 
-def check_refcounts(kv: KVCacheManager, live: list) -> None:
-    refs = [0] * kv.alloc.num_pages
-    for s in live:
-        for p in s.block_table:
+def check_refcounts(alloc: PageAllocator, tables: list[list[int]]) -> None:
+    refs = [0] * alloc.num_pages
+    for table in tables:
+        for p in table:
             refs[p] += 1
-    assert refs == kv.alloc.refcount, "refcounts differ from block-table references"
-    assert kv.alloc.num_free == sum(1 for p in range(1, kv.alloc.num_pages) if refs[p] == 0)
+    assert refs == alloc.refcount, "refcounts differ from block-table references"
+    assert alloc.num_free == sum(1 for p in range(1, alloc.num_pages) if refs[p] == 0)
 
 
 @settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(reqs=st.lists(request_st, min_size=1, max_size=6), num_pages=st.integers(13, 60),
        budget=st.integers(4, 64), reserve=st.sampled_from([0.0, 0.5, 1.0]), max_seqs=st.integers(1, 8),
-       bumps=st.sets(st.integers(0, 60), max_size=4))
-def test_random_schedules_keep_invariants_and_outputs(reqs, num_pages, budget, reserve, max_seqs, bumps):
+       bumps=st.sets(st.integers(0, 60), max_size=4), swap_slots=st.none() | st.integers(1, 40))
+def test_random_schedules_keep_invariants_and_outputs(reqs, num_pages, budget, reserve, max_seqs, bumps,
+                                                      swap_slots):
     kv = KVCacheManager(num_pages, PAGE)
+    host = PageAllocator(swap_slots + 1, PAGE) if swap_slots else None
     sched = Scheduler(kv, max_num_seqs=max_seqs, max_num_batched_tokens=budget, max_model_len=MAX_LEN,
-                      eos_token_ids={EOS}, reserve_fraction=reserve)
+                      eos_token_ids={EOS}, reserve_fraction=reserve, preemption_mode="swap" if host else "recompute",
+                      host_pages=host)
     requests = [Request(i, [3 + (i + j) % 40 for j in range(r["prompt_len"])],
                         SamplingParams(n=min(r["n"], max_seqs), max_new_tokens=r["max_new"],
                                        ignore_eos=r["ignore_eos"]), seed=i * 31 + 1)
@@ -85,7 +89,10 @@ def test_random_schedules_keep_invariants_and_outputs(reqs, num_pages, budget, r
                 ended[r.request_id] = ended.get(r.request_id, 0) + 1
         inflight = launched
         live = [s for r in requests for s in r.seqs if s.status != Status.FINISHED]
-        check_refcounts(kv, live)
+        check_refcounts(kv.alloc, [s.block_table for s in live])
+        if host is not None:
+            check_refcounts(host, [s.host_table for s in live])
+            assert all(not (s.host_table and s.block_table) for s in live)   # in one place at a time
         step += 1
         arrivals_left = any(spec["arrive"] >= step for spec in reqs)
         if not arrivals_left and inflight is None and not sched.has_work():
@@ -93,6 +100,8 @@ def test_random_schedules_keep_invariants_and_outputs(reqs, num_pages, budget, r
         assert step < 5000, "schedule did not finish"
     assert all(ended.get(r.request_id) == 1 for r in requests), "every request ends exactly once"
     assert kv.alloc.num_used == 0 and all(c == 0 for c in kv.alloc.refcount)
+    if host is not None:
+        assert host.num_used == 0 and all(c == 0 for c in host.refcount)
     for r in requests:
         assert len(r.seqs) == r.params.n
         for s in r.seqs:

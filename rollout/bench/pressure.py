@@ -92,8 +92,8 @@ class Occupancy:
         self.first_preempt: dict[int, int] = {}    # request id -> tokens generated then
         self.reset()
 
-    def _preempt(self, seq):
-        self._inner_preempt(seq)      # drops the in-flight placeholder: count real tokens only
+    def _preempt(self, seq, out=None):
+        self._inner_preempt(seq, out)  # drops the in-flight placeholder: count real tokens only
         self.first_preempt.setdefault(seq.request.request_id, seq.num_generated)
 
     def reset(self) -> None:
@@ -163,6 +163,7 @@ def timed_run(label: str, model, cfg, prompts, G: int, kv_bytes: int, args, devi
     engine = RolloutEngine(model, cfg, max_model_len=P + G + 8, max_num_seqs=B, kv_cache_memory=kv_bytes,
                            max_num_batched_tokens=args.max_batched_tokens, seed=args.seed,
                            kv_reserve_fraction=args.reserve_fraction, attention_backend=args.attention_backend,
+                           preemption_mode=args.preemption_mode, swap_space_gb=args.swap_space_gb,
                            cuda_graphs=not args.no_graphs, cuda_graph_modes=("greedy",))
     init_s = time.perf_counter() - t0
     capacity = engine.kv.alloc.num_usable * engine.page_size
@@ -171,6 +172,7 @@ def timed_run(label: str, model, cfg, prompts, G: int, kv_bytes: int, args, devi
     occ = Occupancy(engine)
     sched, m = engine.scheduler, engine.metrics
     before = {"preemptions": sched.num_preemptions, "recomputed_tokens": sched.num_recomputed_tokens,
+              "swap_outs": sched.num_swap_outs, "swapped_pages": sched.num_swapped_pages,
               "discarded_tokens": sched.num_discarded_tokens, "steps": m["steps"],
               "prefill_tokens": m["prefill_tokens"], **engine.pipeline.counts}
     busy0 = engine.pipeline.busy_ms
@@ -186,6 +188,7 @@ def timed_run(label: str, model, cfg, prompts, G: int, kv_bytes: int, args, devi
     _sync(device)
     wall = time.perf_counter() - t0
     now = {"preemptions": sched.num_preemptions, "recomputed_tokens": sched.num_recomputed_tokens,
+           "swap_outs": sched.num_swap_outs, "swapped_pages": sched.num_swapped_pages,
            "discarded_tokens": sched.num_discarded_tokens, "steps": m["steps"],
            "prefill_tokens": m["prefill_tokens"], **engine.pipeline.counts}
     comps = [c for o in outs for c in o.completions]
@@ -306,6 +309,8 @@ def main(argv=None) -> dict:
                     help="engine kv_reserve_fraction in both runs: 0 admits by the next chunk and preempts "
                          "when pages run out; 1 admits only what fits at full length (no preemption)")
     ap.add_argument("--max-batched-tokens", type=int, default=2048, help="per-step token budget")
+    ap.add_argument("--preemption-mode", default="recompute", choices=("recompute", "swap", "auto"))
+    ap.add_argument("--swap-space-gb", type=float, default=0.0, help="host memory for swapped-out KV")
     ap.add_argument("--dtype", default="bfloat16", help="weights and KV (float32 for the CPU smoke run)")
     ap.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     ap.add_argument("--seed", type=int, default=0)
