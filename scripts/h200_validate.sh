@@ -2,7 +2,8 @@
 # One device call that validates and measures what is GPU-only, writing to $OUT (the device
 # tool's output folder) or ./h200_out. Sections can be picked:
 #   bash scripts/h200_validate.sh tests kernels sampler q05 l8b_short l8b_fp32 seed p3 p5 weights
-#   (issue 7: pressure_ref0 pressure_ref1 pressured; issue 9 on 2+ GPUs: fleet_scaling fleet_broadcast)
+#   (issue 7: pressure_ref0 pressure_ref1 pressured pressured_swap pressure_fp32_small; issue 9 on 2+ GPUs:
+#   fleet_scaling fleet_broadcast; issue 4: p1_pdl p5_pdl profile_p1 gemm_pdl sampler_trunc tests_sampler)
 # Run from the repo root on the H200; ROLLOUT_GIT_COMMIT should be passed in (no .git there).
 set -uo pipefail
 OUT=${OUT:-h200_out}; mkdir -p "$OUT"
@@ -60,6 +61,12 @@ for s in $sections; do
         --reference-chunks 2 --kv-fraction 0.5 --runs pressured --linear cublas --reference-file h200_ref/pressure_ref0.npz \
         h200_ref/pressure_ref1.npz --out $OUT/pressure_l8b_B64_G16384.json > $OUT/pressured.log 2>&1
       tr '\r' '\n' < $OUT/pressured.log | grep "generate:" | tail -1; tail -12 $OUT/pressured.log ;;
+    pressured_swap) # issue 7: as `pressured`, preempting by swap to pinned host memory (needs h200_ref/)
+      timeout ${PRESSURED_TIMEOUT:-590} python3 -m rollout.bench.pressure --shape llama3-8b --batch 64 --prompt-len 256 \
+        --gen-len 16384 --reference-chunks 2 --kv-fraction 0.5 --runs pressured --preemption-mode swap --swap-space-gb 60 \
+        --reference-file h200_ref/pressure_ref0.npz h200_ref/pressure_ref1.npz --out $OUT/pressure_swap_l8b_B64_G16384.json \
+        > $OUT/pressured_swap.log 2>&1
+      tr '\r' '\n' < $OUT/pressured_swap.log | grep "generate:" | tail -1; tail -8 $OUT/pressured_swap.log ;;
     tests_gemm) timeout 240 python3 -m pytest -q -p no:cacheprovider --noconftest tests/gpu/test_skinny_gemm_cuda.py \
         tests/gpu/test_pipeline_cuda.py::test_gpu_busy_accounting_and_async_overlap > $OUT/gpu_tests_gemm.log 2>&1
       grep -E "passed|failed|FAILED|Error|assert" $OUT/gpu_tests_gemm.log | tail -15 ;;
