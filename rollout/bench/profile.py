@@ -24,7 +24,8 @@ from .shapes import SHAPES, make_config
 
 CATEGORIES = (   # first match wins; names as CUDA reports them
     ("attention", r"_decode_split|_decode_merge|_prefill_kernel"),
-    ("sampling", r"_sample_kernel|_merge_kernel|sort|topk|softmax|gather|argmax|cumsum"),
+    ("sampling", r"_sample_kernel|_merge_kernel|_trunc_kernel|_split_(step|final|merge)_kernel|sort|topk|softmax|"
+                 r"gather|argmax|cumsum"),
     ("gemm", r"gemm|gemv|cutlass|xmma|nvjet|cublas|splitK|sm90_"),
     ("fused small ops", r"_add_rmsnorm|_silu_mul|_rope_kv"),
 )
