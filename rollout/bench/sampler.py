@@ -2,12 +2,14 @@
 
     python -m rollout.bench.sampler [--rows 64 256] [--vocab 151936] [--num-splits 0 1 2 4 8]
         [--block-v 2048] [--num-warps 8] [--trunc-block-v 1024] [--trunc-num-warps 8]
-        [--dist flat peaked] [--modes sampled greedy top_p top_k min_p combined]
+        [--row-splits 1 0] [--dist flat peaked] [--modes sampled greedy top_p top_k min_p combined]
         [--out bench/results/<name>.json]
 
 bf16 logits, no penalty. Modes: "sampled" (every row T = 1, the RL case) and "greedy" (T = 0,
 greedy_only=True) time `fused_sample` (one pass); the truncation modes, every row T = 1, time
-`fused_sample_full`'s truncation kernel (one program per row, several passes over the row):
+`fused_sample_full`'s truncation path for each `--row-splits` S (1: one program per row, several
+passes over the row; S > 1: each row in S chunks, one program each per pass, 2 * digits + 3
+launches; 0 = `default_row_splits`, the candidate default):
 "top_p" 0.9, "top_k" 50, "min_p" 0.05, "combined" all three. Median µs from
 `triton.testing.do_bench` (eager launch) and `do_bench_cudagraph` (launch overhead removed, as
 in the engine's decode graphs); GB/s = the bf16 logits read once (R * V * 2 bytes) / graph time. `--num-splits 0` = the default
@@ -60,6 +62,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dist", nargs="+", default=["flat", "peaked"], choices=["flat", "peaked"])
     ap.add_argument("--trunc-block-v", type=int, default=1024)
     ap.add_argument("--trunc-num-warps", type=int, default=8)
+    ap.add_argument("--row-splits", type=int, nargs="+", default=[1, 0],
+                    help="truncation path chunks per row (1: single program; 0: default_row_splits)")
     modes = ["sampled", "greedy", *TRUNC_MODES]
     ap.add_argument("--modes", nargs="+", default=modes, choices=modes)
     ap.add_argument("--out", default=None, help="write the results as JSON here")
@@ -75,7 +79,13 @@ def main(argv=None) -> int:
     import triton
     from triton.testing import do_bench, do_bench_cudagraph
 
-    from ..kernels.fused_sampler import default_num_splits, fused_sample, fused_sample_full
+    from ..kernels.fused_sampler import (
+        _row_chunks,
+        default_num_splits,
+        default_row_splits,
+        fused_sample,
+        fused_sample_full,
+    )
     from ..sampler import SamplingTensors, sample
 
     V = args.vocab
@@ -85,7 +95,7 @@ def main(argv=None) -> int:
     def record(**kw):
         rows.append(kw)
         extra = "" if kw["impl"] == "torch" else (
-            f"  S={kw['num_splits'] or '-':<3} tok agree {kw['token_agreement']:.4f}"
+            f"  S={kw['num_splits'] or kw.get('row_splits') or '-':<3} tok agree {kw['token_agreement']:.4f}"
             f"  max|dlp| {kw['max_abs_dlogp']:.1e}"
             + (f"  max|dkm| {kw['max_abs_dkept_mass']:.1e}" if "max_abs_dkept_mass" in kw else ""))
         print(f"R={kw['rows']:<4d} {kw['mode']:<8s} {kw['dist']:<7s} {kw['impl']:<6s} eager {kw['us']:8.1f} us  "
@@ -114,18 +124,21 @@ def main(argv=None) -> int:
                 us_graph = do_bench_cudagraph(ref_fn, return_mode="median") * 1e3
                 record(rows=R, mode=mode, dist=dist, impl="torch", num_splits=None, us=us, us_graph=us_graph,
                        gbps=nbytes / us_graph / 1e3)
-                if trunc:  # one config: the truncation kernel has no splits
-                    kw = {"block_v": args.trunc_block_v, "num_warps": args.trunc_num_warps}
-                    o = fused_sample_full(logits, st, **kw)
-                    def fn(logits=logits, st=st, kw=kw):
-                        return fused_sample_full(logits, st, **kw)
-                    us = do_bench(fn, return_mode="median") * 1e3
-                    us_graph = do_bench_cudagraph(fn, return_mode="median") * 1e3
-                    record(rows=R, mode=mode, dist=dist, impl="fused", num_splits=None, us=us, us_graph=us_graph,
-                           gbps=nbytes / us_graph / 1e3, **kw,
-                           token_agreement=(o.token_ids == ref.token_ids).float().mean().item(),
-                           max_abs_dlogp=(o.logprobs - ref.logprobs).abs().max().item(),
-                           max_abs_dkept_mass=(o.kept_mass - ref.kept_mass).abs().max().item())
+                if trunc:
+                    blk = max(args.trunc_block_v, 32 * args.trunc_num_warps)  # chunk granularity
+                    for S in args.row_splits:
+                        S_eff = _row_chunks(V, S or default_row_splits(R, V, logits.device, blk), blk)[0]
+                        kw = {"block_v": args.trunc_block_v, "num_warps": args.trunc_num_warps, "row_splits": S_eff}
+                        o = fused_sample_full(logits, st, **kw)
+                        def fn(logits=logits, st=st, kw=kw):
+                            return fused_sample_full(logits, st, **kw)
+                        us = do_bench(fn, return_mode="median") * 1e3
+                        us_graph = do_bench_cudagraph(fn, return_mode="median") * 1e3
+                        record(rows=R, mode=mode, dist=dist, impl="fused", num_splits=None, default_splits=S == 0,
+                               us=us, us_graph=us_graph, gbps=nbytes / us_graph / 1e3, **kw,
+                               token_agreement=(o.token_ids == ref.token_ids).float().mean().item(),
+                               max_abs_dlogp=(o.logprobs - ref.logprobs).abs().max().item(),
+                               max_abs_dkept_mass=(o.kept_mass - ref.kept_mass).abs().max().item())
                     continue
                 for S in args.num_splits:
                     S_eff = S or default_num_splits(R, V, logits.device, args.block_v)
@@ -146,7 +159,9 @@ def main(argv=None) -> int:
         "git_commit": _git_commit(), "device": torch.cuda.get_device_name(),
         "torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
         "vocab": V, "block_v": args.block_v, "num_warps": args.num_warps, "trunc_block_v": args.trunc_block_v,
-        "trunc_num_warps": args.trunc_num_warps, "results": rows,
+        "trunc_num_warps": args.trunc_num_warps, "row_splits": args.row_splits,
+        "default_row_splits": {R: default_row_splits(R, V, "cuda", max(args.trunc_block_v, 32 * args.trunc_num_warps))
+                               for R in args.rows}, "results": rows,
     }
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

@@ -8,6 +8,7 @@ Skipped without CUDA. Same contract and tolerances as tests/test_fused_sampler_i
 torch.log), so -log u is bit-equal to the reference and only fp32 score rounding
 (x * (1/T), lg2.approx for the outer log) can flip near-ties.
 """
+import functools
 import os
 import sys
 
@@ -208,19 +209,26 @@ def test_truncation_matches_reference(fs, R, Vv, dist):
           f"max |d kept_mass| {km_err:.1e}, max |d logp| {lp_err:.1e}")
 
 
-def test_truncation_top_logprobs_and_greedy_only(fs):
+def split_s(fs, R, Vv, S):
+    """'default': default_row_splits, at least 2 (the split path)."""
+    return max(2, fs.default_row_splits(R, Vv, "cuda")) if S == "default" else S
+
+
+@pytest.mark.parametrize("S", [None, "default"])
+def test_truncation_top_logprobs_and_greedy_only(fs, S):
     from dataclasses import replace
     logits, st = trunc_inputs(64, V, seed=11)
     st = replace(st, num_top_logprobs=8)
-    o, ref = fs.fused_sample_full(logits, st), sample(logits, st)
+    run = functools.partial(fs.fused_sample_full, row_splits=S and split_s(fs, 64, V, S))
+    o, ref = run(logits, st), sample(logits, st)
     assert (o.top_logprobs - ref.top_logprobs).abs().max().item() <= LP_TOL
     t = torch.where(st.temperature > 0, st.temperature, 1.0)[:, None]
     lp_full = torch.log_softmax(logits.float() / t, dim=-1)
     assert (lp_full.gather(1, o.top_ids) - o.top_logprobs).abs().max().item() <= LP_TOL
     gst = replace(st, temperature=torch.zeros_like(st.temperature), all_greedy=True, num_top_logprobs=0)
-    g = fs.fused_sample_full(logits, gst)
+    g = run(logits, gst)
     assert torch.equal(g.token_ids, sample(logits, gst).token_ids)
-    assert torch.equal(g.token_ids, fs.fused_sample_full(logits, replace(gst, all_greedy=False)).token_ids)
+    assert torch.equal(g.token_ids, run(logits, replace(gst, all_greedy=False)).token_ids)
 
 
 @pytest.mark.parametrize("R", [64, 256])
@@ -245,3 +253,113 @@ def test_truncation_cuda_graph_replay_matches_eager(fs, R):
             assert torch.equal(getattr(o, f), getattr(e, f)), f
         mask, _ = fs.fused_kept_mask(logits, st)
         check_trunc(logits, st, o, mask)
+
+
+# ------------------------------------------------------------------ split rows (row_splits > 1)
+# Against the reference as above, and against the single-program kernel: top-k counts are exact
+# and min-p compares the same e(x) bits, so rows without top-p keep exactly the same set; top-p
+# rows may differ at the boundary (the masses are fp32 sums in another order; at this V one
+# rounding of the cumulative mass spans many tail tokens), within the bounds checked above. Where
+# the kept sets agree the tokens must too (same scores, first index on ties). Logprobs each lie
+# within LP_TOL of the fp32 reference, so within 2 * LP_TOL of each other (summation order only).
+def run_split_and_single(fs, logits, st, S):
+    R = logits.shape[0]
+    nan = lambda: torch.full((R,), float("nan"), device="cuda")
+    from rollout.sampler import SamplerOutput
+    out = SamplerOutput(torch.full((R,), -7, dtype=torch.int64, device="cuda"), nan(), nan(), nan(), None, None)
+    o = fs.fused_sample_full(logits, st, out=out, row_splits=S)
+    mask, o2 = fs.fused_kept_mask(logits, st, row_splits=S)
+    for f in ("token_ids", "logprobs", "processed_logprobs", "kept_mass"):
+        assert torch.equal(getattr(o, f), getattr(o2, f)), f
+    mask1, o1 = fs.fused_kept_mask(logits, st)
+    no_p = st.top_p >= 1
+    assert torch.equal(mask[no_p], mask1[no_p])
+    same = (mask == mask1).all(1)
+    assert torch.equal(o.token_ids[same], o1.token_ids[same])
+    dlp = (o.logprobs - o1.logprobs).abs().max().item()
+    assert dlp <= 2 * LP_TOL, dlp
+    return o, mask, int((mask != mask1).sum()), dlp
+
+
+@pytest.mark.parametrize("S", ["default", 5])
+@pytest.mark.parametrize("Vv", [151_936, 128_256])
+@pytest.mark.parametrize("R", [1, 64, 256])
+@pytest.mark.parametrize("dist", ["flat", "peaked"])
+def test_truncation_split_matches_reference_and_single(fs, R, Vv, dist, S):
+    logits, st = trunc_inputs(R, Vv, seed=R + Vv % 97, dist=dist)
+    S = split_s(fs, R, Vv, S)
+    o, mask, vs_single, dlp = run_split_and_single(fs, logits, st, S)
+    tok_mism, row_mism, km_err, lp_err = check_trunc(logits, st, o, mask)
+    print(f"R={R} V={Vv} {dist} S={S}: kept-set token mismatches {tok_mism} in {row_mism} rows (vs single "
+          f"{vs_single}), max |d kept_mass| {km_err:.1e}, max |d logp| {lp_err:.1e} (vs single {dlp:.1e})")
+
+
+def test_truncation_split_tie_runs(fs):
+    # Each row: ~200 ties each of 6, 5 and 4.5 at random positions (so in every one of the 7
+    # chunks), the rest at -20 (mass ~1e-6 of one tie in all). top_p puts the cut half a tie's
+    # mass past the middle of one value's run (top-k rows: k inside the 4.5 run, top_p over the
+    # top-k mass): no rounding (<< 1e-3 of the mass here) can move it, so the kept sets must be
+    # the reference's and the single kernel's exactly, and the cut must split a run of ties that
+    # spans chunks: each chunk's tie offset decides.
+    R, Vv, S = 64, V, 7
+    g = torch.Generator(device="cuda").manual_seed(5)
+    vals = torch.tensor([6.0, 5.0, 4.5], device="cuda")
+    logits = torch.full((R, Vv), -20.0, device="cuda")
+    for r in range(R):
+        pos = torch.randperm(Vv, generator=g, device="cuda")[:600]
+        logits[r, pos] = vals[torch.randint(0, 3, (600,), generator=g, device="cuda")]
+    logits = logits.bfloat16()
+    _, st = trunc_inputs(R, Vv, seed=6)
+    st.temperature.copy_(torch.tensor([1.0, 0.7, 0.0, 1.3], device="cuda").repeat(R // 4))
+    st.min_p.zero_()
+    x = logits.double() / torch.where(st.temperature > 0, st.temperature, 1.0).double()[:, None]
+    e = torch.exp(x - x.max(1, keepdim=True).values)
+    x = logits.double()
+    n = torch.stack([(x == v).sum(1) for v in vals.tolist()], 1)
+    ev = torch.stack([e[r][x[r] == v][0] for r in range(R) for v in vals.tolist()]).view(R, 3)
+    use_k = torch.arange(R, device="cuda") % 2 == 1
+    st.top_k.copy_(torch.where(use_k, n.sum(1) - 3, 0))  # the k-th largest is a 4.5: all 4.5s kept
+    zk = torch.where(use_k, (n * ev).sum(1), e.sum(1))
+    b = torch.arange(R, device="cuda") % 3  # boundary value: 6, 5 or 4.5
+    above = ((n * ev) * (torch.arange(3, device="cuda")[None, :] < b[:, None])).sum(1)
+    nb, eb = n.gather(1, b[:, None])[:, 0], ev.gather(1, b[:, None])[:, 0]
+    st.top_p.copy_(((above + (nb // 2 + 0.5) * eb) / zk).float())
+    o, mask, vs_single, _ = run_split_and_single(fs, logits, st, S)
+    tok_mism, _, _, _ = check_trunc(logits, st, o, mask)
+    assert tok_mism == 0 and vs_single == 0
+    chunk = fs._row_chunks(Vv, S, 1024)[1]
+    for r in range(R):  # the kept prefix of the boundary run ends past chunk 0, ties are cut after it
+        v = vals[b[r]].item()
+        pos = (x[r] == v).nonzero()[:, 0]
+        kept = mask[r][pos]
+        assert int(kept.sum()) == nb[r].item() // 2 + 1 and bool(kept[:nb[r].item() // 2 + 1].all()), r
+        assert pos[nb[r].item() // 2].item() >= chunk, r
+
+
+@pytest.mark.parametrize("R", [1, 64, 256])
+def test_truncation_split_cuda_graph_replay_matches_eager(fs, R):
+    logits, st = trunc_inputs(R, V, seed=7)
+    S = split_s(fs, R, V, "default")
+    from dataclasses import replace
+    st = replace(st, num_top_logprobs=4)
+    o = fs.fused_sample_full(logits, st, row_splits=S)  # compile before capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        og = fs.fused_sample_full(logits, st, out=o, row_splits=S)
+    g = torch.Generator(device="cuda").manual_seed(99)
+    for step in range(4):
+        st.counters.add_(1)
+        logits.copy_(torch.randn(logits.shape, generator=g, device="cuda") * 3)
+        st.top_p.copy_(torch.rand(R, generator=g, device="cuda") * (step % 2) + (1 - step % 2))  # odd: top-p on
+        st.top_k.copy_(torch.randint(0, 200, (R,), generator=g, device="cuda"))
+        for t in (o.token_ids, o.logprobs, o.processed_logprobs, o.kept_mass, og.top_ids, og.top_logprobs):
+            t.fill_(-7)
+        graph.replay()
+        e = fs.fused_sample_full(logits, st, row_splits=S)
+        for f in ("token_ids", "logprobs", "processed_logprobs", "kept_mass", "top_ids", "top_logprobs"):
+            assert torch.equal(getattr(og, f), getattr(e, f)), f
+        e2 = fs.fused_sample_full(logits, st, row_splits=S)  # deterministic run to run
+        assert all(torch.equal(getattr(e, f), getattr(e2, f)) for f in ("token_ids", "logprobs", "kept_mass"))
+        mask, _ = fs.fused_kept_mask(logits, st, row_splits=S)
+        check_trunc(logits, st, og, mask)
