@@ -160,7 +160,7 @@ class ModelRunner:
         if self.fused_sampler and not st.any_penalty:
             # Same contract as `sample` (truncation and top logprobs included) without an fp32 copy
             # of the logits or a sort; a repetition penalty is the torch path's only.
-            from .kernels.fused_sampler import fused_sample_full
+            from .kernels.fused_truncation import fused_sample_full
             return fused_sample_full(logits, st)
         return sample(logits, st)
 

@@ -39,6 +39,7 @@ from dataclasses import replace  # noqa: E402
 import torch  # noqa: E402
 
 from rollout.kernels import fused_sampler as fs  # noqa: E402
+from rollout.kernels import fused_truncation as ft  # noqa: E402
 from rollout.sampler import SamplerOutput, SamplingTensors, counter_uniform, sample  # noqa: E402
 from trunc_check import check_trunc as shared_check_trunc  # noqa: E402
 
@@ -235,10 +236,10 @@ def run_trunc(logits, st, production=True, **kw):
     nan = lambda: torch.full((R,), float("nan"))
     poisoned = lambda: SamplerOutput(torch.full((R,), -7, dtype=torch.int64), nan(), nan(), nan(), None, None)
     out = poisoned()
-    mask, o2 = fs.fused_kept_mask(logits, st, out=out, **kw)
+    mask, o2 = ft.fused_kept_mask(logits, st, out=out, **kw)
     assert o2.token_ids is out.token_ids and o2.kept_mass is out.kept_mass
     if production:
-        o = fs.fused_sample_full(logits, st, out=poisoned(), **kw)
+        o = ft.fused_sample_full(logits, st, out=poisoned(), **kw)
         for f in ("token_ids", "logprobs", "processed_logprobs", "kept_mass"):
             assert torch.equal(getattr(o, f), getattr(o2, f)), f
     return o2, mask
@@ -316,7 +317,7 @@ def check_split_vs_single(st, o, mask, o1, mask1):
 ])
 def test_split_rows_match_reference_and_single(V, dtype, S, block_v, hist_block, single):
     logits, st, o1, mask1 = single_case(V, dtype, *single)
-    assert fs._row_chunks(V, S, max(block_v, hist_block))[0] == S
+    assert ft._row_chunks(V, S, max(block_v, hist_block))[0] == S
     o, mask = run_trunc(logits, st, production=dtype == torch.bfloat16, block_v=block_v, hist_block=hist_block,
                         row_splits=S)
     check_trunc_rows(logits, st, o, mask)
@@ -326,13 +327,13 @@ def test_split_rows_match_reference_and_single(V, dtype, S, block_v, hist_block,
 def test_row_chunks_and_default_splits():
     for V in (1, 255, 256, 777, 1500, 151_936, 128_256):
         for S in (1, 2, 3, 5, 7, 64):
-            n, chunk = fs._row_chunks(V, S, 256)
+            n, chunk = ft._row_chunks(V, S, 256)
             # Whole blocks, none empty, covering V, never more than asked (or than the cap).
-            assert chunk % 256 == 0 and (n - 1) * chunk < V <= n * chunk and 1 <= n <= min(S, fs._MAX_ROW_SPLITS)
+            assert chunk % 256 == 0 and (n - 1) * chunk < V <= n * chunk and 1 <= n <= min(S, ft._MAX_ROW_SPLITS)
     for R in (1, 3, 64, 256, 4096):
-        d = fs.default_row_splits(R, 151_936, "cpu")  # 4 "SMs" on CPU: 12 programs
+        d = ft.default_row_splits(R, 151_936, "cpu")  # 4 "SMs" on CPU: 12 programs
         # The fewest chunks giving >= 12 programs, within [1, cap].
-        assert 1 <= d <= fs._MAX_ROW_SPLITS and (R * d >= 12 or d == fs._MAX_ROW_SPLITS)
+        assert 1 <= d <= ft._MAX_ROW_SPLITS and (R * d >= 12 or d == ft._MAX_ROW_SPLITS)
         assert d == 1 or R * (d - 1) < 12
 
 
@@ -381,7 +382,7 @@ def test_truncation_tie_runs(S):
         assert bool(kept[:int(kept.sum())].all()), r
         inside += bool(0 < kept.sum() < len(pos))
         if S > 1 and 0 < kept.sum() < len(pos):  # the cut falls past the first chunk's ties
-            chunk = fs._row_chunks(V, S, 128)[1]
+            chunk = ft._row_chunks(V, S, 128)[1]
             spans += bool(pos[int(kept.sum()) - 1] >= chunk)
     assert inside >= 8 and bool(mask[16][logits[16] == 0].all())
     if S > 1:
@@ -398,11 +399,11 @@ def test_truncation_rows_without_truncation_and_top_logprobs(S):
     rows = [(0.0, 0, 1.0, 0.0), (1.0, 0, 1.0, 0.0), (0.7, 0, 0.9, 0.0), (1.6, 0, 1.0, 0.0), (0.3, "V", 1.0, 0.0)]
     logits = trunc_logits(len(rows), V, torch.bfloat16, seed=2)
     kw = {"block_v": 512} if S == 1 else {"block_v": 128, "hist_block": 128}
-    assert fs._row_chunks(V, S, 128 if S > 1 else 512)[0] == S  # 384, 384, 132
+    assert ft._row_chunks(V, S, 128 if S > 1 else 512)[0] == S  # 384, 384, 132
     for any_trunc in (True, False) if S == 1 else (True,):
         rs = rows if any_trunc else [r[:1] + (0, 1.0, 0.0) for r in rows]
         st = trunc_st(rs, V, seed=3, K=6, any_truncation=any_trunc)
-        o = fs.fused_sample_full(logits, st, row_splits=S, **kw)
+        o = ft.fused_sample_full(logits, st, row_splits=S, **kw)
         ref = sample(logits, st)
         assert torch.equal(o.token_ids[st.temperature <= 0], ref.token_ids[st.temperature <= 0])
         none = torch.tensor([r[1] in (0, "V") and r[2] >= 1 and r[3] == 0 for r in rs])
@@ -425,10 +426,10 @@ def test_truncation_row_independent_of_batch(S):
     rows = TRUNC_ROWS[:6]
     logits = trunc_logits(len(rows), V, torch.bfloat16, seed=4)
     st = trunc_st(rows, V, seed=9)
-    full = fs.fused_sample_full(logits, st, block_v=256, row_splits=S)  # S = 3: chunks 256, 256, 188
-    assert fs._row_chunks(V, S, 256)[0] == S
+    full = ft.fused_sample_full(logits, st, block_v=256, row_splits=S)  # S = 3: chunks 256, 256, 188
+    assert ft._row_chunks(V, S, 256)[0] == S
     for r in (1, 5):
-        one = fs.fused_sample_full(logits[r:r + 1], replace(st, **{f: getattr(st, f)[r:r + 1] for f in (
+        one = ft.fused_sample_full(logits[r:r + 1], replace(st, **{f: getattr(st, f)[r:r + 1] for f in (
             "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seeds", "counters")}), block_v=256,
             row_splits=S)
         for f in ("token_ids", "logprobs", "processed_logprobs", "kept_mass"):
@@ -448,12 +449,12 @@ def test_truncation_masked_vocab_and_penalty_refused(S):
     logits[:, 256:384] = float("-inf")
     st = trunc_st(rows, V, seed=1)
     o, mask = run_trunc(logits, st, block_v=128, hist_block=128 if S > 1 else None, row_splits=S)
-    assert fs._row_chunks(V, S, 128)[0] == S
+    assert ft._row_chunks(V, S, 128)[0] == S
     check_trunc(logits, st, o, mask)
     assert bool(mask[1, 100:150].all()) and not bool(mask[[0, 2], 100:150].any())
     assert bool(mask[1, 256:384].all()) and not bool(mask[[0, 2], 256:384].any())
     with pytest.raises(ValueError, match="penalty"):
-        fs.fused_sample_full(logits, replace(st, any_penalty=True))
+        ft.fused_sample_full(logits, replace(st, any_penalty=True))
 
 
 def test_compiles_for_sm90(tmp_path):
@@ -465,7 +466,7 @@ def test_compiles_for_sm90(tmp_path):
         import triton
         from triton.backends.compiler import GPUTarget
         from triton.compiler import ASTSource
-        from rollout.kernels import fused_sampler as fs
+        from rollout.kernels import fused_sampler as fs, fused_truncation as ft
         PTR = {"temp_ptr": "*fp32", "topk_ptr": "*i64", "topp_ptr": "*fp32", "minp_ptr": "*fp32", "seed_ptr": "*i64",
                "ctr_ptr": "*i64", "tok_ptr": "*i64", "lp_ptr": "*fp32", "plp_ptr": "*fp32", "km_ptr": "*fp32",
                "stats_ptr": "*fp32", "pf_ptr": "*fp32", "pi_ptr": "*i32", "cnt_ptr": "*i32", "mass_ptr": "*fp32",
@@ -481,11 +482,11 @@ def test_compiles_for_sm90(tmp_path):
         compile_(fs._sample_kernel, SAMPLE=False, STATS=False, SPLITS=7, CHUNK=22528, BLOCK_V=1024)
         for dtype, ndig, shift, steps in (("bf16", 4, 16, range(8)), ("fp32", 8, 0, (0, 7, 8, 15))):
             for j in steps:
-                compile_(fs._split_step_kernel, dtype, J=j, NDIG=ndig, SHIFT=shift, HBLOCK=256, **split)
-        compile_(fs._split_final_kernel, SAMPLE=True, MASK=False, NDIG=4, SHIFT=16, BLOCK_V=1024, **split)
-        compile_(fs._split_final_kernel, "fp32", SAMPLE=False, MASK=True, NDIG=8, SHIFT=0, BLOCK_V=1024, **split)
+                compile_(ft._split_step_kernel, dtype, J=j, NDIG=ndig, SHIFT=shift, HBLOCK=256, **split)
+        compile_(ft._split_final_kernel, SAMPLE=True, MASK=False, NDIG=4, SHIFT=16, BLOCK_V=1024, **split)
+        compile_(ft._split_final_kernel, "fp32", SAMPLE=False, MASK=True, NDIG=8, SHIFT=0, BLOCK_V=1024, **split)
         for stats in (False, True):
-            compile_(fs._split_merge_kernel, num_warps=1, V=V, STATS=stats, SPLITS=7, BLOCK_S=8)
+            compile_(ft._split_merge_kernel, num_warps=1, V=V, STATS=stats, SPLITS=7, BLOCK_S=8)
         print("ok")
     """)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

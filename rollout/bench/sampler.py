@@ -79,13 +79,8 @@ def main(argv=None) -> int:
     import triton
     from triton.testing import do_bench, do_bench_cudagraph
 
-    from ..kernels.fused_sampler import (
-        _row_chunks,
-        default_num_splits,
-        default_row_splits,
-        fused_sample,
-        fused_sample_full,
-    )
+    from ..kernels.fused_sampler import default_num_splits, fused_sample
+    from ..kernels.fused_truncation import _row_chunks, default_row_splits, fused_sample_full
     from ..sampler import SamplingTensors, sample
 
     V = args.vocab

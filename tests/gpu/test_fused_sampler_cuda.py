@@ -10,6 +10,7 @@ torch.log), so -log u is bit-equal to the reference and only fp32 score rounding
 """
 import functools
 import os
+import types
 import sys
 
 import pytest
@@ -38,10 +39,11 @@ TEMPS = [0.0, 0.7, 1.0, 1.6, 0.3, 1.0]
 
 @pytest.fixture(scope="module")
 def fs():
-    from rollout.kernels import fused_sampler
+    from rollout.kernels import fused_sampler, fused_truncation
     if fused_sampler._INTERPRET:
         pytest.skip("kernel module was imported under the interpreter in this process")
-    return fused_sampler
+    # Both kernel modules under one name: the one-pass sampler and the truncation kernels.
+    return types.SimpleNamespace(**{**vars(fused_sampler), **vars(fused_truncation)})
 
 
 def reference(logits, temp, seeds, counters):
