@@ -100,6 +100,18 @@ def _gumbel_pruned(score, block_max, idx, k1, k2, bound):
 
 
 @triton.jit
+def _row_temperature(temp_ptr, row):
+    """(T as given, T used, 1/T, log2(e)/T) for a row: T <= 0 is greedy and uses T = 1.
+    Scores use x * (1/T) (1 op vs ~8 for IEEE x / T): <= 1 ulp from the reference's x / T, so
+    only near-ties can flip; greedy rows (T = 1) are exact. Sums of exp work on raw x:
+    exp2((x - m) * log2(e)/T) never rounds a large x / T before the subtraction."""
+    t_raw = tl.load(temp_ptr + row)
+    t = tl.where(t_raw > 0, t_raw, 1.0)
+    inv_t = 1.0 / t
+    return t_raw, t, inv_t, inv_t * 1.4426950408889634
+
+
+@triton.jit
 def _finish(row_ptr, t, m, total, tok, tok_out, lp_out, stats_out, R, STATS: tl.constexpr):
     # m = max raw x. Division is monotone, so m / T == max(x / T) bit for bit, and
     # (x_tok / T - max) is exactly the reference's; only log(sum) differs (summation order).
@@ -124,13 +136,7 @@ def _sample_kernel(logits_ptr, stride, temp_ptr, seed_ptr, ctr_ptr, tok_ptr, lp_
     row = tl.program_id(0)
     split = tl.program_id(1)
     row_ptr = logits_ptr + row.to(tl.int64) * stride
-    t_raw = tl.load(temp_ptr + row)
-    t = tl.where(t_raw > 0, t_raw, 1.0)
-    # Scores use x * (1/T) (1 op vs ~8 for IEEE x / T): <= 1 ulp from the reference's x / T, so
-    # only near-ties can flip; greedy rows (T = 1) are exact. The sum-exp works on raw x:
-    # exp((x - m) / T) never rounds a large x / T before the subtraction.
-    inv_t = 1.0 / t
-    c = inv_t * 1.4426950408889634  # log2(e) / T
+    t_raw, t, inv_t, c = _row_temperature(temp_ptr, row)
     k1, k2 = _row_keys(tl.load(seed_ptr + row), tl.load(ctr_ptr + row))
     lanes = tl.arange(0, BLOCK_V)
     m = _NEG_BIG + 0.0  # running max of raw x (scalar); s: per-lane sum of exp((x - m) / T)
@@ -181,8 +187,7 @@ def _merge_kernel(logits_ptr, stride, temp_ptr, tok_ptr, lp_ptr, stats_ptr, pf_p
     mx = tl.max(m, 0)
     top = tl.max(best, 0)
     tok = tl.min(tl.where(best == top, bidx, 0x7FFFFFFF), 0)  # splits in index order: first wins
-    t_raw = tl.load(temp_ptr + row)
-    t = tl.where(t_raw > 0, t_raw, 1.0)
+    t_raw, t, inv_t, c = _row_temperature(temp_ptr, row)
     total = tl.sum(s * tl.exp2((m - mx) * (1.4426950408889634 / t)), 0)
     _finish(logits_ptr + row.to(tl.int64) * stride, t, mx, total, tok, tok_ptr + row, lp_ptr + row,
             stats_ptr + row, R, STATS)

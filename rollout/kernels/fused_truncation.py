@@ -30,8 +30,8 @@ import triton
 import triton.language as tl
 
 from ..sampler import SamplerOutput, SamplingTensors
-from .fused_sampler import (_NEG_BIG, _finish, _gumbel_pruned, _log_precise, _merge_kernel, _row_keys, _sample_kernel,
-                            _sm_count, fused_sample)
+from .fused_sampler import (_NEG_BIG, _finish, _gumbel_pruned, _log_precise, _merge_kernel, _row_keys,
+                            _row_temperature, _sample_kernel, _sm_count, fused_sample)
 
 
 @triton.jit
@@ -156,10 +156,7 @@ def _trunc_kernel(logits_ptr, stride, temp_ptr, topk_ptr, topp_ptr, minp_ptr, se
                   NDIG: tl.constexpr, SHIFT: tl.constexpr, BLOCK_V: tl.constexpr, HBLOCK: tl.constexpr):
     row = tl.program_id(0)
     row_ptr = logits_ptr + row.to(tl.int64) * stride
-    t_raw = tl.load(temp_ptr + row)
-    t = tl.where(t_raw > 0, t_raw, 1.0)
-    inv_t = 1.0 / t
-    c = inv_t * 1.4426950408889634  # e(x) = exp((x - m) / T) = exp2((x - m) * c)
+    t_raw, t, inv_t, c = _row_temperature(temp_ptr, row)  # e(x) = exp((x - m) / T) = exp2((x - m) * c)
     top_k = tl.load(topk_ptr + row)
     top_p = tl.load(topp_ptr + row)
     min_p = tl.load(minp_ptr + row)
@@ -328,8 +325,7 @@ def _split_step_kernel(logits_ptr, stride, temp_ptr, topk_ptr, topp_ptr, pf_ptr,
         m = 0.0
         c = 0.0
         if PHASE_P:
-            t_raw = tl.load(temp_ptr + row)
-            c = (1.0 / tl.where(t_raw > 0, t_raw, 1.0)) * 1.4426950408889634  # as _trunc_kernel
+            t_raw, t, inv_t, c = _row_temperature(temp_ptr, row)  # as _trunc_kernel
             m = _row_max(pf_ptr, row, SPLITS, BLOCK_S)
             above = 0.0
             target = 0.0
@@ -366,10 +362,7 @@ def _split_final_kernel(logits_ptr, stride, temp_ptr, topk_ptr, topp_ptr, minp_p
     row = tl.program_id(0)
     split = tl.program_id(1)
     row_ptr = logits_ptr + row.to(tl.int64) * stride
-    t_raw = tl.load(temp_ptr + row)
-    t = tl.where(t_raw > 0, t_raw, 1.0)
-    inv_t = 1.0 / t
-    c = inv_t * 1.4426950408889634
+    t_raw, t, inv_t, c = _row_temperature(temp_ptr, row)
     top_k = tl.load(topk_ptr + row)
     top_p = tl.load(topp_ptr + row)
     min_p = tl.load(minp_ptr + row)
@@ -428,8 +421,7 @@ def _split_merge_kernel(logits_ptr, stride, temp_ptr, pf_ptr, fo_ptr, io_ptr, to
     m = tl.load(pf_ptr + off, mask=ok, other=_NEG_BIG)
     s = tl.load(pf_ptr + R * SPLITS + off, mask=ok, other=0.0)
     mx = tl.max(m, 0)
-    t_raw = tl.load(temp_ptr + row)
-    t = tl.where(t_raw > 0, t_raw, 1.0)
+    t_raw, t, inv_t, c = _row_temperature(temp_ptr, row)
     total = tl.sum(s * tl.exp2((m - mx) * (1.4426950408889634 / t)), 0)
     best = tl.load(fo_ptr + R * SPLITS + off, mask=ok, other=float("-inf"))
     top = tl.max(best, 0)

@@ -233,6 +233,18 @@ def test_truncation_top_logprobs_and_greedy_only(fs, S):
     assert torch.equal(g.token_ids, run(logits, replace(gst, all_greedy=False)).token_ids)
 
 
+def refresh_graph_inputs(logits, st, g, step, outputs):
+    """New inputs in place for a graph replay (next counters, fresh logits, top-p on at odd
+    steps, new top-k), and the outputs poisoned so a replay that skips a write shows."""
+    R = logits.shape[0]
+    st.counters.add_(1)
+    logits.copy_(torch.randn(logits.shape, generator=g, device="cuda") * 3)
+    st.top_p.copy_(torch.rand(R, generator=g, device="cuda") * (step % 2) + (1 - step % 2))  # odd: top-p on
+    st.top_k.copy_(torch.randint(0, 200, (R,), generator=g, device="cuda"))
+    for t in outputs:
+        t.fill_(-7)
+
+
 @pytest.mark.parametrize("R", [64, 256])
 def test_truncation_cuda_graph_replay_matches_eager(fs, R):
     logits, st = trunc_inputs(R, V, seed=7)
@@ -243,12 +255,7 @@ def test_truncation_cuda_graph_replay_matches_eager(fs, R):
         fs.fused_sample_full(logits, st, out=o)
     g = torch.Generator(device="cuda").manual_seed(99)
     for step in range(4):
-        st.counters.add_(1)
-        logits.copy_(torch.randn(logits.shape, generator=g, device="cuda") * 3)
-        st.top_p.copy_(torch.rand(R, generator=g, device="cuda") * (step % 2) + (1 - step % 2))  # odd: top-p on
-        st.top_k.copy_(torch.randint(0, 200, (R,), generator=g, device="cuda"))
-        for t in (o.token_ids, o.logprobs, o.processed_logprobs, o.kept_mass):
-            t.fill_(-7)
+        refresh_graph_inputs(logits, st, g, step, (o.token_ids, o.logprobs, o.processed_logprobs, o.kept_mass))
         graph.replay()
         e = fs.fused_sample_full(logits, st)
         for f in ("token_ids", "logprobs", "processed_logprobs", "kept_mass"):
@@ -351,12 +358,8 @@ def test_truncation_split_cuda_graph_replay_matches_eager(fs, R):
         og = fs.fused_sample_full(logits, st, out=o, row_splits=S)
     g = torch.Generator(device="cuda").manual_seed(99)
     for step in range(4):
-        st.counters.add_(1)
-        logits.copy_(torch.randn(logits.shape, generator=g, device="cuda") * 3)
-        st.top_p.copy_(torch.rand(R, generator=g, device="cuda") * (step % 2) + (1 - step % 2))  # odd: top-p on
-        st.top_k.copy_(torch.randint(0, 200, (R,), generator=g, device="cuda"))
-        for t in (o.token_ids, o.logprobs, o.processed_logprobs, o.kept_mass, og.top_ids, og.top_logprobs):
-            t.fill_(-7)
+        refresh_graph_inputs(logits, st, g, step, (o.token_ids, o.logprobs, o.processed_logprobs, o.kept_mass,
+                                                   og.top_ids, og.top_logprobs))
         graph.replay()
         e = fs.fused_sample_full(logits, st, row_splits=S)
         for f in ("token_ids", "logprobs", "processed_logprobs", "kept_mass", "top_ids", "top_logprobs"):
