@@ -70,12 +70,14 @@ for s in $sections; do
     tests_gemm) timeout 240 python3 -m pytest -q -p no:cacheprovider --noconftest tests/gpu/test_skinny_gemm_cuda.py \
         tests/gpu/test_pipeline_cuda.py::test_gpu_busy_accounting_and_async_overlap > $OUT/gpu_tests_gemm.log 2>&1
       grep -E "passed|failed|FAILED|Error|assert" $OUT/gpu_tests_gemm.log | tail -15 ;;
-    fleet_scaling)   # issue 9 (multi-GPU kinds): P3 per worker, 1 .. all GPUs
-      timeout 480 python3 -m rollout.bench.fleet scaling --shape qwen2.5-1.5b --prompts-per-worker 64 --n 8 \
+    fleet_scaling)   # issue 9 (multi-GPU kinds): P3 per worker, 1 .. all GPUs. The device image has no Ray:
+      # carry .whl (ray 2.60 cp312 without jars / dashboard build / rllib / serve / data / tune / train,
+      # plus jsonschema and its needs) and pip install it --target /tmp/site first (see bench/results/README.md)
+      timeout 420 python3 -m rollout.bench.fleet scaling --shape qwen2.5-1.5b --prompts-per-worker 64 --n 8 \
         --prompt-len 256 --gen-len 4096 --out $OUT/fleet_scaling_q15.json 2>&1 | grep -A8 "^| workers" ;;
     fleet_broadcast) # issue 9: 8B weights, trainer on GPU 0 -> workers on the others, over NCCL, during decode
-      timeout 300 python3 -m rollout.bench.fleet broadcast --shape llama3-8b --batch 32 --gen-len 2048 \
-        --update-after-s 20 --out $OUT/fleet_broadcast_l8b.json 2>&1 | grep "^broadcast" ;;
+      timeout 200 python3 -m rollout.bench.fleet broadcast --shape llama3-8b --batch 32 --gen-len 6144 \
+        --update-after-s 15 --out $OUT/fleet_broadcast_l8b.json 2>&1 | grep "^broadcast" ;;
     tests_new) # this session's GPU tests: PDL, the fused truncating sampler, the skinny GEMM in graphs
       timeout 300 python3 -m pytest -q -p no:cacheprovider --noconftest tests/gpu/test_pdl_cuda.py \
         tests/gpu/test_fused_sampler_cuda.py tests/gpu/test_skinny_gemm_cuda.py > $OUT/gpu_tests_new.log 2>&1
