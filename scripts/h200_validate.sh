@@ -74,10 +74,12 @@ for s in $sections; do
       # carry .whl (ray 2.60 cp312 without jars / dashboard build / rllib / serve / data / tune / train,
       # plus jsonschema and its needs) and pip install it --target /tmp/site first (see bench/results/README.md)
       timeout 420 python3 -m rollout.bench.fleet scaling --shape qwen2.5-1.5b --prompts-per-worker 64 --n 8 \
-        --prompt-len 256 --gen-len 4096 --out $OUT/fleet_scaling_q15.json 2>&1 | grep -A8 "^| workers" ;;
+        --prompt-len 256 --gen-len 4096 --out $OUT/fleet_scaling_q15.json > $OUT/fleet_scaling.log 2>&1
+      grep -E "^[0-9]+ worker|^\| |Error|error" $OUT/fleet_scaling.log | tail -14 ;;
     fleet_broadcast) # issue 9: 8B weights, trainer on GPU 0 -> workers on the others, over NCCL, during decode
       timeout 200 python3 -m rollout.bench.fleet broadcast --shape llama3-8b --batch 32 --gen-len 6144 \
-        --update-after-s 15 --out $OUT/fleet_broadcast_l8b.json 2>&1 | grep "^broadcast" ;;
+        --update-after-s 15 --out $OUT/fleet_broadcast_l8b.json > $OUT/fleet_broadcast.log 2>&1
+      grep -E "^broadcast|Error|error" $OUT/fleet_broadcast.log | tail -8 ;;
     tests_new) # this session's GPU tests: PDL, the fused truncating sampler, the skinny GEMM in graphs
       timeout 300 python3 -m pytest -q -p no:cacheprovider --noconftest tests/gpu/test_pdl_cuda.py \
         tests/gpu/test_fused_sampler_cuda.py tests/gpu/test_skinny_gemm_cuda.py > $OUT/gpu_tests_new.log 2>&1
