@@ -143,7 +143,7 @@ class _WorkerActor:
     def _kv_report(self, cached: bool = False) -> KVReport:
         """The worker's KV state (takes the worker lock, reentrant on its loop thread). cached: reuse
         the one taken after the same engine step (requests finishing together share one)."""
-        with self.worker._lock:
+        with self.worker.locked():
             eng = self.worker.engine
             sch, alloc = eng.scheduler, eng.kv.alloc
             batch = sch._next_batch_id
@@ -159,7 +159,8 @@ class _WorkerActor:
 
     async def run(self, prompt, params: SamplingParams | None) -> tuple[RequestOutput, KVReport]:
         """One prompt's RequestOutput and the worker's KV state right after it finished."""
-        fut = self.worker.submit([prompt], params)
+        # on a thread: submit waits for the step in flight, which must not block this actor's event loop
+        fut = await asyncio.get_running_loop().run_in_executor(None, self.worker.submit, [prompt], params)
         box: list[KVReport] = []
         # runs on the worker's loop thread as it resolves the future (under its lock), before
         # wrap_future's callback (registered after this one) can wake this coroutine
@@ -176,7 +177,7 @@ class _WorkerActor:
     def _abort(self, fut) -> None:
         """Abort the request behind `fut` (its KV pages are freed; the future gets the partial output)."""
         w = self.worker
-        with w._lock:
+        with w.locked():
             ids = [i for f, rids, _ in w._futures.values() if f is fut for i in rids]
             if ids:
                 w._resolve(w.engine.abort(ids))

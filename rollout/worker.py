@@ -8,6 +8,7 @@ Run it inline (`generate`, `step`) or on a background thread (`start`, `submit`)
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -27,13 +28,37 @@ class RolloutWorker:
     def __init__(self, engine: RolloutEngine, *, require_full_updates: bool = False):
         self.engine = engine
         self.weights = WeightSync(engine, require_full=require_full_updates)
-        self._lock = threading.RLock()          # serialises engine access and staging
+        self._lock = threading.RLock()          # serialises engine access and staging (take it via locked())
         self._wake = threading.Condition(self._lock)
+        self._waiting = 0                       # callers blocked in locked(); the loop yields to them
+        self._waiting_guard = threading.Lock()
         self._futures: dict[int, tuple[Future, list[int], dict]] = {}
         self._thread: Optional[threading.Thread] = None
         self._stop = False
         self.finished: list[RequestOutput] = []   # inline mode: outputs not yet collected
         self.metrics = {"stale_finished": 0, "stale_recomputed": 0}
+
+    @contextlib.contextmanager
+    def locked(self):
+        """The worker lock, handed over between steps. Python locks are not fair: the loop thread
+        releases and re-takes it within microseconds, so a plain acquire from another thread (a
+        submit, a weight update) could wait for many steps. The loop waits for registered callers."""
+        with self._waiting_guard:
+            self._waiting += 1
+        try:
+            self._lock.acquire()
+        finally:
+            with self._waiting_guard:
+                self._waiting -= 1
+        try:
+            yield
+        finally:
+            self._lock.release()
+
+    def _let_waiters_in(self, max_wait_s: float = 0.05) -> None:
+        deadline = time.perf_counter() + max_wait_s
+        while self._waiting and time.perf_counter() < deadline:
+            time.sleep(0)          # drops the GIL; a waiter that got the lock decrements _waiting
 
     @property
     def policy_version(self) -> int:
@@ -43,7 +68,7 @@ class RolloutWorker:
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Stage an update (validated whole first); it goes live at the next batch boundary.
         Raises WeightUpdateError, leaving the live weights untouched, on a bad update."""
-        with self._lock:
+        with self.locked():
             self.weights.stage(named_tensors, version)
             self._wake.notify_all()
 
@@ -69,14 +94,14 @@ class RolloutWorker:
 
     # ---- stepping ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        with self._lock:
+        with self.locked():
             outs = self._commit_and_apply_policies()
             outs += self.engine.step()
             self.weights.verify()
             return outs
 
     def add_requests(self, prompts, sampling_params=None) -> list[int]:
-        with self._lock:
+        with self.locked():
             return self.engine.add_requests(prompts, sampling_params)
 
     def generate(self, prompts, sampling_params=None, use_tqdm: bool = False) -> list[RequestOutput]:
@@ -112,7 +137,7 @@ class RolloutWorker:
         """Queue prompts; the future resolves to their RequestOutputs in input order.
         Bad input raises here, before anything is queued."""
         fut: Future = Future()
-        with self._lock:
+        with self.locked():
             ids = self.engine.add_requests(prompts, sampling_params)
             key = ids[0] if ids else -1
             self._futures[key] = (fut, ids, {})
@@ -123,6 +148,7 @@ class RolloutWorker:
 
     def _loop(self) -> None:
         while True:
+            self._let_waiters_in()
             with self._wake:
                 while not self._stop and not self.engine.has_unfinished() and self.weights.pending is None:
                     self._wake.wait(timeout=0.5)
@@ -161,7 +187,7 @@ class RolloutWorker:
             if self._thread.is_alive():
                 raise RuntimeError("rollout worker did not stop within the timeout")
             self._thread = None
-        with self._lock:
+        with self.locked():
             outs = self.engine.drain()
             if abort_pending:
                 outs += self.engine.abort(list(self.engine.requests))
@@ -180,7 +206,7 @@ class RolloutWorker:
         (engine.score) under the same weights and compare with the logprobs we returned.
         Only completions whose every token came from the live version are probed."""
         diffs = []
-        with self._lock:
+        with self.locked():
             for o in outputs:
                 for c in o.completions:
                     if len(diffs) >= max_sequences:

@@ -396,8 +396,8 @@ def _is_peft(model) -> bool:
 def worker_lock(worker):
     """The worker's step lock: (policy_version, pending update) must be read together, or a commit running on the
     worker's background thread can be seen half done (pending already taken, version not yet bumped)."""
-    lock = getattr(worker, "_lock", None)
-    return lock if lock is not None else contextlib.nullcontext()
+    locked = getattr(worker, "locked", None)
+    return locked() if locked is not None else contextlib.nullcontext()
 
 
 def newest_worker_version(worker) -> int:

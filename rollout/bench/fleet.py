@@ -80,10 +80,14 @@ def scaling(args) -> dict:
         start_s = time.perf_counter() - t0
         try:
             _warm_up(fleet, prompts[0])
+            before = fleet.stats()["workers"]
             t0 = time.perf_counter()
             outs = fleet.generate(prompts, params)
             wall = time.perf_counter() - t0
             st = fleet.stats()
+            # compute-stream busy time (CUDA events) and preemptions over the timed run, per worker
+            busy = {i: (s["gpu_busy_ms"] - before[i]["gpu_busy_ms"]) / 1e3 / wall for i, s in st["workers"].items()}
+            preempted = {i: s["preemptions"] - before[i]["preemptions"] for i, s in st["workers"].items()}
             placed = [sum(1 for slot in fleet.placement.values() if slot == i) for i in range(w)]
         finally:
             fleet.shutdown()
@@ -93,11 +97,12 @@ def scaling(args) -> dict:
                  tokens=tokens, tok_s=tokens / wall, all_completed=complete and tokens == len(prompts) * n * G,
                  prompts_per_worker=placed, errors=sorted({o.error for o in outs if o.error}),
                  worker_tok_s={i: s["tok_s"] for i, s in st["workers"].items()},
-                 worker_gpu_busy={i: s.get("gpu_busy") for i, s in st["workers"].items()},
+                 worker_gpu_busy=busy, worker_preemptions=preempted,
                  fraction_of_roofline=tokens / wall / (w * one["tok_s"]))
         runs.append(r)
         print(f"{w} worker(s): {r['tok_s']:.0f} tok/s in {wall:.1f} s, {r['fraction_of_roofline']:.1%} of "
-              f"{w} x roofline, prompts per worker {placed}", flush=True)
+              f"{w} x roofline, prompts per worker {placed}, GPU busy {[round(b, 3) for b in busy.values()]}, "
+              f"preemptions {list(preempted.values())}", flush=True)
     base = runs[0]["tok_s"] / runs[0]["workers"]
     for r in runs:
         r["scaling_efficiency"] = r["tok_s"] / (r["workers"] * base)
