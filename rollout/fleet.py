@@ -215,7 +215,7 @@ class _WorkerActor:
 
         def _recv():
             items = list(receive_weights(src=0, bucket_bytes=bucket_bytes, device=rx_device))
-            self.worker.update_weights(items, version)
+            self.worker.update_weights(items, version, adopt=True)    # the buckets are the staging copy
         await asyncio.get_running_loop().run_in_executor(None, _recv)
 
     async def wait_version(self, version: int, timeout: float) -> int:

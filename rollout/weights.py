@@ -96,9 +96,11 @@ class WeightSync:
             raise WeightUpdateError("weight update rejected: no tensors")
         return items
 
-    def stage(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+    def stage(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, adopt: bool = False) -> None:
         """Validate, then copy into standby buffers (side stream on CUDA). A newer staged
-        update merges over one not yet committed."""
+        update merges over one not yet committed. adopt: tensors already on this device are
+        kept as the standby buffers, not copied (the caller hands them over, e.g. freshly
+        received buckets): an 8B update then needs one extra copy of the weights, not two."""
         if self.pending is not None and version <= self.pending.version:
             raise WeightUpdateError(f"weight update rejected: version {version} is not newer than "
                                     f"staged version {self.pending.version}")
@@ -110,7 +112,12 @@ class WeightSync:
         staged = dict(self.pending.tensors) if self.pending is not None else {}
         ctx = torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext()
         with ctx:
+            if self.cuda:      # adopted tensors were written on the caller's stream
+                self.stream.wait_stream(torch.cuda.current_stream(self.device))
             for name, t in items:
+                if adopt and t.device == self.device:
+                    staged[name] = t
+                    continue
                 buf = torch.empty_like(self.targets[name])
                 buf.copy_(t, non_blocking=True)
                 staged[name] = buf

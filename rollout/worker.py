@@ -65,11 +65,13 @@ class RolloutWorker:
         return self.engine.policy_version
 
     # ---- weights -------------------------------------------------------------------------
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int,
+                       adopt: bool = False) -> None:
         """Stage an update (validated whole first); it goes live at the next batch boundary.
-        Raises WeightUpdateError, leaving the live weights untouched, on a bad update."""
+        Raises WeightUpdateError, leaving the live weights untouched, on a bad update.
+        adopt: the tensors become the staging buffers (see WeightSync.stage)."""
         with self.locked():
-            self.weights.stage(named_tensors, version)
+            self.weights.stage(named_tensors, version, adopt=adopt)
             self._wake.notify_all()
 
     def _commit_and_apply_policies(self) -> list[RequestOutput]:

@@ -181,6 +181,29 @@ def test_submit_is_let_in_between_steps_of_a_busy_loop(model_dir, tiny_tokenizer
     assert max(waits) <= 2, waits
 
 
+
+def test_adopted_update_is_not_copied_and_a_plain_one_is(model_dir, tiny_tokenizer):
+    """adopt=True (the fleet's received buckets) keeps the caller's tensors as the standby copy;
+    without it staging copies, so a trainer may reuse its tensors at once."""
+    old, new = model_dir("llama"), model_dir("llama", seed=1)
+    prompts = random_prompts(tiny_tokenizer, 2, 6, 20, seed=12)
+    p = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)
+    fresh = [o.completions[0].token_ids for o in _engine(new).generate(prompts, p, use_tqdm=False)]
+    for adopt in (True, False):
+        worker = RolloutWorker(_engine(old))
+        update = _weights(new)
+        worker.update_weights(update.items(), version=1, adopt=adopt)
+        staged = worker.weights.pending.tensors
+        same = [staged[n].data_ptr() == t.data_ptr() for n, t in update.items()]
+        assert all(same) if adopt else not any(same)
+        if not adopt:                     # the caller's tensors are free again: scribbling on them changes nothing
+            for t in update.values():
+                t.zero_()
+        out = worker.generate(prompts, p)
+        assert [o.completions[0].token_ids for o in out] == fresh
+        assert worker.weights.metrics["verified"] == 1
+
+
 def _free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
