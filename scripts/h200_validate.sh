@@ -78,7 +78,7 @@ for s in $sections; do
       grep -E "^[0-9]+ worker|^\| |Error|error" $OUT/fleet_scaling.log | tail -14 ;;
     fleet_broadcast) # issue 9: 8B weights, trainer on GPU 0 -> workers on the others, over NCCL, during decode
       # KV for the 32 x 6.4K decode (27 GB) and room for the staged update; the default KV (85% of free) OOMed
-      timeout 200 python3 -m rollout.bench.fleet broadcast --shape llama3-8b --batch 32 --gen-len 6144 \
+      timeout 280 python3 -m rollout.bench.fleet broadcast --shape llama3-8b --batch 32 --gen-len 6144 \
         --update-after-s 15 --kv-bytes 40000000000 --out $OUT/fleet_broadcast_l8b.json > $OUT/fleet_broadcast.log 2>&1
       grep -E "^broadcast|Error|error" $OUT/fleet_broadcast.log | tail -8 ;;
     tests_new) # this session's GPU tests: PDL, the fused truncating sampler, the skinny GEMM in graphs
