@@ -23,6 +23,9 @@ class AttentionMetadata:
     page_size: int
     backend: str = "torch"          # "torch" (reference) or "triton" (rollout.kernels)
     decode_only: bool = False       # one query per sequence: the split-KV decode kernel applies
+    # Batch-invariant mode: every row through the varlen kernel, whose per-row reduction order
+    # does not depend on the step's other sequences (the decode kernel's split count does).
+    batch_invariant: bool = False
 
 
 def attend(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, sliding_window=None) -> torch.Tensor:

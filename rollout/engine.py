@@ -37,7 +37,7 @@ class RolloutEngine:
                  async_pipeline: Optional[bool] = None, kv_reserve_fraction: float = 1.0,
                  attention_backend: str = "auto", cuda_graphs: bool = True,
                  cuda_graph_max_batch: Optional[int] = None, cuda_graph_modes: Seq[str] = MODES,
-                 preemption_mode: str = "recompute", swap_space_gb: float = 0.0):
+                 preemption_mode: str = "recompute", swap_space_gb: float = 0.0, batch_invariant: bool = False):
         self.model = model
         self.hf_config = hf_config
         self.tokenizer = tokenizer
@@ -47,6 +47,11 @@ class RolloutEngine:
         self.max_model_len = int(max_model_len or getattr(hf_config, "max_position_embeddings", 4096))
         self.page_size = page_size
         kv_dtype = kv_dtype or self.dtype
+        # "auto": the Triton kernels (attention, fused sampler) on CUDA, the torch reference on CPU.
+        if attention_backend == "auto":
+            attention_backend = "triton" if self.device.type == "cuda" else "torch"
+        if batch_invariant:
+            self._check_batch_invariant(attention_backend)
         num_pages = self._size_kv(num_kv_pages, kv_cache_memory, page_size, kv_dtype, max_num_seqs)
         self.kv = KVCacheManager(num_pages, page_size)
         if self.kv.alloc.num_usable < self.kv.pages_for(self.max_model_len):
@@ -63,11 +68,8 @@ class RolloutEngine:
             preemption_mode=preemption_mode,
             host_pages=PageAllocator(num_host_pages + 1, page_size) if num_host_pages else None,
             swap_page_s=swap_page_s, recompute_token_s=recompute_token_s)
-        # "auto": the Triton kernels (attention, fused sampler) on CUDA, the torch reference on CPU.
-        if attention_backend == "auto":
-            attention_backend = "triton" if self.device.type == "cuda" else "torch"
         self.runner = ModelRunner(model, num_pages=num_pages, page_size=page_size, kv_dtype=kv_dtype,
-                                  attention_backend=attention_backend,
+                                  attention_backend=attention_backend, batch_invariant=batch_invariant,
                                   num_host_pages=num_host_pages if self.scheduler.host is not None else 0)
         # Both modes run the same one-step-lag schedule; async overlaps the CPU with the GPU
         # (default on CUDA). CPU always runs synchronously. Decode steps replay CUDA graphs
@@ -97,6 +99,18 @@ class RolloutEngine:
         return {**self.metrics, **p.counts, "gpu_busy_ms": p.busy_ms, "graph_capture_s": graph_s,
                 "preemptions": sch.num_preemptions, "swap_outs": sch.num_swap_outs,
                 "swapped_pages": sch.num_swapped_pages, "recomputed_tokens": sch.num_recomputed_tokens}
+
+    def _check_batch_invariant(self, attention_backend: str) -> None:
+        """batch_invariant=True: a sequence's tokens and logprobs do not depend on which other
+        sequences share its steps (so a preempted and resumed run, or one in a bigger batch, gives
+        the same bits). It runs on our Triton kernels only; say so before anything is allocated."""
+        if self.device.type != "cuda" or attention_backend != "triton":
+            raise ValueError("batch_invariant=True needs the Triton kernels on a CUDA device "
+                             f"(device {self.device.type}, attention_backend {attention_backend!r})")
+        if self.dtype not in (torch.bfloat16, torch.float16):
+            raise ValueError(f"batch_invariant=True needs bf16 or fp16 weights, got {self.dtype}")
+        if not getattr(self.model, "fused_small_ops", True):
+            raise ValueError("batch_invariant=True runs on the fused forward (model.fused_small_ops)")
 
     def _preemption_costs(self, page_bytes: int) -> tuple[float, float]:
         """Estimated seconds to move one KV page to the host and back, and to prefill one token

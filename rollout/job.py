@@ -83,6 +83,7 @@ class EngineConfig:                      # keyword arguments of RolloutEngine.fr
     preemption_mode: str = "recompute"       # recompute | swap | auto (swap where cheaper); swap needs:
     swap_space_gb: float = 0.0               # host memory for swapped-out KV pages
     attention_backend: str = "auto"          # auto (Triton on CUDA, torch on CPU) | torch | triton
+    batch_invariant: bool = False            # bits independent of batch-mates (CUDA + Triton, bf16/fp16)
     cuda_graphs: bool = True                 # decode CUDA graphs (CUDA + Triton)
     cuda_graph_max_batch: Optional[int] = None
 

@@ -13,6 +13,10 @@ from .batch import SAMPLING_FIELDS, STEP_FIELDS, Batch, BatchBuilder, field_leng
 from .models.decoder import DecoderLM
 from .sampler import SamplerOutput, SamplingTensors, sample
 
+# The fused sampler's vocab splits in batch-invariant mode (by default they follow the row
+# count, which moves logprobs by an ulp; tokens never move).
+INVARIANT_SAMPLER_SPLITS = 8
+
 
 @dataclass
 class DeviceBatch:
@@ -44,12 +48,16 @@ def carry_penalty_ids(penalty: torch.Tensor, prev_tokens: torch.Tensor) -> torch
 
 class ModelRunner:
     def __init__(self, model: DecoderLM, *, num_pages: int, page_size: int, kv_dtype: torch.dtype,
-                 attention_backend: str = "torch", num_host_pages: int = 0):
+                 attention_backend: str = "torch", num_host_pages: int = 0, batch_invariant: bool = False):
         if attention_backend not in ("torch", "triton"):
             raise ValueError(f"attention_backend must be 'torch' or 'triton', got {attention_backend!r}")
         self.attention_backend = attention_backend
         # The Triton backend also samples with the fused kernel where its contract applies.
         self.fused_sampler = attention_backend == "triton"
+        # Batch-invariant mode (engine checks it applies): the model's GEMMs, the attention
+        # dispatch and the sampler's logprob reduction all use configs fixed per shape, not per batch.
+        self.batch_invariant = batch_invariant
+        model.batch_invariant = batch_invariant
         self.model = model
         self.device = next(model.parameters()).device
         self.page_size = page_size
@@ -112,7 +120,8 @@ class ModelRunner:
         meta = AttentionMetadata(
             slot_mapping=dev["slot_mapping"], block_tables=dev["block_tables"], seq_lens=dev["seq_lens"],
             query_start_loc=dev["query_start_loc"], seq_lens_host=lens, query_start_host=qsl,
-            page_size=self.page_size, backend=self.attention_backend, decode_only=decode_only)
+            page_size=self.page_size, backend=self.attention_backend, decode_only=decode_only,
+            batch_invariant=self.batch_invariant)
         sampling = replace(st, penalty_token_ids=penalty, **{f: dev[f] for f in SAMPLING_FIELDS})
         return DeviceBatch(
             input_ids=dev["input_ids"], carry=dev["carry"] if has_carry else None,
@@ -161,7 +170,7 @@ class ModelRunner:
             # Same contract as `sample` (truncation and top logprobs included) without an fp32 copy
             # of the logits or a sort; a repetition penalty is the torch path's only.
             from .kernels.fused_truncation import fused_sample_full
-            return fused_sample_full(logits, st)
+            return fused_sample_full(logits, st, num_splits=INVARIANT_SAMPLER_SPLITS if self.batch_invariant else None)
         return sample(logits, st)
 
     @torch.inference_mode()

@@ -3,7 +3,8 @@
 # tool's output folder) or ./h200_out. Sections can be picked:
 #   bash scripts/h200_validate.sh tests kernels sampler q05 l8b_short l8b_fp32 seed p3 p5 weights
 #   (issue 7: pressure_ref0 pressure_ref1 pressured pressured_swap pressure_fp32_small; issue 9 on 2+ GPUs:
-#   fleet_scaling fleet_broadcast; issue 4: p1_pdl p5_pdl profile_p1 gemm_pdl sampler_trunc tests_sampler)
+#   fleet_scaling fleet_broadcast; issue 4: p1_pdl p5_pdl profile_p1 gemm_pdl sampler_trunc tests_sampler;
+#   batch-invariant mode: tests_invariant p1_inv pressure_inv_ref0 pressure_inv_ref1 pressured_inv)
 # Run from the repo root on the H200; ROLLOUT_GIT_COMMIT should be passed in (no .git there).
 set -uo pipefail
 OUT=${OUT:-h200_out}; mkdir -p "$OUT"
@@ -67,6 +68,24 @@ for s in $sections; do
         --reference-file h200_ref/pressure_ref0.npz h200_ref/pressure_ref1.npz --out $OUT/pressure_swap_l8b_B64_G16384.json \
         > $OUT/pressured_swap.log 2>&1
       tr '\r' '\n' < $OUT/pressured_swap.log | grep "generate:" | tail -1; tail -8 $OUT/pressured_swap.log ;;
+    tests_invariant) # batch-invariant mode: GEMM rows, engine bits vs batch-mates, bf16 pressure == unpressured
+      timeout 400 python3 -m pytest -q -p no:cacheprovider --noconftest tests/gpu/test_batch_invariant_cuda.py \
+        tests/gpu/test_skinny_gemm_cuda.py > $OUT/gpu_tests_invariant.log 2>&1
+      grep -E "passed|failed|FAILED|Error|assert" $OUT/gpu_tests_invariant.log | tail -15 ;;
+    p1_inv)   # P1 with batch_invariant=True: what bit-stable outputs cost against p1
+      timeout 300 $B --shape llama3-8b --batch 32 --prompt-len 256 --gen-len 8192 --modes async --hf none \
+        --batch-invariant --out $OUT/p1_l8b_B32_G8192_invariant.json 2>&1 | grep -A4 "^| run" ;;
+    pressure_inv_ref0|pressure_inv_ref1) # issue 7 in bf16 with batch-invariant kernels: reference chunks
+      c=${s#pressure_inv_ref}; timeout 560 python3 -m rollout.bench.pressure --shape llama3-8b --batch 64 --prompt-len 256 \
+        --gen-len 16384 --reference-chunks 2 --runs unpressured --chunk $c --batch-invariant \
+        --reference-file $OUT/pressure_inv_ref$c.npz --out $OUT/pressure_inv_ref${c}_l8b_B64_G16384.json > $OUT/pressure_inv_ref$c.log 2>&1
+      tr '\r' '\n' < $OUT/pressure_inv_ref$c.log | grep -E "generate:|^reference" | tail -2 ;;
+    pressured_inv) # issue 7: KV for half the demand, batch-invariant, bits compared with h200_ref/pressure_inv_ref{0,1}.npz
+      timeout ${PRESSURED_TIMEOUT:-590} python3 -m rollout.bench.pressure --shape llama3-8b --batch 64 --prompt-len 256 \
+        --gen-len 16384 --reference-chunks 2 --kv-fraction 0.5 --runs pressured --batch-invariant \
+        --reference-file h200_ref/pressure_inv_ref0.npz h200_ref/pressure_inv_ref1.npz \
+        --out $OUT/pressure_inv_l8b_B64_G16384.json > $OUT/pressured_inv.log 2>&1
+      tr '\r' '\n' < $OUT/pressured_inv.log | grep "generate:" | tail -1; tail -10 $OUT/pressured_inv.log ;;
     tests_gemm) timeout 240 python3 -m pytest -q -p no:cacheprovider --noconftest tests/gpu/test_skinny_gemm_cuda.py \
         tests/gpu/test_pipeline_cuda.py::test_gpu_busy_accounting_and_async_overlap > $OUT/gpu_tests_gemm.log 2>&1
       grep -E "passed|failed|FAILED|Error|assert" $OUT/gpu_tests_gemm.log | tail -15 ;;

@@ -172,6 +172,13 @@ def test_swap_configuration_errors(model_dir):
         _engine(path, preemption_mode="swap")
 
 
+def test_batch_invariant_needs_cuda_triton_and_half_precision(model_dir):
+    """batch_invariant=True runs on our Triton kernels only: on CPU (torch reference ops) it is a
+    clear error at construction, not a silent no-op. The GPU side is tests/gpu/test_batch_invariant_cuda.py."""
+    with pytest.raises(ValueError, match="batch_invariant=True needs the Triton kernels on a CUDA device"):
+        _engine(model_dir("llama"), batch_invariant=True)
+
+
 def test_swapped_out_sequence_recomputed_on_request_and_abort_frees_host_slots(model_dir, tiny_tokenizer):
     """What the RL worker's stale_kv="recompute" policy does at a weight update: a sequence
     waiting with its KV in host slots drops it and re-prefills (same tokens: same weights

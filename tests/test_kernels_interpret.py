@@ -169,6 +169,45 @@ def test_skinny_gemm_split_k(split_k):
         sg.skinny_gemm(x, w, 64, 64, 4, 2, 3)
 
 
+
+def test_batch_invariant_gemm_rows_do_not_depend_on_their_batch():
+    """Batch-invariant mode's GEMM (fixed 64-row tiles, any M): each row of x gives the same bits
+    alone, in any subset and in the full 150-row product (3 M tiles, a masked tail), and matches
+    torch. fp16 (the interpreter's bf16 dot is broken): one rounding of an fp32 sum of 256
+    products of O(1/16) values, ~1e-3 relative; 2e-3 is FP16_TOL. On the GPU the same property is
+    tests/gpu/test_batch_invariant_cuda.py's, where tile shapes do change the MMA schedule."""
+    from rollout.kernels.skinny_gemm import batch_invariant_gemm
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(150, 256, generator=g).half()
+    w, b = (torch.randn(96, 256, generator=g) / 16).half(), torch.randn(96, generator=g).half()
+    full = batch_invariant_gemm(x, w, b)
+    torch.testing.assert_close(full.float(), x.float() @ w.float().T + b.float(), **FP16_TOL)
+    for rows in ([0], [149], [5, 17, 140], list(range(64, 130))):
+        assert torch.equal(batch_invariant_gemm(x[rows], w, b), full[rows]), rows
+    with pytest.raises(ValueError, match="bf16 or fp16"):
+        batch_invariant_gemm(x.float(), w.float())
+
+
+def test_batch_invariant_attention_takes_the_varlen_kernel_for_decode():
+    """With meta.batch_invariant a decode-only batch goes to the varlen kernel (the split-KV
+    kernel's split count follows the batch size), and a sequence's row is the same bits alone
+    or with others, in a decode batch or beside a prefill chunk."""
+    from dataclasses import replace
+    lens, ps, Hq, Hkv, D = [40, 5, 30], 16, 8, 2, 64
+    caches, poisoned, bt = make_paged(lens, Hkv, D, ps, torch.float16, seed=9)
+    q = torch.randn(3, Hq, D).half()
+    dmeta = replace(meta_for(lens, [1, 1, 1], bt, ps), batch_invariant=True)
+    out = paged_attention(q, *poisoned, dmeta, 0.125)
+    assert torch.equal(out, paged_prefill_attention(q, *poisoned, bt, dmeta.query_start_loc, dmeta.seq_lens, 0.125))
+    torch.testing.assert_close(out.float(), reference(q, caches, dmeta, 0.125, None), **FP16_TOL)
+    alone = replace(meta_for(lens[2:], [1], bt[2:], ps), batch_invariant=True)
+    assert torch.equal(paged_attention(q[2:], *poisoned, alone, 0.125), out[2:])
+    # sequence 2's decode row next to a 12-token chunk of sequence 0 (a mixed step)
+    mixed = replace(meta_for([lens[0], lens[2]], [12, 1], bt[[0, 2]], ps), batch_invariant=True)
+    qm = torch.cat([torch.randn(12, Hq, D).half(), q[2:]])
+    assert torch.equal(paged_attention(qm, *poisoned, mixed, 0.125)[12:], out[2:])
+
+
 def test_compiles_for_sm90(tmp_path):
     """The interpreter runs kernels as Python: it misses compile-time errors (loop-carried
     constexprs, layout/shape rules of tl.dot). Compile each kernel ahead of time for sm_90 with
@@ -223,6 +262,8 @@ def test_compiles_for_sm90(tmp_path):
             for split in (1, 2):
                 compile_(sg._skinny_gemm_kernel, pdl, early_loads=True, BLOCK_M=32, BLOCK_N=64, BLOCK_K=128,
                          EVEN_N=split == 1, HAS_BIAS=split == 2, SPLIT_K=split)
+            compile_(sg._skinny_gemm_kernel, pdl, early_loads=True, BLOCK_M=sg.INVARIANT_BLOCK_M,   # batch-invariant
+                     BLOCK_N=sg.invariant_block_n(4096), BLOCK_K=128, EVEN_N=True, HAS_BIAS=False, SPLIT_K=1)
         print("ok")
     """)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

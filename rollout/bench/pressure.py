@@ -164,7 +164,8 @@ def timed_run(label: str, model, cfg, prompts, G: int, kv_bytes: int, args, devi
                            max_num_batched_tokens=args.max_batched_tokens, seed=args.seed,
                            kv_reserve_fraction=args.reserve_fraction, attention_backend=args.attention_backend,
                            preemption_mode=args.preemption_mode, swap_space_gb=args.swap_space_gb,
-                           cuda_graphs=not args.no_graphs, cuda_graph_modes=("greedy",))
+                           cuda_graphs=not args.no_graphs, cuda_graph_modes=("greedy",),
+                           batch_invariant=args.batch_invariant)
     init_s = time.perf_counter() - t0
     capacity = engine.kv.alloc.num_usable * engine.page_size
     kv_alloc_gb = torch.cuda.memory_allocated(device) / 1e9 if device.type == "cuda" else None
@@ -319,6 +320,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--linear", default="auto", choices=("auto", "cublas"),
                     help="decode GEMMs: auto = the skinny Triton GEMM where its table says it wins; cublas = "
                          "F.linear only (to compare with reference files made before that kernel)")
+    ap.add_argument("--batch-invariant", action="store_true",
+                    help="engine batch_invariant=True: a sequence's bits do not depend on its batch-mates, so "
+                         "bf16 greedy outputs under pressure can be compared exactly (reference files too)")
     ap.add_argument("--reference-chunks", type=int, default=1,
                     help="run the unpressured reference as this many engines one after another, each with "
                          "KV for its share of the prompts (B=64 x G=16384 of the 8B shape needs 2)")
@@ -380,7 +384,7 @@ def main(argv=None) -> dict:
 
     result = {"shape": args.shape, "batch": B, "prompt_len": P, "gen_len": G, "dtype": args.dtype,
               "device_type": device.type, "kv_fraction": args.kv_fraction, "reserve_fraction": args.reserve_fraction,
-              "reference_chunks": args.reference_chunks, "runs": args.runs,
+              "reference_chunks": args.reference_chunks, "runs": args.runs, "batch_invariant": args.batch_invariant,
               "max_batched_tokens": args.max_batched_tokens, "seed": args.seed, "model_init_s": model_init_s,
               "weights_gb": weights_gb, "roofline": rf}
     if args.runs in ("both", "unpressured"):

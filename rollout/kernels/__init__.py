@@ -58,10 +58,11 @@ def paged_attention(q, k_cache, v_cache, meta, scale, sliding_window=None):
     """Drop-in for `attention.paged_attention_ref` (same arguments; K/V already written).
     Decode-only batches (one query per sequence) take the split-KV decode kernel with a split
     count from the batch size alone (graph-safe); anything with a longer chunk takes the varlen
-    prefill kernel, which is correct for mixed batches too."""
+    prefill kernel, which is correct for mixed batches too (and takes every batch in
+    batch-invariant mode: a decode row then gets the same bits in a mixed step as in a pure one)."""
     from .paged_decode import paged_decode_attention, pick_num_splits
     from .paged_prefill import paged_prefill_attention
-    if meta.decode_only:
+    if meta.decode_only and not meta.batch_invariant:
         return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,
                                       sliding_window, pick_num_splits(q.shape[0], k_cache.shape[2]))
     return paged_prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc,

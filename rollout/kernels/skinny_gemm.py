@@ -37,7 +37,7 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, s_
                         PDL: tl.constexpr):
     pid = tl.program_id(0)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    rm = tl.arange(0, BLOCK_M)
+    rm = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)     # one M tile except batch_invariant_gemm's
     rk = tl.arange(0, BLOCK_K)
     # This program's K tiles [kt0, kt1): all of K, or its share of a split.
     k_tiles = K // BLOCK_K                       # K % BLOCK_K == 0 (checked by the wrapper)
@@ -45,7 +45,7 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, s_
     kt0 = tl.program_id(1) * per
     kt1 = tl.minimum(kt0 + per, k_tiles)
     w_ptrs = w_ptr + rn.to(tl.int64)[:, None] * s_wn + (kt0 * BLOCK_K + rk)[None, :]
-    x_ptrs = x_ptr + rm[:, None] * s_xm + (kt0 * BLOCK_K + rk)[None, :]
+    x_ptrs = x_ptr + rm.to(tl.int64)[:, None] * s_xm + (kt0 * BLOCK_K + rk)[None, :]
     m_ok = rm[:, None] < M
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     if PDL:   # the first weight tile while the previous kernel drains (weights are not its output)
@@ -90,7 +90,7 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, s_
 def _epilogue(acc, b_ptr, y_ptr, rm, rn, M, N, s_ym, HAS_BIAS: tl.constexpr):
     if HAS_BIAS:      # in fp32 before the one rounding, like cuBLAS's bias epilogue
         acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[:, None]
-    y_ptrs = y_ptr + rm[None, :] * s_ym + rn[:, None]
+    y_ptrs = y_ptr + rm.to(tl.int64)[None, :] * s_ym + rn[:, None]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(rm[None, :] < M) & (rn[:, None] < N))
 
 
@@ -119,7 +119,7 @@ def pick_config(N: int, K: int, M: int) -> Optional[tuple[int, ...]]:
     return None
 
 
-def block_m(M: int) -> int:
+def pick_block_m(M: int) -> int:
     """The MMA needs >= 16 rows; round M up to a power of two so few variants compile."""
     return max(16, triton.next_power_of_2(M))
 
@@ -142,27 +142,59 @@ def _split_counters(device: torch.device, tiles: int) -> torch.Tensor:
 
 def skinny_gemm(x: torch.Tensor, w: torch.Tensor, block_n: int, block_k: int, num_warps: int = 4,
                 num_stages: int = 4, split_k: int = 1, out: Optional[torch.Tensor] = None,
-                bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+                bias: Optional[torch.Tensor] = None, block_m: Optional[int] = None) -> torch.Tensor:
     """x [M, K] (unit stride in K), w [N, K] contiguous, bias [N] or None -> y [M, N] in x's dtype.
     split_k > 1: each output tile's K is shared by split_k programs (more programs for a small N
-    than SMs would otherwise get); K / block_k must be a multiple of split_k."""
+    than SMs would otherwise get); K / block_k must be a multiple of split_k.
+    block_m: None = one M tile of M rows rounded up (M <= 64); else tiles of block_m rows, any M."""
     M, K = x.shape
     N = w.shape[0]
-    assert M <= MAX_M and w.shape[1] == K and x.stride(1) == 1 and w.is_contiguous()
+    assert (M <= MAX_M or block_m) and w.shape[1] == K and x.stride(1) == 1 and w.is_contiguous()
+    assert split_k == 1 or triton.cdiv(M, block_m or MAX_M) == 1, "split-K takes one M tile"
     assert K % block_k == 0, f"K={K} is not a multiple of BLOCK_K={block_k}"
     assert split_k >= 1 and (K // block_k) % split_k == 0, f"{K // block_k} K tiles do not split {split_k} ways"
     if out is None:
         out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M:
         pdl = pdl_for(x)
-        bm, tiles = block_m(M), triton.cdiv(N, block_n)
+        bm, tiles = block_m or pick_block_m(M), triton.cdiv(N, block_n)
         if split_k > 1:
             ws = torch.empty((split_k, bm, N), dtype=torch.float32, device=x.device)
             cnt = _split_counters(x.device, tiles)
         else:
             ws = cnt = out          # unused
-        _skinny_gemm_kernel[(tiles, split_k)](
+        _skinny_gemm_kernel[(tiles, split_k, triton.cdiv(M, bm))](
             x, w, bias if bias is not None else w, out, ws, cnt, M, N, K, x.stride(0), w.stride(0), out.stride(0),
             BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_N=N % block_n == 0, HAS_BIAS=bias is not None,
             SPLIT_K=split_k, PDL=pdl, num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl)
     return out
+
+
+# Batch-invariant mode: one config per weight whatever the row count, so a row's result is the
+# same bits in a decode batch of 1 or 64 and in a prefill of thousands (fixed BLOCK_M, BLOCK_K and
+# K order, no split-K). It trades cuBLAS's speed at large M for outputs that do not depend on
+# which other sequences share the batch.
+INVARIANT_BLOCK_M = 64
+
+
+def invariant_block_n(N: int) -> int:
+    """64-row weight tiles for wide outputs; 32 below 16K so that decode's weight streaming still
+    has >= 128 programs (o_proj / down_proj of the 8B shape: N = 4096). A function of N only."""
+    return 64 if N >= 16384 else 32
+
+
+def invariant_block_k(K: int) -> int:
+    for bk in (128, 64, 32, 16):
+        if K % bk == 0:
+            return bk
+    raise ValueError(f"batch-invariant GEMM: K={K} is not a multiple of 16")
+
+
+def batch_invariant_gemm(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x [M, K] @ w[N, K].T (+ bias) for any M; row i of the result depends only on x[i] and w."""
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"batch-invariant GEMM needs bf16 or fp16 activations, got {x.dtype}")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    return skinny_gemm(x, w, invariant_block_n(w.shape[0]), invariant_block_k(x.shape[1]), num_warps=4, num_stages=3,
+                       bias=bias, block_m=INVARIANT_BLOCK_M)

@@ -97,6 +97,12 @@ def plain_linear(lin: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return F.linear(x, lin.weight, getattr(lin, "bias", None))
 
 
+def invariant_linear(lin: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Batch-invariant mode: one Triton GEMM config per weight for every row count."""
+    from ..kernels.skinny_gemm import batch_invariant_gemm
+    return batch_invariant_gemm(x, lin.weight, getattr(lin, "bias", None))
+
+
 def skinny_or_cublas(lin: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """x @ lin.weight.T (+ bias), where a decode-sized bf16 x on the GPU takes the skinny Triton
     GEMM if the swept table (kernels/skinny_gemm.py) says it beats cuBLAS for this weight shape.
@@ -215,6 +221,12 @@ class DecoderLM(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(cfg, attn.head_dim), persistent=False)
         self.fused_small_ops = True   # with the Triton backend; the profile bench turns it off to compare
         self.skinny_gemm = True       # decode GEMMs on the fused path: Triton where it beats cuBLAS
+        self.batch_invariant = False  # set by the engine: every GEMM through invariant_linear
+
+    def _linear(self):
+        if self.batch_invariant:
+            return invariant_linear
+        return skinny_or_cublas if self.skinny_gemm else plain_linear
 
     def rope(self, positions: torch.Tensor):
         # fp32 angles, like HF; cast to the activation dtype after cos/sin.
@@ -237,7 +249,7 @@ class DecoderLM(nn.Module):
         is fused into the RMSNorm that follows it (the next layer's input norm, or the final
         norm), SiLU * up is one kernel, RoPE + K/V write one kernel."""
         from ..kernels.fused_ops import add_rmsnorm, silu_mul
-        linear = skinny_or_cublas if self.skinny_gemm else plain_linear
+        linear = self._linear()
         norms = [layer.input_layernorm for layer in self.layers] + [self.norm]
         residual = self.embed_tokens(input_ids)
         h, _ = add_rmsnorm(residual, norms[0].weight, norms[0].eps)
@@ -251,7 +263,7 @@ class DecoderLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         head = self.embed_tokens if self.tie_word_embeddings else self.lm_head
-        return (skinny_or_cublas if self.skinny_gemm else plain_linear)(head, hidden)
+        return self._linear()(head, hidden)
 
     # ---- HF checkpoint names -> our fused parameters ---------------------------------
     def hf_param_slices(self):
