@@ -49,6 +49,15 @@ class _Landing:
     copy_events: tuple = ()                 # CUDA (start, end) around the in-place copies
 
 
+def free_bytes(device: torch.device) -> Optional[int]:
+    """Device memory a new allocation can use: free on the device plus what torch's caching
+    allocator holds unused. None on CPU (no fixed budget)."""
+    if device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+
+
 def _checksums(tensors: list[torch.Tensor]) -> torch.Tensor:
     # One read of each tensor; the same reduction on the same device and dtype is
     # deterministic, so an exact copy gives bit-equal sums.
@@ -108,6 +117,8 @@ class WeightSync:
             raise WeightUpdateError(f"weight update rejected: version {version} is not newer than "
                                     f"live version {self.engine.policy_version}")
         items = self.validate(named_tensors)
+        copied = [name for name, t in items if not (adopt and t.device == self.device)]
+        self._check_room(sum(self.targets[n].numel() * self.targets[n].element_size() for n in copied))
         t0 = time.perf_counter()
         staged = dict(self.pending.tensors) if self.pending is not None else {}
         ctx = torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext()
@@ -129,6 +140,16 @@ class WeightSync:
                 event.record()
         nbytes = sum(t.numel() * t.element_size() for t in staged.values())
         self.pending = _Staged(version, staged, sums, event, nbytes, (time.perf_counter() - t0) * 1e3)
+
+    def _check_room(self, nbytes: int) -> None:
+        """Staging holds a device copy of every tensor it does not adopt. Refuse the update before
+        allocating any, rather than fail with an out-of-memory error halfway through."""
+        free = free_bytes(self.device)
+        if free is not None and nbytes > free:
+            raise WeightUpdateError(
+                f"weight update rejected: staging needs {nbytes / 1e9:.2f} GB on {self.device}, "
+                f"{free / 1e9:.2f} GB free; leave room for one copy of the weights beside the KV cache "
+                f"(a smaller kv_cache_memory)")
 
     # ---- commit at a batch boundary ---------------------------------------------------------
     def commit(self) -> Optional[int]:

@@ -204,6 +204,29 @@ def test_adopted_update_is_not_copied_and_a_plain_one_is(model_dir, tiny_tokeniz
         assert worker.weights.metrics["verified"] == 1
 
 
+
+def test_update_without_room_to_stage_is_refused_before_anything_changes(model_dir, tiny_tokenizer, monkeypatch):
+    """Staging copies every tensor it does not adopt; with less device memory free than that,
+    the update is refused up front (not a CUDA out-of-memory error halfway), nothing is staged,
+    and generation goes on with the old weights. Adopted tensors need no room."""
+    import rollout.weights as rw
+    old, new = model_dir("llama"), model_dir("llama", seed=1)
+    update = _weights(new)
+    nbytes = sum(t.numel() * t.element_size() for t in update.values())
+    monkeypatch.setattr(rw, "free_bytes", lambda device: nbytes - 1)      # one byte short
+    worker = RolloutWorker(_engine(old))
+    prompts = random_prompts(tiny_tokenizer, 2, 6, 20, seed=13)
+    p = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)
+    with pytest.raises(WeightUpdateError, match="staging needs"):
+        worker.update_weights(update.items(), version=1)
+    assert worker.weights.pending is None
+    baseline = _engine(old).generate(prompts, p, use_tqdm=False)
+    out = worker.generate(prompts, p)
+    assert [o.completions[0].token_ids for o in out] == [o.completions[0].token_ids for o in baseline]
+    worker.update_weights(update.items(), version=1, adopt=True)      # nothing to copy: accepted
+    assert worker.weights.pending is not None
+
+
 def _free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
