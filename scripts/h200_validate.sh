@@ -4,7 +4,8 @@
 #   bash scripts/h200_validate.sh tests kernels sampler q05 l8b_short l8b_fp32 seed p3 p5 weights
 #   (issue 7: pressure_ref0 pressure_ref1 pressured pressured_swap pressure_fp32_small; issue 9 on 2+ GPUs:
 #   fleet_scaling fleet_broadcast; issue 4: p1_pdl p5_pdl profile_p1 gemm_pdl sampler_trunc tests_sampler;
-#   batch-invariant mode: tests_invariant p1_inv pressure_inv_ref0 pressure_inv_ref1 pressured_inv)
+#   batch-invariant mode: tests_invariant p1_inv pressure_inv_ref0 pressure_inv_ref1 pressured_inv, or on 3+
+#   GPUs inv_parallel, beside which another section can run on the last GPU: CUDA_VISIBLE_DEVICES=3 bash ... &)
 # Run from the repo root on the H200; ROLLOUT_GIT_COMMIT should be passed in (no .git there).
 set -uo pipefail
 OUT=${OUT:-h200_out}; mkdir -p "$OUT"
@@ -18,7 +19,7 @@ for s in $sections; do
         tests/gpu/test_graphs_cuda.py::test_second_slot_graphs_cost_little_memory > $OUT/gpu_tests_fix.log 2>&1
       grep -E "passed|failed|FAILED|busy=|reserved bytes|assert" $OUT/gpu_tests_fix.log | tail -12 ;;
     tests)    # correctness first: bf16 vs HF, pipeline, graphs, kernels, fused sampler
-      ROLLOUT_GPU_REPORT=$OUT/gpu_tests.jsonl timeout 420 python3 -m pytest -q -p no:cacheprovider --noconftest \
+      ROLLOUT_GPU_REPORT=$OUT/gpu_tests.jsonl timeout 540 python3 -m pytest -q -p no:cacheprovider --noconftest \
         -s tests/gpu > $OUT/gpu_tests.log 2>&1
       grep -E "passed|failed|FAILED|busy=|peak bytes|barrier_ms" $OUT/gpu_tests.log | tail -30 ;;
     profile_unfused) timeout 150 python3 -m rollout.bench.profile --shape llama3-8b --batch 32 --context 1024 \
@@ -86,6 +87,16 @@ for s in $sections; do
         --reference-file h200_ref/pressure_inv_ref0.npz h200_ref/pressure_inv_ref1.npz \
         --out $OUT/pressure_inv_l8b_B64_G16384.json > $OUT/pressured_inv.log 2>&1
       tr '\r' '\n' < $OUT/pressured_inv.log | grep "generate:" | tail -1; tail -10 $OUT/pressured_inv.log ;;
+    inv_parallel) # issue 7 in one call on 3+ GPUs: reference chunks on GPUs 0 and 1, the pressured run on GPU 2
+      # at the same time (it reads the chunks' files after its own run); batch-invariant; npz and logs in /tmp
+      # (at most 8 files come back from $OUT)
+      X="python3 -m rollout.bench.pressure --shape llama3-8b --batch 64 --prompt-len 256 --gen-len 16384 --reference-chunks 2 --batch-invariant"
+      for c in 0 1; do CUDA_VISIBLE_DEVICES=$c timeout 580 $X --runs unpressured --chunk $c \
+        --reference-file /tmp/inv_ref$c.npz --out $OUT/pressure_inv_ref${c}_l8b_B64_G16384.json > /tmp/inv_ref$c.log 2>&1 & done
+      CUDA_VISIBLE_DEVICES=2 timeout 590 $X --runs pressured --kv-fraction 0.5 --wait-reference-s 560 \
+        --reference-file /tmp/inv_ref0.npz /tmp/inv_ref1.npz --out $OUT/pressure_inv_l8b_B64_G16384.json > /tmp/inv_pr.log 2>&1
+      wait; for f in /tmp/inv_ref0.log /tmp/inv_ref1.log; do tr '\r' '\n' < $f | grep -E "^reference|Error" | tail -2; done
+      tail -10 /tmp/inv_pr.log ;;
     tests_gemm) timeout 240 python3 -m pytest -q -p no:cacheprovider --noconftest tests/gpu/test_skinny_gemm_cuda.py \
         tests/gpu/test_pipeline_cuda.py::test_gpu_busy_accounting_and_async_overlap > $OUT/gpu_tests_gemm.log 2>&1
       grep -E "passed|failed|FAILED|Error|assert" $OUT/gpu_tests_gemm.log | tail -15 ;;

@@ -93,6 +93,32 @@ def test_reference_in_chunks_saved_then_compared_in_a_second_call(tmp_path):
         pressure.main(common + ["--runs", "pressured", "--seed", "1", "--reference-file", *map(str, refs)])
 
 
+
+def test_pressured_run_beside_its_reference_chunks_waits_for_their_files(tmp_path):
+    """The one-call flow on a machine of several GPUs: the pressured run starts at the same time as
+    the two reference chunks and reads their files (written whole, then renamed) after its own run.
+    Without the files it stops with a clear error after its wait."""
+    import threading
+    refs = [tmp_path / "ref0.npz", tmp_path / "ref1.npz"]
+    common = ["--shape", "tiny", "--batch", str(B), "--prompt-len", str(P), "--gen-len", str(G),
+              "--dtype", "float32", "--device", "cpu", "--reference-chunks", "2"]
+    box = {}
+    pressured = threading.Thread(target=lambda: box.update(r=pressure.main(
+        common + ["--runs", "pressured", "--kv-fraction", "0.5", "--wait-reference-s", "120",
+                  "--reference-file", *map(str, refs)])))
+    pressured.start()
+    for c in (0, 1):
+        pressure.main(common + ["--runs", "unpressured", "--chunk", str(c), "--reference-file", str(refs[c])])
+    pressured.join(timeout=300)
+    r = box["r"]
+    assert r["outputs"]["identical"] and r["pressured"]["preemptions"] > 0
+    assert r["unpressured"]["tokens"] == B * G
+    assert not list(tmp_path.glob("*.part.npz"))
+    with pytest.raises(SystemExit, match="not found"):
+        pressure.main(common + ["--runs", "pressured", "--wait-reference-s", "0.1",
+                                "--reference-file", str(tmp_path / "none0.npz"), str(tmp_path / "none1.npz")])
+
+
 def test_differences_are_attributed_to_preemption_only_at_or_after_it():
     ref = [[1, 2, 3, 4], [5, 6, 7, 8], [9, 9, 9, 9]]
     got = [[1, 2, 0, 4], [5, 0, 7, 8], [9, 9, 9, 0]]

@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import time
 
 import torch
@@ -257,9 +258,18 @@ def save_reference(path: str, prompts, tokens, logprobs, summary: dict) -> None:
     """One reference chunk's outputs for a later --runs pressured call (same seed: same
     weights and prompts); its prompts are kept to check that."""
     import numpy as np
-    np.savez_compressed(path, prompts=np.asarray(prompts, dtype=np.int64),
+    tmp = path + ".part.npz"       # renamed when whole: a pressured run may be polling for it
+    np.savez_compressed(tmp, prompts=np.asarray(prompts, dtype=np.int64),
                         tokens=np.asarray(tokens, dtype=np.int64), logprobs=np.asarray(logprobs, dtype=np.float32),
                         summary=json.dumps(summary))
+    os.replace(tmp, path)
+
+
+def wait_for_files(paths: list[str], timeout_s: float) -> None:
+    """For a pressured run started beside its reference chunks (other GPUs of one machine)."""
+    deadline = time.time() + timeout_s
+    while any(not os.path.exists(p) for p in paths) and time.time() < deadline:
+        time.sleep(2.0)
 
 
 def load_reference(paths: list[str], prompts, G: int) -> tuple[list, list, dict]:
@@ -267,6 +277,8 @@ def load_reference(paths: list[str], prompts, G: int) -> tuple[list, list, dict]
     import numpy as np
     tokens, logprobs, parts = [None] * len(prompts), [None] * len(prompts), []
     for path in paths:
+        if not os.path.exists(path):
+            raise SystemExit(f"reference file {path} not found (run its --runs unpressured chunk first)")
         ref = np.load(path)
         summary = json.loads(str(ref["summary"]))
         lo, hi = summary.get("prompts_from", 0), summary.get("prompts_to", len(prompts))
@@ -333,6 +345,9 @@ def main(argv=None) -> dict:
                     help="with --runs unpressured: which reference chunks to run (default all)")
     ap.add_argument("--reference-file", nargs="+", default=None,
                     help=".npz files of the unpressured tokens and logprobs, one per chunk run")
+    ap.add_argument("--wait-reference-s", type=float, default=0.0,
+                    help="with --runs pressured: reference files not there yet are awaited this long after the "
+                         "run (their chunks running at the same time on other GPUs)")
     ap.add_argument("--skip-fit-check", action="store_true",
                     help="build the unpressured engine even if its KV looks larger than the free memory")
     ap.add_argument("--out", default=None)
@@ -401,10 +416,16 @@ def main(argv=None) -> dict:
         if device.type == "cuda":   # what is left once the engines are gone: the weights (and caches)
             result["memory_allocated_gb_between_runs"] = torch.cuda.memory_allocated(device) / 1e9
     if args.runs != "unpressured":
-        if args.runs == "pressured":
+        # Files already there are checked before the long run; with --wait-reference-s they may
+        # still be in the making (reference chunks running on other GPUs) and are read after it.
+        ready = args.runs == "pressured" and all(os.path.exists(p) for p in args.reference_file)
+        if ready:
             ref_tok, ref_lp, result["unpressured"] = load_reference(args.reference_file, prompts, G)
         result["pressured"], tok, lp, first_preempt = timed_run("pressured", model, cfg, prompts, G, tight_kv,
                                                                 args, device)
+        if args.runs == "pressured" and not ready:
+            wait_for_files(args.reference_file, args.wait_reference_s)
+            ref_tok, ref_lp, result["unpressured"] = load_reference(args.reference_file, prompts, G)
         result["pressured"]["fraction_of_roofline"] = result["pressured"]["tok_s"] / rf["tok_s"]
         result["tok_s_ratio"] = result["pressured"]["tok_s"] / result["unpressured"]["tok_s"]
         result["outputs"] = compare_outputs(ref_tok, tok, ref_lp, lp, first_preempt=first_preempt)
