@@ -474,13 +474,17 @@ class RolloutFleet:
         """Broadcast (name, tensor) pairs from this process (rank 0) to every live worker and
         stage them as `version`; with wait_commit, return once all have committed it.
         Returns bytes sent. Restarted workers need full updates to catch up."""
-        from .weights import send_weights
+        from .weights import WeightUpdateError, send_weights
         if version <= self.version:
             raise ValueError(f"version {version} is not newer than the fleet's version {self.version}")
         live = self._ensure_group()
         refs = [s.actor.receive_weights.remote(version, self.bucket_bytes) for s in live]
         device = "cuda" if self.backend == "nccl" else None
-        sent = send_weights(named_tensors, src=0, bucket_bytes=self.bucket_bytes, device=device)
+        try:
+            sent = send_weights(named_tensors, src=0, bucket_bytes=self.bucket_bytes, device=device)
+        except WeightUpdateError:     # refused before any bucket (a worker without room): the
+            ray.wait(refs, num_returns=len(refs))    # workers raised too and keep serving
+            raise
         ray.get(refs)
         self.version = version
         self.metrics["weight_updates"] += 1

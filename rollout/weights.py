@@ -228,6 +228,19 @@ def _buckets(specs: list[tuple[str, tuple, torch.dtype]], bucket_bytes: int):
         yield bucket
 
 
+def _manifest_bytes(manifest) -> int:
+    return sum(torch.Size(shape).numel() * torch.tensor([], dtype=dtype).element_size() for _, shape, dtype in manifest)
+
+
+def _every_rank_has_room(ok: bool, device, group) -> bool:
+    """One vote before the buckets: a receiver that ran out of memory halfway through the
+    broadcasts would leave every other rank blocked in a collective until its timeout."""
+    import torch.distributed as dist
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    return bool(flag.item())
+
+
 def send_weights(named_tensors: Iterable[tuple[str, torch.Tensor]], *, src: int = 0, group=None,
                  bucket_bytes: int = 256 << 20, device=None) -> int:
     """Trainer side: broadcast a manifest, then the tensors packed into flat buckets.
@@ -237,6 +250,9 @@ def send_weights(named_tensors: Iterable[tuple[str, torch.Tensor]], *, src: int 
     items = [(n, t.detach()) for n, t in named_tensors]
     manifest = [(n, tuple(t.shape), t.dtype) for n, t in items]
     dist.broadcast_object_list([manifest], src=src, group=group)
+    if not _every_rank_has_room(True, device, group):
+        raise WeightUpdateError(f"weight update rejected: a worker has no device room to receive "
+                                f"{_manifest_bytes(manifest) / 1e9:.2f} GB; nothing was sent")
     by_name = dict(items)
     sent = 0
     for bucket in _buckets(manifest, bucket_bytes):
@@ -250,12 +266,19 @@ def send_weights(named_tensors: Iterable[tuple[str, torch.Tensor]], *, src: int 
 
 def receive_weights(*, src: int = 0, group=None, device=None,
                     bucket_bytes: int = 256 << 20) -> Iterator[tuple[str, torch.Tensor]]:
-    """Worker side of send_weights: yields (name, tensor) views of the received buckets."""
+    """Worker side of send_weights: yields (name, tensor) views of the received buckets.
+    Every rank first votes whether it has device room for the whole update; if one has not, all
+    raise WeightUpdateError before any bucket moves."""
     import torch.distributed as dist
 
     box = [None]
     dist.broadcast_object_list(box, src=src, group=group)
     manifest = box[0]
+    need, free = _manifest_bytes(manifest), free_bytes(torch.device(device or "cpu"))
+    if not _every_rank_has_room(free is None or need <= free, device, group):
+        mine = "" if free is None or need <= free else f"; this worker has {free / 1e9:.2f} GB free"
+        raise WeightUpdateError(f"weight update rejected: a worker has no device room to receive "
+                                f"{need / 1e9:.2f} GB{mine}; nothing was received")
     out = []
     for bucket in _buckets(manifest, bucket_bytes):
         numel = sum(torch.Size(shape).numel() for _, shape, _ in bucket)

@@ -253,18 +253,73 @@ def _gloo_rank(rank, port, old, new, result_path):
         dist.destroy_process_group()
 
 
-def test_two_process_gloo_broadcast_update(model_dir, tmp_path):
+def _two_ranks(rank_fn, model_dir, tmp_path):
+    """Run rank_fn as trainer (0) and worker (1) over gloo; -> (worker's result file, the tokens
+    a fresh engine on the new weights gives for the prompt the ranks generate from)."""
     import torch.multiprocessing as mp
     old, new = model_dir("llama"), model_dir("llama", seed=1)
     result = tmp_path / "result.pt"
-    mp.start_processes(_gloo_rank, args=(_free_port(), str(old), str(new), str(result)), nprocs=2,
+    mp.start_processes(rank_fn, args=(_free_port(), str(old), str(new), str(result)), nprocs=2,
                        join=True, start_method="spawn")
+    fresh = RolloutEngine.from_pretrained(new, device="cpu", dtype="float32", max_model_len=128, num_kv_pages=32
+                                          ).generate([[1, 5, 9, 13]], SamplingParams(max_new_tokens=10, temperature=0,
+                                                                                    ignore_eos=True), use_tqdm=False)
+    return result, fresh[0].completions[0].token_ids
+
+
+def test_two_process_gloo_broadcast_update(model_dir, tmp_path):
+    result, expected = _two_ranks(_gloo_rank, model_dir, tmp_path)
     got = torch.load(result)
-    expected = RolloutEngine.from_pretrained(new, device="cpu", dtype="float32", max_model_len=128, num_kv_pages=32
-                                             ).generate([[1, 5, 9, 13]], SamplingParams(max_new_tokens=10, temperature=0,
-                                                                                       ignore_eos=True), use_tqdm=False)
-    assert got["tokens"] == expected[0].completions[0].token_ids
+    assert got["tokens"] == expected
     assert got["versions"] == [7] * 10
+
+
+
+def _gloo_rank_no_room(rank, port, old, new, result_path):
+    """Rank 1 (the worker) first reports no device room: both ranks get WeightUpdateError before
+    any bucket is sent (no rank left blocked in a collective), the worker keeps its weights, and
+    the next update over the same group lands."""
+    import torch.distributed as dist
+
+    import rollout.weights as rw
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    errors = []
+    try:
+        update = load_file(os.path.join(new, "model.safetensors"))
+        worker = None
+        if rank == 1:
+            worker = RolloutWorker(RolloutEngine.from_pretrained(old, device="cpu", dtype="float32",
+                                                                 max_model_len=128, num_kv_pages=32))
+            rw.free_bytes = lambda device: 1024          # far less than the update
+        try:
+            if rank == 0:
+                rw.send_weights(update.items(), src=0, bucket_bytes=64 << 10)
+            else:
+                worker.update_weights(rw.receive_weights(src=0, bucket_bytes=64 << 10), version=1)
+        except rw.WeightUpdateError as exc:
+            errors.append(str(exc))
+        if rank == 1:
+            rw.free_bytes = lambda device: None
+            assert worker.weights.pending is None and worker.policy_version == 0
+        if rank == 0:
+            rw.send_weights(update.items(), src=0, bucket_bytes=64 << 10)
+        else:
+            worker.update_weights(rw.receive_weights(src=0, bucket_bytes=64 << 10), version=1)
+            out = worker.generate([[1, 5, 9, 13]], SamplingParams(max_new_tokens=10, temperature=0, ignore_eos=True))
+            torch.save({"tokens": out[0].completions[0].token_ids, "errors": errors}, result_path)
+        if rank == 0:
+            torch.save({"errors": errors}, result_path + ".sender")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_gloo_update_refused_on_every_rank_when_a_worker_has_no_room(model_dir, tmp_path):
+    result, expected = _two_ranks(_gloo_rank_no_room, model_dir, tmp_path)
+    got, sender = torch.load(result), torch.load(str(result) + ".sender")
+    assert len(got["errors"]) == 1 and "this worker has 0.00 GB free" in got["errors"][0]
+    assert len(sender["errors"]) == 1 and "nothing was sent" in sender["errors"][0]
+    assert got["tokens"] == expected     # the second update landed
 
 
 def test_mismatch_probe_is_zero_on_same_weights_and_flags_a_silent_swap(model_dir, tiny_tokenizer):
