@@ -125,8 +125,8 @@ for s in $sections; do
         --linears qkv o_proj down --out $OUT/gemm_l8b_pdl.json 2>&1 | tail -8 ;;
     tests_sampler) timeout 100 python3 -m pytest -q -p no:cacheprovider --noconftest tests/gpu/test_fused_sampler_cuda.py \
         > $OUT/gpu_tests_sampler.log 2>&1; grep -E "passed|failed|FAILED|Error" $OUT/gpu_tests_sampler.log | tail -8 ;;
-    sampler_trunc) timeout 60 python3 -m rollout.bench.sampler --rows 64 256 --num-splits 0 --dist flat peaked \
-        --out $OUT/sampler_trunc.json 2>&1 | tail -14 ;;
+    sampler_trunc) timeout 150 python3 -m rollout.bench.sampler --rows 64 256 --num-splits 0 --dist flat peaked --row-splits 1 0 4 8 \
+        --out $OUT/sampler_trunc.json 2>&1 | tail -40 ;;
     pressure_fp32_small) # as pressure_fp32 with G = 384 (fp32 8B decodes at ~700 tok/s: G = 2048 takes > 8 min)
       timeout 130 python3 -m rollout.bench.pressure --shape llama3-8b --batch 64 --prompt-len 256 --gen-len 384 \
         --dtype float32 --kv-fraction 0.5 --runs both --out $OUT/pressure_fp32_l8b_B64_G384.json > $OUT/pressure_fp32.log 2>&1
