@@ -507,8 +507,15 @@ class RolloutFleet:
 
     # ---- stats / shutdown ---------------------------------------------------------------------
     def stats(self) -> dict:
-        live = [s for s in self.slots if s.alive]
-        remote = ray.get([s.actor.stats.remote() for s in live])
+        """Per-worker and fleet counters. An actor found dead here is handled as in `stream`
+        (marked dead, restarted if configured) and left out of this report."""
+        live, remote = [], []
+        for s, ref in [(s, s.actor.stats.remote()) for s in self.slots if s.alive]:
+            try:
+                remote.append(ray.get(ref))
+                live.append(s)
+            except _ACTOR_DEATH:
+                self._mark_dead(s)
         dt = max(self.metrics["job_s"], 1e-9)
         workers = {}
         for s, st in zip(live, remote):
