@@ -487,6 +487,7 @@ def test_compiles_for_sm90(tmp_path):
         compile_(ft._split_final_kernel, "fp32", SAMPLE=False, MASK=True, NDIG=8, SHIFT=0, BLOCK_V=1024, **split)
         for stats in (False, True):
             compile_(ft._split_merge_kernel, num_warps=1, V=V, STATS=stats, SPLITS=7, BLOCK_S=8)
+            compile_(fs._merge_kernel, num_warps=1, STATS=stats, SPLITS=7, BLOCK_S=8)   # shares _merged_z
         print("ok")
     """)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

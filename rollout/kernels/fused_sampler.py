@@ -174,21 +174,29 @@ def _sample_kernel(logits_ptr, stride, temp_ptr, seed_ptr, ctr_ptr, tok_ptr, lp_
 
 
 @triton.jit
-def _merge_kernel(logits_ptr, stride, temp_ptr, tok_ptr, lp_ptr, stats_ptr, pf_ptr, pi_ptr, R,
-                  STATS: tl.constexpr, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr):
-    row = tl.program_id(0)
+def _merged_z(pf_ptr, temp_ptr, row, R, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr):
+    """A row's split partials (raw max, sum of exp) merged at its temperature -> (the partials'
+    offsets and mask, the row max, the sum Z of exp((x - max) / T), T)."""
     offs = tl.arange(0, BLOCK_S)
     ok = offs < SPLITS
     off = row * SPLITS + offs
     m = tl.load(pf_ptr + off, mask=ok, other=_NEG_BIG)
     s = tl.load(pf_ptr + R * SPLITS + off, mask=ok, other=0.0)
-    best = tl.load(pf_ptr + 2 * R * SPLITS + off, mask=ok, other=float("-inf"))
-    bidx = tl.load(pi_ptr + off, mask=ok, other=0x7FFFFFFF)
     mx = tl.max(m, 0)
-    top = tl.max(best, 0)
-    tok = tl.min(tl.where(best == top, bidx, 0x7FFFFFFF), 0)  # splits in index order: first wins
     t_raw, t, inv_t, c = _row_temperature(temp_ptr, row)
     total = tl.sum(s * tl.exp2((m - mx) * (1.4426950408889634 / t)), 0)
+    return off, ok, mx, total, t
+
+
+@triton.jit
+def _merge_kernel(logits_ptr, stride, temp_ptr, tok_ptr, lp_ptr, stats_ptr, pf_ptr, pi_ptr, R,
+                  STATS: tl.constexpr, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr):
+    row = tl.program_id(0)
+    off, ok, mx, total, t = _merged_z(pf_ptr, temp_ptr, row, R, SPLITS, BLOCK_S)
+    best = tl.load(pf_ptr + 2 * R * SPLITS + off, mask=ok, other=float("-inf"))
+    bidx = tl.load(pi_ptr + off, mask=ok, other=0x7FFFFFFF)
+    top = tl.max(best, 0)
+    tok = tl.min(tl.where(best == top, bidx, 0x7FFFFFFF), 0)  # splits in index order: first wins
     _finish(logits_ptr + row.to(tl.int64) * stride, t, mx, total, tok, tok_ptr + row, lp_ptr + row,
             stats_ptr + row, R, STATS)
 

@@ -30,8 +30,8 @@ import triton
 import triton.language as tl
 
 from ..sampler import SamplerOutput, SamplingTensors
-from .fused_sampler import (_NEG_BIG, _finish, _gumbel_pruned, _log_precise, _merge_kernel, _row_keys,
-                            _row_temperature, _sample_kernel, _sm_count, fused_sample)
+from .fused_sampler import (_NEG_BIG, _finish, _gumbel_pruned, _log_precise, _merge_kernel, _merged_z,
+                            _row_keys, _row_temperature, _sample_kernel, _sm_count, fused_sample)
 
 
 @triton.jit
@@ -415,14 +415,7 @@ def _split_merge_kernel(logits_ptr, stride, temp_ptr, pf_ptr, fo_ptr, io_ptr, to
     # the smallest index among the chunk winners at the top score is the row's first), the kept
     # mass and count.
     row = tl.program_id(0)
-    offs = tl.arange(0, BLOCK_S)
-    ok = offs < SPLITS
-    off = row * SPLITS + offs
-    m = tl.load(pf_ptr + off, mask=ok, other=_NEG_BIG)
-    s = tl.load(pf_ptr + R * SPLITS + off, mask=ok, other=0.0)
-    mx = tl.max(m, 0)
-    t_raw, t, inv_t, c = _row_temperature(temp_ptr, row)
-    total = tl.sum(s * tl.exp2((m - mx) * (1.4426950408889634 / t)), 0)
+    off, ok, mx, total, t = _merged_z(pf_ptr, temp_ptr, row, R, SPLITS, BLOCK_S)
     best = tl.load(fo_ptr + R * SPLITS + off, mask=ok, other=float("-inf"))
     top = tl.max(best, 0)
     tok = tl.min(tl.where(best == top, tl.load(io_ptr + R * SPLITS + off, mask=ok, other=0x7FFFFFFF), 0x7FFFFFFF), 0)
