@@ -144,8 +144,7 @@ class DevicePipeline:
         self.compute.wait_event(ev["h2d_done"])
         out = None
         with torch.cuda.stream(self.compute):
-            if sched.swap_out or sched.swap_in:
-                self.runner.swap_pages(sched.swap_out, sched.swap_in)
+            self.runner.swap_pages(sched.swap_out, sched.swap_in)    # nothing when no swap
             ev["start"].record()
             if bucket is not None:
                 self.graphs.replay(s, bucket, mode)

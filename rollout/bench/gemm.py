@@ -72,6 +72,11 @@ def sweep_configs(N: int, K: int, split_k: tuple[int, ...] = (1,), quick: bool =
     return out
 
 
+def _config(key: str) -> tuple[int, ...]:
+    """A config back from its JSON key, str(tuple)."""
+    return tuple(int(v) for v in key.strip("()").split(", "))
+
+
 def bench_shape(name, N, K, Ms, configs, top, dtype, results, check=True, pdl_top=0):
     from ..kernels import pdl
     from ..kernels.skinny_gemm import skinny_gemm
@@ -106,7 +111,7 @@ def bench_shape(name, N, K, Ms, configs, top, dtype, results, check=True, pdl_to
             row["best_GBps"], row["speedup_vs_cublas"] = ok[bk_]["GBps"], cublas / ok[bk_]["us"]
             if best_at_32 is None:
                 ranked = sorted(ok, key=lambda k: ok[k]["us"])[:top]
-                best_at_32 = [tuple(int(v) for v in k.strip("()").split(", ")) for k in ranked]
+                best_at_32 = [_config(k) for k in ranked]
             # The fastest few again with programmatic dependent launch: each call's first weight
             # tile loads while the previous call drains (kernels/pdl.py), as in the decode graph.
             if pdl_top:
@@ -114,7 +119,7 @@ def bench_shape(name, N, K, Ms, configs, top, dtype, results, check=True, pdl_to
                 pdl.set_enabled(True)
                 try:
                     for k in sorted(ok, key=lambda k: ok[k]["us"])[:pdl_top]:
-                        c = tuple(int(v) for v in k.strip("()").split(", "))
+                        c = _config(k)
                         ok[k]["pdl_us"] = graph_time_us(lambda i: skinny_gemm(x, ws[i], *c, out=y), copies)
                 finally:
                     pdl.set_enabled(was)
