@@ -27,6 +27,12 @@ for s in $sections; do
     profile_p1) # per-step breakdown at P1's mean context (256 + 8192 / 2 = 4352), fused path, PDL on
       timeout 200 python3 -m rollout.bench.profile --shape llama3-8b --batch 32 --context 4352 \
         --out $OUT/profile_l8b_B32_C4352.json 2>&1 | grep -A12 "^| part" ;;
+    inv_cost) # what batch-invariant mode costs per decode step at P5's mean context (256 + 16384 / 2), and
+      # the attention kernels alone: split-KV decode vs the varlen kernel invariant mode uses for decode rows
+      timeout 60 python3 -m rollout.bench.kernels --only decode --shapes 32x8K 32x16K --num-splits 4 --num-stages 2 \
+        --skip-ref --out $OUT/kernels_decode_vs_varlen.json 2>&1 | grep -E "^decode|auto|varlen"
+      for f in "" --batch-invariant; do timeout 150 python3 -m rollout.bench.profile --shape llama3-8b --batch 32 \
+        --context 8448 $f --out $OUT/profile_l8b_B32_C8448${f:+_invariant}.json 2>&1 | grep -A10 "^| part"; done ;;
     profile)  # per-step breakdown, fused small ops off and on
       for f in --no-fused-ops ""; do timeout 150 python3 -m rollout.bench.profile --shape llama3-8b --batch 32 \
         --context 1024 $f --out $OUT/profile_l8b_B32_C1024${f:+_unfused}.json 2>&1 | grep -A12 "^| part"; done ;;

@@ -64,6 +64,7 @@ def bench_decode(args, results):
 
     from ..attention import paged_attention_ref
     from ..kernels.paged_decode import paged_decode_attention, pick_num_splits
+    from ..kernels.paged_prefill import paged_prefill_attention
     dtype = torch.bfloat16
     Hq, Hkv, D, ps = args.q_heads, args.kv_heads, args.head_dim, args.page_size
     for shape in args.shapes:
@@ -101,6 +102,14 @@ def bench_decode(args, results):
                   + (f"  max|err| {err:.1e}" if err is not None else "") + ("  (auto ns)" if ns == auto else ""))
         best = min(row["configs"], key=lambda c: c["us"], default=None)
         row["best"] = best
+        # batch-invariant mode sends decode rows through the varlen prefill kernel (no KV split)
+        def varlen():
+            return paged_prefill_attention(q, kc, vc, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale)
+        err = (varlen().float() - ref).abs().max().item() if ref is not None else None
+        ms = do_bench(varlen, return_mode="median")
+        row["varlen_invariant"] = dict(us=ms * 1e3, GBps=kv_bytes / (ms * 1e-3) / 1e9, max_err=err)
+        print(f"  varlen kernel (batch-invariant path): {ms * 1e3:7.1f} us  {kv_bytes / (ms * 1e-3) / 1e9:6.0f} GB/s"
+              + (f"  max|err| {err:.1e}" if err is not None else ""))
         results.append(row)
 
 

@@ -45,6 +45,7 @@ def main(argv=None):
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--no-fused-ops", action="store_true", help="torch RMSNorm / RoPE / SiLU ops (Triton attention kept)")
+    ap.add_argument("--batch-invariant", action="store_true", help="engine batch_invariant=True (its kernels' cost)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -54,7 +55,7 @@ def main(argv=None):
     eng = RolloutEngine.from_config(cfg, seed=0, device="cuda", dtype="bfloat16", max_model_len=C + 4 * K + 64,
                                     max_num_seqs=B, max_num_batched_tokens=4096,
                                     kv_cache_memory=int(model_sizes(cfg)["kv_bytes_per_token"] * B * (C + 4 * K + 128)),
-                                    cuda_graph_modes=("greedy",))
+                                    cuda_graph_modes=("greedy",), batch_invariant=args.batch_invariant)
     if args.no_fused_ops:       # graphs were captured with the fused ops: capture them again
         eng.model.fused_small_ops = False
         eng.pipeline.graphs.graphs.clear()
@@ -85,6 +86,7 @@ def main(argv=None):
     kv_bytes = B * (C + 2 * K) * sizes["kv_bytes_per_token"]
     result = {
         "shape": args.shape, "batch": B, "context": C, "steps": steps, "fused_small_ops": not args.no_fused_ops,
+        "batch_invariant": args.batch_invariant,
         "step_ms": step_ms, "kernel_ms": dict(per_cat), "kernels_per_step": {k: v / steps for k, v in count.items()},
         "gaps_ms": step_ms - kernels_ms,
         "roofline_step_ms": 1e3 * step_time_s(sizes, B, C + 2 * K),
