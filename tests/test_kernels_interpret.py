@@ -171,7 +171,7 @@ def test_skinny_gemm_split_k(split_k):
 
 
 def test_batch_invariant_gemm_rows_do_not_depend_on_their_batch():
-    """Batch-invariant mode's GEMM (fixed 64-row tiles, any M): each row of x gives the same bits
+    """Batch-invariant mode's GEMM (fixed weight tiles; 16- to 64-row x tiles): each row of x gives the same bits
     alone, in any subset and in the full 150-row product (3 M tiles, a masked tail), and matches
     torch. fp16 (the interpreter's bf16 dot is broken): one rounding of an fp32 sum of 256
     products of O(1/16) values, ~1e-3 relative; 2e-3 is FP16_TOL. On the GPU the same property is
@@ -188,24 +188,43 @@ def test_batch_invariant_gemm_rows_do_not_depend_on_their_batch():
         batch_invariant_gemm(x.float(), w.float())
 
 
-def test_batch_invariant_attention_takes_the_varlen_kernel_for_decode():
-    """With meta.batch_invariant a decode-only batch goes to the varlen kernel (the split-KV
-    kernel's split count follows the batch size), and a sequence's row is the same bits alone
-    or with others, in a decode batch or beside a prefill chunk."""
+@pytest.mark.parametrize("dtype,window", [(torch.float16, None), (torch.float16, 50), (torch.float32, 50)])
+def test_batch_invariant_attention_rows_are_the_same_bits_in_every_batch(monkeypatch, dtype, window):
+    """With meta.batch_invariant every batch takes the varlen kernel with KV cut at fixed
+    positions (split_len 64 here, so contexts of up to 200 keys span 4 splits): a decode step
+    runs a program per split plus a merge kernel, any other step folds the splits in the tile.
+    A sequence's row must be the same bits alone, in a decode batch, beside another sequence's
+    prefill chunk, and as the last query of a re-prefill of its own sequence (recompute).
+    fp32 outputs show every bit of the fp32 arithmetic (fp16 would round most differences away)."""
     from dataclasses import replace
-    lens, ps, Hq, Hkv, D = [40, 5, 30], 16, 8, 2, 64
-    caches, poisoned, bt = make_paged(lens, Hkv, D, ps, torch.float16, seed=9)
-    q = torch.randn(3, Hq, D).half()
-    dmeta = replace(meta_for(lens, [1, 1, 1], bt, ps), batch_invariant=True)
-    out = paged_attention(q, *poisoned, dmeta, 0.125)
-    assert torch.equal(out, paged_prefill_attention(q, *poisoned, bt, dmeta.query_start_loc, dmeta.seq_lens, 0.125))
-    torch.testing.assert_close(out.float(), reference(q, caches, dmeta, 0.125, None), **FP16_TOL)
-    alone = replace(meta_for(lens[2:], [1], bt[2:], ps), batch_invariant=True)
-    assert torch.equal(paged_attention(q[2:], *poisoned, alone, 0.125), out[2:])
+
+    import rollout.kernels.paged_prefill as pp
+    monkeypatch.setattr(pp, "INVARIANT_SPLIT_LEN", 64)
+    lens, ps, Hq, Hkv, D = [200, 5, 130, 64], 16, 8, 2, 64
+    caches, poisoned, bt = make_paged(lens, Hkv, D, ps, dtype, seed=9)
+    q = torch.randn(4, Hq, D).to(dtype)
+    tol = FP32_TOL if dtype == torch.float32 else FP16_TOL
+    dmeta = replace(meta_for(lens, [1, 1, 1, 1], bt, ps), batch_invariant=True)
+    out = paged_attention(q, *poisoned, dmeta, 0.125, window)
+    torch.testing.assert_close(out.float(), reference(q, caches, dmeta, 0.125, window), **tol)
+    # the decode path (split programs + merge) against the folding path on the same rows
+    fold = paged_prefill_attention(q, *poisoned, bt, dmeta.query_start_loc, dmeta.seq_lens, 0.125, window,
+                                   split_len=64)
+    assert torch.equal(out, fold)
+    for i in range(4):      # each row alone
+        alone = replace(meta_for(lens[i:i + 1], [1], bt[i:i + 1], ps), batch_invariant=True)
+        assert torch.equal(paged_attention(q[i:i + 1], *poisoned, alone, 0.125, window), out[i:i + 1]), i
     # sequence 2's decode row next to a 12-token chunk of sequence 0 (a mixed step)
     mixed = replace(meta_for([lens[0], lens[2]], [12, 1], bt[[0, 2]], ps), batch_invariant=True)
-    qm = torch.cat([torch.randn(12, Hq, D).half(), q[2:]])
-    assert torch.equal(paged_attention(qm, *poisoned, mixed, 0.125)[12:], out[2:])
+    qm = torch.cat([torch.randn(12, Hq, D).to(dtype), q[2:3]])
+    assert torch.equal(paged_attention(qm, *poisoned, mixed, 0.125, window)[12:], out[2:3])
+    # recompute: sequence 0 re-prefilled in one 40-query chunk ending at its decode position,
+    # its decode row the last query of a 64-row tile whose other rows see fewer keys
+    chunk = replace(meta_for(lens[:1], [40], bt[:1], ps), batch_invariant=True)
+    qc = torch.cat([torch.randn(39, Hq, D).to(dtype), q[:1]])
+    res = paged_attention(qc, *poisoned, chunk, 0.125, window)
+    assert torch.equal(res[39:], out[:1])
+    torch.testing.assert_close(res.float(), reference(qc, caches, chunk, 0.125, window), **tol)
 
 
 def test_compiles_for_sm90(tmp_path):
@@ -226,7 +245,7 @@ def test_compiles_for_sm90(tmp_path):
                "kc_ptr": "*bf16", "vc_ptr": "*bf16", "po_ptr": "*fp32", "plse_ptr": "*fp32", "bt_ptr": "*i32",
                "lens_ptr": "*i32", "qsl_ptr": "*i32", "pos_ptr": "*i64", "inv_freq_ptr": "*fp32", "slot_ptr": "*i64",
                "x_ptr": "*bf16", "d_ptr": "*bf16", "w_ptr": "*bf16", "res_ptr": "*bf16", "gu_ptr": "*bf16",
-               "b_ptr": "*bf16", "y_ptr": "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32"}
+               "b_ptr": "*bf16", "y_ptr": "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "wml_ptr": "*fp32"}
         def compile_(fn, pdl=False, early_loads=False, **const):
             const = dict(const, PDL=pdl) if "PDL" in fn.arg_names else const
             sig, attrs = {}, {}
@@ -249,7 +268,10 @@ def test_compiles_for_sm90(tmp_path):
         common = dict(HEAD_DIM=128, PAGE_SIZE=16, BLOCK_N=64, DOT_PREC="tf32")
         compile_(pd._decode_split_kernel, GROUP=4, GROUP_PAD=16, NUM_SPLITS=2, USE_WINDOW=True, **common)
         compile_(pd._decode_merge_kernel, HEAD_DIM=128, NUM_SPLITS=3, SPLITS_PAD=4)
-        compile_(pp._prefill_kernel, GROUP=7, BLOCK_Q=9, BLOCK_M=64, USE_WINDOW=True, **common)
+        for split, programs in ((0, False), (1024, False), (1024, True)):    # normal; batch-invariant
+            compile_(pp._prefill_kernel, split > 0, GROUP=7, BLOCK_Q=9, BLOCK_M=64, USE_WINDOW=True,
+                     SPLIT_LEN=split, SPLIT_PROGRAMS=programs, MAX_SPLITS=17, **common)
+        compile_(pp._decode_merge_kernel, True, GROUP=4, GROUP_PAD=4, HEAD_DIM=128, SPLIT_LEN=1024, MAX_SPLITS=17)
         compile_(rk._rope_kv_kernel, HQ=28, HKV=4, HQ_PAD=32, HKV_PAD=4, HALF=64, PRECISE=True)
         compile_(fo._add_rmsnorm_kernel, HAS_DELTA=True, BLOCK=4096)
         compile_(fo._silu_mul_kernel, BLOCK=1024)

@@ -102,14 +102,26 @@ def bench_decode(args, results):
                   + (f"  max|err| {err:.1e}" if err is not None else "") + ("  (auto ns)" if ns == auto else ""))
         best = min(row["configs"], key=lambda c: c["us"], default=None)
         row["best"] = best
-        # batch-invariant mode sends decode rows through the varlen prefill kernel (no KV split)
-        def varlen():
-            return paged_prefill_attention(q, kc, vc, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale)
-        err = (varlen().float() - ref).abs().max().item() if ref is not None else None
-        ms = do_bench(varlen, return_mode="median")
-        row["varlen_invariant"] = dict(us=ms * 1e3, GBps=kv_bytes / (ms * 1e-3) / 1e9, max_err=err)
-        print(f"  varlen kernel (batch-invariant path): {ms * 1e3:7.1f} us  {kv_bytes / (ms * 1e-3) / 1e9:6.0f} GB/s"
-              + (f"  max|err| {err:.1e}" if err is not None else ""))
+        # batch-invariant mode sends decode rows through the varlen prefill kernel (64-row GQA tiles):
+        # one pass per row (split_len 0), or KV splits at fixed positions plus a merge kernel
+        row["varlen_invariant"] = []
+        for sl, bn, nw, st in itertools.product(args.invariant_split_len, args.block_n, args.num_warps,
+                                                args.num_stages):
+            def varlen():
+                return paged_prefill_attention(q, kc, vc, meta.block_tables, meta.query_start_loc, meta.seq_lens,
+                                               scale, split_len=sl, decode_rows=sl > 0, block_n=bn, num_warps=nw,
+                                               num_stages=st)
+            try:
+                err = (varlen().float() - ref).abs().max().item() if ref is not None else None
+                ms = do_bench(varlen, return_mode="median")
+            except Exception as e:
+                print(f"  varlen split_len={sl} block_n={bn} warps={nw} stages={st}: {type(e).__name__}: {e}"[:200])
+                continue
+            gbps = kv_bytes / (ms * 1e-3) / 1e9
+            row["varlen_invariant"].append(dict(split_len=sl, block_n=bn, num_warps=nw, num_stages=st, us=ms * 1e3,
+                                                GBps=gbps, max_err=err))
+            print(f"  varlen split_len={sl:<4} block_n={bn:<3} warps={nw} stages={st}: {ms * 1e3:7.1f} us  "
+                  f"{gbps:6.0f} GB/s" + (f"  max|err| {err:.1e}" if err is not None else ""))
         results.append(row)
 
 
@@ -204,6 +216,8 @@ def main(argv=None):
     ap.add_argument("--block-n", nargs="+", type=int, default=[64])
     ap.add_argument("--num-warps", nargs="+", type=int, default=[4])
     ap.add_argument("--num-stages", nargs="+", type=int, default=[2, 3])
+    ap.add_argument("--invariant-split-len", nargs="+", type=int, default=[0, 1024],
+                    help="decode rows through the varlen kernel (batch-invariant mode): KV split lengths, 0 = none")
     ap.add_argument("--q-heads", type=int, default=32)
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=128)

@@ -58,11 +58,16 @@ def paged_attention(q, k_cache, v_cache, meta, scale, sliding_window=None):
     """Drop-in for `attention.paged_attention_ref` (same arguments; K/V already written).
     Decode-only batches (one query per sequence) take the split-KV decode kernel with a split
     count from the batch size alone (graph-safe); anything with a longer chunk takes the varlen
-    prefill kernel, which is correct for mixed batches too (and takes every batch in
-    batch-invariant mode: a decode row then gets the same bits in a mixed step as in a pure one)."""
+    prefill kernel, which is correct for mixed batches too. Batch-invariant mode takes the varlen
+    kernel for every batch, with KV splits at fixed positions (a decode row then gets the same
+    bits in a mixed step, a pure one or a re-prefill, and decode still gets split parallelism)."""
     from .paged_decode import paged_decode_attention, pick_num_splits
-    from .paged_prefill import paged_prefill_attention
-    if meta.decode_only and not meta.batch_invariant:
+    from .paged_prefill import INVARIANT_SPLIT_LEN, paged_prefill_attention
+    if meta.batch_invariant:
+        return paged_prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
+                                       meta.seq_lens, scale, sliding_window, split_len=INVARIANT_SPLIT_LEN,
+                                       decode_rows=meta.decode_only)
+    if meta.decode_only:
         return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,
                                       sliding_window, pick_num_splits(q.shape[0], k_cache.shape[2]))
     return paged_prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc,

@@ -170,16 +170,29 @@ def skinny_gemm(x: torch.Tensor, w: torch.Tensor, block_n: int, block_k: int, nu
     return out
 
 
-# Batch-invariant mode: one config per weight whatever the row count, so a row's result is the
-# same bits in a decode batch of 1 or 64 and in a prefill of thousands (fixed BLOCK_M, BLOCK_K and
-# K order, no split-K). It trades cuBLAS's speed at large M for outputs that do not depend on
-# which other sequences share the batch.
+# Batch-invariant mode: one tile shape per weight whatever the row count, so a row's result is the
+# same bits in a decode batch of 1 or 64 and in a prefill of thousands: fixed BLOCK_N, BLOCK_K,
+# warps and K order, no split-K (a split count would be a second config). What may follow M is
+# what leaves each output element's MMA chain alone: pipeline depth, and the row tile (the MMA's
+# N side in this swapped form: each element is still one k16 MMA after another in K order), 16
+# or 32 rows for decode, 64 for prefill. tests/gpu/test_batch_invariant_cuda.py checks the bits.
 INVARIANT_BLOCK_M = 64
+INVARIANT_SMALL_M_TILES = True      # False: 64-row tiles at every M (the GPU test runs both)
+
+# (N, K) -> (BLOCK_N, BLOCK_K, num_warps, num_stages at <= 32 rows): _LLAMA3_8B's M = 32 configs
+# without their split-K (down_proj takes its M <= 16 config, the fastest without a split).
+_INVARIANT_LLAMA3_8B = {
+    (6144, 4096): (64, 128, 4, 5),
+    (4096, 4096): (32, 256, 4, 5),
+    (28672, 4096): (64, 64, 8, 3),
+    (4096, 14336): (32, 256, 4, 5),
+    (128256, 4096): (64, 128, 4, 3),
+}
 
 
 def invariant_block_n(N: int) -> int:
-    """64-row weight tiles for wide outputs; 32 below 16K so that decode's weight streaming still
-    has >= 128 programs (o_proj / down_proj of the 8B shape: N = 4096). A function of N only."""
+    """Shapes off the table: 64-row weight tiles for wide outputs; 32 below 16K so that decode's
+    weight streaming still has >= 128 programs (N = 4096). A function of N only."""
     return 64 if N >= 16384 else 32
 
 
@@ -190,11 +203,19 @@ def invariant_block_k(K: int) -> int:
     raise ValueError(f"batch-invariant GEMM: K={K} is not a multiple of 16")
 
 
+def invariant_config(N: int, K: int, M: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages); all but BLOCK_M and stages fixed per (N, K)."""
+    block_n, block_k, warps, stages = _INVARIANT_LLAMA3_8B.get((N, K), (invariant_block_n(N), invariant_block_k(K), 4, 3))
+    if INVARIANT_SMALL_M_TILES and M <= 32:
+        return pick_block_m(M), block_n, block_k, warps, stages
+    return INVARIANT_BLOCK_M, block_n, block_k, warps, 3      # 64-row x tiles: 3 stages fit shared memory
+
+
 def batch_invariant_gemm(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x [M, K] @ w[N, K].T (+ bias) for any M; row i of the result depends only on x[i] and w."""
     if x.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"batch-invariant GEMM needs bf16 or fp16 activations, got {x.dtype}")
     if x.stride(-1) != 1:
         x = x.contiguous()
-    return skinny_gemm(x, w, invariant_block_n(w.shape[0]), invariant_block_k(x.shape[1]), num_warps=4, num_stages=3,
-                       bias=bias, block_m=INVARIANT_BLOCK_M)
+    block_m, block_n, block_k, warps, stages = invariant_config(w.shape[0], x.shape[1], x.shape[0])
+    return skinny_gemm(x, w, block_n, block_k, num_warps=warps, num_stages=stages, bias=bias, block_m=block_m)
