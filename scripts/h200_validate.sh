@@ -103,6 +103,22 @@ for s in $sections; do
         --reference-file /tmp/inv_ref0.npz /tmp/inv_ref1.npz --out $OUT/pressure_inv_l8b_B64_G16384.json > /tmp/inv_pr.log 2>&1
       wait; for f in /tmp/inv_ref0.log /tmp/inv_ref1.log; do tr '\r' '\n' < $f | grep -E "^reference|Error" | tail -2; done
       tail -10 /tmp/inv_pr.log ;;
+    inv_x4)   # issue 7 on 4 GPUs in one call: reference chunks on GPUs 0 and 1 (then P5 and P1-invariant there),
+      # pressured runs with KV for half and for three quarters of the demand on GPUs 2 and 3 (0.5 may not fit
+      # in one call at the invariant kernels' speed; 0.75 is the one sure to). Logs in /tmp, tails printed.
+      X="python3 -m rollout.bench.pressure --shape llama3-8b --batch 64 --prompt-len 256 --gen-len 16384 --reference-chunks 2 --batch-invariant"
+      for c in 0 1; do (CUDA_VISIBLE_DEVICES=$c timeout 400 $X --runs unpressured --chunk $c \
+        --reference-file /tmp/inv_ref$c.npz --out $OUT/pressure_inv_ref${c}_l8b_B64_G16384.json > /tmp/inv_ref$c.log 2>&1
+        if [ $c = 0 ]; then CUDA_VISIBLE_DEVICES=0 timeout 260 $B --shape llama3-8b --batch 32 --prompt-len 256 \
+          --gen-len 16384 --modes async --hf none --out $OUT/p5_l8b_B32_G16384.json > /tmp/p5.log 2>&1
+        else CUDA_VISIBLE_DEVICES=1 timeout 170 $B --shape llama3-8b --batch 32 --prompt-len 256 --gen-len 8192 \
+          --modes async --hf none --batch-invariant --out $OUT/p1_l8b_B32_G8192_invariant.json > /tmp/p1inv.log 2>&1; fi) & done
+      for f in 0.5 0.75; do g=$([ $f = 0.5 ] && echo 2 || echo 3); CUDA_VISIBLE_DEVICES=$g timeout 585 $X --runs pressured \
+        --kv-fraction $f --wait-reference-s 560 --reference-file /tmp/inv_ref0.npz /tmp/inv_ref1.npz \
+        --out $OUT/pressure_inv_kv${f}_l8b_B64_G16384.json > /tmp/inv_pr$f.log 2>&1 & done
+      wait; for f in /tmp/inv_ref0.log /tmp/inv_ref1.log /tmp/inv_pr0.5.log /tmp/inv_pr0.75.log; do echo "== $f"
+        tr '\r' '\n' < $f | grep -vE "it/s\]$|s/it\]$" | tail -8; done
+      for f in /tmp/p5.log /tmp/p1inv.log; do echo "== $f"; grep -A4 "^roofline" $f; done ;;
     tests_gemm) timeout 240 python3 -m pytest -q -p no:cacheprovider --noconftest tests/gpu/test_skinny_gemm_cuda.py \
         tests/gpu/test_pipeline_cuda.py::test_gpu_busy_accounting_and_async_overlap > $OUT/gpu_tests_gemm.log 2>&1
       grep -E "passed|failed|FAILED|Error|assert" $OUT/gpu_tests_gemm.log | tail -15 ;;

@@ -66,7 +66,7 @@ def paged_attention(q, k_cache, v_cache, meta, scale, sliding_window=None):
     if meta.batch_invariant:
         return paged_prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
                                        meta.seq_lens, scale, sliding_window, split_len=INVARIANT_SPLIT_LEN,
-                                       decode_rows=meta.decode_only)
+                                       decode_rows=meta.decode_only, num_stages=3)    # 3: +7% at 8-16K, H200
     if meta.decode_only:
         return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,
                                       sliding_window, pick_num_splits(q.shape[0], k_cache.shape[2]))
