@@ -89,7 +89,7 @@ for s in $sections; do
       tr '\r' '\n' < $OUT/pressure_inv_ref$c.log | grep -E "generate:|^reference" | tail -2 ;;
     pressured_inv) # issue 7: KV for half the demand, batch-invariant, bits compared with h200_ref/pressure_inv_ref{0,1}.npz
       timeout ${PRESSURED_TIMEOUT:-590} python3 -m rollout.bench.pressure --shape llama3-8b --batch 64 --prompt-len 256 \
-        --gen-len 16384 --reference-chunks 2 --kv-fraction 0.5 --runs pressured --batch-invariant \
+        --gen-len 16384 --reference-chunks 2 --kv-fraction ${KV_FRACTION:-0.5} --runs pressured --batch-invariant \
         --reference-file h200_ref/pressure_inv_ref0.npz h200_ref/pressure_inv_ref1.npz \
         --out $OUT/pressure_inv_l8b_B64_G16384.json > $OUT/pressured_inv.log 2>&1
       tr '\r' '\n' < $OUT/pressured_inv.log | grep "generate:" | tail -1; tail -10 $OUT/pressured_inv.log ;;
@@ -103,6 +103,9 @@ for s in $sections; do
         --reference-file /tmp/inv_ref0.npz /tmp/inv_ref1.npz --out $OUT/pressure_inv_l8b_B64_G16384.json > /tmp/inv_pr.log 2>&1
       wait; for f in /tmp/inv_ref0.log /tmp/inv_ref1.log; do tr '\r' '\n' < $f | grep -E "^reference|Error" | tail -2; done
       tail -10 /tmp/inv_pr.log ;;
+    inv_refs_x2) # issue 7's two batch-invariant reference chunks at once on 2 GPUs (npz come back in $OUT;
+      # the pressured_inv section reads them from h200_ref/ in a later call)
+      for c in 0 1; do CUDA_VISIBLE_DEVICES=$c bash $0 pressure_inv_ref$c & done; wait ;;
     inv_x4)   # issue 7 on 4 GPUs in one call: reference chunks on GPUs 0 and 1 (then P5 and P1-invariant there),
       # pressured runs with KV for half and for three quarters of the demand on GPUs 2 and 3 (0.5 may not fit
       # in one call at the invariant kernels' speed; 0.75 is the one sure to). Logs in /tmp, tails printed.
