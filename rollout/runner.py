@@ -13,8 +13,8 @@ from .batch import SAMPLING_FIELDS, STEP_FIELDS, Batch, BatchBuilder, field_leng
 from .models.decoder import DecoderLM
 from .sampler import SamplerOutput, SamplingTensors, sample
 
-# The fused sampler's vocab splits in batch-invariant mode (by default they follow the row
-# count, which moves logprobs by an ulp; tokens never move).
+# The fused sampler's vocab splits (one-pass and truncation kernels) in batch-invariant mode: by
+# default they follow the row count, which moves logprobs by an ulp (tokens never move).
 INVARIANT_SAMPLER_SPLITS = 8
 
 
@@ -169,8 +169,12 @@ class ModelRunner:
         if self.fused_sampler and not st.any_penalty:
             # Same contract as `sample` (truncation and top logprobs included) without an fp32 copy
             # of the logits or a sort; a repetition penalty is the torch path's only.
-            from .kernels.fused_truncation import fused_sample_full
-            return fused_sample_full(logits, st, num_splits=INVARIANT_SAMPLER_SPLITS if self.batch_invariant else None)
+            from .kernels.fused_truncation import default_row_splits, fused_sample_full
+            if self.batch_invariant:
+                splits = dict(num_splits=INVARIANT_SAMPLER_SPLITS, row_splits=INVARIANT_SAMPLER_SPLITS)
+            else:
+                splits = dict(row_splits=default_row_splits(*logits.shape, logits.device))
+            return fused_sample_full(logits, st, **splits)
         return sample(logits, st)
 
     @torch.inference_mode()

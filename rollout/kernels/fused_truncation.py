@@ -14,7 +14,7 @@ pass 1, ~85 per count pass, ~150 per mass pass (16 compare-and-adds each), up to
 pass (less where a block's noise is pruned): ALU-bound, unlike the one-pass kernel.
 Measured (H200, V = 151,936, bf16, graphs, R = 64 / 256): top-p 0.9 1,440 / 2,196 us, top-k 50
 1,088 / 1,719, all three 1,978 / 3,158: one SM per row, its passes serial.
-Split rows (`row_splits` S > 1, opt-in until timed): the same passes over S contiguous chunks per
+Split rows (`row_splits` S > 1; the engine's default, `default_row_splits`): the same passes over S contiguous chunks per
 row, grid (R, S), one launch per pass (2 * digits + 3: 11 for bf16), the cross-chunk sums reduced
 in a fixed order by the next launch (deterministic, no atomics); the top-p tie rank of a chunk
 starts at the boundary ties of the chunks before it (the last digit's per-chunk counts). sm_90
@@ -433,11 +433,14 @@ _MAX_ROW_SPLITS = 32  # every program of a step sums its row's S x 16 partials: 
 
 
 def default_row_splits(R: int, V: int, device, block: int = 1024) -> int:
-    """Chunks per row for the split truncation path: about 3 programs per SM (the histogram
-    passes are ALU-bound; at the truncation kernel's ~80 registers x 256 threads 3 CTAs fit an
-    SM), at least one `block` per chunk, at most 32. Not yet measured: `fused_sample_full` keeps
-    row_splits=1 by default; rollout.bench.sampler reports this next to S = 1."""
-    return max(1, min(triton.cdiv(3 * _sm_count(torch.device(device)), max(R, 1)), triton.cdiv(V, block),
+    """Chunks per row for the split truncation path: at least 8, and more at small R for about 3
+    programs per SM (the histogram passes are ALU-bound; ~80 registers x 256 threads fit 3 CTAs
+    an SM); at least one `block` per chunk, at most 32. Measured on the H200 (V = 151,936, bf16,
+    graphs; bench/results/2026-11-29_kernels_fused-sampler-truncation_row-splits_315b2bc.json):
+    S = 8 was the fastest or within 1% of it for top-k, top-p, min-p and all three at R = 64 and
+    256 (R = 64 top-p 1,439 -> 377 us, top-k 1,087 -> 231; R = 256 top-k 1,757 -> 909), where
+    3 programs per SM alone would take 7 and 2."""
+    return max(1, min(max(8, triton.cdiv(3 * _sm_count(torch.device(device)), max(R, 1))), triton.cdiv(V, block),
                       _MAX_ROW_SPLITS))
 
 
@@ -489,8 +492,8 @@ def fused_sample_full(logits: torch.Tensor, st: SamplingTensors, *, out: Sampler
     kernel's block for its first and last passes, warps, and block for its histogram passes
     (default 32 * num_warps: one element per thread, [16, hist_block] accumulators = 32 registers);
     num_splits: the no-truncation kernel's.
-    row_splits (truncation only): None or 1 = `_trunc_kernel`, one program per row (the default:
-    the split path is not yet timed on a GPU; `default_row_splits` is what the bench compares);
+    row_splits (truncation only): None or 1 = `_trunc_kernel`, one program per row (the engine
+    passes `default_row_splits`: 3.6-4.7x faster at R = 64 on the H200, 1.2-1.9x at 256);
     S > 1 = each row in S contiguous chunks (fewer where V / block is smaller; 1 chunk falls back
     to `_trunc_kernel`), one program each per pass, 2 * digits + 3 launches. Same kept sets and
     tokens as S = 1 (counts are exact; top-p masses are fp32 sums in another order, so a token
