@@ -22,6 +22,8 @@ import sys
 
 import torch
 
+from .__main__ import run_meta
+
 
 def _setup(B, ctx, Hq, Hkv, D, ps, dtype, seed=0, ragged=False):
     from ..attention import AttentionMetadata
@@ -251,7 +253,8 @@ def main(argv=None):
         bench_fused_ops(args, results)
     if args.out:
         info = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                    python=platform.python_version(), copy_GBps=copy_gbps, args=vars(args), results=results)
+                    python=platform.python_version(), copy_GBps=copy_gbps, args=vars(args), results=results,
+                    meta=run_meta("rollout.bench.kernels", argv))
         with open(args.out, "w") as f:
             json.dump(info, f, indent=1)
         print(f"wrote {args.out}")
