@@ -298,6 +298,36 @@ def test_compiles_for_sm90(tmp_path):
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-3000:]
 
 
+def test_engine_truncating_sampler_takes_the_split_rows_and_matches_torch():
+    """The engine's default truncation path on the Triton backend: `default_row_splits` chunks
+    per row (V = 4096: 4 chunks of 1024). Seeded top-k / top-p / min-p sampling gives the torch
+    sampler's tokens, and logprobs within fp32 summation-order noise."""
+    import rollout.kernels.fused_truncation as ft
+    from rollout import RolloutEngine, SamplingParams
+    from rollout.bench.shapes import make_config
+    assert ft._row_chunks(4096, ft.default_row_splits(6, 4096, "cpu"), 1024)[0] == 4
+    calls = []
+    orig = ft._trunc_split
+    prompts = [[5, 9, 200, 31], [7] * 11, [1000, 2000, 3000]]
+    p = SamplingParams(n=2, max_new_tokens=6, temperature=0.9, top_k=50, top_p=0.9, min_p=0.01, seed=3,
+                       ignore_eos=True)
+    outs = {}
+    for backend in ("torch", "triton"):
+        ft._trunc_split = lambda *a, **k: (calls.append(a[2]), orig(*a, **k))[1]   # record S
+        try:
+            eng = RolloutEngine.from_config(make_config("tiny"), seed=0, device="cpu", dtype="float32",
+                                            max_model_len=64, num_kv_pages=32, attention_backend=backend)
+            outs[backend] = eng.generate(prompts, p, use_tqdm=False)
+        finally:
+            ft._trunc_split = orig
+    assert calls and set(calls) == {4}            # every triton step took the split path, 4 chunks
+    for a, b in zip(outs["torch"], outs["triton"]):
+        for ca, cb in zip(a.completions, b.completions):
+            assert ca.token_ids == cb.token_ids
+            # fp32 both ways, different summation order: ~1e-6.
+            assert max(abs(x - y) for x, y in zip(ca.logprobs, cb.logprobs)) < 1e-5
+
+
 def test_engine_with_triton_backend_matches_torch_backend(model_dir, tiny_tokenizer):
     """End to end under the interpreter: the engine's attention through the Triton kernels
     (decode and chunked prefill) gives the torch reference's tokens and logprobs."""
