@@ -12,7 +12,7 @@ import torch
 
 from .graphs import MODES
 from .kv_cache import KVCacheManager, PageAllocator
-from .models.loader import build_model, init_random, load_model, resolve_dtype
+from .models.loader import build_model, init_random, load_model, parameter_bytes, resolve_dtype
 from .request import Request, RequestOutput, SamplingParams
 from .pipeline import DevicePipeline, InFlight
 from .runner import ModelRunner
@@ -37,7 +37,8 @@ class RolloutEngine:
                  async_pipeline: Optional[bool] = None, kv_reserve_fraction: float = 1.0,
                  attention_backend: str = "auto", cuda_graphs: bool = True,
                  cuda_graph_max_batch: Optional[int] = None, cuda_graph_modes: Seq[str] = MODES,
-                 preemption_mode: str = "recompute", swap_space_gb: float = 0.0, batch_invariant: bool = False):
+                 preemption_mode: str = "recompute", swap_space_gb: float = 0.0, batch_invariant: bool = False,
+                 reserve_memory: Union[int, str] = 0):
         self.model = model
         self.hf_config = hf_config
         self.tokenizer = tokenizer
@@ -52,7 +53,8 @@ class RolloutEngine:
             attention_backend = "triton" if self.device.type == "cuda" else "torch"
         if batch_invariant:
             self._check_batch_invariant(attention_backend)
-        num_pages = self._size_kv(num_kv_pages, kv_cache_memory, page_size, kv_dtype, max_num_seqs)
+        num_pages = self._size_kv(num_kv_pages, kv_cache_memory, page_size, kv_dtype, max_num_seqs,
+                                  parameter_bytes(model) if reserve_memory == "weights" else reserve_memory)
         self.kv = KVCacheManager(num_pages, page_size)
         if self.kv.alloc.num_usable < self.kv.pages_for(self.max_model_len):
             raise ValueError(f"KV cache of {self.kv.alloc.num_usable} pages x {page_size} tokens cannot "
@@ -148,14 +150,22 @@ class RolloutEngine:
         init_random(model, seed)
         return cls(model, hf_config, tokenizer=tokenizer, seed=seed, **kwargs)
 
-    def _size_kv(self, num_pages, mem, page_size, kv_dtype, max_num_seqs) -> int:
+    def _size_kv(self, num_pages, mem, page_size, kv_dtype, max_num_seqs, reserve: int = 0) -> int:
+        """Pages: num_kv_pages, else kv_cache_memory bytes, else (CUDA) 85% of free memory less 2 GiB
+        of headroom for activations and logits and less `reserve` (reserve_memory: bytes, or
+        "weights" for one copy of the parameters, a full staged update; explicit sizes ignore it)."""
+        if isinstance(reserve, bool) or not isinstance(reserve, int) or reserve < 0:
+            raise ValueError(f"reserve_memory must be bytes >= 0 or 'weights', got {reserve!r}")
         if num_pages is not None:
             return int(num_pages) + 1      # + the trash page
         per_page = ModelRunner.kv_bytes_per_page(self.hf_config, page_size, kv_dtype)
         if mem is None:
             if self.device.type == "cuda":
                 free, _ = torch.cuda.mem_get_info(self.device)
-                mem = int(free * 0.85) - (2 << 30)   # headroom for activations and logits
+                mem = int(free * 0.85) - (2 << 30) - int(reserve)
+                if mem < per_page:
+                    raise ValueError(f"no device memory left for the KV cache: {free / 1e9:.2f} GB free, "
+                                     f"reserve_memory={reserve / 1e9:.2f} GB plus 2 GiB of headroom")
             else:
                 mem = min(max_num_seqs * self.max_model_len * per_page // page_size, 1 << 30)
         return max(int(mem) // per_page, 2)

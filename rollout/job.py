@@ -86,6 +86,7 @@ class EngineConfig:                      # keyword arguments of RolloutEngine.fr
     batch_invariant: bool = False            # bits independent of batch-mates (CUDA + Triton, bf16/fp16)
     cuda_graphs: bool = True                 # decode CUDA graphs (CUDA + Triton)
     cuda_graph_max_batch: Optional[int] = None
+    reserve_memory: Any = 0                  # bytes the automatic KV sizing leaves free, or "weights" (updates)
 
 
 @dataclass

@@ -149,7 +149,7 @@ class WeightSync:
             raise WeightUpdateError(
                 f"weight update rejected: staging needs {nbytes / 1e9:.2f} GB on {self.device}, "
                 f"{free / 1e9:.2f} GB free; leave room for one copy of the weights beside the KV cache "
-                f"(a smaller kv_cache_memory)")
+                f"(RolloutEngine(..., reserve_memory=\"weights\"), or a smaller kv_cache_memory)")
 
     # ---- commit at a batch boundary ---------------------------------------------------------
     def commit(self) -> Optional[int]:

@@ -1,6 +1,7 @@
 """Engine-level KV behaviour on CPU: prompt sharing across a GRPO group, preemption by
 recompute under a tiny KV budget, chunked prefill, and no leaked pages."""
 import pytest
+import torch
 
 from hf_reference import hf_token_logprobs, random_prompts
 from rollout import RolloutEngine, SamplingParams
@@ -216,3 +217,35 @@ def test_swapped_out_sequence_recomputed_on_request_and_abort_frees_host_slots(m
             else:
                 assert got.token_ids == ref.completions[0].token_ids
         assert eng.kv.alloc.num_used == 0 and eng.scheduler.host.num_used == 0
+
+
+def test_automatic_kv_sizing_leaves_reserve_memory_free(monkeypatch):
+    """reserve_memory (bytes) comes off the automatic (CUDA) KV size, page for page; a reserve larger
+    than what is free, or a negative one, is a clear error. Free memory is faked: no GPU here."""
+    from rollout.bench.shapes import make_config
+    from rollout.runner import ModelRunner
+    eng = RolloutEngine.__new__(RolloutEngine)
+    eng.device, eng.hf_config, eng.max_model_len = torch.device("cuda"), make_config("tiny"), 256
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (40 << 30, 80 << 30))
+    per_page = ModelRunner.kv_bytes_per_page(eng.hf_config, 16, torch.bfloat16)
+    base = eng._size_kv(None, None, 16, torch.bfloat16, 8)
+    less = eng._size_kv(None, None, 16, torch.bfloat16, 8, reserve=8 << 30)
+    assert base == (int((40 << 30) * 0.85) - (2 << 30)) // per_page
+    assert base - less in ((8 << 30) // per_page, (8 << 30) // per_page + 1)
+    assert eng._size_kv(100, None, 16, torch.bfloat16, 8, reserve=8 << 30) == 101     # explicit sizes: as given
+    with pytest.raises(ValueError, match="no device memory left for the KV cache"):
+        eng._size_kv(None, None, 16, torch.bfloat16, 8, reserve=32 << 30)
+    for bad in (-1, "all", 1.5):
+        with pytest.raises(ValueError, match="reserve_memory must be bytes >= 0 or 'weights'"):
+            eng._size_kv(None, None, 16, torch.bfloat16, 8, reserve=bad)
+
+
+def test_reserve_memory_weights_is_one_copy_of_the_parameters(model_dir, monkeypatch):
+    """reserve_memory="weights" reserves parameter_bytes(model), resolved by the engine itself
+    (from_pretrained users have no model to measure before the engine builds it)."""
+    from rollout.models.loader import parameter_bytes
+    seen = []
+    monkeypatch.setattr(RolloutEngine, "_size_kv", lambda self, *a: seen.append(a[-1]) or 64)
+    eng = RolloutEngine.from_pretrained(model_dir("llama"), device="cpu", dtype="float32", max_model_len=64,
+                                        reserve_memory="weights")
+    assert seen == [parameter_bytes(eng.model)] and seen[0] > 0

@@ -227,6 +227,26 @@ def test_update_without_room_to_stage_is_refused_before_anything_changes(model_d
     assert worker.weights.pending is not None
 
 
+def test_worker_warns_at_start_when_a_full_update_could_not_be_staged(model_dir, monkeypatch, caplog):
+    """A worker whose device has less free memory than a full update's staging copy says so when
+    it is built, naming the engine option that fixes it, instead of an hour later at the first
+    update. parameter_bytes (what reserve_memory="weights" reserves) is the checkpoint's size."""
+    import logging
+
+    import rollout.worker as rwk
+    from rollout.models.loader import parameter_bytes
+    eng = _engine(model_dir("llama"))
+    need = parameter_bytes(eng.model)
+    assert need == sum(t.numel() * t.element_size() for t in _weights(model_dir("llama")).values())
+    for free, warned in ((need - 1, True), (need, False), (None, False)):     # None: CPU, no budget
+        monkeypatch.setattr(rwk, "free_bytes", lambda device, free=free: free)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="rollout.worker"):
+            RolloutWorker(eng)
+        assert ("updates will be refused" in caplog.text) == warned, free
+        assert ('reserve_memory="weights"' in caplog.text) == warned
+
+
 def _free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

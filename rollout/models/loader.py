@@ -45,6 +45,11 @@ def build_model(hf_config, dtype: torch.dtype, device: torch.device) -> DecoderL
     return model.eval().requires_grad_(False)
 
 
+def parameter_bytes(model: torch.nn.Module) -> int:
+    """One copy of the model's parameters (tied ones once): what a full staged weight update takes."""
+    return sum(t.numel() * t.element_size() for t in model.parameters())
+
+
 def init_random(model: DecoderLM, seed: int) -> None:
     """Seeded normal(0, initializer_range) weights, zero biases, unit norms (HF's init)."""
     std = float(getattr(model.config, "initializer_range", 0.02))
