@@ -29,8 +29,10 @@ for s in $sections; do
         --out $OUT/profile_l8b_B32_C4352.json 2>&1 | grep -A12 "^| part" ;;
     inv_cost) # what batch-invariant mode costs per decode step at P5's mean context (256 + 16384 / 2), and
       # the attention kernels alone: split-KV decode vs the varlen kernel invariant mode uses for decode rows
-      timeout 100 python3 -m rollout.bench.kernels --only decode --shapes 32x8K 32x16K --num-splits 2 --num-stages 2 3 \
-        --block-n 32 64 --num-warps 4 8 --skip-ref --out $OUT/kernels_decode_vs_varlen.json 2>&1 | grep -E "^decode|auto|varlen"
+      # (--invariant-block-m: smaller invariant tiles waste less on decode rows, cost more KV reads in prefill)
+      timeout 150 python3 -m rollout.bench.kernels --only decode prefill --shapes 32x8K 32x16K --num-splits 2 \
+        --num-stages 3 --block-n 64 --num-warps 1 4 --invariant-split-len 1024 --invariant-block-m 16 32 64 --skip-ref \
+        --out $OUT/kernels_decode_vs_varlen.json 2>&1 | grep -E "^decode|auto|varlen|^prefill"
       for f in --batch-invariant; do timeout 150 python3 -m rollout.bench.profile --shape llama3-8b --batch 32 \
         --context 8448 $f --out $OUT/profile_l8b_B32_C8448${f:+_invariant}.json 2>&1 | grep -E "^\| (gemm|attention|\*\*step)"; done ;;
     profile)  # per-step breakdown, fused small ops off and on

@@ -107,23 +107,23 @@ def bench_decode(args, results):
         # batch-invariant mode sends decode rows through the varlen prefill kernel (64-row GQA tiles):
         # one pass per row (split_len 0), or KV splits at fixed positions plus a merge kernel
         row["varlen_invariant"] = []
-        for sl, bn, nw, st in itertools.product(args.invariant_split_len, args.block_n, args.num_warps,
-                                                args.num_stages):
+        for sl, bm, bn, nw, st in itertools.product(args.invariant_split_len, args.invariant_block_m, args.block_n,
+                                                    args.num_warps, args.num_stages):
             def varlen():
                 return paged_prefill_attention(q, kc, vc, meta.block_tables, meta.query_start_loc, meta.seq_lens,
-                                               scale, split_len=sl, decode_rows=sl > 0, block_n=bn, num_warps=nw,
-                                               num_stages=st)
+                                               scale, split_len=sl, decode_rows=sl > 0, block_m=bm, block_n=bn,
+                                               num_warps=nw, num_stages=st)
+            cfg = f"split_len={sl:<4} block_m={bm:<3} block_n={bn:<3} warps={nw} stages={st}"
             try:
                 err = (varlen().float() - ref).abs().max().item() if ref is not None else None
                 ms = do_bench(varlen, return_mode="median")
             except Exception as e:
-                print(f"  varlen split_len={sl} block_n={bn} warps={nw} stages={st}: {type(e).__name__}: {e}"[:200])
+                print(f"  varlen {cfg}: {type(e).__name__}: {e}"[:200])
                 continue
             gbps = kv_bytes / (ms * 1e-3) / 1e9
-            row["varlen_invariant"].append(dict(split_len=sl, block_n=bn, num_warps=nw, num_stages=st, us=ms * 1e3,
-                                                GBps=gbps, max_err=err))
-            print(f"  varlen split_len={sl:<4} block_n={bn:<3} warps={nw} stages={st}: {ms * 1e3:7.1f} us  "
-                  f"{gbps:6.0f} GB/s" + (f"  max|err| {err:.1e}" if err is not None else ""))
+            row["varlen_invariant"].append(dict(split_len=sl, block_m=bm, block_n=bn, num_warps=nw, num_stages=st,
+                                                us=ms * 1e3, GBps=gbps, max_err=err))
+            print(f"  varlen {cfg}: {ms * 1e3:7.1f} us  {gbps:6.0f} GB/s" + (f"  max|err| {err:.1e}" if err is not None else ""))
         results.append(row)
 
 
@@ -139,19 +139,22 @@ def bench_prefill(args, results):
         # causal FLOPs: 2 matmuls x 2 flops x Hq x D x (keys seen summed over queries)
         keys = sum((ctx - qlen + i + 1) for i in range(qlen)) * S
         flops = 4 * Hq * D * keys
-        for bm, bn in itertools.product((64, 128), (32, 64)):
+        # normal tiles; then batch-invariant mode's (KV splits of 1024 folded in the tile) per --invariant-block-m
+        configs = [(bm, bn, 4 if bm == 64 else 8, 2, 0) for bm, bn in itertools.product((64, 128), (32, 64))]
+        configs += [(bm, 64, 4, 3, 1024) for bm in args.invariant_block_m]
+        for bm, bn, nw, st, sl in configs:
             def fn():
                 return paged_prefill_attention(q, kc, vc, meta.block_tables, qsl, meta.seq_lens, D ** -0.5,
-                                               block_m=bm, block_n=bn, num_warps=4 if bm == 64 else 8)
+                                               block_m=bm, block_n=bn, num_warps=nw, num_stages=st, split_len=sl)
             try:
                 ms = do_bench(fn, return_mode="median")
             except Exception as e:
-                print(f"  prefill block_m={bm} block_n={bn}: {type(e).__name__}: {e}"[:200])
+                print(f"  prefill block_m={bm} block_n={bn} split_len={sl}: {type(e).__name__}: {e}"[:200])
                 continue
             tf = flops / (ms * 1e-3) / 1e12
-            results.append(dict(kind="prefill", S=S, q_len=qlen, ctx=ctx, block_m=bm, block_n=bn, us=ms * 1e3,
-                                TFLOPs=tf))
-            print(f"prefill S={S} q_len={qlen} ctx={ctx} block_m={bm} block_n={bn}: "
+            results.append(dict(kind="prefill", S=S, q_len=qlen, ctx=ctx, block_m=bm, block_n=bn, num_warps=nw,
+                                num_stages=st, split_len=sl, us=ms * 1e3, TFLOPs=tf))
+            print(f"prefill S={S} q_len={qlen} ctx={ctx} block_m={bm} block_n={bn} warps={nw} split_len={sl}: "
                   f"{ms * 1e3:8.1f} us {tf:6.1f} TFLOP/s")
 
 
@@ -220,6 +223,8 @@ def main(argv=None):
     ap.add_argument("--num-stages", nargs="+", type=int, default=[2, 3])
     ap.add_argument("--invariant-split-len", nargs="+", type=int, default=[0, 1024],
                     help="decode rows through the varlen kernel (batch-invariant mode): KV split lengths, 0 = none")
+    ap.add_argument("--invariant-block-m", nargs="+", type=int, default=[64],
+                    help="batch-invariant tile rows to time (decode rows and the invariant prefill fold)")
     ap.add_argument("--q-heads", type=int, default=32)
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=128)

@@ -62,11 +62,11 @@ def paged_attention(q, k_cache, v_cache, meta, scale, sliding_window=None):
     kernel for every batch, with KV splits at fixed positions (a decode row then gets the same
     bits in a mixed step, a pure one or a re-prefill, and decode still gets split parallelism)."""
     from .paged_decode import paged_decode_attention, pick_num_splits
-    from .paged_prefill import INVARIANT_SPLIT_LEN, paged_prefill_attention
+    from .paged_prefill import INVARIANT_SPLIT_LEN, INVARIANT_TILE, paged_prefill_attention
     if meta.batch_invariant:
         return paged_prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
                                        meta.seq_lens, scale, sliding_window, split_len=INVARIANT_SPLIT_LEN,
-                                       decode_rows=meta.decode_only, num_stages=3)    # 3: +7% at 8-16K, H200
+                                       decode_rows=meta.decode_only, **INVARIANT_TILE)
     if meta.decode_only:
         return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,
                                       sliding_window, pick_num_splits(q.shape[0], k_cache.shape[2]))

@@ -30,6 +30,10 @@ LOG2E = 1.4426950408889634
 # Batch-invariant KV split length (a multiple of BLOCK_N): decode at B = 32, Hkv = 8 and 8K context
 # runs 2K programs, and a prefill tile folds one split per 1K keys (a few fp32 ops per row).
 INVARIANT_SPLIT_LEN = 1024
+# Batch-invariant mode's one tile config for prefill and decode rows alike (a row's bits depend on
+# it). 64-row tiles: a decode row fills GROUP of them (4 for Llama-3-8B), the rest is MMA and
+# softmax work on padding; `rollout.bench.kernels --invariant-block-m` measures smaller tiles.
+INVARIANT_TILE = dict(block_m=64, block_n=64, num_warps=4, num_stages=3)   # 3 stages: +7% at 8-16K, H200
 
 
 @triton.jit

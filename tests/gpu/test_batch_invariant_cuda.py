@@ -45,7 +45,7 @@ def test_attention_row_bits_across_decode_mixed_and_reprefill_steps(window):
 
     from paged_cases import make_paged, meta_for, reference
     from rollout.kernels import paged_attention
-    from rollout.kernels.paged_prefill import INVARIANT_SPLIT_LEN, paged_prefill_attention
+    from rollout.kernels.paged_prefill import INVARIANT_SPLIT_LEN, INVARIANT_TILE, paged_prefill_attention
     lens, ps, Hq, Hkv, D = [5000, 37, 2100, 1024, 1025], 16, 32, 8, 128
     caches, poisoned, bt = make_paged(lens, Hkv, D, ps, torch.bfloat16, seed=5, device="cuda")
     q = torch.randn(len(lens), Hq, D, device="cuda").bfloat16()
@@ -54,7 +54,7 @@ def test_attention_row_bits_across_decode_mixed_and_reprefill_steps(window):
     out = paged_attention(q, *poisoned, dmeta, D ** -0.5, window)
     torch.testing.assert_close(out.float(), reference(q, caches, dmeta, D ** -0.5, window), rtol=2e-2, atol=2e-2)
     fold = paged_prefill_attention(q, *poisoned, bt, dmeta.query_start_loc, dmeta.seq_lens, D ** -0.5, window,
-                                   split_len=INVARIANT_SPLIT_LEN)
+                                   split_len=INVARIANT_SPLIT_LEN, **INVARIANT_TILE)
     assert torch.equal(out, fold)
     for i in range(len(lens)):
         alone = replace(meta_for(lens[i:i + 1], [1], bt[i:i + 1], ps), **inv)
