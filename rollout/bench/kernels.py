@@ -141,7 +141,7 @@ def bench_prefill(args, results):
         flops = 4 * Hq * D * keys
         # normal tiles; then batch-invariant mode's (KV splits of 1024 folded in the tile) per --invariant-block-m
         configs = [(bm, bn, 4 if bm == 64 else 8, 2, 0) for bm, bn in itertools.product((64, 128), (32, 64))]
-        configs += [(bm, 64, 4, 3, 1024) for bm in args.invariant_block_m]
+        configs += [(bm, 64, nw, 3, 1024) for bm, nw in itertools.product(args.invariant_block_m, args.num_warps)]
         for bm, bn, nw, st, sl in configs:
             def fn():
                 return paged_prefill_attention(q, kc, vc, meta.block_tables, qsl, meta.seq_lens, D ** -0.5,
