@@ -286,7 +286,7 @@ class _LocalRollouts:
 
     def start(self) -> None:
         from rollout.worker import RolloutWorker
-        self.worker = RolloutWorker(self.engine)
+        self.worker = RolloutWorker(self.engine, expects_updates=False)
         self._busy0 = self.engine.pipeline.busy_ms
 
     def sink(self, **kw) -> MetricsSink:
@@ -372,7 +372,8 @@ class _FleetRollouts:
                              f"but the Ray cluster has {have.get('CPU', 0):g} and {have.get('GPU', 0):g}; lower "
                              f"fleet.num_workers or fleet.num_cpus_per_worker, or add nodes")
         threads = self.cfg.torch_threads or (1 if dev == "cpu" else None)
-        self.fleet = RolloutFleet(fc.num_workers, {"model": self.model_path, "device": dev, **_engine_kwargs(self.cfg)},
+        self.fleet = RolloutFleet(fc.num_workers, {"model": self.model_path, "device": dev, **_engine_kwargs(self.cfg),
+                                                   "worker_kwargs": {"expects_updates": False}},
                                   num_gpus_per_worker=gpus, num_cpus_per_worker=fc.num_cpus_per_worker,
                                   restart_dead=fc.restart_dead, torch_threads=threads)
         self.cuda = dev == "cuda"

@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 
 
 class RolloutWorker:
-    def __init__(self, engine: RolloutEngine, *, require_full_updates: bool = False):
+    def __init__(self, engine: RolloutEngine, *, require_full_updates: bool = False, expects_updates: bool = True):
         self.engine = engine
         self.weights = WeightSync(engine, require_full=require_full_updates)
         self._lock = threading.RLock()          # serialises engine access and staging (take it via locked())
@@ -38,7 +38,8 @@ class RolloutWorker:
         self._stop = False
         self.finished: list[RequestOutput] = []   # inline mode: outputs not yet collected
         self.metrics = {"stale_finished": 0, "stale_recomputed": 0}
-        self._warn_if_no_update_room()
+        if expects_updates:          # a standalone rollout job takes no updates: no warning
+            self._warn_if_no_update_room()
 
     def _warn_if_no_update_room(self) -> None:
         """Say at start-up, not at the first update an hour in, that a full update cannot be staged

@@ -245,6 +245,10 @@ def test_worker_warns_at_start_when_a_full_update_could_not_be_staged(model_dir,
             RolloutWorker(eng)
         assert ("updates will be refused" in caplog.text) == warned, free
         assert ('reserve_memory="weights"' in caplog.text) == warned
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="rollout.worker"):
+            RolloutWorker(eng, expects_updates=False)          # a standalone job: never warned
+        assert "updates will be refused" not in caplog.text
 
 
 def _free_port():
