@@ -4,8 +4,8 @@
 #   bash scripts/h200_validate.sh tests kernels sampler q05 l8b_short l8b_fp32 seed p3 p5 weights
 #   (issue 7: pressure_ref0 pressure_ref1 pressured pressured_swap pressure_fp32_small; issue 9 on 2+ GPUs:
 #   fleet_scaling fleet_broadcast; issue 4: p1_pdl p5_pdl profile_p1 gemm_pdl sampler_trunc tests_sampler;
-#   batch-invariant mode: tests_invariant p1_inv pressure_inv_ref0 pressure_inv_ref1 pressured_inv, or on 3+
-#   GPUs inv_parallel, beside which another section can run on the last GPU: CUDA_VISIBLE_DEVICES=3 bash ... &)
+#   batch-invariant mode: inv_cost tests_invariant p1_inv pressure_inv_ref0 pressure_inv_ref1 pressured_inv
+#   (KV_FRACTION), inv_refs_x2 on 2 GPUs (then pressured_inv with the npz in h200_ref/), inv_x4 on 4 GPUs)
 # Run from the repo root on the H200; ROLLOUT_GIT_COMMIT should be passed in (no .git there).
 set -uo pipefail
 OUT=${OUT:-h200_out}; mkdir -p "$OUT"
@@ -95,16 +95,6 @@ for s in $sections; do
         --reference-file h200_ref/pressure_inv_ref0.npz h200_ref/pressure_inv_ref1.npz \
         --out $OUT/pressure_inv_l8b_B64_G16384.json > $OUT/pressured_inv.log 2>&1
       tr '\r' '\n' < $OUT/pressured_inv.log | grep "generate:" | tail -1; tail -10 $OUT/pressured_inv.log ;;
-    inv_parallel) # issue 7 in one call on 3+ GPUs: reference chunks on GPUs 0 and 1, the pressured run on GPU 2
-      # at the same time (it reads the chunks' files after its own run); batch-invariant; npz and logs in /tmp
-      # (at most 8 files come back from $OUT)
-      X="python3 -m rollout.bench.pressure --shape llama3-8b --batch 64 --prompt-len 256 --gen-len 16384 --reference-chunks 2 --batch-invariant"
-      for c in 0 1; do CUDA_VISIBLE_DEVICES=$c timeout 580 $X --runs unpressured --chunk $c \
-        --reference-file /tmp/inv_ref$c.npz --out $OUT/pressure_inv_ref${c}_l8b_B64_G16384.json > /tmp/inv_ref$c.log 2>&1 & done
-      CUDA_VISIBLE_DEVICES=2 timeout 590 $X --runs pressured --kv-fraction 0.5 --wait-reference-s 560 \
-        --reference-file /tmp/inv_ref0.npz /tmp/inv_ref1.npz --out $OUT/pressure_inv_l8b_B64_G16384.json > /tmp/inv_pr.log 2>&1
-      wait; for f in /tmp/inv_ref0.log /tmp/inv_ref1.log; do tr '\r' '\n' < $f | grep -E "^reference|Error" | tail -2; done
-      tail -10 /tmp/inv_pr.log ;;
     inv_refs_x2) # issue 7's two batch-invariant reference chunks at once on 2 GPUs (npz come back in $OUT;
       # the pressured_inv section reads them from h200_ref/ in a later call)
       for c in 0 1; do CUDA_VISIBLE_DEVICES=$c bash $0 pressure_inv_ref$c & done; wait ;;
