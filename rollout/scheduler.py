@@ -150,8 +150,11 @@ class Scheduler:
             self._preempt(seq)
         elif seq.host_table:
             self.kv.drop_swapped(seq, self.host)
-            self.num_recomputed_tokens += seq.num_computed
-            seq.num_computed = 0
+            self._recompute_from_scratch(seq)
+
+    def _recompute_from_scratch(self, seq: Sequence) -> None:
+        self.num_recomputed_tokens += seq.num_computed
+        seq.num_computed = 0
 
     def _swaps(self, seq: Sequence) -> bool:
         """Whether preempting `seq` now swaps its pages out instead of dropping them."""
@@ -177,8 +180,7 @@ class Scheduler:
             seq.num_computed = min(seq.num_computed, seq.num_tokens - 1)
         else:
             self.kv.free(seq)
-            self.num_recomputed_tokens += seq.num_computed
-            seq.num_computed = 0
+            self._recompute_from_scratch(seq)
         seq.epoch += 1
         seq.status = Status.WAITING
         seq.num_preemptions += 1

@@ -209,8 +209,11 @@ def test_batch_invariant_attention_rows_are_the_same_bits_in_every_batch(monkeyp
     torch.testing.assert_close(out.float(), reference(q, caches, dmeta, 0.125, window), **tol)
     # the decode path (split programs + merge) against the folding path on the same rows
     fold = paged_prefill_attention(q, *poisoned, bt, dmeta.query_start_loc, dmeta.seq_lens, 0.125, window,
-                                   split_len=64, **pp.INVARIANT_TILE)
-    assert torch.equal(out, fold)
+                                   split_len=64, out=torch.full_like(q, float("nan")), **pp.INVARIANT_TILE)
+    split = paged_prefill_attention(q, *poisoned, bt, dmeta.query_start_loc, dmeta.seq_lens, 0.125, window,
+                                    split_len=64, decode_rows=True, out=torch.full_like(q, float("nan")),
+                                    **pp.INVARIANT_TILE)       # poisoned outputs: every row is written
+    assert torch.equal(out, fold) and torch.equal(out, split)
     for i in range(4):      # each row alone
         alone = replace(meta_for(lens[i:i + 1], [1], bt[i:i + 1], ps), batch_invariant=True)
         assert torch.equal(paged_attention(q[i:i + 1], *poisoned, alone, 0.125, window), out[i:i + 1]), i

@@ -53,9 +53,12 @@ def test_attention_row_bits_across_decode_mixed_and_reprefill_steps(window):
     dmeta = replace(meta_for(lens, [1] * len(lens), bt, ps), **inv)
     out = paged_attention(q, *poisoned, dmeta, D ** -0.5, window)
     torch.testing.assert_close(out.float(), reference(q, caches, dmeta, D ** -0.5, window), rtol=2e-2, atol=2e-2)
+    nan = lambda: torch.full_like(q, float("nan"))       # poisoned outputs: every row must be written
     fold = paged_prefill_attention(q, *poisoned, bt, dmeta.query_start_loc, dmeta.seq_lens, D ** -0.5, window,
-                                   split_len=INVARIANT_SPLIT_LEN, **INVARIANT_TILE)
-    assert torch.equal(out, fold)
+                                   split_len=INVARIANT_SPLIT_LEN, out=nan(), **INVARIANT_TILE)
+    split = paged_prefill_attention(q, *poisoned, bt, dmeta.query_start_loc, dmeta.seq_lens, D ** -0.5, window,
+                                    split_len=INVARIANT_SPLIT_LEN, decode_rows=True, out=nan(), **INVARIANT_TILE)
+    assert torch.equal(out, fold) and torch.equal(out, split)
     for i in range(len(lens)):
         alone = replace(meta_for(lens[i:i + 1], [1], bt[i:i + 1], ps), **inv)
         assert torch.equal(paged_attention(q[i:i + 1], *poisoned, alone, D ** -0.5, window), out[i:i + 1]), i
