@@ -188,6 +188,17 @@ def test_batch_invariant_gemm_rows_do_not_depend_on_their_batch():
         batch_invariant_gemm(x.float(), w.float())
 
 
+def test_batch_invariant_gemm_configs_come_from_the_swept_decode_table():
+    """Each 8B weight's invariant config is one of its swept decode configs without split-K, the
+    one for the largest M <= 32 where there is one (down_proj's M = 32 config splits K)."""
+    from rollout.kernels import skinny_gemm as sg
+    assert set(sg._INVARIANT_LLAMA3_8B) == set(sg._LLAMA3_8B)
+    for nk, cfg in sg._INVARIANT_LLAMA3_8B.items():
+        assert len(cfg) == 4 and cfg in [c[:4] for _, c in sg._LLAMA3_8B[nk] if c is not None and c[4:] in ((), (1,))]
+    assert sg._INVARIANT_LLAMA3_8B[(4096, 14336)] == sg.pick_config(4096, 14336, 16)
+    assert sg._INVARIANT_LLAMA3_8B[(28672, 4096)] == sg.pick_config(28672, 4096, 32)
+
+
 @pytest.mark.parametrize("dtype,window", [(torch.float16, None), (torch.float16, 50), (torch.float32, 50)])
 def test_batch_invariant_attention_rows_are_the_same_bits_in_every_batch(monkeypatch, dtype, window):
     """With meta.batch_invariant every batch takes the varlen kernel with KV cut at fixed

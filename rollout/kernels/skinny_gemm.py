@@ -179,15 +179,21 @@ def skinny_gemm(x: torch.Tensor, w: torch.Tensor, block_n: int, block_k: int, nu
 INVARIANT_BLOCK_M = 64
 INVARIANT_SMALL_M_TILES = True      # False: 64-row tiles at every M (the GPU test runs both)
 
-# (N, K) -> (BLOCK_N, BLOCK_K, num_warps, num_stages at <= 32 rows): _LLAMA3_8B's M = 32 configs
-# without their split-K (down_proj takes its M <= 16 config, the fastest without a split).
-_INVARIANT_LLAMA3_8B = {
-    (6144, 4096): (64, 128, 4, 5),
-    (4096, 4096): (32, 256, 4, 5),
-    (28672, 4096): (64, 64, 8, 3),
-    (4096, 14336): (32, 256, 4, 5),
-    (128256, 4096): (64, 128, 4, 3),
-}
+
+def _invariant_table(table: dict) -> dict:
+    """(N, K) -> (BLOCK_N, BLOCK_K, num_warps, num_stages at <= 32 rows): the decode table's config
+    for the largest M <= 32 among those without split-K (down_proj: its M <= 16 one), or, where no
+    entry is that small, its first config without split-K (lm_head)."""
+    out = {}
+    for nk, entries in table.items():
+        unsplit = [(max_m, cfg[:4]) for max_m, cfg in entries if cfg is not None and cfg[4:] in ((), (1,))]
+        small = [cfg for max_m, cfg in unsplit if max_m <= 32]
+        if unsplit:
+            out[nk] = small[-1] if small else unsplit[0][1]
+    return out
+
+
+_INVARIANT_LLAMA3_8B = _invariant_table(_LLAMA3_8B)
 
 
 def invariant_block_n(N: int) -> int:
