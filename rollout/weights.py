@@ -17,12 +17,14 @@ from a trainer rank (gloo on CPU, NCCL on GPU): `send_weights` / `receive_weight
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator, Optional
 
 import torch
 
+log = logging.getLogger(__name__)
 
 class WeightUpdateError(ValueError):
     pass
@@ -141,15 +143,28 @@ class WeightSync:
         nbytes = sum(t.numel() * t.element_size() for t in staged.values())
         self.pending = _Staged(version, staged, sums, event, nbytes, (time.perf_counter() - t0) * 1e3)
 
+    def _short_of_room(self, nbytes: int) -> Optional[str]:
+        """Why staging `nbytes` would not fit on the device now, or None if it would (or on CPU)."""
+        free = free_bytes(self.device)
+        if free is None or nbytes <= free:
+            return None
+        return (f"staging needs {nbytes / 1e9:.2f} GB on {self.device}, {free / 1e9:.2f} GB free; leave room for "
+                f"one copy of the weights beside the KV cache (RolloutEngine(..., reserve_memory=\"weights\"), "
+                f"or a smaller kv_cache_memory)")
+
     def _check_room(self, nbytes: int) -> None:
         """Staging holds a device copy of every tensor it does not adopt. Refuse the update before
         allocating any, rather than fail with an out-of-memory error halfway through."""
-        free = free_bytes(self.device)
-        if free is not None and nbytes > free:
-            raise WeightUpdateError(
-                f"weight update rejected: staging needs {nbytes / 1e9:.2f} GB on {self.device}, "
-                f"{free / 1e9:.2f} GB free; leave room for one copy of the weights beside the KV cache "
-                f"(RolloutEngine(..., reserve_memory=\"weights\"), or a smaller kv_cache_memory)")
+        short = self._short_of_room(nbytes)
+        if short:
+            raise WeightUpdateError(f"weight update rejected: {short}")
+
+    def warn_if_no_room(self) -> None:
+        """At start-up, not at the first update an hour in: say that a full update cannot be
+        staged now (each update is still checked, and refused cleanly, when it comes)."""
+        short = self._short_of_room(sum(t.numel() * t.element_size() for t in self.targets.values()))
+        if short:
+            log.warning("a full weight update would be refused: %s", short)
 
     # ---- commit at a batch boundary ---------------------------------------------------------
     def commit(self) -> Optional[int]:

@@ -19,8 +19,7 @@ import torch
 
 from .engine import RolloutEngine
 from .request import RequestOutput, SamplingParams, Status
-from .models.loader import parameter_bytes
-from .weights import WeightSync, free_bytes
+from .weights import WeightSync
 
 log = logging.getLogger(__name__)
 
@@ -39,16 +38,7 @@ class RolloutWorker:
         self.finished: list[RequestOutput] = []   # inline mode: outputs not yet collected
         self.metrics = {"stale_finished": 0, "stale_recomputed": 0}
         if expects_updates:          # a standalone rollout job takes no updates: no warning
-            self._warn_if_no_update_room()
-
-    def _warn_if_no_update_room(self) -> None:
-        """Say at start-up, not at the first update an hour in, that a full update cannot be staged
-        (each update is still checked, and refused cleanly, when it comes)."""
-        free, need = free_bytes(self.engine.device), parameter_bytes(self.engine.model)
-        if free is not None and free < need:
-            log.warning("a full weight update needs %.2f GB of device memory to stage, %.2f GB is free: "
-                        "updates will be refused. Build the engine with reserve_memory=\"weights\" "
-                        "(or a smaller kv_cache_memory)", need / 1e9, free / 1e9)
+            self.weights.warn_if_no_room()
 
     @contextlib.contextmanager
     def locked(self):

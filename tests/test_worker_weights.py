@@ -233,22 +233,22 @@ def test_worker_warns_at_start_when_a_full_update_could_not_be_staged(model_dir,
     update. parameter_bytes (what reserve_memory="weights" reserves) is the checkpoint's size."""
     import logging
 
-    import rollout.worker as rwk
+    import rollout.weights as rw
     from rollout.models.loader import parameter_bytes
     eng = _engine(model_dir("llama"))
     need = parameter_bytes(eng.model)
     assert need == sum(t.numel() * t.element_size() for t in _weights(model_dir("llama")).values())
     for free, warned in ((need - 1, True), (need, False), (None, False)):     # None: CPU, no budget
-        monkeypatch.setattr(rwk, "free_bytes", lambda device, free=free: free)
+        monkeypatch.setattr(rw, "free_bytes", lambda device, free=free: free)
         caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="rollout.worker"):
+        with caplog.at_level(logging.WARNING, logger="rollout.weights"):
             RolloutWorker(eng)
-        assert ("updates will be refused" in caplog.text) == warned, free
+        assert ("a full weight update would be refused" in caplog.text) == warned, free
         assert ('reserve_memory="weights"' in caplog.text) == warned
         caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="rollout.worker"):
+        with caplog.at_level(logging.WARNING, logger="rollout.weights"):
             RolloutWorker(eng, expects_updates=False)          # a standalone job: never warned
-        assert "updates will be refused" not in caplog.text
+        assert "would be refused" not in caplog.text
 
 
 def _free_port():
