@@ -23,10 +23,10 @@ for s in $sections; do
         -s tests/gpu > $OUT/gpu_tests.log 2>&1
       grep -E "passed|failed|FAILED|busy=|peak bytes|barrier_ms" $OUT/gpu_tests.log | tail -30 ;;
     profile_unfused) timeout 150 python3 -m rollout.bench.profile --shape llama3-8b --batch 32 --context 1024 \
-        --no-fused-ops --out $OUT/profile_l8b_B32_C1024_unfused.json 2>&1 | grep -A12 "^| part" ;;
+        --no-fused-ops --out $OUT/profile_l8b_B32_C1024_unfused.json 2>&1 | grep -A26 "^| part" ;;
     profile_p1) # per-step breakdown at P1's mean context (256 + 8192 / 2 = 4352), fused path, PDL on
       timeout 200 python3 -m rollout.bench.profile --shape llama3-8b --batch 32 --context 4352 \
-        --out $OUT/profile_l8b_B32_C4352.json 2>&1 | grep -A12 "^| part" ;;
+        --out $OUT/profile_l8b_B32_C4352.json 2>&1 | grep -A26 "^| part" ;;
     inv_cost) # what batch-invariant mode costs per decode step at P5's mean context (256 + 16384 / 2), and
       # the attention kernels alone: split-KV decode vs the varlen kernel invariant mode uses for decode rows
       # (--invariant-block-m: smaller invariant tiles waste less on decode rows, cost more KV reads in prefill)
@@ -37,10 +37,15 @@ for s in $sections; do
         --context 8448 $f --out $OUT/profile_l8b_B32_C8448${f:+_invariant}.json 2>&1 | grep -E "^\| (gemm|attention|\*\*step)"; done ;;
     profile_p1_nopdl) # as profile_p1 with PDL off: kernel spans no longer overlap, so the categories add up
       ROLLOUT_PDL=0 timeout 200 python3 -m rollout.bench.profile --shape llama3-8b --batch 32 --context 4352 \
-        --out $OUT/profile_l8b_B32_C4352_pdl0.json 2>&1 | grep -A12 "^| part" ;;
+        --out $OUT/profile_l8b_B32_C4352_pdl0.json 2>&1 | grep -A26 "^| part" ;;
     profile)  # per-step breakdown, fused small ops off and on
       for f in --no-fused-ops ""; do timeout 150 python3 -m rollout.bench.profile --shape llama3-8b --batch 32 \
-        --context 1024 $f --out $OUT/profile_l8b_B32_C1024${f:+_unfused}.json 2>&1 | grep -A12 "^| part"; done ;;
+        --context 1024 $f --out $OUT/profile_l8b_B32_C1024${f:+_unfused}.json 2>&1 | grep -A26 "^| part"; done ;;
+    attn_layout) # decode attention at P1's mean context and beyond: KV page order (token- or head-major), page 16/64
+      timeout 300 python3 -m rollout.bench.kernels --only decode --shapes 32x4352 32x8K 32x16K --page-size 16 64 \
+        --layout token head --num-splits 1 2 3 4 --block-n 32 64 --num-stages 2 3 --num-warps 4 \
+        --invariant-split-len --skip-ref --out $OUT/kernels_attn_layout.json > $OUT/kernels_attn_layout.log 2>&1
+      python3 scripts/summarize_decode_sweep.py $OUT/kernels_attn_layout.json ;;
     kernels)  timeout 240 python3 -m rollout.bench.kernels --out $OUT/kernels.json 2>&1 | tail -25 ;;
     sampler)  timeout 120 python3 -m rollout.bench.sampler --out $OUT/sampler.json 2>&1 | tail -15 ;;
     q05)      # issue 3's CPU-overhead-heavy workload, sync vs async, with a timeline

@@ -25,7 +25,9 @@ import torch
 from .__main__ import run_meta
 
 
-def _setup(B, ctx, Hq, Hkv, D, ps, dtype, seed=0, ragged=False):
+def _setup(B, ctx, Hq, Hkv, D, ps, dtype, seed=0, ragged=False, layout="token"):
+    """layout 'token': the cache [pages, page, Hkv, D]; 'head': stored [pages, Hkv, page, D] (a page's
+    tokens of one KV head contiguous) and passed as the same logical shape through a permuted view."""
     from ..attention import AttentionMetadata
     g = torch.Generator().manual_seed(seed)
     lens = [ctx] * B if not ragged else torch.randint(ctx // 2, ctx + 1, (B,), generator=g).tolist()
@@ -37,8 +39,10 @@ def _setup(B, ctx, Hq, Hkv, D, ps, dtype, seed=0, ragged=False):
     for i, n in enumerate(need):
         bt[i, :n] = perm[p:p + n].int()
         p += n
-    kc = torch.randn(num_pages, ps, Hkv, D, device="cuda", dtype=dtype)
-    vc = torch.randn_like(kc)
+    if layout == "head":
+        kc, vc = (torch.randn(num_pages, Hkv, ps, D, device="cuda", dtype=dtype).permute(0, 2, 1, 3) for _ in range(2))
+    else:
+        kc, vc = (torch.randn(num_pages, ps, Hkv, D, device="cuda", dtype=dtype) for _ in range(2))
     bt = bt.cuda()
     meta = AttentionMetadata(slot_mapping=None, block_tables=bt,
                              seq_lens=torch.tensor(lens, dtype=torch.int32, device="cuda"),
@@ -68,10 +72,10 @@ def bench_decode(args, results):
     from ..kernels.paged_decode import paged_decode_attention, pick_num_splits
     from ..kernels.paged_prefill import paged_prefill_attention
     dtype = torch.bfloat16
-    Hq, Hkv, D, ps = args.q_heads, args.kv_heads, args.head_dim, args.page_size
-    for shape in args.shapes:
+    Hq, Hkv, D = args.q_heads, args.kv_heads, args.head_dim
+    for shape, ps, layout in itertools.product(args.shapes, args.page_size, args.layout):
         B, ctx = _parse_shape(shape)
-        kc, vc, meta = _setup(B, ctx, Hq, Hkv, D, ps, dtype, ragged=args.ragged)
+        kc, vc, meta = _setup(B, ctx, Hq, Hkv, D, ps, dtype, ragged=args.ragged, layout=layout)
         q = torch.randn(B, Hq, D, device="cuda", dtype=dtype)
         scale = D ** -0.5
         kv_bytes = sum(meta.seq_lens_host) * Hkv * D * 2 * kc.element_size()
@@ -81,10 +85,10 @@ def bench_decode(args, results):
             ref_ms = do_bench(lambda: paged_attention_ref(q, kc, vc, meta, scale), return_mode="median")
         auto = pick_num_splits(B, Hkv)
         splits = sorted(set(args.num_splits + [auto]))
-        row = dict(kind="decode", B=B, ctx=ctx, Hq=Hq, Hkv=Hkv, D=D, page_size=ps, kv_bytes=kv_bytes,
+        row = dict(kind="decode", B=B, ctx=ctx, Hq=Hq, Hkv=Hkv, D=D, page_size=ps, layout=layout, kv_bytes=kv_bytes,
                    ragged=args.ragged, torch_ref_us=ref_ms and ref_ms * 1e3,
                    torch_ref_GBps=ref_ms and kv_bytes / (ref_ms * 1e-3) / 1e9, auto_num_splits=auto, configs=[])
-        print(f"\ndecode B={B} ctx={ctx} ({kv_bytes / 1e9:.2f} GB KV)" +
+        print(f"\ndecode B={B} ctx={ctx} page {ps} {layout}-major ({kv_bytes / 1e9:.2f} GB KV)" +
               (f"  torch ref {ref_ms * 1e3:.0f} us" if ref_ms else ""))
         for ns, bn, nw, st in itertools.product(splits, args.block_n, args.num_warps, args.num_stages):
             kw = dict(block_n=bn, num_warps=nw, num_stages=st)
@@ -131,7 +135,7 @@ def bench_prefill(args, results):
     from triton.testing import do_bench
 
     from ..kernels.paged_prefill import paged_prefill_attention
-    Hq, Hkv, D, ps = args.q_heads, args.kv_heads, args.head_dim, args.page_size
+    Hq, Hkv, D, ps = args.q_heads, args.kv_heads, args.head_dim, args.page_size[0]
     for S, qlen, ctx in ((16, 1024, 1024), (4, 2048, 8192)):      # full prompts; chunks after a prefix
         kc, vc, meta = _setup(S, ctx, Hq, Hkv, D, ps, torch.bfloat16)
         qsl = torch.arange(S + 1, dtype=torch.int32, device="cuda") * qlen
@@ -164,7 +168,7 @@ def bench_rope(args, results):
     from ..attention import write_kv
     from ..kernels.rope_kv import rope_and_write_kv
     from ..models.decoder import apply_rope
-    Hq, Hkv, D, ps = args.q_heads, args.kv_heads, args.head_dim, args.page_size
+    Hq, Hkv, D, ps = args.q_heads, args.kv_heads, args.head_dim, args.page_size[0]
     inv_freq = (1.0 / (500000.0 ** (torch.arange(0, D, 2).float() / D))).cuda()
     for T in (64, 256, 4096):
         qkv = torch.randn(T, (Hq + 2 * Hkv) * D, device="cuda", dtype=torch.bfloat16)
@@ -221,14 +225,16 @@ def main(argv=None):
     ap.add_argument("--block-n", nargs="+", type=int, default=[64])
     ap.add_argument("--num-warps", nargs="+", type=int, default=[4])
     ap.add_argument("--num-stages", nargs="+", type=int, default=[2, 3])
-    ap.add_argument("--invariant-split-len", nargs="+", type=int, default=[0, 1024],
+    ap.add_argument("--invariant-split-len", nargs="*", type=int, default=[0, 1024],
                     help="decode rows through the varlen kernel (batch-invariant mode): KV split lengths, 0 = none")
     ap.add_argument("--invariant-block-m", nargs="+", type=int, default=[64],
                     help="batch-invariant tile rows to time (decode rows and the invariant prefill fold)")
     ap.add_argument("--q-heads", type=int, default=32)
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--page-size", nargs="+", type=int, default=[16], help="decode sweeps these; the rest use the first")
+    ap.add_argument("--layout", nargs="+", choices=["token", "head"], default=["token"],
+                    help="decode: KV cache storage order within a page (see _setup)")
     ap.add_argument("--ragged", action="store_true", help="seq lens uniform in [ctx/2, ctx]")
     ap.add_argument("--no-check", dest="check", action="store_false", help="skip the fp32 reference check")
     ap.add_argument("--skip-ref", action="store_true", help="don't time the torch reference")

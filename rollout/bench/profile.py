@@ -75,10 +75,13 @@ def main(argv=None):
     step_ms = (p.busy_ms - busy0) / max(steps, 1)
     per_cat = defaultdict(float)
     count = defaultdict(int)
+    per_name = defaultdict(lambda: [0.0, 0])    # kernel name -> [ms / step, launches / step]
     for ev in prof.events():
         if ev.device_type == torch.autograd.DeviceType.CUDA and ev.device_time_total > 0:
             per_cat[categorize(ev.name)] += ev.device_time_total / 1e3 / steps
             count[categorize(ev.name)] += 1
+            per_name[ev.name][0] += ev.device_time_total / 1e3 / steps
+            per_name[ev.name][1] += 1 / steps
     kernels_ms = sum(per_cat.values())
     sizes = model_sizes(cfg)
     from .kernels import copy_bandwidth
@@ -89,6 +92,7 @@ def main(argv=None):
         "batch_invariant": args.batch_invariant,
         "step_ms": step_ms, "kernel_ms": dict(per_cat), "kernels_per_step": {k: v / steps for k, v in count.items()},
         "gaps_ms": step_ms - kernels_ms,
+        "kernels": {n: dict(ms=v[0], per_step=v[1]) for n, v in sorted(per_name.items(), key=lambda kv: -kv[1][0])[:30]},
         "roofline_step_ms": 1e3 * step_time_s(sizes, B, C + 2 * K),
         "weights_at_hbm_ms": 1e3 * sizes["weight_bytes"] / 4.8e12,
         "kv_at_hbm_ms": 1e3 * kv_bytes / 4.8e12,
@@ -101,6 +105,8 @@ def main(argv=None):
     print(f"\n| part | ms/step | kernels/step |\n|---|---|---|")
     for cat in sorted(per_cat, key=per_cat.get, reverse=True):
         print(f"| {cat} | {per_cat[cat]:.3f} | {count[cat] / steps:.0f} |")
+    for name, v in list(result["kernels"].items())[:12]:
+        print(f"| - {name[:60]} | {v['ms']:.3f} | {v['per_step']:.0f} |")
     print(f"| gaps | {result['gaps_ms']:.3f} | |\n| **step** | **{step_ms:.3f}** | |\n"
           f"| roofline step (4.8 TB/s) | {result['roofline_step_ms']:.3f} | |\n"
           f"| weights + KV at the measured copy bandwidth ({result['copy_GBps']:.0f} GB/s) | "

@@ -66,12 +66,18 @@ def _decode_split_kernel(
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + offs_n
         valid = (pos < end) & (pos >= lo)
-        page = tl.load(bt_ptr + b * s_bt + pos // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
-        slot = pos % PAGE_SIZE
-        k = tl.load(k_ptr + page[:, None] * s_kp + slot[:, None] * s_ks + kvh * s_kh + dims[None, :],
-                    mask=valid[:, None], other=0.0)
-        v = tl.load(v_ptr + page[:, None] * s_vp + slot[:, None] * s_vs + kvh * s_vh + dims[None, :],
-                    mask=valid[:, None], other=0.0)
+        if BLOCK_N <= PAGE_SIZE:   # the tile lies in one page (tiles start on BLOCK_N multiples): one lookup
+            page = tl.load(bt_ptr + b * s_bt + n0 // PAGE_SIZE).to(tl.int64)
+            slot = (n0 % PAGE_SIZE + offs_n)[:, None]
+            k_row = page * s_kp + slot * s_ks
+            v_row = page * s_vp + slot * s_vs
+        else:
+            page = tl.load(bt_ptr + b * s_bt + pos // PAGE_SIZE, mask=valid, other=0).to(tl.int64)[:, None]
+            slot = (pos % PAGE_SIZE)[:, None]
+            k_row = page * s_kp + slot * s_ks
+            v_row = page * s_vp + slot * s_vs
+        k = tl.load(k_ptr + k_row + kvh * s_kh + dims[None, :], mask=valid[:, None], other=0.0)
+        v = tl.load(v_ptr + v_row + kvh * s_vh + dims[None, :], mask=valid[:, None], other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * sm_scale_log2
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
