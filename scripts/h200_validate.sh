@@ -22,6 +22,10 @@ for s in $sections; do
       ROLLOUT_GPU_REPORT=$OUT/gpu_tests.jsonl timeout 540 python3 -m pytest -q -p no:cacheprovider --noconftest \
         -s tests/gpu > $OUT/gpu_tests.log 2>&1
       grep -E "passed|failed|FAILED|busy=|peak bytes|barrier_ms" $OUT/gpu_tests.log | tail -30 ;;
+    tests_files) # the GPU tests of $TEST_FILES only (space-separated paths under tests/gpu)
+      ROLLOUT_GPU_REPORT=$OUT/gpu_tests.jsonl timeout 300 python3 -m pytest -q -p no:cacheprovider --noconftest \
+        -s $TEST_FILES > $OUT/gpu_tests_files.log 2>&1
+      grep -E "passed|failed|FAILED|Error" $OUT/gpu_tests_files.log | tail -20 ;;
     profile_unfused) timeout 150 python3 -m rollout.bench.profile --shape llama3-8b --batch 32 --context 1024 \
         --no-fused-ops --out $OUT/profile_l8b_B32_C1024_unfused.json 2>&1 | grep -A26 "^| part" ;;
     profile_p1) # per-step breakdown at P1's mean context (256 + 8192 / 2 = 4352), fused path, PDL on
@@ -46,6 +50,9 @@ for s in $sections; do
         --layout token head --num-splits 1 2 3 4 --block-n 32 64 --num-stages 2 3 --num-warps 4 \
         --invariant-split-len --skip-ref --out $OUT/kernels_attn_layout.json > $OUT/kernels_attn_layout.log 2>&1
       python3 scripts/summarize_decode_sweep.py $OUT/kernels_attn_layout.json ;;
+    variants) # issue 4 P1: the decode step under kernel knobs, side by side (PDL order, RoPE grid, SiLU in down, L2 prefetch)
+      timeout 420 python3 -m rollout.bench.step_variants --shape llama3-8b --batch 32 --context 4352 \
+        --out $OUT/step_variants_l8b_B32_C4352.json 2>&1 | grep -A12 "^| variant" ;;
     kernels)  timeout 240 python3 -m rollout.bench.kernels --out $OUT/kernels.json 2>&1 | tail -25 ;;
     sampler)  timeout 120 python3 -m rollout.bench.sampler --out $OUT/sampler.json 2>&1 | tail -15 ;;
     q05)      # issue 3's CPU-overhead-heavy workload, sync vs async, with a timeline

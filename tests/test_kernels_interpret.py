@@ -24,6 +24,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton")
 
 import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 from fused_cases import fused_ops_cases  # noqa: E402
 from paged_cases import make_paged, meta_for, reference  # noqa: E402
@@ -169,6 +170,25 @@ def test_skinny_gemm_split_k(split_k):
         sg.skinny_gemm(x, w, 64, 64, 4, 2, 3)
 
 
+@pytest.mark.parametrize("split_k", [1, 2])
+def test_skinny_gemm_silu_x_equals_silu_mul_then_gemm(split_k):
+    """down_proj's skinny GEMM forming silu(gate) * up as it loads x: the same bits as the
+    silu_mul kernel followed by the plain GEMM (the same roundings in the same order), fp16
+    (the interpreter's bf16 dot is broken); and a wrong x width is refused."""
+    from rollout.kernels import skinny_gemm as sg
+    from rollout.kernels.fused_ops import silu_mul
+    g = torch.Generator().manual_seed(11)
+    gu = (2 * torch.randn(5, 2 * 256, generator=g)).half()
+    w = (torch.randn(96, 256, generator=g) / 16).half()
+    out = torch.full((5, 96), float("nan")).half()
+    sg.skinny_gemm(gu, w, 64, 64, 4, 2, split_k, out=out, silu_x=True)
+    assert torch.equal(out, sg.skinny_gemm(silu_mul(gu), w, 64, 64, 4, 2, split_k))
+    ref = (F.silu(gu[:, :256].float()).half().float() * gu[:, 256:].float()).half().float() @ w.float().T
+    torch.testing.assert_close(out.float(), ref, **FP16_TOL)
+    with pytest.raises(AssertionError, match="silu_x"):
+        sg.skinny_gemm(gu[:, :301], w, 64, 64, 4, 2, silu_x=True)
+
+
 
 def test_batch_invariant_gemm_rows_do_not_depend_on_their_batch():
     """Batch-invariant mode's GEMM (fixed weight tiles; 16- to 64-row x tiles): each row of x gives the same bits
@@ -270,7 +290,7 @@ def test_compiles_for_sm90(tmp_path):
                     attrs[(i,)] = [["tt.divisibility", 16]]
             k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs),
                                target=GPUTarget("cuda", 90, 32),
-                               options=dict(num_warps=4, num_stages=2, launch_pdl=pdl))
+                               options=dict(num_warps=4, num_stages=2, launch_pdl=bool(pdl)))
             if pdl:
                 ptx = k.asm["ptx"]
                 wait = ptx.find("griddepcontrol.wait")
@@ -286,20 +306,23 @@ def test_compiles_for_sm90(tmp_path):
             compile_(pp._prefill_kernel, split > 0, GROUP=7, BLOCK_Q=9, BLOCK_M=64, USE_WINDOW=True,
                      SPLIT_LEN=split, SPLIT_PROGRAMS=programs, MAX_SPLITS=17, **common)
         compile_(pp._decode_merge_kernel, True, GROUP=4, GROUP_PAD=4, HEAD_DIM=128, SPLIT_LEN=1024, MAX_SPLITS=17)
-        compile_(rk._rope_kv_kernel, HQ=28, HKV=4, HQ_PAD=32, HKV_PAD=4, HALF=64, PRECISE=True)
+        compile_(rk._rope_kv_kernel, HQ=28, HKV=4, Q_HEADS=8, HKV_PAD=4, HALF=64, PRECISE=True)
         compile_(fo._add_rmsnorm_kernel, HAS_DELTA=True, BLOCK=4096)
         compile_(fo._silu_mul_kernel, BLOCK=1024)
-        for pdl in (False, True):
+        compile_(pd._decode_merge_kernel, 1, HEAD_DIM=128, NUM_SPLITS=3, SPLITS_PAD=4)   # wait, then launch
+        for pdl in (0, 2):    # off; launch dependents, then wait (pdl_for's default mode)
             compile_(pd._decode_split_kernel, pdl, GROUP=4, GROUP_PAD=16, NUM_SPLITS=2, USE_WINDOW=False, **common)
             compile_(pd._decode_merge_kernel, pdl, HEAD_DIM=128, NUM_SPLITS=3, SPLITS_PAD=4)
-            compile_(rk._rope_kv_kernel, pdl, HQ=32, HKV=8, HQ_PAD=32, HKV_PAD=8, HALF=64, PRECISE=False)
+            compile_(rk._rope_kv_kernel, pdl, HQ=32, HKV=8, Q_HEADS=8, HKV_PAD=8, HALF=64, PRECISE=False)
             compile_(fo._add_rmsnorm_kernel, pdl, HAS_DELTA=True, BLOCK=4096)
             compile_(fo._silu_mul_kernel, pdl, BLOCK=1024)
             for split in (1, 2):
                 compile_(sg._skinny_gemm_kernel, pdl, early_loads=True, BLOCK_M=32, BLOCK_N=64, BLOCK_K=128,
-                         EVEN_N=split == 1, HAS_BIAS=split == 2, SPLIT_K=split)
+                         EVEN_N=split == 1, HAS_BIAS=split == 2, SPLIT_K=split, SILU_X=split == 2,
+                         PREFETCH=4 if pdl else 0)     # the L2 prefetch asm assembles for sm_90
             compile_(sg._skinny_gemm_kernel, pdl, early_loads=True, BLOCK_M=sg.INVARIANT_BLOCK_M,   # batch-invariant
-                     BLOCK_N=sg.invariant_block_n(4096), BLOCK_K=128, EVEN_N=True, HAS_BIAS=False, SPLIT_K=1)
+                     BLOCK_N=sg.invariant_block_n(4096), BLOCK_K=128, EVEN_N=True, HAS_BIAS=False, SPLIT_K=1,
+                     SILU_X=False, PREFETCH=0)
         print("ok")
     """)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

@@ -55,7 +55,7 @@ def add_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, delta: Option
         _add_rmsnorm_kernel[(T,)](x, delta if delta is not None else x, weight, out, res, N, eps,
                                   x.stride(0), (delta if delta is not None else x).stride(0), out.stride(0),
                                   res.stride(0), HAS_DELTA=delta is not None, BLOCK=block,
-                                  PDL=pdl_for(x), num_warps=8 if block >= 4096 else 4, launch_pdl=pdl_for(x))
+                                  PDL=pdl_for(x), num_warps=8 if block >= 4096 else 4, launch_pdl=bool(pdl_for(x)))
     return out, res
 
 
@@ -82,5 +82,5 @@ def silu_mul(gate_up: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch
         block = 1024
         _silu_mul_kernel[(T, triton.cdiv(inter, block))](gate_up, out, inter, gate_up.stride(0), out.stride(0),
                                                          BLOCK=block, PDL=pdl_for(out), num_warps=4,
-                                                         launch_pdl=pdl_for(out))
+                                                         launch_pdl=bool(pdl_for(out)))
     return out

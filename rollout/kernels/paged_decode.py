@@ -167,9 +167,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         out.stride(0), out.stride(1),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=D, PAGE_SIZE=page_size,
         BLOCK_N=block_n, NUM_SPLITS=num_splits, USE_WINDOW=sliding_window is not None, DOT_PREC=prec,
-        PDL=pdl, num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl)
+        PDL=pdl, num_warps=num_warps, num_stages=num_stages, launch_pdl=bool(pdl))
     if num_splits > 1:
         _decode_merge_kernel[(B, Hq)](po, plse, out, out.stride(0), out.stride(1), HEAD_DIM=D,
                                       NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits),
-                                      PDL=pdl, num_warps=1 if D <= 64 else 2, launch_pdl=pdl)
+                                      PDL=pdl, num_warps=1 if D <= 64 else 2, launch_pdl=bool(pdl))
     return out

@@ -238,7 +238,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         wml = torch.empty((T, Hq, max_splits, 2), dtype=torch.float32, device=q.device)
     else:
         ws = wml = out      # unused
-    pdl = pdl_for(q) and split_len > 0
+    pdl = pdl_for(q) if split_len > 0 else 0
     _prefill_kernel[(T // block_q + S, Hkv, max_splits)](
         q, k_cache, v_cache, out, block_tables, query_start_loc, seq_lens, ws, wml,
         scale * LOG2E, int(sliding_window or 0), S,
@@ -247,11 +247,11 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         out.stride(0), out.stride(1),
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_DIM=D, PAGE_SIZE=page_size, BLOCK_N=block_n,
         USE_WINDOW=sliding_window is not None, DOT_PREC=prec, SPLIT_LEN=split_len, SPLIT_PROGRAMS=decode_rows,
-        MAX_SPLITS=max_splits, PDL=pdl, num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl,
+        MAX_SPLITS=max_splits, PDL=pdl, num_warps=num_warps, num_stages=num_stages, launch_pdl=bool(pdl),
         enable_fp_fusion=split_len == 0)
     if decode_rows:
         _decode_merge_kernel[(S, Hkv)](ws, wml, seq_lens, out, out.stride(0), out.stride(1), GROUP=group,
                                        GROUP_PAD=triton.next_power_of_2(group), HEAD_DIM=D, SPLIT_LEN=split_len,
-                                       MAX_SPLITS=max_splits, PDL=pdl, num_warps=2, launch_pdl=pdl,
+                                       MAX_SPLITS=max_splits, PDL=pdl, num_warps=2, launch_pdl=bool(pdl),
                                        enable_fp_fusion=False)
     return out

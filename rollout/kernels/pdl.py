@@ -12,7 +12,14 @@ read by the kernel before it: the graph's memory pool reuses freed blocks). Wait
 previous grid is transitive: that grid itself waited on its own predecessor before finishing.
 Kernels without PDL (cuBLAS, torch ops) are ordered as usual.
 
-ROLLOUT_PDL=0 (or `set_enabled(False)` before an engine captures its graphs) turns it off.
+Order inside `enter`: a kernel lets its dependents launch first and then waits (mode 2, the
+default), so the grid two kernels ahead can already be resident and loading weights while a
+tiny kernel in between waits; with wait-then-launch (mode 1) only the next grid is early.
+Either order is safe: launching dependents only schedules them; their own wait still waits
+for this grid to complete, and this grid's CTAs were all scheduled before they can launch.
+
+ROLLOUT_PDL=0 (or `set_enabled(False)` before an engine captures its graphs) turns it off;
+ROLLOUT_PDL=1 waits before letting dependents launch.
 """
 from __future__ import annotations
 
@@ -24,14 +31,17 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-_enabled = os.environ.get("ROLLOUT_PDL", "1") != "0"
+_enabled = os.environ.get("ROLLOUT_PDL", "2") != "0"
+_launch_first = os.environ.get("ROLLOUT_PDL", "2") != "1"
 
 
-def set_enabled(on: bool) -> None:
-    """Launches from now on use PDL (where the GPU supports it) or not. Graphs captured
-    before keep what they captured."""
-    global _enabled
+def set_enabled(on: bool, launch_first: bool | None = None) -> None:
+    """Launches from now on use PDL (where the GPU supports it) or not, and in which order
+    `enter` lets dependents launch and waits. Graphs captured before keep what they captured."""
+    global _enabled, _launch_first
     _enabled = bool(on)
+    if launch_first is not None:
+        _launch_first = bool(launch_first)
 
 
 def enabled() -> bool:
@@ -43,15 +53,21 @@ def _sm90_or_later(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
-def pdl_for(t: torch.Tensor) -> bool:
-    """Whether kernels on t's device launch with PDL (never under the CPU interpreter)."""
-    return (_enabled and t.is_cuda and not triton.knobs.runtime.interpret
-            and _sm90_or_later(t.device.index if t.device.index is not None else torch.cuda.current_device()))
+def pdl_for(t: torch.Tensor) -> int:
+    """The PDL mode of kernels on t's device: 0 off (always under the CPU interpreter), 1 wait
+    then launch dependents, 2 launch dependents then wait. Truthy = launch with PDL."""
+    on = (_enabled and t.is_cuda and not triton.knobs.runtime.interpret
+          and _sm90_or_later(t.device.index if t.device.index is not None else torch.cuda.current_device()))
+    return (2 if _launch_first else 1) if on else 0
 
 
 @triton.jit
 def enter(PDL: tl.constexpr):
-    """Wait for the previous grid (its writes visible), then let the next grid launch."""
-    if PDL:
+    """Wait for the previous grid (its writes visible) and let the next grid launch (PDL: the
+    mode from pdl_for, in its order)."""
+    if PDL == 2:
+        gdc_launch_dependents()
+        gdc_wait()
+    elif PDL:
         gdc_wait()
         gdc_launch_dependents()

@@ -8,6 +8,7 @@ import torch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
                                 reason="needs an sm_90+ GPU")
+MODES = (0, 1, 2)   # pdl_for's modes: off, wait then launch dependents, launch dependents then wait
 
 
 def _mlp_chain(x, norm_w, w_gu, w_down, layers):
@@ -30,10 +31,10 @@ def test_kernel_chain_in_a_graph_equal_bits_with_and_without_pdl():
     w_gu = 0.02 * torch.randn(28672, 4096, device="cuda", dtype=torch.bfloat16, generator=g)
     w_down = 0.02 * torch.randn(4096, 14336, device="cuda", dtype=torch.bfloat16, generator=g)
     outs = {}
-    was = pdl.enabled()
+    was = pdl.pdl_for(x)
     try:
-        for on in (False, True):
-            pdl.set_enabled(on)
+        for on in MODES:       # off, wait-then-launch, launch-then-wait
+            pdl.set_enabled(on > 0, launch_first=on == 2)
             assert pdl.pdl_for(x) == on
             _mlp_chain(x, norm_w, w_gu, w_down, 2)          # compile outside the capture
             torch.cuda.synchronize()
@@ -49,10 +50,10 @@ def test_kernel_chain_in_a_graph_equal_bits_with_and_without_pdl():
             outs[on] = replays
             del graph
     finally:
-        pdl.set_enabled(was)
-    ref = outs[False][0]
+        pdl.set_enabled(was > 0, launch_first=was == 2)
+    ref = outs[0][0]
     assert torch.isfinite(ref.float()).all()
-    for on in (False, True):
+    for on in MODES:
         for y in outs[on]:
             assert torch.equal(y, ref), f"pdl={on}: a replay differs"
 
@@ -75,16 +76,17 @@ def test_engine_decode_graphs_equal_bits_with_and_without_pdl():
     prompts = [torch.randint(3, 128000, (int(n),), generator=g).tolist() for n in torch.randint(5, 90, (32,), generator=g)]
     params = SamplingParams(max_new_tokens=48, temperature=0, ignore_eos=True)
     outs = {}
-    was = pdl.enabled()
+    was = pdl.pdl_for(torch.empty(0, device="cuda"))
     try:
-        for on in (False, True):
-            pdl.set_enabled(on)                              # before the engine captures its graphs
+        for on in MODES:
+            pdl.set_enabled(on > 0, launch_first=on == 2)   # before the engine captures its graphs
             eng = RolloutEngine(model, cfg, seed=0, max_model_len=256, num_kv_pages=512, max_num_seqs=32)
             outs[on] = eng.generate(prompts, params, use_tqdm=False)
             assert eng.pipeline.counts["graph_steps"] > 0
             del eng
     finally:
-        pdl.set_enabled(was)
-    for a, b in zip(outs[False], outs[True]):
-        assert a.completions[0].token_ids == b.completions[0].token_ids
-        assert a.completions[0].logprobs == b.completions[0].logprobs
+        pdl.set_enabled(was > 0, launch_first=was == 2)
+    for on in MODES[1:]:
+        for a, b in zip(outs[0], outs[on]):
+            assert a.completions[0].token_ids == b.completions[0].token_ids
+            assert a.completions[0].logprobs == b.completions[0].logprobs

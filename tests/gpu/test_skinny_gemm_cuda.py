@@ -116,3 +116,54 @@ def test_engine_uses_it_in_graphs_and_matches_cublas():
     # logprob difference from rounding the GEMM outputs differently.
     for a, b in zip(outs[True, True], outs[False, True]):
         assert abs(a.completions[0].logprobs[0] - b.completions[0].logprobs[0]) < 4 * 2.0 ** -6
+
+
+@pytest.mark.parametrize("M", [1, 17, 32])
+def test_silu_x_and_l2_prefetch_give_the_unfused_bits(M):
+    """down_proj at the 8B shape: the GEMM forming silu(gate) * up as it loads x equals the
+    silu_mul kernel then the GEMM, bit for bit (same roundings, same order), for the table's
+    config at this M (split-K at M = 32); the L2 prefetch before the PDL wait changes nothing
+    but timing (PDL on, 0 / 4 / all K tiles)."""
+    import rollout.kernels.skinny_gemm as sk
+    from rollout.kernels import pdl
+    from rollout.kernels.fused_ops import silu_mul
+    g = torch.Generator(device="cuda").manual_seed(M)
+    gu = torch.randn(M, 2 * 14336, device="cuda", dtype=torch.bfloat16, generator=g) * 2
+    w = torch.randn(4096, 14336, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02
+    cfg = sk.pick_config(4096, 14336, M)
+    ref = sk.skinny_gemm(silu_mul(gu), w, *cfg)
+    was, tiles = pdl.pdl_for(gu), sk.PREFETCH_K_TILES
+    try:
+        pdl.set_enabled(True)
+        for sk.PREFETCH_K_TILES in (0, 4, 1000):
+            out = torch.full((M, 4096), float("nan"), device="cuda", dtype=torch.bfloat16)
+            sk.skinny_gemm(gu, w, *cfg, out=out, silu_x=True)
+            assert torch.equal(out, ref), sk.PREFETCH_K_TILES
+    finally:
+        sk.PREFETCH_K_TILES = tiles
+        pdl.set_enabled(was > 0, launch_first=was == 2)
+
+
+def test_engine_silu_in_down_gemm_same_tokens_and_logprobs():
+    """One 8B-shape layer through the engine's decode graphs with SiLU * up in the down GEMM's
+    x loads and with its own kernel: the same greedy tokens and logprobs, bit for bit."""
+    from rollout import RolloutEngine, SamplingParams
+    from rollout.bench.shapes import make_config
+    from rollout.models.loader import build_model, init_random
+    cfg = make_config("llama3-8b", num_hidden_layers=1, max_position_embeddings=1024)
+    model = build_model(cfg, torch.bfloat16, torch.device("cuda"))
+    init_random(model, 0)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 128000, (int(n),), generator=g).tolist() for n in torch.randint(3, 40, (32,), generator=g)]
+    p = SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True)
+    outs = {}
+    for fuse in (True, False):
+        model.fuse_silu_down = fuse               # before the engine captures its graphs
+        eng = RolloutEngine(model, cfg, seed=0, max_model_len=256, num_kv_pages=256, max_num_seqs=32)
+        outs[fuse] = eng.generate(prompts, p, use_tqdm=False)
+        assert eng.pipeline.counts["graph_steps"] > 0
+        del eng
+    model.fuse_silu_down = True
+    for a, b in zip(outs[True], outs[False]):
+        assert a.completions[0].token_ids == b.completions[0].token_ids
+        assert a.completions[0].logprobs == b.completions[0].logprobs
