@@ -50,9 +50,14 @@ for s in $sections; do
         --layout token head --num-splits 1 2 3 4 --block-n 32 64 --num-stages 2 3 --num-warps 4 \
         --invariant-split-len --skip-ref --out $OUT/kernels_attn_layout.json > $OUT/kernels_attn_layout.log 2>&1
       python3 scripts/summarize_decode_sweep.py $OUT/kernels_attn_layout.json ;;
-    variants) # issue 4 P1: the decode step under kernel knobs, side by side (PDL order, RoPE grid, SiLU in down, L2 prefetch)
-      timeout 420 python3 -m rollout.bench.step_variants --shape llama3-8b --batch 32 --context 4352 \
-        --out $OUT/step_variants_l8b_B32_C4352.json 2>&1 | grep -A12 "^| variant" ;;
+    variants) # issue 4 P1: the decode step under kernel knobs and GEMM / attention configs, side by side
+      V="base wait_first rope_token peel2 qkv=cublas qkv=32,128,4,5 qkv=64,128,4,5,2 qkv=64,256,4,4 qkv=32,256,4,4
+         qkv=128,128,8,4,2 o=cublas o=64,128,4,5,2 o=32,128,4,5,2 o=16,256,4,5 o=32,256,4,4,2 base
+         gate_up=64,128,4,5 gate_up=128,128,8,4 gate_up=64,64,4,4 gate_up=32,128,4,5 down=32,256,4,5
+         down=32,128,4,5,2 down=64,128,4,5,4 down=64,256,4,4,2 lm_head=128,128,8,4 lm_head=64,256,4,4
+         attn=3,32,4,2 attn=4,64,4,2 attn=2,64,4,3 attn=2,64,8,2 base"
+      timeout 560 python3 -m rollout.bench.step_variants --shape llama3-8b --batch 32 --context 4352 --steps 40 \
+        --variants ${VARIANTS:-$V} --out $OUT/step_variants_l8b_B32_C4352.json 2>&1 | grep -A40 "^| variant" ;;
     kernels)  timeout 240 python3 -m rollout.bench.kernels --out $OUT/kernels.json 2>&1 | tail -25 ;;
     sampler)  timeout 120 python3 -m rollout.bench.sampler --out $OUT/sampler.json 2>&1 | tail -15 ;;
     q05)      # issue 3's CPU-overhead-heavy workload, sync vs async, with a timeline

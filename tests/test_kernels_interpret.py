@@ -24,7 +24,6 @@ os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton")
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 
 from fused_cases import fused_ops_cases  # noqa: E402
 from paged_cases import make_paged, meta_for, reference  # noqa: E402
@@ -170,26 +169,6 @@ def test_skinny_gemm_split_k(split_k):
         sg.skinny_gemm(x, w, 64, 64, 4, 2, 3)
 
 
-@pytest.mark.parametrize("split_k", [1, 2])
-def test_skinny_gemm_silu_x_equals_silu_mul_then_gemm(split_k):
-    """down_proj's skinny GEMM forming silu(gate) * up as it loads x: the same bits as the
-    silu_mul kernel followed by the plain GEMM (the same roundings in the same order), fp16
-    (the interpreter's bf16 dot is broken); and a wrong x width is refused."""
-    from rollout.kernels import skinny_gemm as sg
-    from rollout.kernels.fused_ops import silu_mul
-    g = torch.Generator().manual_seed(11)
-    gu = (2 * torch.randn(5, 2 * 256, generator=g)).half()
-    w = (torch.randn(96, 256, generator=g) / 16).half()
-    out = torch.full((5, 96), float("nan")).half()
-    sg.skinny_gemm(gu, w, 64, 64, 4, 2, split_k, out=out, silu_x=True)
-    assert torch.equal(out, sg.skinny_gemm(silu_mul(gu), w, 64, 64, 4, 2, split_k))
-    ref = (F.silu(gu[:, :256].float()).half().float() * gu[:, 256:].float()).half().float() @ w.float().T
-    torch.testing.assert_close(out.float(), ref, **FP16_TOL)
-    with pytest.raises(AssertionError, match="silu_x"):
-        sg.skinny_gemm(gu[:, :301], w, 64, 64, 4, 2, silu_x=True)
-
-
-
 def test_batch_invariant_gemm_rows_do_not_depend_on_their_batch():
     """Batch-invariant mode's GEMM (fixed weight tiles; 16- to 64-row x tiles): each row of x gives the same bits
     alone, in any subset and in the full 150-row product (3 M tiles, a masked tail), and matches
@@ -318,11 +297,9 @@ def test_compiles_for_sm90(tmp_path):
             compile_(fo._silu_mul_kernel, pdl, BLOCK=1024)
             for split in (1, 2):
                 compile_(sg._skinny_gemm_kernel, pdl, early_loads=True, BLOCK_M=32, BLOCK_N=64, BLOCK_K=128,
-                         EVEN_N=split == 1, HAS_BIAS=split == 2, SPLIT_K=split, SILU_X=split == 2,
-                         PREFETCH=4 if pdl else 0)     # the L2 prefetch asm assembles for sm_90
+                         EVEN_N=split == 1, HAS_BIAS=split == 2, SPLIT_K=split, PEEL=split)
             compile_(sg._skinny_gemm_kernel, pdl, early_loads=True, BLOCK_M=sg.INVARIANT_BLOCK_M,   # batch-invariant
-                     BLOCK_N=sg.invariant_block_n(4096), BLOCK_K=128, EVEN_N=True, HAS_BIAS=False, SPLIT_K=1,
-                     SILU_X=False, PREFETCH=0)
+                     BLOCK_N=sg.invariant_block_n(4096), BLOCK_K=128, EVEN_N=True, HAS_BIAS=False, SPLIT_K=1, PEEL=1)
         print("ok")
     """)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

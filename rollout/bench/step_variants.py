@@ -6,13 +6,14 @@ B sequences are prefilled to `--context` tokens once; then, for each variant, th
 the decode graphs are captured again, and `--steps` steps are timed (CUDA-event busy time of the
 compute stream, as rollout.bench.profile). The context grows by one token per step, so each
 window is also given as a fraction of the roofline at its own mean context; the list starts and
-ends with the baseline to show the drift. Knobs (cumulative, in this order):
-  base          PDL waits before letting dependents launch; no L2 prefetch; SiLU * up its own
-                kernel; one RoPE program per token (the state before these knobs existed)
-  launch_first  kernels let their dependents launch, then wait (kernels/pdl.py)
-  rope_grid     RoPE + KV write over (token, 1 + q-head groups) programs
-  silu_down     SiLU * up formed in the down GEMM's x loads
-  prefetchN     skinny GEMMs ask L2 for their first N weight K tiles before the PDL wait
+ends with the baseline to show the drift. A variant is knobs joined by "+", on top of the defaults:
+  base              the defaults (PDL launch-then-wait, RoPE over head groups, swept tables)
+  wait_first        PDL: wait, then let dependents launch (kernels/pdl.py mode 1)
+  rope_token        RoPE + KV write with one program per token
+  peel2             skinny GEMMs load two weight tiles before the PDL wait
+  qkv=BN,BK,W,S[,SK]  a skinny GEMM config for one weight at every M (also o, gate_up, down, lm_head;
+                    "cublas" for F.linear)
+  attn=NS,BN,W,S    decode attention: splits, key tile, warps, stages
 """
 from __future__ import annotations
 
@@ -25,14 +26,36 @@ from .roofline import model_sizes, step_time_s
 from .shapes import SHAPES, make_config
 
 
-def apply(eng, variant: str) -> None:
-    from ..kernels import pdl, rope_kv, skinny_gemm
-    knobs = variant.split("+")
-    pdl.set_enabled(True, launch_first="launch_first" in knobs)
-    rope_kv.Q_HEADS_PER_PROGRAM = 8 if "rope_grid" in knobs else 0
-    eng.model.fuse_silu_down = "silu_down" in knobs
-    pre = [k for k in knobs if k.startswith("prefetch")]
-    skinny_gemm.PREFETCH_K_TILES = int(pre[0][len("prefetch"):]) if pre else 0
+GEMMS = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
+         "lm_head": (128256, 4096)}     # llama3-8b weight shapes (N, K)
+
+
+def apply(eng, variant: str, defaults: dict) -> None:
+    from ..kernels import paged_decode, pdl, rope_kv, skinny_gemm
+    pdl.set_enabled(True, launch_first=True)
+    rope_kv.Q_HEADS_PER_PROGRAM = defaults["rope"]
+    skinny_gemm.PDL_PEEL_TILES = 1
+    skinny_gemm._LLAMA3_8B = dict(defaults["table"])
+    paged_decode.DECODE_TILE = dict(defaults["tile"])
+    paged_decode.pick_num_splits = defaults["splits"]
+    for knob in variant.split("+"):
+        name, _, val = knob.partition("=")
+        nums = tuple(int(v) for v in val.split(",")) if val and val != "cublas" else None
+        if knob == "base":
+            pass
+        elif knob == "wait_first":
+            pdl.set_enabled(True, launch_first=False)
+        elif knob == "rope_token":
+            rope_kv.Q_HEADS_PER_PROGRAM = 0
+        elif knob == "peel2":
+            skinny_gemm.PDL_PEEL_TILES = 2
+        elif name in GEMMS:
+            skinny_gemm._LLAMA3_8B[GEMMS[name]] = ((64, nums),)
+        elif name == "attn":
+            paged_decode.pick_num_splits = lambda *a, ns=nums[0], **k: ns
+            paged_decode.DECODE_TILE = dict(block_n=nums[1], num_warps=nums[2], num_stages=nums[3])
+        else:
+            raise SystemExit(f"unknown knob {knob!r}")
     eng.pipeline.graphs.graphs.clear()
     eng.pipeline.capture_graphs(progress=False)
 
@@ -43,10 +66,7 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--context", type=int, default=4352)
     ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--variants", nargs="+", default=[
-        "base", "launch_first", "launch_first+rope_grid", "launch_first+rope_grid+silu_down",
-        "launch_first+rope_grid+silu_down+prefetch4", "launch_first+rope_grid+silu_down+prefetch16",
-        "launch_first+rope_grid+silu_down+prefetch1000", "base"])
+    ap.add_argument("--variants", nargs="+", default=["base", "wait_first", "rope_token", "peel2", "base"])
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -55,7 +75,7 @@ def main(argv=None):
     from ..request import SamplingParams
     cfg = make_config(args.shape)
     B, C, K = args.batch, args.context, args.steps
-    total = len(args.variants) * (K + 8) + 16
+    total = len(args.variants) * (K + 5) + 16
     sizes = model_sizes(cfg)
     eng = RolloutEngine.from_config(cfg, seed=0, device="cuda", dtype="bfloat16", max_model_len=C + total + 64,
                                     max_num_seqs=B, max_num_batched_tokens=4096,
@@ -66,9 +86,18 @@ def main(argv=None):
     p = eng.pipeline
     while p.counts["graph_steps"] < 3:
         eng.step()
+    from ..kernels import paged_decode, rope_kv, skinny_gemm
+    defaults = dict(rope=rope_kv.Q_HEADS_PER_PROGRAM, table=dict(skinny_gemm._LLAMA3_8B),
+                    tile=dict(paged_decode.DECODE_TILE), splits=paged_decode.pick_num_splits)
     rows = []
     for v in args.variants:
-        apply(eng, v)
+        try:
+            apply(eng, v, defaults)
+        except Exception as e:      # e.g. a config out of shared memory: report it, go on
+            print(f"{v:45s} failed: {type(e).__name__}: {e}"[:300], flush=True)
+            rows.append(dict(variant=v, error=f"{type(e).__name__}: {e}"[:300]))
+            apply(eng, "base", defaults)
+            continue
         for _ in range(5):                       # warm-up on the new graphs
             eng.step()
         busy0, n0 = p.busy_ms, p.counts["graph_steps"]
@@ -80,9 +109,12 @@ def main(argv=None):
         roof_ms = 1e3 * step_time_s(sizes, B, ctx0 + steps / 2)
         rows.append(dict(variant=v, steps=steps, mean_context=ctx0 + steps / 2, step_ms=step_ms,
                          roofline_step_ms=roof_ms, fraction=roof_ms / step_ms))
-        print(f"{v:55s} {step_ms:7.3f} ms/step  {100 * roof_ms / step_ms:5.1f}% of roofline", flush=True)
+        print(f"{v:45s} {step_ms:7.3f} ms/step  {100 * roof_ms / step_ms:5.1f}% of roofline", flush=True)
     print("\n| variant | mean context | ms/step | roofline ms | fraction |\n|---|---|---|---|---|")
     for r in rows:
+        if "error" in r:
+            print(f"| {r['variant']} | failed | | | |")
+            continue
         print(f"| {r['variant']} | {r['mean_context']:.0f} | {r['step_ms']:.3f} | {r['roofline_step_ms']:.3f} | "
               f"{100 * r['fraction']:.1f}% |")
     write_json(dict(shape=args.shape, batch=B, context=C, rows=rows, meta=run_meta("rollout.bench.step_variants", argv)),

@@ -121,6 +121,11 @@ def _decode_merge_kernel(po_ptr, plse_ptr, out_ptr, s_ob, s_oh,
     tl.store(out_ptr + b * s_ob + h * s_oh + dims, res.to(out_ptr.dtype.element_ty))
 
 
+# The decode tile (H200 sweeps, bench/results/*_kernels_micro.json and *_attn_layout_*.json):
+# 64-key tiles, 4 warps, 2 stages; `bench.step_variants` tries others inside the decode graphs.
+DECODE_TILE = dict(block_n=None, num_warps=4, num_stages=2)   # block_n None: 64 (16 in fp32)
+
+
 def pick_num_splits(batch: int, num_kv_heads: int, num_sms: int = 132, max_splits: int = 16) -> int:
     """Enough programs for ~2 waves over the SMs (H200: 132). A starting point to tune:
     section 5 of docs/performance.md measured NS = 1-2 best for B >= 32 at Hkv = 8."""

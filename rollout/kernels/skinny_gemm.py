@@ -13,11 +13,6 @@ split K over `split_k` programs per tile: each stores an fp32 partial, and the l
 (an atomic counter per tile) adds the partials in split order and writes the tile. The sum
 order is fixed, so results stay deterministic and M-independent for a given config.
 
-Two decode-path extras: `silu_x` takes x as the gate_up output [M, 2K] and forms SiLU(gate) * up
-as it loads each tile (the same roundings as fused_ops.silu_mul, one launch less per layer), and
-with PDL on sm_90 each program first asks L2 for the start of its weight rows (`PREFETCH_K_TILES`,
-one bulk prefetch per row), so that HBM works for this GEMM while the grids before it drain.
-
 `pick_config` is a table from the H200 sweep (`python -m rollout.bench.gemm`); where it has no
 entry (cuBLAS was faster, or the shape was not swept) the model calls F.linear.
 """
@@ -39,7 +34,7 @@ fix_interpreter()
 def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, s_xm, s_wn, s_ym,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         EVEN_N: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
-                        SILU_X: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr):
+                        PEEL: tl.constexpr, PDL: tl.constexpr):
     pid = tl.program_id(0)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)     # one M tile except batch_invariant_gemm's
@@ -53,25 +48,21 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, s_
     x_ptrs = x_ptr + rm.to(tl.int64)[:, None] * s_xm + (kt0 * BLOCK_K + rk)[None, :]
     m_ok = rm[:, None] < M
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    if PREFETCH:   # weights are no kernel's output: safe before the wait
-        nbytes = tl.minimum(PREFETCH, kt1 - kt0) * (BLOCK_K * w_ptr.dtype.element_ty.primitive_bitwidth // 8) + rn * 0
-        _prefetch_l2(w_ptr + rn.to(tl.int64) * s_wn + kt0 * BLOCK_K, nbytes, rn < N)
-    if PDL:   # the first weight tile while the previous kernel drains (weights are not its output)
-        if EVEN_N:
-            w = tl.load(w_ptrs)
-        else:
-            w = tl.load(w_ptrs, mask=rn[:, None] < N, other=0.0)
+    if PDL:   # the first PEEL weight tiles while the previous kernel drains (weights are not its output)
+        w = _load_w(w_ptrs, rn, N, EVEN_N)
+        if PEEL == 2:
+            w2 = _load_w(w_ptrs + BLOCK_K, rn, N, EVEN_N)
         enter(PDL)
-        acc = tl.dot(w, tl.trans(_load_x(x_ptrs, m_ok, K, SILU_X)), acc)
-        w_ptrs += BLOCK_K
-        x_ptrs += BLOCK_K
-        kt0 += 1
+        acc = tl.dot(w, tl.trans(tl.load(x_ptrs, mask=m_ok, other=0.0)), acc)
+        if PEEL == 2:
+            acc = tl.dot(w2, tl.trans(tl.load(x_ptrs + BLOCK_K, mask=m_ok, other=0.0)), acc)
+        w_ptrs += PEEL * BLOCK_K
+        x_ptrs += PEEL * BLOCK_K
+        kt0 += PEEL
     for _ in range(kt0, kt1):
-        if EVEN_N:
-            w = tl.load(w_ptrs)
-        else:
-            w = tl.load(w_ptrs, mask=rn[:, None] < N, other=0.0)
-        acc = tl.dot(w, tl.trans(_load_x(x_ptrs, m_ok, K, SILU_X)), acc)
+        w = _load_w(w_ptrs, rn, N, EVEN_N)
+        x = tl.load(x_ptrs, mask=m_ok, other=0.0)
+        acc = tl.dot(w, tl.trans(x), acc)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     if SPLIT_K > 1:
@@ -94,24 +85,10 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, s_
 
 
 @triton.jit
-def _load_x(x_ptrs, m_ok, K, SILU_X: tl.constexpr):
-    """The x tile; with SILU_X, SiLU(gate) * up from the gate_up row [gate | up] (up K further on),
-    rounded as fused_ops._silu_mul_kernel rounds: after SiLU, after the product."""
-    if SILU_X:
-        g = tl.load(x_ptrs, mask=m_ok, other=0.0)
-        u = tl.load(x_ptrs + K, mask=m_ok, other=0.0)
-        gf = g.to(tl.float32)
-        sg = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)
-        return (sg.to(tl.float32) * u.to(tl.float32)).to(g.dtype)
-    return tl.load(x_ptrs, mask=m_ok, other=0.0)
-
-
-@triton.jit
-def _prefetch_l2(ptrs, nbytes, ok):
-    """One bulk L2 prefetch (sm_90 `cp.async.bulk.prefetch.L2`) of nbytes at each pointer where ok."""
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-        "=r,l,r,r", [ptrs, nbytes, ok.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+def _load_w(w_ptrs, rn, N, EVEN_N: tl.constexpr):
+    if EVEN_N:
+        return tl.load(w_ptrs)
+    return tl.load(w_ptrs, mask=rn[:, None] < N, other=0.0)
 
 
 @triton.jit
@@ -123,7 +100,7 @@ def _epilogue(acc, b_ptr, y_ptr, rm, rn, M, N, s_ym, HAS_BIAS: tl.constexpr):
 
 
 MAX_M = 64
-PREFETCH_K_TILES = 0   # weight K tiles per row asked of L2 before the PDL wait (0: none)
+PDL_PEEL_TILES = 1   # weight K tiles loaded before the PDL wait: 1 or 2 (bench.step_variants compares)
 
 # (N, K) -> ((largest M, (BLOCK_N, BLOCK_K, num_warps, num_stages[, split_k]) or None for cuBLAS), ...),
 # the fastest per M range in the H200 sweeps `python -m rollout.bench.gemm --shape llama3-8b`
@@ -171,22 +148,18 @@ def _split_counters(device: torch.device, tiles: int) -> torch.Tensor:
 
 def skinny_gemm(x: torch.Tensor, w: torch.Tensor, block_n: int, block_k: int, num_warps: int = 4,
                 num_stages: int = 4, split_k: int = 1, out: Optional[torch.Tensor] = None,
-                bias: Optional[torch.Tensor] = None, block_m: Optional[int] = None,
-                silu_x: bool = False) -> torch.Tensor:
+                bias: Optional[torch.Tensor] = None, block_m: Optional[int] = None) -> torch.Tensor:
     """x [M, K] (unit stride in K), w [N, K] contiguous, bias [N] or None -> y [M, N] in x's dtype.
     split_k > 1: each output tile's K is shared by split_k programs (more programs for a small N
     than SMs would otherwise get); K / block_k must be a multiple of split_k.
-    block_m: None = one M tile of M rows rounded up (M <= 64); else tiles of block_m rows, any M.
-    silu_x: x is [M, 2K] = [gate | up] and the GEMM's input is silu(gate) * up."""
+    block_m: None = one M tile of M rows rounded up (M <= 64); else tiles of block_m rows, any M."""
     M, K = x.shape
     N = w.shape[0]
-    if silu_x:
-        K //= 2
-        assert x.shape[1] == 2 * K, "silu_x: x must be [M, 2K] = [gate | up]"
     assert (M <= MAX_M or block_m) and w.shape[1] == K and x.stride(1) == 1 and w.is_contiguous()
     assert split_k == 1 or triton.cdiv(M, block_m or MAX_M) == 1, "split-K takes one M tile"
     assert K % block_k == 0, f"K={K} is not a multiple of BLOCK_K={block_k}"
     assert split_k >= 1 and (K // block_k) % split_k == 0, f"{K // block_k} K tiles do not split {split_k} ways"
+    peel = PDL_PEEL_TILES if K // block_k // split_k >= PDL_PEEL_TILES else 1
     if out is None:
         out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M:
@@ -200,8 +173,7 @@ def skinny_gemm(x: torch.Tensor, w: torch.Tensor, block_n: int, block_k: int, nu
         _skinny_gemm_kernel[(tiles, split_k, triton.cdiv(M, bm))](
             x, w, bias if bias is not None else w, out, ws, cnt, M, N, K, x.stride(0), w.stride(0), out.stride(0),
             BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_N=N % block_n == 0, HAS_BIAS=bias is not None,
-            SPLIT_K=split_k, SILU_X=silu_x, PREFETCH=PREFETCH_K_TILES if pdl else 0, PDL=pdl,
-            num_warps=num_warps, num_stages=num_stages, launch_pdl=bool(pdl))
+            SPLIT_K=split_k, PEEL=peel, PDL=pdl, num_warps=num_warps, num_stages=num_stages, launch_pdl=bool(pdl))
     return out
 
 

@@ -103,36 +103,17 @@ def invariant_linear(lin: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return batch_invariant_gemm(x, lin.weight, getattr(lin, "bias", None))
 
 
-def _skinny_config(w: torch.Tensor, x: torch.Tensor):
-    """The swept skinny-GEMM config (kernels/skinny_gemm.py) for a decode-sized bf16 x on the GPU,
-    or None where cuBLAS was faster or the shape was not swept."""
-    if x.is_cuda and x.dtype == torch.bfloat16 and x.shape[0] <= 64 and x.stride(-1) == 1 and _triton_ok():
-        from ..kernels.skinny_gemm import pick_config
-        return pick_config(w.shape[0], w.shape[1], x.shape[0])
-    return None
-
-
 def skinny_or_cublas(lin: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """x @ lin.weight.T (+ bias), where a decode-sized bf16 x on the GPU takes the skinny Triton
     GEMM if the swept table (kernels/skinny_gemm.py) says it beats cuBLAS for this weight shape.
     `lin` may be the tied embedding (its weight is the LM head's)."""
-    cfg = _skinny_config(lin.weight, x)
-    if cfg is not None:
-        from ..kernels.skinny_gemm import skinny_gemm
-        return skinny_gemm(x, lin.weight, *cfg, bias=getattr(lin, "bias", None))
-    return plain_linear(lin, x)
-
-
-def silu_down(down: nn.Module, gate_up: torch.Tensor, linear, fuse: bool = True) -> torch.Tensor:
-    """down(silu(gate) * up) from the gate_up output; where the skinny GEMM serves down_proj (and
-    `fuse`), it forms silu(gate) * up as it loads x (same roundings, one launch less)."""
-    from ..kernels.fused_ops import silu_mul
-    if fuse and linear is skinny_or_cublas:
-        cfg = _skinny_config(down.weight, gate_up)
+    w = lin.weight
+    if x.is_cuda and x.dtype == torch.bfloat16 and x.shape[0] <= 64 and x.stride(-1) == 1 and _triton_ok():
+        from ..kernels.skinny_gemm import pick_config, skinny_gemm
+        cfg = pick_config(w.shape[0], w.shape[1], x.shape[0])
         if cfg is not None:
-            from ..kernels.skinny_gemm import skinny_gemm
-            return skinny_gemm(gate_up, down.weight, *cfg, bias=getattr(down, "bias", None), silu_x=True)
-    return linear(down, silu_mul(gate_up))
+            return skinny_gemm(x, w, *cfg, bias=getattr(lin, "bias", None))
+    return plain_linear(lin, x)
 
 
 class Attention(nn.Module):
@@ -240,7 +221,6 @@ class DecoderLM(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(cfg, attn.head_dim), persistent=False)
         self.fused_small_ops = True   # with the Triton backend; the profile bench turns it off to compare
         self.skinny_gemm = True       # decode GEMMs on the fused path: Triton where it beats cuBLAS
-        self.fuse_silu_down = True    # SiLU * up inside the skinny down GEMM (bench.step_variants compares)
         self.batch_invariant = False  # set by the engine: every GEMM through invariant_linear
 
     def _linear(self):
@@ -267,8 +247,8 @@ class DecoderLM(nn.Module):
     def _forward_fused(self, input_ids, positions, kv_caches, meta: AttentionMetadata):
         """Same math as `forward` with ~10 kernels per layer instead of ~35: each residual add
         is fused into the RMSNorm that follows it (the next layer's input norm, or the final
-        norm), SiLU * up is one kernel or part of the down GEMM's x loads, RoPE + K/V write one kernel."""
-        from ..kernels.fused_ops import add_rmsnorm
+        norm), SiLU * up is one kernel, RoPE + K/V write one kernel."""
+        from ..kernels.fused_ops import add_rmsnorm, silu_mul
         linear = self._linear()
         norms = [layer.input_layernorm for layer in self.layers] + [self.norm]
         residual = self.embed_tokens(input_ids)
@@ -277,7 +257,7 @@ class DecoderLM(nn.Module):
             a = layer.self_attn.forward_fused(h, positions, self.inv_freq, kv, meta, linear)
             ln = layer.post_attention_layernorm
             h, residual = add_rmsnorm(residual, ln.weight, ln.eps, delta=a)
-            f = silu_down(layer.mlp.down_proj, linear(layer.mlp.gate_up_proj, h), linear, self.fuse_silu_down)
+            f = linear(layer.mlp.down_proj, silu_mul(linear(layer.mlp.gate_up_proj, h)))
             h, residual = add_rmsnorm(residual, norms[i + 1].weight, norms[i + 1].eps, delta=f)
         return h
 
