@@ -107,11 +107,13 @@ PDL_PEEL_TILES = 1   # weight K tiles loaded before the PDL wait: 1 or 2 (bench.
 # (bench/results/2026-11-29_kernels_gemm_l8b.json: 1.01-1.14x cuBLAS where chosen; at M = 32
 # the whole step's GEMMs 4.68 -> 4.39 ms; M = 32 of o_proj and down_proj re-swept with split-K
 # and PDL in ..._kernels_gemm_l8b_splitk_pdl.json: 13.0 us against cuBLAS's 14.9, and 35.1 us
-# against 36.0). Shapes not swept here stay on cuBLAS.
+# against 36.0). gate_up at M <= 32 re-swept inside the decode graphs at P1's context
+# (`python -m rollout.bench.step_variants`, ..._step_variants_l8b_B32_C4352_*.json): 128x128 tiles,
+# 8 warps, 4 stages, +0.8% of the step over 64x64. Shapes not swept here stay on cuBLAS.
 _LLAMA3_8B = {
     (6144, 4096): ((32, (64, 128, 4, 5)),),                                        # fused QKV
     (4096, 4096): ((16, (32, 256, 4, 5)), (32, (32, 256, 4, 5))),                  # o_proj
-    (28672, 4096): ((16, (128, 128, 8, 3)), (32, (64, 64, 8, 3)), (64, (64, 64, 4, 3))),   # gate_up
+    (28672, 4096): ((16, (128, 128, 8, 3)), (32, (128, 128, 8, 4)), (64, (64, 64, 4, 3))),  # gate_up
     (4096, 14336): ((16, (32, 256, 4, 5)), (32, (64, 128, 4, 5, 2))),              # down_proj
     (128256, 4096): ((64, (64, 128, 4, 3)),),                                      # lm_head
 }
