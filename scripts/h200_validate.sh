@@ -51,7 +51,7 @@ for s in $sections; do
         --invariant-split-len --skip-ref --out $OUT/kernels_attn_layout.json > $OUT/kernels_attn_layout.log 2>&1
       python3 scripts/summarize_decode_sweep.py $OUT/kernels_attn_layout.json ;;
     variants) # issue 4 P1: the decode step under kernel knobs and GEMM / attention configs, side by side
-      V="base wait_first rope_token peel2 qkv=cublas qkv=32,128,4,5 qkv=64,128,4,5,2 qkv=64,256,4,4 qkv=32,256,4,4
+      V="base wait_first rope_token qkv=cublas qkv=32,128,4,5 qkv=64,128,4,5,2 qkv=64,256,4,4 qkv=32,256,4,4
          qkv=128,128,8,4,2 o=cublas o=64,128,4,5,2 o=32,128,4,5,2 o=16,256,4,5 o=32,256,4,4,2 base
          gate_up=64,128,4,5 gate_up=128,128,8,4 gate_up=64,64,4,4 gate_up=32,128,4,5 down=32,256,4,5
          down=32,128,4,5,2 down=64,128,4,5,4 down=64,256,4,4,2 lm_head=128,128,8,4 lm_head=64,256,4,4

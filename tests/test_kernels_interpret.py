@@ -297,9 +297,9 @@ def test_compiles_for_sm90(tmp_path):
             compile_(fo._silu_mul_kernel, pdl, BLOCK=1024)
             for split in (1, 2):
                 compile_(sg._skinny_gemm_kernel, pdl, early_loads=True, BLOCK_M=32, BLOCK_N=64, BLOCK_K=128,
-                         EVEN_N=split == 1, HAS_BIAS=split == 2, SPLIT_K=split, PEEL=split)
+                         EVEN_N=split == 1, HAS_BIAS=split == 2, SPLIT_K=split)
             compile_(sg._skinny_gemm_kernel, pdl, early_loads=True, BLOCK_M=sg.INVARIANT_BLOCK_M,   # batch-invariant
-                     BLOCK_N=sg.invariant_block_n(4096), BLOCK_K=128, EVEN_N=True, HAS_BIAS=False, SPLIT_K=1, PEEL=1)
+                     BLOCK_N=sg.invariant_block_n(4096), BLOCK_K=128, EVEN_N=True, HAS_BIAS=False, SPLIT_K=1)
         print("ok")
     """)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

@@ -10,7 +10,6 @@ ends with the baseline to show the drift. A variant is knobs joined by "+", on t
   base              the defaults (PDL launch-then-wait, RoPE over head groups, swept tables)
   wait_first        PDL: wait, then let dependents launch (kernels/pdl.py mode 1)
   rope_token        RoPE + KV write with one program per token
-  peel2             skinny GEMMs load two weight tiles before the PDL wait
   qkv=BN,BK,W,S[,SK]  a skinny GEMM config for one weight at every M (also o, gate_up, down, lm_head;
                     "cublas" for F.linear)
   attn=NS,BN,W,S    decode attention: splits, key tile, warps, stages
@@ -34,7 +33,6 @@ def apply(eng, variant: str, defaults: dict) -> None:
     from ..kernels import paged_decode, pdl, rope_kv, skinny_gemm
     pdl.set_enabled(True, launch_first=True)
     rope_kv.Q_HEADS_PER_PROGRAM = defaults["rope"]
-    skinny_gemm.PDL_PEEL_TILES = 1
     skinny_gemm._LLAMA3_8B = dict(defaults["table"])
     paged_decode.DECODE_TILE = dict(defaults["tile"])
     paged_decode.pick_num_splits = defaults["splits"]
@@ -47,8 +45,6 @@ def apply(eng, variant: str, defaults: dict) -> None:
             pdl.set_enabled(True, launch_first=False)
         elif knob == "rope_token":
             rope_kv.Q_HEADS_PER_PROGRAM = 0
-        elif knob == "peel2":
-            skinny_gemm.PDL_PEEL_TILES = 2
         elif name in GEMMS:
             skinny_gemm._LLAMA3_8B[GEMMS[name]] = ((64, nums),)
         elif name == "attn":
@@ -66,7 +62,7 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--context", type=int, default=4352)
     ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--variants", nargs="+", default=["base", "wait_first", "rope_token", "peel2", "base"])
+    ap.add_argument("--variants", nargs="+", default=["base", "wait_first", "rope_token", "base"])
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():

@@ -34,7 +34,7 @@ fix_interpreter()
 def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, s_xm, s_wn, s_ym,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         EVEN_N: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
-                        PEEL: tl.constexpr, PDL: tl.constexpr):
+                        PDL: tl.constexpr):
     pid = tl.program_id(0)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)     # one M tile except batch_invariant_gemm's
@@ -48,17 +48,14 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, s_
     x_ptrs = x_ptr + rm.to(tl.int64)[:, None] * s_xm + (kt0 * BLOCK_K + rk)[None, :]
     m_ok = rm[:, None] < M
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    if PDL:   # the first PEEL weight tiles while the previous kernel drains (weights are not its output)
+    if PDL:   # the first weight tile while the previous kernel drains (weights are not its output;
+        # two tiles measured no faster inside the decode graphs, bench/results/README.md)
         w = _load_w(w_ptrs, rn, N, EVEN_N)
-        if PEEL == 2:
-            w2 = _load_w(w_ptrs + BLOCK_K, rn, N, EVEN_N)
         enter(PDL)
         acc = tl.dot(w, tl.trans(tl.load(x_ptrs, mask=m_ok, other=0.0)), acc)
-        if PEEL == 2:
-            acc = tl.dot(w2, tl.trans(tl.load(x_ptrs + BLOCK_K, mask=m_ok, other=0.0)), acc)
-        w_ptrs += PEEL * BLOCK_K
-        x_ptrs += PEEL * BLOCK_K
-        kt0 += PEEL
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+        kt0 += 1
     for _ in range(kt0, kt1):
         w = _load_w(w_ptrs, rn, N, EVEN_N)
         x = tl.load(x_ptrs, mask=m_ok, other=0.0)
@@ -100,7 +97,6 @@ def _epilogue(acc, b_ptr, y_ptr, rm, rn, M, N, s_ym, HAS_BIAS: tl.constexpr):
 
 
 MAX_M = 64
-PDL_PEEL_TILES = 1   # weight K tiles loaded before the PDL wait: 1 or 2 (bench.step_variants compares)
 
 # (N, K) -> ((largest M, (BLOCK_N, BLOCK_K, num_warps, num_stages[, split_k]) or None for cuBLAS), ...),
 # the fastest per M range in the H200 sweeps `python -m rollout.bench.gemm --shape llama3-8b`
@@ -161,7 +157,6 @@ def skinny_gemm(x: torch.Tensor, w: torch.Tensor, block_n: int, block_k: int, nu
     assert split_k == 1 or triton.cdiv(M, block_m or MAX_M) == 1, "split-K takes one M tile"
     assert K % block_k == 0, f"K={K} is not a multiple of BLOCK_K={block_k}"
     assert split_k >= 1 and (K // block_k) % split_k == 0, f"{K // block_k} K tiles do not split {split_k} ways"
-    peel = PDL_PEEL_TILES if K // block_k // split_k >= PDL_PEEL_TILES else 1
     if out is None:
         out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M:
@@ -175,7 +170,7 @@ def skinny_gemm(x: torch.Tensor, w: torch.Tensor, block_n: int, block_k: int, nu
         _skinny_gemm_kernel[(tiles, split_k, triton.cdiv(M, bm))](
             x, w, bias if bias is not None else w, out, ws, cnt, M, N, K, x.stride(0), w.stride(0), out.stride(0),
             BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_N=N % block_n == 0, HAS_BIAS=bias is not None,
-            SPLIT_K=split_k, PEEL=peel, PDL=pdl, num_warps=num_warps, num_stages=num_stages, launch_pdl=bool(pdl))
+            SPLIT_K=split_k, PDL=pdl, num_warps=num_warps, num_stages=num_stages, launch_pdl=bool(pdl))
     return out
 
 
