@@ -66,6 +66,41 @@ def test_decode_fp32(Hq, Hkv, ps, block_n, num_splits, window):
     torch.testing.assert_close(out, reference(q, caches, meta, scale, window), **FP32_TOL)  # row 0: zeros
 
 
+# (Hq, Hkv, page_size, block_n, num_splits, window): the new token in the only split, in the last
+# of three (splits of one tile), with a window, MHA with a tile smaller than the page.
+ROPE_CASES = [(8, 2, 16, 16, 1, None), (8, 2, 16, 16, 3, None), (8, 2, 16, 32, 2, 20), (4, 4, 32, 16, 3, 5)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("Hq,Hkv,ps,block_n,num_splits,window", ROPE_CASES)
+def test_decode_with_rope_equals_rope_kernel_then_decode(Hq, Hkv, ps, block_n, num_splits, window, dtype):
+    """The decode kernel given un-rotated q / k (rope=...) writes the new token's K and V to the
+    same cache bits as rope_and_write_kv and gives the same output bits as that kernel followed by
+    the plain decode kernel; a padding row (length 0, slot -1) writes nothing."""
+    D, scale = 32, 0.3
+    lens = [0, 1, 17, 40, 83]
+    caches, _, bt = make_paged(lens, Hkv, D, ps, dtype, seed=Hq + ps + num_splits)
+    g = torch.Generator().manual_seed(5)
+    B = len(lens)
+    q, k, v = (torch.randn(B, h, D, generator=g).to(dtype) for h in (Hq, Hkv, Hkv))
+    pos = torch.tensor([max(L - 1, 0) for L in lens])
+    slots = torch.tensor([int(bt[i, (L - 1) // ps]) * ps + (L - 1) % ps if L else -1 for i, L in enumerate(lens)])
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, D, 2).float() / D))
+    for c in caches:   # the new token's slot: not written yet (NaN unless the kernel writes it)
+        c.view(-1, Hkv, D)[slots[slots >= 0]] = float("nan")
+    ka, va = (c.clone() for c in caches)
+    kb, vb = (c.clone() for c in caches)
+    qa = rope_and_write_kv(q, k, v, pos, inv_freq, ka, va, slots)
+    meta = meta_for(lens, [1] * B, bt, ps)
+    out_a = paged_decode_attention(qa, ka, va, bt, meta.seq_lens, scale, window, num_splits, block_n=block_n)
+    out_b = paged_decode_attention(q, kb, vb, bt, meta.seq_lens, scale, window, num_splits, block_n=block_n,
+                                   rope=(k, v, pos, inv_freq, slots))
+    assert torch.equal(kb, ka) and torch.equal(vb, va)
+    assert torch.equal(out_b, out_a)
+    tol = FP32_TOL if dtype == torch.float32 else FP16_TOL
+    torch.testing.assert_close(out_b.float(), reference(qa, [ka, va], meta, scale, window), **tol)
+
+
 def test_decode_fp16():
     lens, ps, Hq, Hkv, D = [0, 1, 16, 17, 45], 16, 8, 2, 64
     caches, poisoned, bt = make_paged(lens, Hkv, D, ps, torch.float16, seed=7)
@@ -258,7 +293,8 @@ def test_compiles_for_sm90(tmp_path):
                "kc_ptr": "*bf16", "vc_ptr": "*bf16", "po_ptr": "*fp32", "plse_ptr": "*fp32", "bt_ptr": "*i32",
                "lens_ptr": "*i32", "qsl_ptr": "*i32", "pos_ptr": "*i64", "inv_freq_ptr": "*fp32", "slot_ptr": "*i64",
                "x_ptr": "*bf16", "d_ptr": "*bf16", "w_ptr": "*bf16", "res_ptr": "*bf16", "gu_ptr": "*bf16",
-               "b_ptr": "*bf16", "y_ptr": "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "wml_ptr": "*fp32"}
+               "b_ptr": "*bf16", "y_ptr": "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "wml_ptr": "*fp32",
+               "kn_ptr": "*bf16", "vn_ptr": "*bf16"}
         def compile_(fn, pdl=False, early_loads=False, **const):
             const = dict(const, PDL=pdl) if "PDL" in fn.arg_names else const
             sig, attrs = {}, {}
@@ -279,7 +315,8 @@ def test_compiles_for_sm90(tmp_path):
                 if not early_loads:
                     assert wait < first("ld.global", "cp.async"), fn.__name__ + ": a load before the wait"
         common = dict(HEAD_DIM=128, PAGE_SIZE=16, BLOCK_N=64, DOT_PREC="tf32")
-        compile_(pd._decode_split_kernel, GROUP=4, GROUP_PAD=16, NUM_SPLITS=2, USE_WINDOW=True, **common)
+        compile_(pd._decode_split_kernel, GROUP=4, GROUP_PAD=16, NUM_SPLITS=2, USE_WINDOW=True, ROPE=False,
+                 PRECISE=True, **common)
         compile_(pd._decode_merge_kernel, HEAD_DIM=128, NUM_SPLITS=3, SPLITS_PAD=4)
         for split, programs in ((0, False), (1024, False), (1024, True)):    # normal; batch-invariant
             compile_(pp._prefill_kernel, split > 0, GROUP=7, BLOCK_Q=9, BLOCK_M=64, USE_WINDOW=True,
@@ -290,7 +327,9 @@ def test_compiles_for_sm90(tmp_path):
         compile_(fo._silu_mul_kernel, BLOCK=1024)
         compile_(pd._decode_merge_kernel, 1, HEAD_DIM=128, NUM_SPLITS=3, SPLITS_PAD=4)   # wait, then launch
         for pdl in (0, 2):    # off; launch dependents, then wait (pdl_for's default mode)
-            compile_(pd._decode_split_kernel, pdl, GROUP=4, GROUP_PAD=16, NUM_SPLITS=2, USE_WINDOW=False, **common)
+            for rope in (False, True):     # RoPE + the K/V write inside: its stores still after the wait
+                compile_(pd._decode_split_kernel, pdl, GROUP=4, GROUP_PAD=16, NUM_SPLITS=2, USE_WINDOW=False,
+                         ROPE=rope, PRECISE=True, **common)
             compile_(pd._decode_merge_kernel, pdl, HEAD_DIM=128, NUM_SPLITS=3, SPLITS_PAD=4)
             compile_(rk._rope_kv_kernel, pdl, HQ=32, HKV=8, Q_HEADS=8, HKV_PAD=8, HALF=64, PRECISE=False)
             compile_(fo._add_rmsnorm_kernel, pdl, HAS_DELTA=True, BLOCK=4096)
@@ -342,11 +381,19 @@ def test_engine_truncating_sampler_takes_the_split_rows_and_matches_torch():
             assert max(abs(x - y) for x, y in zip(ca.logprobs, cb.logprobs)) < 1e-5
 
 
-def test_engine_with_triton_backend_matches_torch_backend(model_dir, tiny_tokenizer):
+@pytest.mark.parametrize("rope_in_decode", [False, True])
+def test_engine_with_triton_backend_matches_torch_backend(model_dir, tiny_tokenizer, monkeypatch, rope_in_decode):
     """End to end under the interpreter: the engine's attention through the Triton kernels
-    (decode and chunked prefill) gives the torch reference's tokens and logprobs."""
+    (decode and chunked prefill; decode steps with RoPE and the K/V write inside the decode
+    kernel or in their own kernel) gives the torch reference's tokens and logprobs."""
     from hf_reference import random_prompts
     from rollout import RolloutEngine, SamplingParams
+    from rollout.kernels import paged_decode
+    monkeypatch.setattr(paged_decode, "ROPE_IN_DECODE", rope_in_decode)
+    calls = []
+    inner = paged_decode.paged_decode_attention
+    monkeypatch.setattr(paged_decode, "paged_decode_attention",
+                        lambda *a, **k: (calls.append(k.get("rope") is not None), inner(*a, **k))[1])
     path = model_dir("mistral")              # sliding window 24 < sequence length
     prompts = random_prompts(tiny_tokenizer, 3, 5, 40, seed=4)
     p = SamplingParams(n=2, max_new_tokens=8, temperature=0.8, seed=2, ignore_eos=True)
@@ -355,6 +402,7 @@ def test_engine_with_triton_backend_matches_torch_backend(model_dir, tiny_tokeni
         eng = RolloutEngine.from_pretrained(path, device="cpu", dtype="float32", max_model_len=128, num_kv_pages=64,
                                             max_num_batched_tokens=32, attention_backend=backend)
         outs[backend] = eng.generate(prompts, p, use_tqdm=False)
+    assert calls and set(calls) == {rope_in_decode}     # decode steps took the kernel, rope fused or not
     for a, b in zip(outs["torch"], outs["triton"]):
         for ca, cb in zip(a.completions, b.completions):
             assert ca.token_ids == cb.token_ids

@@ -18,7 +18,7 @@ _EXPORTS = {
     "silu_mul": "fused_ops",
 }
 
-__all__ = ["triton_available", "fix_interpreter", "paged_attention", "paged_decode_attention", "pick_num_splits",
+__all__ = ["triton_available", "fix_interpreter", "paged_attention", "rope_and_attend", "paged_decode_attention", "pick_num_splits",
            "paged_prefill_attention", "rope_and_write_kv", "add_rmsnorm", "silu_mul"]
 
 
@@ -72,3 +72,17 @@ def paged_attention(q, k_cache, v_cache, meta, scale, sliding_window=None):
                                       sliding_window, pick_num_splits(q.shape[0], k_cache.shape[2]), **DECODE_TILE)
     return paged_prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
                                    meta.seq_lens, scale, sliding_window)
+
+
+def rope_and_attend(q, k, v, positions, inv_freq, k_cache, v_cache, meta, scale, sliding_window=None):
+    """RoPE on q and k, the K/V write, then `paged_attention` (q, k, v un-rotated, as the QKV
+    projection gives them). With `paged_decode.ROPE_IN_DECODE`, a decode-only batch outside
+    batch-invariant mode does all of it in the decode kernel (one launch fewer per layer)."""
+    from . import paged_decode as pd
+    from .rope_kv import rope_and_write_kv
+    if pd.ROPE_IN_DECODE and meta.decode_only and not meta.batch_invariant:
+        return pd.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,
+                                         sliding_window, pd.pick_num_splits(q.shape[0], k_cache.shape[2]),
+                                         rope=(k, v, positions, inv_freq, meta.slot_mapping), **pd.DECODE_TILE)
+    q = rope_and_write_kv(q, k, v, positions, inv_freq, k_cache, v_cache, meta.slot_mapping)
+    return paged_attention(q, k_cache, v_cache, meta, scale, sliding_window)

@@ -27,24 +27,44 @@ fix_interpreter()
 
 # libdevice's cos/sin do full range reduction (angles reach ~1e4-1e5 rad at long context);
 # the interpreter has no libdevice, numpy's fp32 cos/sin are accurate there too.
-_PRECISE = tl.constexpr(not triton.knobs.runtime.interpret)
+PRECISE = tl.constexpr(not triton.knobs.runtime.interpret)
 Q_HEADS_PER_PROGRAM = 8   # a power of two; 0: every q head of a token in one program
+
+
+@triton.jit
+def cos_sin(pos, inv_freq_ptr, f, dt, PRECISE: tl.constexpr):
+    """cos and sin of the angles pos * inv_freq[f] (fp32), rounded to dt as torch's eager path
+    rounds them; returned in fp32 as [1, HALF] rows."""
+    ang = pos.to(tl.float32) * tl.load(inv_freq_ptr + f)
+    if PRECISE:
+        c = libdevice.cos(ang)
+        s = libdevice.sin(ang)
+    else:
+        c = tl.cos(ang)
+        s = tl.sin(ang)
+    return c.to(dt).to(tl.float32)[None, :], s.to(dt).to(tl.float32)[None, :]
+
+
+@triton.jit
+def rotate_halves(x1, x2, c, s, dt):
+    """out = x * cos + rotate_half(x) * sin on the two halves (fp32 in), rounding like torch:
+    each product, then the sum. Returns the two output halves in dt."""
+    a1 = (x1 * c).to(dt).to(tl.float32)
+    b1 = (x2 * s).to(dt).to(tl.float32)
+    a2 = (x2 * c).to(dt).to(tl.float32)
+    b2 = (x1 * s).to(dt).to(tl.float32)
+    return (a1 - b1).to(dt), (a2 + b2).to(dt)
 
 
 @triton.jit
 def _rotate(x_ptr, o_ptr, heads, h_ok, f, c, s, HALF: tl.constexpr, s_xh, s_oh):
     """Rotate-half RoPE on rows `heads` of one token; returns nothing, stores to o_ptr."""
-    dt = o_ptr.dtype.element_ty
     m = h_ok[:, None]
     x1 = tl.load(x_ptr + heads[:, None] * s_xh + f[None, :], mask=m, other=0.0).to(tl.float32)
     x2 = tl.load(x_ptr + heads[:, None] * s_xh + HALF + f[None, :], mask=m, other=0.0).to(tl.float32)
-    # out = x * cos + rotate_half(x) * sin, rounding like torch: each product, then the sum.
-    a1 = (x1 * c).to(dt).to(tl.float32)
-    b1 = (x2 * s).to(dt).to(tl.float32)
-    a2 = (x2 * c).to(dt).to(tl.float32)
-    b2 = (x1 * s).to(dt).to(tl.float32)
-    tl.store(o_ptr + heads[:, None] * s_oh + f[None, :], (a1 - b1).to(dt), mask=m)
-    tl.store(o_ptr + heads[:, None] * s_oh + HALF + f[None, :], (a2 + b2).to(dt), mask=m)
+    o1, o2 = rotate_halves(x1, x2, c, s, o_ptr.dtype.element_ty)
+    tl.store(o_ptr + heads[:, None] * s_oh + f[None, :], o1, mask=m)
+    tl.store(o_ptr + heads[:, None] * s_oh + HALF + f[None, :], o2, mask=m)
 
 
 @triton.jit
@@ -58,15 +78,7 @@ def _rope_kv_kernel(
     part = tl.program_id(1)
     dt = qo_ptr.dtype.element_ty
     f = tl.arange(0, HALF)
-    ang = tl.load(pos_ptr + t).to(tl.float32) * tl.load(inv_freq_ptr + f)
-    if PRECISE:
-        c = libdevice.cos(ang)
-        s = libdevice.sin(ang)
-    else:
-        c = tl.cos(ang)
-        s = tl.sin(ang)
-    c = c.to(dt).to(tl.float32)[None, :]
-    s = s.to(dt).to(tl.float32)[None, :]
+    c, s = cos_sin(tl.load(pos_ptr + t), inv_freq_ptr, f, dt, PRECISE)
     t64 = t.to(tl.int64)
 
     if part > 0:
@@ -108,7 +120,7 @@ def rope_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positio
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out_q.stride(0), out_q.stride(1), k_cache.stride(1), k_cache.stride(2), v_cache.stride(1), v_cache.stride(2),
         HQ=Hq, HKV=Hkv, Q_HEADS=q_heads, HKV_PAD=triton.next_power_of_2(Hkv), HALF=D // 2,
-        PRECISE=_PRECISE, PDL=pdl_for(q), num_warps=4 if max(q_heads, Hkv) * D >= 1024 else 1,
+        PRECISE=PRECISE, PDL=pdl_for(q), num_warps=4 if max(q_heads, Hkv) * D >= 1024 else 1,
         launch_pdl=bool(pdl_for(q)),
         enable_fp_fusion=False)   # no mul+add -> FMA: torch's fp32 path rounds the products
     return out_q

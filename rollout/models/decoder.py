@@ -168,11 +168,10 @@ class Attention(nn.Module):
 
     def forward_fused(self, x, positions, inv_freq, kv_cache, meta: AttentionMetadata, linear=plain_linear):
         """The Triton path: RoPE and the K/V write in one kernel, then paged attention."""
-        from ..kernels.rope_kv import rope_and_write_kv
+        from ..kernels import rope_and_attend
         q, k, v = self._qkv(x, linear)
         k_cache, v_cache = kv_cache
-        q = rope_and_write_kv(q, k, v, positions, inv_freq, k_cache, v_cache, meta.slot_mapping)
-        o = attend(q, k_cache, v_cache, meta, self.scale, self.sliding_window)
+        o = rope_and_attend(q, k, v, positions, inv_freq, k_cache, v_cache, meta, self.scale, self.sliding_window)
         return linear(self.o_proj, o.reshape(x.shape[0], self.q_size))
 
 

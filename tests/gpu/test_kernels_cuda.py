@@ -151,3 +151,64 @@ def test_fused_ops_cuda(dtype):
         # eager ops, so at most one bf16 ulp (2**-7 relative at worst) where fp32 sums differ.
         tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2 ** -8, rtol=2 ** -7)
         torch.testing.assert_close(got, want, **tol, msg=name)
+
+
+@pytest.mark.parametrize("num_splits,window", [(1, None), (2, None), (3, 1000)])
+def test_decode_with_rope_matches_rope_kernel_then_decode(num_splits, window):
+    """Llama-3-8B heads, bf16: the decode kernel given un-rotated q / k (rope=...) writes the new
+    token's K and V with the same bits as rope_and_write_kv (both compiled without FMA
+    contraction, same libdevice cos/sin), and its output matches the fp32 reference on those
+    caches within BF16_TOL. The new token's slot starts as NaN, so a tile load that ran ahead of
+    the write (the barrier) would show. A padding row (length 0, slot -1) writes nothing."""
+    Hq, Hkv, D, ps = 32, 8, 128, 16
+    lens = [0, 1, ps, ps + 1, 63, 65, 1000, 3001]
+    clean, _, bt = make_paged(lens, Hkv, D, ps, torch.bfloat16, seed=num_splits)
+    B = len(lens)
+    q, k, v = (torch.randn(B, h, D, device=DEV).bfloat16() for h in (Hq, Hkv, Hkv))
+    pos = torch.tensor([max(L - 1, 0) for L in lens], device=DEV)
+    slots = torch.tensor([int(bt[i, (L - 1) // ps]) * ps + (L - 1) % ps if L else -1 for i, L in enumerate(lens)],
+                         device=DEV)
+    inv_freq = (1.0 / (500000.0 ** (torch.arange(0, D, 2).float() / D))).to(DEV)
+    for c in clean:
+        c.view(-1, Hkv, D)[slots[slots >= 0]] = float("nan")
+    ka, va = (c.clone() for c in clean)
+    qa = rope_and_write_kv(q, k, v, pos, inv_freq, ka, va, slots)
+    meta = meta_for(lens, [1] * B, bt, ps)
+    out = torch.full_like(q, float("nan"))
+    paged_decode_attention(q, *clean, bt, meta.seq_lens, D ** -0.5, window, num_splits, out=out,
+                           rope=(k, v, pos, inv_freq, slots))
+    assert torch.equal(clean[0], ka) and torch.equal(clean[1], va)
+    check(out, reference(qa, [ka, va], meta, D ** -0.5, window), torch.bfloat16)
+
+
+def test_engine_rope_in_decode_kernel_same_caches_and_close_logprobs():
+    """One 8B-shape layer through the engine's decode graphs with RoPE + the K/V write inside the
+    decode kernel and with their own kernel: the first decode step's logprobs agree within bf16
+    rounding (the fused kernel's attention math is compiled without FMA contraction, so the bits
+    may differ; a wrong rotation or a missing K write would move them by O(1))."""
+    from rollout import RolloutEngine, SamplingParams
+    from rollout.bench.shapes import make_config
+    from rollout.kernels import paged_decode
+    from rollout.models.loader import build_model, init_random
+    cfg = make_config("llama3-8b", num_hidden_layers=1, max_position_embeddings=1024)
+    model = build_model(cfg, torch.bfloat16, torch.device(DEV))
+    init_random(model, 0)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 128000, (int(n),), generator=g).tolist() for n in torch.randint(3, 300, (32,), generator=g)]
+    p = SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True)
+    outs, was = {}, paged_decode.ROPE_IN_DECODE
+    try:
+        for fused in (False, True):
+            paged_decode.ROPE_IN_DECODE = fused       # before the engine captures its graphs
+            eng = RolloutEngine(model, cfg, seed=0, max_model_len=512, num_kv_pages=1024, max_num_seqs=32)
+            outs[fused] = eng.generate(prompts, p, use_tqdm=False)
+            assert eng.pipeline.counts["graph_steps"] > 0
+            del eng
+    finally:
+        paged_decode.ROPE_IN_DECODE = was
+    for a, b in zip(outs[False], outs[True]):
+        ca, cb = a.completions[0], b.completions[0]
+        assert ca.token_ids[0] == cb.token_ids[0]               # from the prefill: same kernels
+        # logprob 1 is the first decode step's (greedy: the max, even if a near-tie flips the
+        # token); logits ~2-4 have a bf16 spacing of 2^-7 to 2^-6: four spacings
+        assert abs(ca.logprobs[1] - cb.logprobs[1]) < 4 * 2.0 ** -6
