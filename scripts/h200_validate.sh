@@ -8,7 +8,7 @@
 #   (KV_FRACTION), inv_refs_x2 on 2 GPUs (then pressured_inv with the npz in h200_ref/), inv_x4 on 4 GPUs)
 # Run from the repo root on the H200; ROLLOUT_GIT_COMMIT should be passed in (no .git there).
 set -uo pipefail
-OUT=${OUT:-h200_out}; mkdir -p "$OUT"
+OUT=${OUT:-h200_out}; mkdir -p "$OUT"; export OUT   # exported: sections may call this script again
 export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:${PYTHONPATH:-}
 B="python3 -m rollout.bench"
 sections=${*:-tests kernels sampler q05 l8b_short}
@@ -58,6 +58,10 @@ for s in $sections; do
          attn=3,32,4,2 attn=4,64,4,2 attn=2,64,4,3 attn=2,64,8,2 base"
       timeout 560 python3 -m rollout.bench.step_variants --shape llama3-8b --batch 32 --context 4352 --steps 40 \
         --variants ${VARIANTS:-$V} --out $OUT/step_variants_l8b_B32_C4352.json 2>&1 | grep -A40 "^| variant" ;;
+    next_knobs) # the two knobs written in the seventh session without a GPU: their GPU tests, then A/B
+      TEST_FILES="tests/gpu/test_kernels_cuda.py tests/gpu/test_skinny_gemm_cuda.py" bash $0 tests_files
+      VARIANTS="base attn_rope splitk_norm attn_rope+splitk_norm splitk_norm+o=32,256,4,5,4 splitk_norm+down=64,128,4,5,4 base" \
+        bash $0 variants ;;
     kernels)  timeout 240 python3 -m rollout.bench.kernels --out $OUT/kernels.json 2>&1 | tail -25 ;;
     sampler)  timeout 120 python3 -m rollout.bench.sampler --out $OUT/sampler.json 2>&1 | tail -15 ;;
     q05)      # issue 3's CPU-overhead-heavy workload, sync vs async, with a timeline

@@ -203,6 +203,30 @@ def test_skinny_gemm_split_k(split_k):
     with pytest.raises(AssertionError, match="do not split"):
         sg.skinny_gemm(x, w, 64, 64, 4, 2, 3)
 
+@pytest.mark.parametrize("split_k", [2, 4])
+def test_split_k_partials_summed_by_the_norm_give_the_fixup_bits(split_k):
+    """skinny_gemm(partials=True) leaves its split-K partials to add_rmsnorm, which sums them in
+    split order and rounds once: the same bits (normed and residual) as the GEMM's own fix-up
+    followed by the plain add_rmsnorm. fp16 (the interpreter's bf16 dot is broken). The partials
+    path refuses what it cannot do (no split, a bias)."""
+    from rollout.kernels import skinny_gemm as sg
+    from rollout.kernels.fused_ops import add_rmsnorm
+    g = torch.Generator().manual_seed(split_k)
+    x = torch.randn(5, 512, generator=g).half()
+    w = (torch.randn(96, 512, generator=g) / 16).half()
+    res, nw = torch.randn(5, 96, generator=g).half(), (1 + 0.1 * torch.randn(96, generator=g)).half()
+    parts = sg.skinny_gemm(x, w, 64, 64, 4, 2, split_k, partials=True)
+    assert parts.shape == (split_k, 5, 96) and parts.dtype == torch.float32
+    want = add_rmsnorm(res, nw, 1e-5, delta=sg.skinny_gemm(x, w, 64, 64, 4, 2, split_k))
+    got = add_rmsnorm(res, nw, 1e-5, delta=parts)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    torch.testing.assert_close(got[1].float(), res.float() + (x.float() @ w.float().T), **FP16_TOL)
+    with pytest.raises(AssertionError, match="partials"):
+        sg.skinny_gemm(x, w, 64, 64, 4, 2, 1, partials=True)
+    with pytest.raises(AssertionError, match="partials"):
+        sg.skinny_gemm(x, w, 64, 64, 4, 2, split_k, partials=True, bias=nw)
+
+
 
 def test_batch_invariant_gemm_rows_do_not_depend_on_their_batch():
     """Batch-invariant mode's GEMM (fixed weight tiles; 16- to 64-row x tiles): each row of x gives the same bits
@@ -323,7 +347,7 @@ def test_compiles_for_sm90(tmp_path):
                      SPLIT_LEN=split, SPLIT_PROGRAMS=programs, MAX_SPLITS=17, **common)
         compile_(pp._decode_merge_kernel, True, GROUP=4, GROUP_PAD=4, HEAD_DIM=128, SPLIT_LEN=1024, MAX_SPLITS=17)
         compile_(rk._rope_kv_kernel, HQ=28, HKV=4, Q_HEADS=8, HKV_PAD=4, HALF=64, PRECISE=True)
-        compile_(fo._add_rmsnorm_kernel, HAS_DELTA=True, BLOCK=4096)
+        compile_(fo._add_rmsnorm_kernel, HAS_DELTA=True, DELTA_PARTIALS=0, BLOCK=4096)
         compile_(fo._silu_mul_kernel, BLOCK=1024)
         compile_(pd._decode_merge_kernel, 1, HEAD_DIM=128, NUM_SPLITS=3, SPLITS_PAD=4)   # wait, then launch
         for pdl in (0, 2):    # off; launch dependents, then wait (pdl_for's default mode)
@@ -332,13 +356,16 @@ def test_compiles_for_sm90(tmp_path):
                          ROPE=rope, PRECISE=True, **common)
             compile_(pd._decode_merge_kernel, pdl, HEAD_DIM=128, NUM_SPLITS=3, SPLITS_PAD=4)
             compile_(rk._rope_kv_kernel, pdl, HQ=32, HKV=8, Q_HEADS=8, HKV_PAD=8, HALF=64, PRECISE=False)
-            compile_(fo._add_rmsnorm_kernel, pdl, HAS_DELTA=True, BLOCK=4096)
+            compile_(fo._add_rmsnorm_kernel, pdl, HAS_DELTA=True, DELTA_PARTIALS=2 if pdl else 0, BLOCK=4096)
             compile_(fo._silu_mul_kernel, pdl, BLOCK=1024)
             for split in (1, 2):
                 compile_(sg._skinny_gemm_kernel, pdl, early_loads=True, BLOCK_M=32, BLOCK_N=64, BLOCK_K=128,
-                         EVEN_N=split == 1, HAS_BIAS=split == 2, SPLIT_K=split)
+                         EVEN_N=split == 1, HAS_BIAS=split == 2, SPLIT_K=split, PARTIALS=False)
+            compile_(sg._skinny_gemm_kernel, pdl, early_loads=True, BLOCK_M=32, BLOCK_N=64, BLOCK_K=128,
+                     EVEN_N=True, HAS_BIAS=False, SPLIT_K=2, PARTIALS=True)
             compile_(sg._skinny_gemm_kernel, pdl, early_loads=True, BLOCK_M=sg.INVARIANT_BLOCK_M,   # batch-invariant
-                     BLOCK_N=sg.invariant_block_n(4096), BLOCK_K=128, EVEN_N=True, HAS_BIAS=False, SPLIT_K=1)
+                     BLOCK_N=sg.invariant_block_n(4096), BLOCK_K=128, EVEN_N=True, HAS_BIAS=False, SPLIT_K=1,
+                     PARTIALS=False)
         print("ok")
     """)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

@@ -14,6 +14,7 @@ ends with the baseline to show the drift. A variant is knobs joined by "+", on t
                     "cublas" for F.linear)
   attn=NS,BN,W,S    decode attention: splits, key tile, warps, stages
   attn_rope         RoPE + the new token's K/V write inside the decode attention kernel
+  splitk_norm       split-K GEMMs (o_proj, down) leave their partials to the next add + RMSNorm
 """
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ def apply(eng, variant: str, defaults: dict) -> None:
     paged_decode.DECODE_TILE = dict(defaults["tile"])
     paged_decode.pick_num_splits = defaults["splits"]
     paged_decode.ROPE_IN_DECODE = False
+    eng.model.splitk_into_norm = False
     for knob in variant.split("+"):
         name, _, val = knob.partition("=")
         nums = tuple(int(v) for v in val.split(",")) if val and val != "cublas" else None
@@ -45,6 +47,8 @@ def apply(eng, variant: str, defaults: dict) -> None:
             pass
         elif knob == "wait_first":
             pdl.set_enabled(True, launch_first=False)
+        elif knob == "splitk_norm":
+            eng.model.splitk_into_norm = True
         elif knob == "attn_rope":
             paged_decode.ROPE_IN_DECODE = True
         elif knob == "rope_token":

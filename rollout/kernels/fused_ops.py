@@ -21,15 +21,22 @@ fix_interpreter()
 
 
 @triton.jit
-def _add_rmsnorm_kernel(x_ptr, d_ptr, w_ptr, out_ptr, res_ptr, N, eps, s_x, s_d, s_o, s_r,
-                        HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _add_rmsnorm_kernel(x_ptr, d_ptr, w_ptr, out_ptr, res_ptr, N, eps, s_x, s_d, s_dp, s_o, s_r,
+                        HAS_DELTA: tl.constexpr, DELTA_PARTIALS: tl.constexpr, BLOCK: tl.constexpr,
+                        PDL: tl.constexpr):
     enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     m = cols < N
     x = tl.load(x_ptr + row * s_x + cols, mask=m, other=0.0)
     if HAS_DELTA:
-        d = tl.load(d_ptr + row * s_d + cols, mask=m, other=0.0)
+        if DELTA_PARTIALS:   # a split-K GEMM's fp32 partials: its fix-up's sum (split order) and rounding
+            dsum = tl.zeros([BLOCK], tl.float32)
+            for sk in tl.static_range(DELTA_PARTIALS):
+                dsum += tl.load(d_ptr + sk * s_dp + row * s_d + cols, mask=m, other=0.0)
+            d = dsum.to(x_ptr.dtype.element_ty)
+        else:
+            d = tl.load(d_ptr + row * s_d + cols, mask=m, other=0.0)
         x = (x.to(tl.float32) + d.to(tl.float32)).to(x_ptr.dtype.element_ty)   # the residual, rounded
         tl.store(res_ptr + row * s_r + cols, x, mask=m)
     xf = x.to(tl.float32)
@@ -43,19 +50,26 @@ def add_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, delta: Option
                 out: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x, delta [T, N] -> (rmsnorm(r) * weight, r) with r = x + delta (r = x without delta).
     HF's order: residual add in the activation dtype; norm in fp32, cast, then times weight.
+    delta may also be [S, T, N] fp32: a split-K GEMM's partials (skinny_gemm(partials=True)),
+    summed here as that GEMM's fix-up would sum them, then rounded to x's dtype.
     `out`: preallocated (normed, residual) to write (tests poison them)."""
     T, N = x.shape
     assert x.stride(1) == 1 and weight.is_contiguous() and weight.numel() == N
+    parts = delta is not None and delta.dim() == 3
+    if parts:
+        assert delta.shape[1:] == (T, N) and delta.dtype == torch.float32 and delta.stride(2) == 1
     if out is not None:
         out, res = out
     else:
         out, res = torch.empty_like(x), (torch.empty_like(x) if delta is not None else x)
     if T:
         block = triton.next_power_of_2(N)
-        _add_rmsnorm_kernel[(T,)](x, delta if delta is not None else x, weight, out, res, N, eps,
-                                  x.stride(0), (delta if delta is not None else x).stride(0), out.stride(0),
-                                  res.stride(0), HAS_DELTA=delta is not None, BLOCK=block,
-                                  PDL=pdl_for(x), num_warps=8 if block >= 4096 else 4, launch_pdl=bool(pdl_for(x)))
+        d = delta if delta is not None else x
+        _add_rmsnorm_kernel[(T,)](x, d, weight, out, res, N, eps, x.stride(0), d.stride(-2),
+                                  d.stride(0) if parts else 0, out.stride(0), res.stride(0),
+                                  HAS_DELTA=delta is not None, DELTA_PARTIALS=delta.shape[0] if parts else 0,
+                                  BLOCK=block, PDL=pdl_for(x), num_warps=8 if block >= 4096 else 4,
+                                  launch_pdl=bool(pdl_for(x)))
     return out, res
 
 

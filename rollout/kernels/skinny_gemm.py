@@ -34,7 +34,7 @@ fix_interpreter()
 def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, s_xm, s_wn, s_ym,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         EVEN_N: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
-                        PDL: tl.constexpr):
+                        PARTIALS: tl.constexpr, PDL: tl.constexpr):
     pid = tl.program_id(0)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)     # one M tile except batch_invariant_gemm's
@@ -68,6 +68,8 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, s_
         # and resets the tile's counter for the next call. No atomics on the output.
         n_ok = rn[:, None] < N
         tl.store(ws_ptr + (tl.program_id(1) * BLOCK_M + rm[None, :]) * N + rn[:, None], acc, mask=n_ok)
+        if PARTIALS:                              # the consumer kernel adds them (in split order)
+            return
         tl.debug_barrier()                        # every thread's partial before the release
         arrived = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel")
         if arrived == SPLIT_K - 1:
@@ -146,32 +148,35 @@ def _split_counters(device: torch.device, tiles: int) -> torch.Tensor:
 
 def skinny_gemm(x: torch.Tensor, w: torch.Tensor, block_n: int, block_k: int, num_warps: int = 4,
                 num_stages: int = 4, split_k: int = 1, out: Optional[torch.Tensor] = None,
-                bias: Optional[torch.Tensor] = None, block_m: Optional[int] = None) -> torch.Tensor:
+                bias: Optional[torch.Tensor] = None, block_m: Optional[int] = None,
+                partials: bool = False) -> torch.Tensor:
     """x [M, K] (unit stride in K), w [N, K] contiguous, bias [N] or None -> y [M, N] in x's dtype.
     split_k > 1: each output tile's K is shared by split_k programs (more programs for a small N
     than SMs would otherwise get); K / block_k must be a multiple of split_k.
-    block_m: None = one M tile of M rows rounded up (M <= 64); else tiles of block_m rows, any M."""
+    block_m: None = one M tile of M rows rounded up (M <= 64); else tiles of block_m rows, any M.
+    partials: return the split_k fp32 partial products [split_k, M, N] (a strided view) instead of
+    adding them here: a consumer that sums them in split order (fused_ops.add_rmsnorm) gets the
+    same bits as y, and the GEMM skips its fix-up (barrier, counter, reload, store)."""
     M, K = x.shape
     N = w.shape[0]
+    assert not partials or (split_k > 1 and bias is None and out is None), "partials: split-K, no bias, no out"
     assert (M <= MAX_M or block_m) and w.shape[1] == K and x.stride(1) == 1 and w.is_contiguous()
     assert split_k == 1 or triton.cdiv(M, block_m or MAX_M) == 1, "split-K takes one M tile"
     assert K % block_k == 0, f"K={K} is not a multiple of BLOCK_K={block_k}"
     assert split_k >= 1 and (K // block_k) % split_k == 0, f"{K // block_k} K tiles do not split {split_k} ways"
     if out is None:
         out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    bm, tiles = block_m or pick_block_m(M), triton.cdiv(N, block_n)
+    ws = torch.empty((split_k, bm, N), dtype=torch.float32, device=x.device) if split_k > 1 else out
     if M:
         pdl = pdl_for(x)
-        bm, tiles = block_m or pick_block_m(M), triton.cdiv(N, block_n)
-        if split_k > 1:
-            ws = torch.empty((split_k, bm, N), dtype=torch.float32, device=x.device)
-            cnt = _split_counters(x.device, tiles)
-        else:
-            ws = cnt = out          # unused
+        cnt = _split_counters(x.device, tiles) if split_k > 1 and not partials else out   # else unused
         _skinny_gemm_kernel[(tiles, split_k, triton.cdiv(M, bm))](
             x, w, bias if bias is not None else w, out, ws, cnt, M, N, K, x.stride(0), w.stride(0), out.stride(0),
             BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_N=N % block_n == 0, HAS_BIAS=bias is not None,
-            SPLIT_K=split_k, PDL=pdl, num_warps=num_warps, num_stages=num_stages, launch_pdl=bool(pdl))
-    return out
+            SPLIT_K=split_k, PARTIALS=partials, PDL=pdl, num_warps=num_warps, num_stages=num_stages,
+            launch_pdl=bool(pdl))
+    return ws[:, :M] if partials else out
 
 
 # Batch-invariant mode: one tile shape per weight whatever the row count, so a row's result is the

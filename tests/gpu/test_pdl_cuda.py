@@ -3,8 +3,13 @@ PDL must give the same bits, since PDL only changes when a kernel's programs sta
 they compute. A kernel that read its input or wrote its output before `griddepcontrol.wait`
 would race with the kernel before it; the chains below make every kernel consume the previous
 one's output at once, in a CUDA graph, replayed many times. Skipped without an sm_90+ GPU."""
+import os
+import sys
+
 import pytest
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # tests/: engine_ab
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
                                 reason="needs an sm_90+ GPU")
@@ -62,31 +67,15 @@ def test_engine_decode_graphs_equal_bits_with_and_without_pdl():
     """Two layers of the Llama-3-8B shape through the engine (fused small ops, skinny GEMMs,
     RoPE + KV write, split-KV decode attention, all in the decode graphs): greedy tokens and
     logprobs identical with PDL on and off."""
-    from transformers import AutoConfig
-
-    from rollout import RolloutEngine, SamplingParams
+    from engine_ab import assert_same_tokens_and_logprobs, generate_per_setting, llama8b_model
     from rollout.kernels import pdl
-    from rollout.models.loader import build_model, init_random
-    cfg = AutoConfig.for_model("llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
-                               num_hidden_layers=2, num_attention_heads=32, num_key_value_heads=8,
-                               max_position_embeddings=1024, rope_theta=500000.0)
-    model = build_model(cfg, torch.bfloat16, torch.device("cuda"))
-    init_random(model, 0)
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, 128000, (int(n),), generator=g).tolist() for n in torch.randint(5, 90, (32,), generator=g)]
-    params = SamplingParams(max_new_tokens=48, temperature=0, ignore_eos=True)
-    outs = {}
+    model, cfg = llama8b_model(2)
     was = pdl.pdl_for(torch.empty(0, device="cuda"))
-    try:
-        for on in MODES:
-            pdl.set_enabled(on > 0, launch_first=on == 2)   # before the engine captures its graphs
-            eng = RolloutEngine(model, cfg, seed=0, max_model_len=256, num_kv_pages=512, max_num_seqs=32)
-            outs[on] = eng.generate(prompts, params, use_tqdm=False)
-            assert eng.pipeline.counts["graph_steps"] > 0
-            del eng
+    try:   # each mode set before its engine captures its graphs
+        outs = generate_per_setting(
+            model, cfg, {on: lambda on=on: pdl.set_enabled(on > 0, launch_first=on == 2) for on in MODES},
+            prompt_lens=(5, 90), max_new_tokens=48, seed=0, max_model_len=256, num_kv_pages=512)
     finally:
         pdl.set_enabled(was > 0, launch_first=was == 2)
     for on in MODES[1:]:
-        for a, b in zip(outs[0], outs[on]):
-            assert a.completions[0].token_ids == b.completions[0].token_ids
-            assert a.completions[0].logprobs == b.completions[0].logprobs
+        assert_same_tokens_and_logprobs(outs[0], outs[on])

@@ -2,9 +2,14 @@
 fresh random inputs with poisoned outputs, every config of the swept table, and inside the
 engine's CUDA graphs on a one-layer model of the Llama-3-8B shape (the table's shapes).
 Skipped without CUDA."""
+import os
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # tests/: engine_ab
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -116,3 +121,29 @@ def test_engine_uses_it_in_graphs_and_matches_cublas():
     # logprob difference from rounding the GEMM outputs differently.
     for a, b in zip(outs[True, True], outs[False, True]):
         assert abs(a.completions[0].logprobs[0] - b.completions[0].logprobs[0]) < 4 * 2.0 ** -6
+
+
+def test_split_k_partials_into_the_norm_same_bits_at_8b_shapes_and_in_the_engine():
+    """o_proj and down_proj at M = 32 (the table's split-K configs): the norm kernel summing the
+    GEMM's partials gives the fix-up path's bits; and one 8B-shape layer through the engine's
+    decode graphs gives the same greedy tokens and logprobs with it on and off."""
+    from engine_ab import assert_same_tokens_and_logprobs, generate_per_setting, llama8b_model
+    from rollout.kernels.fused_ops import add_rmsnorm
+    from rollout.kernels.skinny_gemm import pick_config, skinny_gemm
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for N, K in ((4096, 4096), (4096, 14336)):
+        cfg = pick_config(N, K, 32)
+        if len(cfg) < 5 or cfg[4] == 1:
+            continue                                  # this shape does not split K at M = 32
+        x = torch.randn(32, K, device="cuda", dtype=torch.bfloat16, generator=g)
+        w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02
+        res = torch.randn(32, N, device="cuda", dtype=torch.bfloat16, generator=g)
+        nw = torch.ones(N, device="cuda", dtype=torch.bfloat16)
+        want = add_rmsnorm(res, nw, 1e-5, delta=skinny_gemm(x, w, *cfg))
+        got = add_rmsnorm(res, nw, 1e-5, delta=skinny_gemm(x, w, *cfg, partials=True))
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (N, K)
+    model, cfg = llama8b_model(1)
+    outs = generate_per_setting(model, cfg, {on: lambda on=on: setattr(model, "splitk_into_norm", on)
+                                             for on in (False, True)}, prompt_lens=(3, 40), seed=2)
+    model.splitk_into_norm = False
+    assert_same_tokens_and_logprobs(outs[False], outs[True])
