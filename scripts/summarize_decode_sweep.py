@@ -5,7 +5,8 @@ import sys
 
 d = json.load(open(sys.argv[1]))
 print(f"copy {d['copy_GBps']:.0f} GB/s")
-print("| B x ctx | page | layout | engine config us (GB/s) | best us (GB/s) | best (splits, block_n, warps, stages) | max err |")
+print("| B x ctx | page | layout | engine config us (GB/s) | best us (GB/s) "
+      "| best (splits, block_n, warps, stages) | max err |")
 print("|---|---|---|---|---|---|---|")
 for r in d["results"]:
     if r.get("kind") != "decode" or not r["configs"]:
@@ -15,5 +16,6 @@ for r in d["results"]:
     b = r["best"]
     e = f"{eng[0]['us']:.1f} ({eng[0]['GBps']:.0f})" if eng else "-"
     err = max(c["max_err"] or 0 for c in r["configs"])
-    print(f"| {r['B']}x{r['ctx']} | {r['page_size']} | {r.get('layout', 'token')} | {e} | {b['us']:.1f} ({b['GBps']:.0f}) "
+    print(f"| {r['B']}x{r['ctx']} | {r['page_size']} | {r.get('layout', 'token')} | {e} "
+          f"| {b['us']:.1f} ({b['GBps']:.0f}) "
           f"| {b['num_splits']}, {b['block_n']}, {b['num_warps']}, {b['num_stages']} | {err:.1e} |")

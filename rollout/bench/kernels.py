@@ -40,7 +40,8 @@ def _setup(B, ctx, Hq, Hkv, D, ps, dtype, seed=0, ragged=False, layout="token"):
         bt[i, :n] = perm[p:p + n].int()
         p += n
     if layout == "head":
-        kc, vc = (torch.randn(num_pages, Hkv, ps, D, device="cuda", dtype=dtype).permute(0, 2, 1, 3) for _ in range(2))
+        kc, vc = (torch.randn(num_pages, Hkv, ps, D, device="cuda", dtype=dtype).permute(0, 2, 1, 3)
+                  for _ in range(2))
     else:
         kc, vc = (torch.randn(num_pages, ps, Hkv, D, device="cuda", dtype=dtype) for _ in range(2))
     bt = bt.cuda()
@@ -232,7 +233,8 @@ def main(argv=None):
     ap.add_argument("--q-heads", type=int, default=32)
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--page-size", nargs="+", type=int, default=[16], help="decode sweeps these; the rest use the first")
+    ap.add_argument("--page-size", nargs="+", type=int, default=[16],
+                    help="decode sweeps these; the rest use the first")
     ap.add_argument("--layout", nargs="+", choices=["token", "head"], default=["token"],
                     help="decode: KV cache storage order within a page (see _setup)")
     ap.add_argument("--ragged", action="store_true", help="seq lens uniform in [ctx/2, ctx]")

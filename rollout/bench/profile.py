@@ -92,7 +92,8 @@ def main(argv=None):
         "batch_invariant": args.batch_invariant,
         "step_ms": step_ms, "kernel_ms": dict(per_cat), "kernels_per_step": {k: v / steps for k, v in count.items()},
         "gaps_ms": step_ms - kernels_ms,
-        "kernels": {n: dict(ms=v[0], per_step=v[1]) for n, v in sorted(per_name.items(), key=lambda kv: -kv[1][0])[:30]},
+        "kernels": {n: dict(ms=v[0], per_step=v[1])
+                    for n, v in sorted(per_name.items(), key=lambda kv: -kv[1][0])[:30]},
         "roofline_step_ms": 1e3 * step_time_s(sizes, B, C + 2 * K),
         "weights_at_hbm_ms": 1e3 * sizes["weight_bytes"] / 4.8e12,
         "kv_at_hbm_ms": 1e3 * kv_bytes / 4.8e12,

@@ -121,8 +121,8 @@ def main(argv=None):
             continue
         print(f"| {r['variant']} | {r['mean_context']:.0f} | {r['step_ms']:.3f} | {r['roofline_step_ms']:.3f} | "
               f"{100 * r['fraction']:.1f}% |")
-    write_json(dict(shape=args.shape, batch=B, context=C, rows=rows, meta=run_meta("rollout.bench.step_variants", argv)),
-               args.out)
+    write_json(dict(shape=args.shape, batch=B, context=C, rows=rows,
+                    meta=run_meta("rollout.bench.step_variants", argv)), args.out)
 
 
 if __name__ == "__main__":

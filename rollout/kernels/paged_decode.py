@@ -214,7 +214,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         assert positions.shape == (B,) and inv_freq.numel() == D // 2 and inv_freq.dtype == torch.float32
         assert slots.dtype == torch.int64 and slots.numel() <= B
         # slot * stride(1) addresses [page, offset] only if a page is page_size contiguous rows.
-        assert k_cache.stride(0) == page_size * k_cache.stride(1) and v_cache.stride(0) == page_size * v_cache.stride(1)
+        assert k_cache.stride(0) == page_size * k_cache.stride(1)
+        assert v_cache.stride(0) == page_size * v_cache.stride(1)
         rope_args = (k_new, v_new, positions, inv_freq.contiguous(), slots, slots.numel())
         rope_strides = (k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1))
     else:
