@@ -228,6 +228,29 @@ def test_split_k_partials_summed_by_the_norm_give_the_fixup_bits(split_k):
 
 
 
+def test_decoder_splitk_into_norm_takes_the_partials_path_with_the_same_bits(monkeypatch):
+    """decoder.add_norm_of_linear with splitk_into_norm: where the skinny config splits K (here a
+    split-K config stands in for the GPU-only table lookup), the GEMM's partials go to the norm
+    kernel, and the result equals the fix-up GEMM then add_rmsnorm bit for bit."""
+    from rollout.kernels import skinny_gemm as sg
+    from rollout.models import decoder
+    monkeypatch.setattr(decoder, "_skinny_config", lambda w, x: (64, 64, 4, 2, 2))
+    calls = []
+    inner = sg.skinny_gemm
+    monkeypatch.setattr(sg, "skinny_gemm", lambda *a, **k: (calls.append(k.get("partials", False)), inner(*a, **k))[1])
+    g = torch.Generator().manual_seed(0)
+    lin = torch.nn.Linear(512, 96, bias=False).half()
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(96, 512, generator=g) / 16)
+    norm = decoder.RMSNorm(96, 1e-5).half()
+    x, res = torch.randn(5, 512, generator=g).half(), torch.randn(5, 96, generator=g).half()
+    want = decoder.add_norm_of_linear(lin, x, res, norm, decoder.skinny_or_cublas, splitk_into_norm=False)
+    got = decoder.add_norm_of_linear(lin, x, res, norm, decoder.skinny_or_cublas, splitk_into_norm=True)
+    assert calls == [False, True]
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+
 def test_batch_invariant_gemm_rows_do_not_depend_on_their_batch():
     """Batch-invariant mode's GEMM (fixed weight tiles; 16- to 64-row x tiles): each row of x gives the same bits
     alone, in any subset and in the full 150-row product (3 M tiles, a masked tail), and matches

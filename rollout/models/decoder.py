@@ -117,16 +117,23 @@ def add_norm_of_linear(lin: nn.Module, x: torch.Tensor, residual: torch.Tensor, 
     return add_rmsnorm(residual, norm.weight, norm.eps, delta=linear(lin, x))
 
 
+def _skinny_config(w: torch.Tensor, x: torch.Tensor):
+    """The swept skinny-GEMM config (kernels/skinny_gemm.py) for a decode-sized bf16 x on the GPU,
+    or None where cuBLAS was faster or the shape was not swept."""
+    if x.is_cuda and x.dtype == torch.bfloat16 and x.shape[0] <= 64 and x.stride(-1) == 1 and _triton_ok():
+        from ..kernels.skinny_gemm import pick_config
+        return pick_config(w.shape[0], w.shape[1], x.shape[0])
+    return None
+
+
 def skinny_or_cublas(lin: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """x @ lin.weight.T (+ bias), where a decode-sized bf16 x on the GPU takes the skinny Triton
     GEMM if the swept table (kernels/skinny_gemm.py) says it beats cuBLAS for this weight shape.
     `lin` may be the tied embedding (its weight is the LM head's)."""
-    w = lin.weight
-    if x.is_cuda and x.dtype == torch.bfloat16 and x.shape[0] <= 64 and x.stride(-1) == 1 and _triton_ok():
-        from ..kernels.skinny_gemm import pick_config, skinny_gemm
-        cfg = pick_config(w.shape[0], w.shape[1], x.shape[0])
-        if cfg is not None:
-            return skinny_gemm(x, w, *cfg, bias=getattr(lin, "bias", None))
+    cfg = _skinny_config(lin.weight, x)
+    if cfg is not None:
+        from ..kernels.skinny_gemm import skinny_gemm
+        return skinny_gemm(x, lin.weight, *cfg, bias=getattr(lin, "bias", None))
     return plain_linear(lin, x)
 
 
