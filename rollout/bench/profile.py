@@ -38,6 +38,24 @@ def categorize(name: str) -> str:
     return "other small ops"
 
 
+def decoding_engine(cfg, batch: int, context: int, new_tokens: int, **engine_kw) -> RolloutEngine:
+    """A bf16 engine (random weights, greedy decode graphs, KV sized for the run) with `batch`
+    random prompts of `context` tokens queued for `new_tokens` greedy tokens each."""
+    eng = RolloutEngine.from_config(
+        cfg, seed=0, device="cuda", dtype="bfloat16", max_model_len=context + new_tokens + 64, max_num_seqs=batch,
+        max_num_batched_tokens=4096, cuda_graph_modes=("greedy",),
+        kv_cache_memory=int(model_sizes(cfg)["kv_bytes_per_token"] * batch * (context + new_tokens + 128)), **engine_kw)
+    prompts = torch.randint(10, cfg.vocab_size - 10, (batch, context), generator=torch.Generator().manual_seed(0))
+    eng.add_requests(prompts.tolist(), SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True))
+    return eng
+
+
+def recapture_graphs(eng) -> None:
+    """Capture the decode graphs again, after a knob that changes what they hold."""
+    eng.pipeline.graphs.graphs.clear()
+    eng.pipeline.capture_graphs(progress=False)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES))
@@ -52,16 +70,10 @@ def main(argv=None):
         raise SystemExit("rollout.bench.profile needs CUDA")
     cfg = make_config(args.shape)
     B, C, K = args.batch, args.context, args.steps
-    eng = RolloutEngine.from_config(cfg, seed=0, device="cuda", dtype="bfloat16", max_model_len=C + 4 * K + 64,
-                                    max_num_seqs=B, max_num_batched_tokens=4096,
-                                    kv_cache_memory=int(model_sizes(cfg)["kv_bytes_per_token"] * B * (C + 4 * K + 128)),
-                                    cuda_graph_modes=("greedy",), batch_invariant=args.batch_invariant)
+    eng = decoding_engine(cfg, B, C, 4 * K, batch_invariant=args.batch_invariant)
     if args.no_fused_ops:       # graphs were captured with the fused ops: capture them again
         eng.model.fused_small_ops = False
-        eng.pipeline.graphs.graphs.clear()
-        eng.pipeline.capture_graphs(progress=False)
-    prompts = torch.randint(10, cfg.vocab_size - 10, (B, C), generator=torch.Generator().manual_seed(0)).tolist()
-    eng.add_requests(prompts, SamplingParams(max_new_tokens=4 * K, temperature=0.0, ignore_eos=True))
+        recapture_graphs(eng)
     while eng.pipeline.counts["graph_steps"] < 5:      # prefill done, decode replaying graphs
         eng.step()
     p = eng.pipeline

@@ -23,6 +23,7 @@ import argparse
 import torch
 
 from .__main__ import run_meta, write_json
+from .profile import decoding_engine, recapture_graphs
 from .roofline import model_sizes, step_time_s
 from .shapes import SHAPES, make_config
 
@@ -60,8 +61,7 @@ def apply(eng, variant: str, defaults: dict) -> None:
             paged_decode.DECODE_TILE = dict(block_n=nums[1], num_warps=nums[2], num_stages=nums[3])
         else:
             raise SystemExit(f"unknown knob {knob!r}")
-    eng.pipeline.graphs.graphs.clear()
-    eng.pipeline.capture_graphs(progress=False)
+    recapture_graphs(eng)
 
 
 def main(argv=None):
@@ -75,18 +75,10 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("rollout.bench.step_variants needs CUDA")
-    from ..engine import RolloutEngine
-    from ..request import SamplingParams
     cfg = make_config(args.shape)
     B, C, K = args.batch, args.context, args.steps
-    total = len(args.variants) * (K + 5) + 16
     sizes = model_sizes(cfg)
-    eng = RolloutEngine.from_config(cfg, seed=0, device="cuda", dtype="bfloat16", max_model_len=C + total + 64,
-                                    max_num_seqs=B, max_num_batched_tokens=4096,
-                                    kv_cache_memory=int(sizes["kv_bytes_per_token"] * B * (C + total + 128)),
-                                    cuda_graph_modes=("greedy",))
-    prompts = torch.randint(10, cfg.vocab_size - 10, (B, C), generator=torch.Generator().manual_seed(0)).tolist()
-    eng.add_requests(prompts, SamplingParams(max_new_tokens=total, temperature=0.0, ignore_eos=True))
+    eng = decoding_engine(cfg, B, C, len(args.variants) * (K + 5) + 16)
     p = eng.pipeline
     while p.counts["graph_steps"] < 3:
         eng.step()

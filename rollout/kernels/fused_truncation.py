@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from ..sampler import SamplerOutput, SamplingTensors
-from .fused_sampler import (_NEG_BIG, _finish, _gumbel_pruned, _log_precise, _merge_kernel, _merged_z,
+from .fused_sampler import (_NEG_BIG, _finish, _gumbel_pruned, _log_precise, _merged_z,
                             _row_keys, _row_temperature, _sample_kernel, _sm_count, fused_sample)
 
 

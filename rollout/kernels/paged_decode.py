@@ -74,18 +74,8 @@ def _decode_split_kernel(
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + offs_n
         valid = (pos < end) & (pos >= lo)
-        if BLOCK_N <= PAGE_SIZE:   # the tile lies in one page (tiles start on BLOCK_N multiples): one lookup
-            page = tl.load(bt_ptr + b * s_bt + n0 // PAGE_SIZE).to(tl.int64)
-            slot = (n0 % PAGE_SIZE + offs_n)[:, None]
-            k_row = page * s_kp + slot * s_ks
-            v_row = page * s_vp + slot * s_vs
-        else:
-            page = tl.load(bt_ptr + b * s_bt + pos // PAGE_SIZE, mask=valid, other=0).to(tl.int64)[:, None]
-            slot = (pos % PAGE_SIZE)[:, None]
-            k_row = page * s_kp + slot * s_ks
-            v_row = page * s_vp + slot * s_vs
-        k = tl.load(k_ptr + k_row + kvh * s_kh + dims[None, :], mask=valid[:, None], other=0.0)
-        v = tl.load(v_ptr + v_row + kvh * s_vh + dims[None, :], mask=valid[:, None], other=0.0)
+        k, v = load_kv_tile(k_ptr, v_ptr, bt_ptr, b, kvh, n0, pos, valid, s_kp, s_ks, s_kh, s_vp, s_vs, s_vh, s_bt,
+                            HEAD_DIM, PAGE_SIZE, BLOCK_N)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * sm_scale_log2
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -106,6 +96,24 @@ def _decode_split_kernel(
         part = (b * num_q_heads + heads) * NUM_SPLITS + split
         tl.store(po_ptr + part[:, None] * HEAD_DIM + dims[None, :], o, mask=row_ok[:, None])
         tl.store(plse_ptr + part, lse, mask=row_ok)
+
+
+@triton.jit
+def load_kv_tile(k_ptr, v_ptr, bt_ptr, seq, kvh, n0, pos, valid, s_kp, s_ks, s_kh, s_vp, s_vs, s_vh, s_bt,
+                 HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """K and V [BLOCK_N, HEAD_DIM] of keys pos = n0 + arange(BLOCK_N) (n0 a BLOCK_N multiple) of
+    sequence `seq`, KV head kvh, through the block table; 0 where not `valid`. A tile that lies in
+    one page (BLOCK_N <= PAGE_SIZE) takes one table lookup instead of one per key."""
+    dims = tl.arange(0, HEAD_DIM)
+    if BLOCK_N <= PAGE_SIZE:
+        page = tl.load(bt_ptr + seq * s_bt + n0 // PAGE_SIZE).to(tl.int64)
+        slot = (n0 % PAGE_SIZE + tl.arange(0, BLOCK_N))[:, None]
+    else:
+        page = tl.load(bt_ptr + seq * s_bt + pos // PAGE_SIZE, mask=valid, other=0).to(tl.int64)[:, None]
+        slot = (pos % PAGE_SIZE)[:, None]
+    k = tl.load(k_ptr + page * s_kp + slot * s_ks + kvh * s_kh + dims[None, :], mask=valid[:, None], other=0.0)
+    v = tl.load(v_ptr + page * s_vp + slot * s_vs + kvh * s_vh + dims[None, :], mask=valid[:, None], other=0.0)
+    return k, v
 
 
 @triton.jit

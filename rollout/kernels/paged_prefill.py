@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from . import fix_interpreter
+from .paged_decode import load_kv_tile
 from .pdl import enter, pdl_for
 
 fix_interpreter()
@@ -44,7 +45,6 @@ def _attend(q, k_ptr, v_ptr, bt_ptr, seq, kvh, q_pos, k_lo, k_hi, sm_scale_log2,
     """Online softmax of the tile's rows over keys [k_lo, k_hi) (k_lo a BLOCK_N multiple), each row
     masked to its own causal / window range -> unnormalised (m, l, acc). A block with no key for
     a row leaves that row's m, l, acc exactly as they were (alpha = 1, p = 0)."""
-    dims = tl.arange(0, HEAD_DIM)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
@@ -52,12 +52,8 @@ def _attend(q, k_ptr, v_ptr, bt_ptr, seq, kvh, q_pos, k_lo, k_hi, sm_scale_log2,
     for n0 in range(k_lo, k_hi, BLOCK_N):
         pos = n0 + offs_n
         kv_ok = pos < k_hi
-        page = tl.load(bt_ptr + seq * s_bt + pos // PAGE_SIZE, mask=kv_ok, other=0).to(tl.int64)
-        slot = pos % PAGE_SIZE
-        k = tl.load(k_ptr + page[:, None] * s_kp + slot[:, None] * s_ks + kvh * s_kh + dims[None, :],
-                    mask=kv_ok[:, None], other=0.0)
-        v = tl.load(v_ptr + page[:, None] * s_vp + slot[:, None] * s_vs + kvh * s_vh + dims[None, :],
-                    mask=kv_ok[:, None], other=0.0)
+        k, v = load_kv_tile(k_ptr, v_ptr, bt_ptr, seq, kvh, n0, pos, kv_ok, s_kp, s_ks, s_kh, s_vp, s_vs, s_vh, s_bt,
+                            HEAD_DIM, PAGE_SIZE, BLOCK_N)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * sm_scale_log2
         allowed = kv_ok[None, :] & (pos[None, :] <= q_pos[:, None])
         if USE_WINDOW:
