@@ -58,9 +58,11 @@ for s in $sections; do
          attn=3,32,4,2 attn=4,64,4,2 attn=2,64,4,3 attn=2,64,8,2 base"
       timeout 560 python3 -m rollout.bench.step_variants --shape llama3-8b --batch 32 --context 4352 --steps 40 \
         --variants ${VARIANTS:-$V} --out $OUT/step_variants_l8b_B32_C4352.json 2>&1 | grep -A40 "^| variant" ;;
-    next_knobs) # the two knobs written in the seventh session without a GPU: their GPU tests, then A/B
-      TEST_FILES="tests/gpu/test_kernels_cuda.py tests/gpu/test_skinny_gemm_cuda.py" bash $0 tests_files
-      VARIANTS="base attn_rope splitk_norm attn_rope+splitk_norm splitk_norm+o=32,256,4,5,4 splitk_norm+down=64,128,4,5,4 base" \
+    splitk_knobs) # split-K partials summed by the consumer kernel (norm, RoPE): GPU tests, then A/B
+      TEST_FILES="tests/gpu/test_skinny_gemm_cuda.py" bash $0 tests_files
+      VARIANTS="base splitk_norm splitk_norm+splitk_rope+qkv=64,128,4,5,2 splitk_norm+splitk_rope+qkv=32,128,4,5,2
+        splitk_norm+splitk_rope+qkv=64,128,4,5,4 splitk_norm+o=32,256,4,5,2 splitk_norm+o=64,128,4,5,2
+        splitk_norm+o=32,256,4,5,4 splitk_norm+down=64,128,4,5,4 splitk_norm+down=32,256,4,5,2 base" \
         bash $0 variants ;;
     kernels)  timeout 240 python3 -m rollout.bench.kernels --out $OUT/kernels.json 2>&1 | tail -25 ;;
     sampler)  timeout 120 python3 -m rollout.bench.sampler --out $OUT/sampler.json 2>&1 | tail -15 ;;

@@ -66,41 +66,6 @@ def test_decode_fp32(Hq, Hkv, ps, block_n, num_splits, window):
     torch.testing.assert_close(out, reference(q, caches, meta, scale, window), **FP32_TOL)  # row 0: zeros
 
 
-# (Hq, Hkv, page_size, block_n, num_splits, window): the new token in the only split, in the last
-# of three (splits of one tile), with a window, MHA with a tile smaller than the page.
-ROPE_CASES = [(8, 2, 16, 16, 1, None), (8, 2, 16, 16, 3, None), (8, 2, 16, 32, 2, 20), (4, 4, 32, 16, 3, 5)]
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("Hq,Hkv,ps,block_n,num_splits,window", ROPE_CASES)
-def test_decode_with_rope_equals_rope_kernel_then_decode(Hq, Hkv, ps, block_n, num_splits, window, dtype):
-    """The decode kernel given un-rotated q / k (rope=...) writes the new token's K and V to the
-    same cache bits as rope_and_write_kv and gives the same output bits as that kernel followed by
-    the plain decode kernel; a padding row (length 0, slot -1) writes nothing."""
-    D, scale = 32, 0.3
-    lens = [0, 1, 17, 40, 83]
-    caches, _, bt = make_paged(lens, Hkv, D, ps, dtype, seed=Hq + ps + num_splits)
-    g = torch.Generator().manual_seed(5)
-    B = len(lens)
-    q, k, v = (torch.randn(B, h, D, generator=g).to(dtype) for h in (Hq, Hkv, Hkv))
-    pos = torch.tensor([max(L - 1, 0) for L in lens])
-    slots = torch.tensor([int(bt[i, (L - 1) // ps]) * ps + (L - 1) % ps if L else -1 for i, L in enumerate(lens)])
-    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, D, 2).float() / D))
-    for c in caches:   # the new token's slot: not written yet (NaN unless the kernel writes it)
-        c.view(-1, Hkv, D)[slots[slots >= 0]] = float("nan")
-    ka, va = (c.clone() for c in caches)
-    kb, vb = (c.clone() for c in caches)
-    qa = rope_and_write_kv(q, k, v, pos, inv_freq, ka, va, slots)
-    meta = meta_for(lens, [1] * B, bt, ps)
-    out_a = paged_decode_attention(qa, ka, va, bt, meta.seq_lens, scale, window, num_splits, block_n=block_n)
-    out_b = paged_decode_attention(q, kb, vb, bt, meta.seq_lens, scale, window, num_splits, block_n=block_n,
-                                   rope=(k, v, pos, inv_freq, slots))
-    assert torch.equal(kb, ka) and torch.equal(vb, va)
-    assert torch.equal(out_b, out_a)
-    tol = FP32_TOL if dtype == torch.float32 else FP16_TOL
-    torch.testing.assert_close(out_b.float(), reference(qa, [ka, va], meta, scale, window), **tol)
-
-
 def test_decode_fp16():
     lens, ps, Hq, Hkv, D = [0, 1, 16, 17, 45], 16, 8, 2, 64
     caches, poisoned, bt = make_paged(lens, Hkv, D, ps, torch.float16, seed=7)
@@ -249,6 +214,69 @@ def test_decoder_splitk_into_norm_takes_the_partials_path_with_the_same_bits(mon
     assert calls == [False, True]
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
+
+
+@pytest.mark.parametrize("split_k", [2, 4])
+def test_split_k_partials_summed_by_rope_give_the_fixup_bits(split_k):
+    """The QKV GEMM's split-K partials given to rope_and_write_kv (views [S, T, H, D]): the kernel
+    adds them in split order and rounds once, so RoPE'd q and the K/V cache rows have the same
+    bits as the GEMM's own fix-up followed by the plain RoPE kernel. fp16 (the interpreter's bf16
+    dot is broken). A partial left out (the first split only) is caught."""
+    from rollout.kernels import skinny_gemm as sg
+    T, Hq, Hkv, D, ps = 5, 4, 2, 32, 16
+    sizes = [Hq * D, Hkv * D, Hkv * D]
+    g = torch.Generator().manual_seed(split_k)
+    x = torch.randn(T, 512, generator=g).half()
+    w = (torch.randn(sum(sizes), 512, generator=g) / 16).half()
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, D, 2).float() / D))
+    positions = torch.randint(0, 3000, (T,), generator=g)
+    slots = torch.tensor([3, 17, -1, 40, 8])
+
+    def rope_of(qkv):
+        lead = qkv.shape[:-1]
+        q, k, v = (t.view(*lead, -1, D) for t in qkv.split(sizes, dim=-1))
+        kc, vc = (torch.full((4, ps, Hkv, D), float("nan"), dtype=torch.float16) for _ in range(2))
+        return rope_and_write_kv(q, k, v, positions, inv_freq, kc, vc, slots), kc, vc
+
+    parts = sg.skinny_gemm(x, w, 64, 64, 4, 2, split_k, partials=True)
+    want = rope_of(sg.skinny_gemm(x, w, 64, 64, 4, 2, split_k))
+    got = rope_of(parts)
+    assert got[0].dtype == torch.float16
+    for a, b in zip(got, want):
+        assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0))   # unwritten slots: NaN in both
+    dropped = rope_of(parts[:1])
+    assert not torch.equal(dropped[0], want[0])
+
+
+def test_engine_splitk_into_rope_and_norm_take_the_partials_paths_with_the_same_bits(monkeypatch):
+    """The tiny model through the engine on the Triton backend (fp32, interpreter), with a split-K
+    config standing in for the GPU-only skinny-GEMM table: with `splitk_into_rope` and
+    `splitk_into_norm` the QKV partials go to the RoPE kernel and the o_proj / down_proj partials
+    to the add + RMSNorm kernel, and tokens and logprobs are bit-equal to the fix-up GEMMs'."""
+    from rollout import RolloutEngine, SamplingParams
+    from rollout.bench.shapes import make_config
+    from rollout.kernels import skinny_gemm as sg
+    from rollout.models import decoder
+    monkeypatch.setattr(decoder, "_skinny_config",
+                        lambda w, x: (64, 64, 4, 2, 2) if x.shape[0] <= 64 and w.shape[1] % 128 == 0 else None)
+    calls = []
+    inner = sg.skinny_gemm
+    monkeypatch.setattr(sg, "skinny_gemm", lambda *a, **k: (calls.append((a[1].shape[0], k.get("partials", False))),
+                                                            inner(*a, **k))[1])
+    prompts = [[5, 9, 200, 31], [7] * 11]
+    p = SamplingParams(max_new_tokens=3, temperature=0.9, seed=3, ignore_eos=True)
+    outs = {}
+    for on in (False, True):
+        eng = RolloutEngine.from_config(make_config("tiny"), seed=0, device="cpu", dtype="float32",
+                                        max_model_len=64, num_kv_pages=16, attention_backend="triton")
+        eng.model.splitk_into_rope = eng.model.splitk_into_norm = on
+        calls.clear()
+        outs[on] = eng.generate(prompts, p, use_tqdm=False)
+        partial_ns = {n for n, partials in calls if partials}
+        assert partial_ns == ({384, 256} if on else set())     # qkv (8 + 2 * 2 heads of 32), o_proj / down
+    for a, b in zip(outs[False], outs[True]):
+        assert a.completions[0].token_ids == b.completions[0].token_ids
+        assert a.completions[0].logprobs == b.completions[0].logprobs
 
 
 def test_batch_invariant_gemm_rows_do_not_depend_on_their_batch():
@@ -431,19 +459,16 @@ def test_engine_truncating_sampler_takes_the_split_rows_and_matches_torch():
             assert max(abs(x - y) for x, y in zip(ca.logprobs, cb.logprobs)) < 1e-5
 
 
-@pytest.mark.parametrize("rope_in_decode", [False, True])
-def test_engine_with_triton_backend_matches_torch_backend(model_dir, tiny_tokenizer, monkeypatch, rope_in_decode):
+def test_engine_with_triton_backend_matches_torch_backend(model_dir, tiny_tokenizer, monkeypatch):
     """End to end under the interpreter: the engine's attention through the Triton kernels
-    (decode and chunked prefill; decode steps with RoPE and the K/V write inside the decode
-    kernel or in their own kernel) gives the torch reference's tokens and logprobs."""
+    (decode and chunked prefill) gives the torch reference's tokens and logprobs."""
     from hf_reference import random_prompts
     from rollout import RolloutEngine, SamplingParams
     from rollout.kernels import paged_decode
-    monkeypatch.setattr(paged_decode, "ROPE_IN_DECODE", rope_in_decode)
     calls = []
     inner = paged_decode.paged_decode_attention
     monkeypatch.setattr(paged_decode, "paged_decode_attention",
-                        lambda *a, **k: (calls.append(k.get("rope") is not None), inner(*a, **k))[1])
+                        lambda *a, **k: (calls.append(1), inner(*a, **k))[1])
     path = model_dir("mistral")              # sliding window 24 < sequence length
     prompts = random_prompts(tiny_tokenizer, 3, 5, 40, seed=4)
     p = SamplingParams(n=2, max_new_tokens=8, temperature=0.8, seed=2, ignore_eos=True)
@@ -452,7 +477,7 @@ def test_engine_with_triton_backend_matches_torch_backend(model_dir, tiny_tokeni
         eng = RolloutEngine.from_pretrained(path, device="cpu", dtype="float32", max_model_len=128, num_kv_pages=64,
                                             max_num_batched_tokens=32, attention_backend=backend)
         outs[backend] = eng.generate(prompts, p, use_tqdm=False)
-    assert calls and set(calls) == {rope_in_decode}     # decode steps took the kernel, rope fused or not
+    assert calls                                        # decode steps took the decode kernel
     for a, b in zip(outs["torch"], outs["triton"]):
         for ca, cb in zip(a.completions, b.completions):
             assert ca.token_ids == cb.token_ids

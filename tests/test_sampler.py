@@ -9,7 +9,6 @@ to ~20 in magnitude, so we allow 1e-5.
 """
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch

@@ -17,7 +17,6 @@ import itertools
 import sys
 
 import torch
-import torch.nn.functional as F
 
 from .__main__ import run_meta, write_json
 from .kernels import copy_bandwidth

@@ -115,7 +115,7 @@ def main(argv=None):
         "meta": run_meta("rollout.bench.profile", argv),
     }
     print(json.dumps(result, indent=1))
-    print(f"\n| part | ms/step | kernels/step |\n|---|---|---|")
+    print("\n| part | ms/step | kernels/step |\n|---|---|---|")
     for cat in sorted(per_cat, key=per_cat.get, reverse=True):
         print(f"| {cat} | {per_cat[cat]:.3f} | {count[cat] / steps:.0f} |")
     for name, v in list(result["kernels"].items())[:12]:

@@ -13,8 +13,8 @@ ends with the baseline to show the drift. A variant is knobs joined by "+", on t
   qkv=BN,BK,W,S[,SK]  a skinny GEMM config for one weight at every M (also o, gate_up, down, lm_head;
                     "cublas" for F.linear)
   attn=NS,BN,W,S    decode attention: splits, key tile, warps, stages
-  attn_rope         RoPE + the new token's K/V write inside the decode attention kernel
   splitk_norm       split-K GEMMs (o_proj, down) leave their partials to the next add + RMSNorm
+  splitk_rope       a split-K QKV GEMM leaves its partials to the RoPE + KV-write kernel
 """
 from __future__ import annotations
 
@@ -39,8 +39,7 @@ def apply(eng, variant: str, defaults: dict) -> None:
     skinny_gemm._LLAMA3_8B = dict(defaults["table"])
     paged_decode.DECODE_TILE = dict(defaults["tile"])
     paged_decode.pick_num_splits = defaults["splits"]
-    paged_decode.ROPE_IN_DECODE = False
-    eng.model.splitk_into_norm = False
+    eng.model.splitk_into_norm = eng.model.splitk_into_rope = False
     for knob in variant.split("+"):
         name, _, val = knob.partition("=")
         nums = tuple(int(v) for v in val.split(",")) if val and val != "cublas" else None
@@ -50,8 +49,8 @@ def apply(eng, variant: str, defaults: dict) -> None:
             pdl.set_enabled(True, launch_first=False)
         elif knob == "splitk_norm":
             eng.model.splitk_into_norm = True
-        elif knob == "attn_rope":
-            paged_decode.ROPE_IN_DECODE = True
+        elif knob == "splitk_rope":
+            eng.model.splitk_into_rope = True
         elif knob == "rope_token":
             rope_kv.Q_HEADS_PER_PROGRAM = 0
         elif name in GEMMS:

@@ -75,14 +75,8 @@ def paged_attention(q, k_cache, v_cache, meta, scale, sliding_window=None):
 
 
 def rope_and_attend(q, k, v, positions, inv_freq, k_cache, v_cache, meta, scale, sliding_window=None):
-    """RoPE on q and k, the K/V write, then `paged_attention` (q, k, v un-rotated, as the QKV
-    projection gives them). With `paged_decode.ROPE_IN_DECODE`, a decode-only batch outside
-    batch-invariant mode does all of it in the decode kernel (one launch fewer per layer)."""
-    from . import paged_decode as pd
+    """RoPE on q and k plus the K/V write (one kernel), then `paged_attention` (q, k, v un-rotated,
+    as the QKV projection gives them)."""
     from .rope_kv import rope_and_write_kv
-    if pd.ROPE_IN_DECODE and meta.decode_only and not meta.batch_invariant:
-        return pd.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,
-                                         sliding_window, pd.pick_num_splits(q.shape[0], k_cache.shape[2]),
-                                         rope=(k, v, positions, inv_freq, meta.slot_mapping), **pd.DECODE_TILE)
     q = rope_and_write_kv(q, k, v, positions, inv_freq, k_cache, v_cache, meta.slot_mapping)
     return paged_attention(q, k_cache, v_cache, meta, scale, sliding_window)

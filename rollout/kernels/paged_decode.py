@@ -22,7 +22,6 @@ import triton.language as tl
 
 from . import fix_interpreter
 from .pdl import enter, pdl_for
-from .rope_kv import PRECISE, cos_sin, rotate_halves
 
 fix_interpreter()
 
@@ -32,12 +31,11 @@ LOG2E = 1.4426950408889634
 @triton.jit
 def _decode_split_kernel(
         q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, po_ptr, plse_ptr,
-        kn_ptr, vn_ptr, pos_ptr, inv_freq_ptr, slot_ptr, n_slots,
         sm_scale_log2, window,
-        s_qb, s_qh, s_kp, s_ks, s_kh, s_vp, s_vs, s_vh, s_bt, s_ob, s_oh, s_knb, s_knh, s_vnb, s_vnh,
+        s_qb, s_qh, s_kp, s_ks, s_kh, s_vp, s_vs, s_vh, s_bt, s_ob, s_oh,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
         BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr,
-        ROPE: tl.constexpr, PRECISE: tl.constexpr, PDL: tl.constexpr):
+        PDL: tl.constexpr):
     enter(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -59,13 +57,7 @@ def _decode_split_kernel(
     dims = tl.arange(0, HEAD_DIM)
     heads = kvh * GROUP + rows
     row_ok = rows < GROUP
-    if ROPE:   # q and the new token's K arrive un-rotated (kernels/rope_kv.py's math, fused here)
-        q = _rope_q_and_write_kv(q_ptr, k_ptr, v_ptr, kn_ptr, vn_ptr, pos_ptr, inv_freq_ptr, slot_ptr, n_slots,
-                                 b, kvh, heads, row_ok, (start <= seq_len - 1) & (seq_len - 1 < end),
-                                 s_qb, s_qh, s_ks, s_kh, s_vs, s_vh, s_knb, s_knh, s_vnb, s_vnh,
-                                 HEAD_DIM // 2, GROUP_PAD, HEAD_DIM, PRECISE)
-    else:
-        q = tl.load(q_ptr + b * s_qb + heads[:, None] * s_qh + dims[None, :], mask=row_ok[:, None], other=0.0)
+    q = tl.load(q_ptr + b * s_qb + heads[:, None] * s_qh + dims[None, :], mask=row_ok[:, None], other=0.0)
 
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
@@ -117,35 +109,6 @@ def load_kv_tile(k_ptr, v_ptr, bt_ptr, seq, kvh, n0, pos, valid, s_kp, s_ks, s_k
 
 
 @triton.jit
-def _rope_q_and_write_kv(q_ptr, k_ptr, v_ptr, kn_ptr, vn_ptr, pos_ptr, inv_freq_ptr, slot_ptr, n_slots,
-                         b, kvh, heads, row_ok, holds_last, s_qb, s_qh, s_ks, s_kh, s_vs, s_vh,
-                         s_knb, s_knh, s_vnb, s_vnh, HALF: tl.constexpr, GROUP_PAD: tl.constexpr,
-                         HEAD_DIM: tl.constexpr, PRECISE: tl.constexpr):
-    """RoPE on this program's q rows (returned as the [GROUP_PAD, HEAD_DIM] tile); and, in the one
-    split whose keys include the new token (position seq_len - 1), its K rotated and its V written
-    to their cache slot, before any program reads them: a CTA barrier makes the stores visible to
-    this program's own tile loads, and no other program's split holds that position."""
-    dt = q_ptr.dtype.element_ty
-    f = tl.arange(0, HALF)
-    c, s = cos_sin(tl.load(pos_ptr + b), inv_freq_ptr, f, dt, PRECISE)
-    qp = q_ptr + b * s_qb + heads[:, None] * s_qh + f[None, :]
-    q1 = tl.load(qp, mask=row_ok[:, None], other=0.0).to(tl.float32)
-    q2 = tl.load(qp + HALF, mask=row_ok[:, None], other=0.0).to(tl.float32)
-    o1, o2 = rotate_halves(q1, q2, c, s, dt)
-    slot = tl.load(slot_ptr + b, mask=b < n_slots, other=-1)
-    if holds_last & (slot >= 0):
-        kp = kn_ptr + b * s_knb + kvh * s_knh + f[None, :]
-        k1, k2 = rotate_halves(tl.load(kp).to(tl.float32), tl.load(kp + HALF).to(tl.float32), c, s, dt)
-        kc = k_ptr + slot * s_ks + kvh * s_kh + f[None, :]
-        tl.store(kc, k1)
-        tl.store(kc + HALF, k2)
-        d = tl.arange(0, HEAD_DIM)
-        tl.store(v_ptr + slot * s_vs + kvh * s_vh + d, tl.load(vn_ptr + b * s_vnb + kvh * s_vnh + d))
-    tl.debug_barrier()
-    return tl.reshape(tl.permute(tl.join(o1, o2), (0, 2, 1)), (GROUP_PAD, HEAD_DIM))
-
-
-@triton.jit
 def _decode_merge_kernel(po_ptr, plse_ptr, out_ptr, s_ob, s_oh,
                          HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
                          PDL: tl.constexpr):
@@ -169,9 +132,6 @@ def _decode_merge_kernel(po_ptr, plse_ptr, out_ptr, s_ob, s_oh,
 # The decode tile (H200 sweeps, bench/results/*_kernels_micro.json and *_attn_layout_*.json):
 # 64-key tiles, 4 warps, 2 stages; `bench.step_variants` tries others inside the decode graphs.
 DECODE_TILE = dict(block_n=None, num_warps=4, num_stages=2)   # block_n None: 64 (16 in fp32)
-# RoPE + the new token's K/V write inside the decode kernel (kernels.rope_and_attend): CPU-tested,
-# not yet timed or GPU-tested, so off; `bench.step_variants` knob attn_rope turns it on.
-ROPE_IN_DECODE = False
 
 
 def pick_num_splits(batch: int, num_kv_heads: int, num_sms: int = 132, max_splits: int = 16) -> int:
@@ -184,14 +144,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                            sliding_window: Optional[int] = None, num_splits: int = 1, *,
                            out: Optional[torch.Tensor] = None, block_n: Optional[int] = None,
-                           num_warps: int = 4, num_stages: int = 2, rope: Optional[tuple] = None) -> torch.Tensor:
+                           num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
     """q [B, Hq, D]; k_cache, v_cache [num_pages, page_size, Hkv, D]; block_tables [B, P] int32;
     seq_lens [B] int32 (context incl. the current token, already in the cache). -> [B, Hq, D]
-    in q's dtype. Shape-only host logic: safe to capture in a CUDA graph.
-    rope = (k, v, positions, inv_freq, slot_mapping), as rope_kv.rope_and_write_kv takes them: q
-    and k are not rotated yet and the current token's K/V are not in the cache yet; the kernel
-    does both (same roundings, compiled without FMA contraction like that kernel), so a decode
-    step needs no RoPE kernel of its own."""
+    in q's dtype. Shape-only host logic: safe to capture in a CUDA graph."""
     B, Hq, D = q.shape
     _, page_size, Hkv, Dk = k_cache.shape
     assert Dk == D and v_cache.shape == k_cache.shape and Hq % Hkv == 0, "shape mismatch"
@@ -216,28 +172,15 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     # fp32 inputs: ieee dot (default would be tf32, ~1e-3 error); bf16/fp16 ignore this.
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
     pdl = pdl_for(q)
-    if rope is not None:
-        k_new, v_new, positions, inv_freq, slots = rope
-        assert k_new.shape == v_new.shape == (B, Hkv, D) and k_new.stride(2) == v_new.stride(2) == 1
-        assert positions.shape == (B,) and inv_freq.numel() == D // 2 and inv_freq.dtype == torch.float32
-        assert slots.dtype == torch.int64 and slots.numel() <= B
-        # slot * stride(1) addresses [page, offset] only if a page is page_size contiguous rows.
-        assert k_cache.stride(0) == page_size * k_cache.stride(1)
-        assert v_cache.stride(0) == page_size * v_cache.stride(1)
-        rope_args = (k_new, v_new, positions, inv_freq.contiguous(), slots, slots.numel())
-        rope_strides = (k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1))
-    else:
-        rope_args, rope_strides = (q, q, seq_lens, seq_lens, seq_lens, 0), (0, 0, 0, 0)   # unused
     _decode_split_kernel[(B, Hkv, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, out, po, plse, *rope_args,
+        q, k_cache, v_cache, block_tables, seq_lens, out, po, plse,
         scale * LOG2E, int(sliding_window or 0),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
-        out.stride(0), out.stride(1), *rope_strides,
+        out.stride(0), out.stride(1),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=D, PAGE_SIZE=page_size,
         BLOCK_N=block_n, NUM_SPLITS=num_splits, USE_WINDOW=sliding_window is not None, DOT_PREC=prec,
-        ROPE=rope is not None, PRECISE=PRECISE, PDL=pdl, num_warps=num_warps, num_stages=num_stages,
-        launch_pdl=bool(pdl), enable_fp_fusion=rope is None)
+        PDL=pdl, num_warps=num_warps, num_stages=num_stages, launch_pdl=bool(pdl))
     if num_splits > 1:
         _decode_merge_kernel[(B, Hq)](po, plse, out, out.stride(0), out.stride(1), HEAD_DIM=D,
                                       NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits),

@@ -68,17 +68,18 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, s_
         # and resets the tile's counter for the next call. No atomics on the output.
         n_ok = rn[:, None] < N
         tl.store(ws_ptr + (tl.program_id(1) * BLOCK_M + rm[None, :]) * N + rn[:, None], acc, mask=n_ok)
-        if PARTIALS:                              # the consumer kernel adds them (in split order)
-            return
-        tl.debug_barrier()                        # every thread's partial before the release
-        arrived = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel")
-        if arrived == SPLIT_K - 1:
-            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-            for sk in range(SPLIT_K):              # .cg: from L2, where the other SMs wrote
-                acc += tl.load(ws_ptr + (sk * BLOCK_M + rm[None, :]) * N + rn[:, None], mask=n_ok, other=0.0,
-                               cache_modifier=".cg")
-            tl.atomic_xchg(cnt_ptr + pid, 0)
-            _epilogue(acc, b_ptr, y_ptr, rm, rn, M, N, s_ym, HAS_BIAS)
+        # With PARTIALS the consumer kernel adds them (in split order). No early return: Triton
+        # compiles the code after one, and the unused counter pointer is then the bf16 output.
+        if not PARTIALS:
+            tl.debug_barrier()                        # every thread's partial before the release
+            arrived = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel")
+            if arrived == SPLIT_K - 1:
+                acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+                for sk in range(SPLIT_K):              # .cg: from L2, where the other SMs wrote
+                    acc += tl.load(ws_ptr + (sk * BLOCK_M + rm[None, :]) * N + rn[:, None], mask=n_ok, other=0.0,
+                                   cache_modifier=".cg")
+                tl.atomic_xchg(cnt_ptr + pid, 0)
+                _epilogue(acc, b_ptr, y_ptr, rm, rn, M, N, s_ym, HAS_BIAS)
     else:
         _epilogue(acc, b_ptr, y_ptr, rm, rn, M, N, s_ym, HAS_BIAS)
 
