@@ -58,6 +58,10 @@ for s in $sections; do
          attn=3,32,4,2 attn=4,64,4,2 attn=2,64,4,3 attn=2,64,8,2 base"
       timeout 560 python3 -m rollout.bench.step_variants --shape llama3-8b --batch 32 --context 4352 --steps 40 \
         --variants ${VARIANTS:-$V} --out $OUT/step_variants_l8b_B32_C4352.json 2>&1 | grep -A40 "^| variant" ;;
+    splitk_ab) # split-K partials into the norm, alternated with the baseline in one process, then P1 end to end
+      # off and on (ROLLOUT_SPLITK_NORM)
+      VARIANTS="base splitk_norm base splitk_norm base splitk_norm base" bash $0 variants
+      TAG=_splitk0 ROLLOUT_SPLITK_NORM=0 bash $0 p1; TAG=_splitk1 ROLLOUT_SPLITK_NORM=1 bash $0 p1 ;;
     splitk_knobs) # split-K partials summed by the consumer kernel (norm, RoPE): GPU tests, then A/B
       TEST_FILES="tests/gpu/test_skinny_gemm_cuda.py" bash $0 tests_files
       VARIANTS="base splitk_norm splitk_norm+splitk_rope+qkv=64,128,4,5,2 splitk_norm+splitk_rope+qkv=32,128,4,5,2
@@ -80,7 +84,7 @@ for s in $sections; do
         --check-gen-len 64 --hf generate_batch --hf-gen-len 512 --trace $OUT/timeline_seed --out $OUT/seed_l8b_B32_G8192.json 2>&1 | grep -A12 "^roofline" ;;
     p1)       # issue 4 P1 alone (async): the seed workload with the current kernels
       timeout 300 $B --shape llama3-8b --batch 32 --prompt-len 256 --gen-len 8192 --modes async --hf none \
-        --out $OUT/p1_l8b_B32_G8192.json 2>&1 | grep -A8 "^roofline" ;;
+        --out $OUT/p1_l8b_B32_G8192${TAG:-}.json 2>&1 | grep -A8 "^roofline" ;;
     p3)       timeout 400 $B --shape qwen2.5-1.5b --batch 64 --n 8 --prompt-len 256 --gen-len 4096 --modes async --hf none \
         --trace $OUT/timeline_p3 --out $OUT/p3_q15_64x8_G4096.json 2>&1 | grep -A8 "^roofline" ;;
     p5)       timeout 400 $B --shape llama3-8b --batch 32 --prompt-len 256 --gen-len 16384 --modes async --hf none \

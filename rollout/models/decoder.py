@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from typing import Optional
 
 import torch
@@ -258,8 +259,9 @@ class DecoderLM(nn.Module):
         self.fused_small_ops = True   # with the Triton backend; the profile bench turns it off to compare
         self.skinny_gemm = True       # decode GEMMs on the fused path: Triton where it beats cuBLAS
         # split-K partials of o_proj / down_proj summed by the next add + RMSNorm, of qkv_proj by
-        # the RoPE kernel (same bits, no fix-up tail; off until they win in the H200 A/B)
-        self.splitk_into_norm = False
+        # the RoPE kernel (same bits, no fix-up tail; off until they win in the H200 A/B;
+        # ROLLOUT_SPLITK_NORM=1 turns the first on, for an end-to-end A/B)
+        self.splitk_into_norm = os.environ.get("ROLLOUT_SPLITK_NORM", "0") == "1"
         self.splitk_into_rope = False
         self.batch_invariant = False  # set by the engine: every GEMM through invariant_linear
 
