@@ -7,13 +7,15 @@ the decode graphs are captured again, and `--steps` steps are timed (CUDA-event 
 compute stream, as rollout.bench.profile). The context grows by one token per step, so each
 window is also given as a fraction of the roofline at its own mean context; the list starts and
 ends with the baseline to show the drift. A variant is knobs joined by "+", on top of the defaults:
-  base              the defaults (PDL launch-then-wait, RoPE over head groups, swept tables)
+  base              the defaults (PDL launch-then-wait, RoPE over head groups, swept tables,
+                    split-K partials into the norm)
   wait_first        PDL: wait, then let dependents launch (kernels/pdl.py mode 1)
   rope_token        RoPE + KV write with one program per token
   qkv=BN,BK,W,S[,SK]  a skinny GEMM config for one weight at every M (also o, gate_up, down, lm_head;
                     "cublas" for F.linear)
   attn=NS,BN,W,S    decode attention: splits, key tile, warps, stages
   splitk_norm       split-K GEMMs (o_proj, down) leave their partials to the next add + RMSNorm
+                    (the default; no_splitk_norm: the GEMM's own fix-up)
   splitk_rope       a split-K QKV GEMM leaves its partials to the RoPE + KV-write kernel
 """
 from __future__ import annotations
@@ -39,7 +41,7 @@ def apply(eng, variant: str, defaults: dict) -> None:
     skinny_gemm._LLAMA3_8B = dict(defaults["table"])
     paged_decode.DECODE_TILE = dict(defaults["tile"])
     paged_decode.pick_num_splits = defaults["splits"]
-    eng.model.splitk_into_norm = eng.model.splitk_into_rope = False
+    eng.model.splitk_into_norm, eng.model.splitk_into_rope = defaults["splitk"]
     for knob in variant.split("+"):
         name, _, val = knob.partition("=")
         nums = tuple(int(v) for v in val.split(",")) if val and val != "cublas" else None
@@ -47,8 +49,8 @@ def apply(eng, variant: str, defaults: dict) -> None:
             pass
         elif knob == "wait_first":
             pdl.set_enabled(True, launch_first=False)
-        elif knob == "splitk_norm":
-            eng.model.splitk_into_norm = True
+        elif knob in ("splitk_norm", "no_splitk_norm"):
+            eng.model.splitk_into_norm = knob == "splitk_norm"
         elif knob == "splitk_rope":
             eng.model.splitk_into_rope = True
         elif knob == "rope_token":
@@ -83,7 +85,8 @@ def main(argv=None):
         eng.step()
     from ..kernels import paged_decode, rope_kv, skinny_gemm
     defaults = dict(rope=rope_kv.Q_HEADS_PER_PROGRAM, table=dict(skinny_gemm._LLAMA3_8B),
-                    tile=dict(paged_decode.DECODE_TILE), splits=paged_decode.pick_num_splits)
+                    tile=dict(paged_decode.DECODE_TILE), splits=paged_decode.pick_num_splits,
+                    splitk=(eng.model.splitk_into_norm, eng.model.splitk_into_rope))
     rows = []
     for v in args.variants:
         try:

@@ -258,10 +258,11 @@ class DecoderLM(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(cfg, attn.head_dim), persistent=False)
         self.fused_small_ops = True   # with the Triton backend; the profile bench turns it off to compare
         self.skinny_gemm = True       # decode GEMMs on the fused path: Triton where it beats cuBLAS
-        # split-K partials of o_proj / down_proj summed by the next add + RMSNorm, of qkv_proj by
-        # the RoPE kernel (same bits, no fix-up tail; off until they win in the H200 A/B;
-        # ROLLOUT_SPLITK_NORM=1 turns the first on, for an end-to-end A/B)
-        self.splitk_into_norm = os.environ.get("ROLLOUT_SPLITK_NORM", "0") == "1"
+        # Split-K partials summed by the consumer kernel: same bits, no fix-up tail in the GEMM.
+        # Into the next add + RMSNorm (o_proj / down_proj): on; H200 A/B +0.4-0.6% of the decode
+        # step, P1 +0.7% (ROLLOUT_SPLITK_NORM=0 turns it off). Into the RoPE kernel (qkv_proj,
+        # with a split config for it): off, no split-K qkv config beat the unsplit one.
+        self.splitk_into_norm = os.environ.get("ROLLOUT_SPLITK_NORM", "1") == "1"
         self.splitk_into_rope = False
         self.batch_invariant = False  # set by the engine: every GEMM through invariant_linear
 

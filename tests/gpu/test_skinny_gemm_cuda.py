@@ -145,7 +145,6 @@ def test_split_k_partials_into_the_norm_same_bits_at_8b_shapes_and_in_the_engine
     model, cfg = llama8b_model(1)
     outs = generate_per_setting(model, cfg, {on: lambda on=on: setattr(model, "splitk_into_norm", on)
                                              for on in (False, True)}, prompt_lens=(3, 40), seed=2)
-    model.splitk_into_norm = False
     assert_same_tokens_and_logprobs(outs[False], outs[True])
 
 
@@ -180,6 +179,5 @@ def test_split_k_partials_into_rope_same_bits_at_8b_shape_and_in_the_engine(monk
     model, cfg = llama8b_model(1)
     outs = generate_per_setting(model, cfg, {on: lambda on=on: setattr(model, "splitk_into_rope", on)
                                              for on in (False, True)}, prompt_lens=(3, 40), seed=3)
-    model.splitk_into_rope = False
     assert_same_tokens_and_logprobs(outs[False], outs[True])
 
