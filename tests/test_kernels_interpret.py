@@ -66,6 +66,31 @@ def test_decode_fp32(Hq, Hkv, ps, block_n, num_splits, window):
     torch.testing.assert_close(out, reference(q, caches, meta, scale, window), **FP32_TOL)  # row 0: zeros
 
 
+@pytest.mark.parametrize("num_splits", [2, 3, 4])
+def test_decode_merge_in_split_gives_the_merge_kernels_bits(num_splits):
+    """MERGE_LAST: the last-arriving split program of each (sequence, KV head) merges the splits
+    instead of the merge kernel, through the same helper, so the output bits are the same; the
+    arrival counters are back at zero (a second call, as a graph replay, gives the same bits).
+    Padding row 0 and 1-token rows leave splits empty. fp16 (the interpreter's bf16 dot is broken)."""
+    from rollout import kernels
+    Hq, Hkv, D, ps = 8, 2, 32, 16
+    lens = [0, 1, ps + 1, 83, 150]
+    caches, poisoned, bt = make_paged(lens, Hkv, D, ps, torch.float16, seed=num_splits)
+    q = torch.randn(len(lens), Hq, D).half()
+    meta = meta_for(lens, [1] * len(lens), bt, ps)
+    outs = {}
+    for merge in (False, True):
+        outs[merge] = torch.full_like(q, float("nan"))
+        paged_decode_attention(q, *poisoned, bt, meta.seq_lens, 0.3, None, num_splits, out=outs[merge], block_n=16,
+                               merge_in_split=merge)
+    assert torch.equal(outs[True], outs[False])
+    assert int(kernels._COUNTERS[q.device][:len(lens) * Hkv].abs().sum()) == 0
+    again = paged_decode_attention(q, *poisoned, bt, meta.seq_lens, 0.3, None, num_splits, block_n=16,
+                                   merge_in_split=True)
+    assert torch.equal(again, outs[True])
+    torch.testing.assert_close(outs[True].float(), reference(q, caches, meta, 0.3, None), **FP16_TOL)
+
+
 def test_decode_fp16():
     lens, ps, Hq, Hkv, D = [0, 1, 16, 17, 45], 16, 8, 2, 64
     caches, poisoned, bt = make_paged(lens, Hkv, D, ps, torch.float16, seed=7)
@@ -155,6 +180,7 @@ def test_skinny_gemm_split_k(split_k):
     order differs from torch, ~1e-6 on these O(1) sums; 1e-5 catches a lost or doubled split).
     N = 96 is not a multiple of BLOCK_N (masked tail); the counters are back at 0 after each
     call, so a second call (as a graph replay would) gives the same bits."""
+    from rollout import kernels
     from rollout.kernels import skinny_gemm as sg
     g = torch.Generator().manual_seed(split_k)
     x, w, b = torch.randn(5, 512, generator=g), torch.randn(96, 512, generator=g) / 16, torch.randn(96, generator=g)
@@ -162,7 +188,7 @@ def test_skinny_gemm_split_k(split_k):
     sg.skinny_gemm(x, w, 64, 64, 4, 2, split_k, out=out, bias=b)
     torch.testing.assert_close(out, x @ w.T + b, atol=1e-5, rtol=1e-5)
     if split_k > 1:
-        assert int(sg._COUNTERS[x.device][:2].abs().sum()) == 0
+        assert int(kernels._COUNTERS[x.device][:2].abs().sum()) == 0
     again = sg.skinny_gemm(x, w, 64, 64, 4, 2, split_k, bias=b)
     assert torch.equal(again, out)
     with pytest.raises(AssertionError, match="do not split"):
@@ -389,8 +415,9 @@ def test_compiles_for_sm90(tmp_path):
                 if not early_loads:
                     assert wait < first("ld.global", "cp.async"), fn.__name__ + ": a load before the wait"
         common = dict(HEAD_DIM=128, PAGE_SIZE=16, BLOCK_N=64, DOT_PREC="tf32")
-        compile_(pd._decode_split_kernel, GROUP=4, GROUP_PAD=16, NUM_SPLITS=2, USE_WINDOW=True, **common)
-        compile_(pd._decode_merge_kernel, HEAD_DIM=128, NUM_SPLITS=3, SPLITS_PAD=4)
+        compile_(pd._decode_split_kernel, GROUP=4, GROUP_PAD=16, NUM_SPLITS=2, USE_WINDOW=True, MERGE_LAST=False,
+                 **common)
+        compile_(pd._decode_merge_kernel, HEAD_DIM=128, NUM_SPLITS=3)
         for split, programs in ((0, False), (1024, False), (1024, True)):    # normal; batch-invariant
             compile_(pp._prefill_kernel, split > 0, GROUP=7, BLOCK_Q=9, BLOCK_M=64, USE_WINDOW=True,
                      SPLIT_LEN=split, SPLIT_PROGRAMS=programs, MAX_SPLITS=17, **common)
@@ -398,10 +425,12 @@ def test_compiles_for_sm90(tmp_path):
         compile_(rk._rope_kv_kernel, SPLITS=1, HQ=28, HKV=4, Q_HEADS=8, HKV_PAD=4, HALF=64, PRECISE=True)
         compile_(fo._add_rmsnorm_kernel, HAS_DELTA=True, DELTA_PARTIALS=0, BLOCK=4096)
         compile_(fo._silu_mul_kernel, BLOCK=1024)
-        compile_(pd._decode_merge_kernel, 1, HEAD_DIM=128, NUM_SPLITS=3, SPLITS_PAD=4)   # wait, then launch
+        compile_(pd._decode_merge_kernel, 1, HEAD_DIM=128, NUM_SPLITS=3)   # wait, then launch
         for pdl in (0, 2):    # off; launch dependents, then wait (pdl_for's default mode)
-            compile_(pd._decode_split_kernel, pdl, GROUP=4, GROUP_PAD=16, NUM_SPLITS=2, USE_WINDOW=False, **common)
-            compile_(pd._decode_merge_kernel, pdl, HEAD_DIM=128, NUM_SPLITS=3, SPLITS_PAD=4)
+            for merge_last in (False, True):   # True: the last split program merges (counter atomics)
+                compile_(pd._decode_split_kernel, pdl, GROUP=4, GROUP_PAD=16, NUM_SPLITS=3, USE_WINDOW=False,
+                         MERGE_LAST=merge_last, **common)
+            compile_(pd._decode_merge_kernel, pdl, HEAD_DIM=128, NUM_SPLITS=3)
             for splits in (1, 2):   # 2: summing the QKV GEMM's fp32 split-K partials
                 compile_(rk._rope_kv_kernel, pdl, SPLITS=splits, HQ=32, HKV=8, Q_HEADS=8, HKV_PAD=8, HALF=64,
                          PRECISE=False, ptrs={n: "*fp32" for n in ("q_ptr", "k_ptr", "v_ptr")} if splits > 1 else None)
@@ -458,16 +487,19 @@ def test_engine_truncating_sampler_takes_the_split_rows_and_matches_torch():
             assert max(abs(x - y) for x, y in zip(ca.logprobs, cb.logprobs)) < 1e-5
 
 
-def test_engine_with_triton_backend_matches_torch_backend(model_dir, tiny_tokenizer, monkeypatch):
+@pytest.mark.parametrize("merge_in_split", [False, True])
+def test_engine_with_triton_backend_matches_torch_backend(model_dir, tiny_tokenizer, monkeypatch, merge_in_split):
     """End to end under the interpreter: the engine's attention through the Triton kernels
-    (decode and chunked prefill) gives the torch reference's tokens and logprobs."""
+    (decode, with the split merge in its own kernel or in the split kernel, and chunked prefill)
+    gives the torch reference's tokens and logprobs."""
     from hf_reference import random_prompts
     from rollout import RolloutEngine, SamplingParams
     from rollout.kernels import paged_decode
+    monkeypatch.setattr(paged_decode, "MERGE_IN_SPLIT", merge_in_split)
     calls = []
     inner = paged_decode.paged_decode_attention
     monkeypatch.setattr(paged_decode, "paged_decode_attention",
-                        lambda *a, **k: (calls.append(1), inner(*a, **k))[1])
+                        lambda *a, **k: (calls.append(a[7]), inner(*a, **k))[1])   # num_splits
     path = model_dir("mistral")              # sliding window 24 < sequence length
     prompts = random_prompts(tiny_tokenizer, 3, 5, 40, seed=4)
     p = SamplingParams(n=2, max_new_tokens=8, temperature=0.8, seed=2, ignore_eos=True)
@@ -476,7 +508,7 @@ def test_engine_with_triton_backend_matches_torch_backend(model_dir, tiny_tokeni
         eng = RolloutEngine.from_pretrained(path, device="cpu", dtype="float32", max_model_len=128, num_kv_pages=64,
                                             max_num_batched_tokens=32, attention_backend=backend)
         outs[backend] = eng.generate(prompts, p, use_tqdm=False)
-    assert calls                                        # decode steps took the decode kernel
+    assert calls and max(calls) > 1                     # decode steps took the decode kernel, split
     for a, b in zip(outs["torch"], outs["triton"]):
         for ca, cb in zip(a.completions, b.completions):
             assert ca.token_ids == cb.token_ids

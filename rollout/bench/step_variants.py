@@ -17,6 +17,7 @@ ends with the baseline to show the drift. A variant is knobs joined by "+", on t
   splitk_norm       split-K GEMMs (o_proj, down) leave their partials to the next add + RMSNorm
                     (the default; no_splitk_norm: the GEMM's own fix-up)
   splitk_rope       a split-K QKV GEMM leaves its partials to the RoPE + KV-write kernel
+  merge_last        decode attention: the last split program merges, no merge kernel
 """
 from __future__ import annotations
 
@@ -41,6 +42,7 @@ def apply(eng, variant: str, defaults: dict) -> None:
     skinny_gemm._LLAMA3_8B = dict(defaults["table"])
     paged_decode.DECODE_TILE = dict(defaults["tile"])
     paged_decode.pick_num_splits = defaults["splits"]
+    paged_decode.MERGE_IN_SPLIT = defaults["merge_last"]
     eng.model.splitk_into_norm, eng.model.splitk_into_rope = defaults["splitk"]
     for knob in variant.split("+"):
         name, _, val = knob.partition("=")
@@ -51,6 +53,8 @@ def apply(eng, variant: str, defaults: dict) -> None:
             pdl.set_enabled(True, launch_first=False)
         elif knob in ("splitk_norm", "no_splitk_norm"):
             eng.model.splitk_into_norm = knob == "splitk_norm"
+        elif knob == "merge_last":
+            paged_decode.MERGE_IN_SPLIT = True
         elif knob == "splitk_rope":
             eng.model.splitk_into_rope = True
         elif knob == "rope_token":
@@ -89,6 +93,7 @@ def main(argv=None):
     from ..kernels import paged_decode, rope_kv, skinny_gemm
     defaults = dict(rope=rope_kv.Q_HEADS_PER_PROGRAM, table=dict(skinny_gemm._LLAMA3_8B),
                     tile=dict(paged_decode.DECODE_TILE), splits=paged_decode.pick_num_splits,
+                    merge_last=paged_decode.MERGE_IN_SPLIT,
                     splitk=(eng.model.splitk_into_norm, eng.model.splitk_into_rope))
     rows = []
     for v in args.variants:
