@@ -103,7 +103,7 @@ class BatchBuilder:
             if batch is not None:
                 return batch
         self._param_rows = [None] * len(self._param_rows)
-        kv, ps, npb = self.kv, self.kv.page_size, self.np
+        ps, npb = self.kv.page_size, self.np
         ids: list[int] = []
         carry: list[int] = []
         positions: list[int] = []

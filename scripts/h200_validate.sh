@@ -67,12 +67,6 @@ for s in $sections; do
       # off and on (ROLLOUT_SPLITK_NORM)
       VARIANTS="base splitk_norm base splitk_norm base splitk_norm base" bash $0 variants
       TAG=_splitk0 ROLLOUT_SPLITK_NORM=0 bash $0 p1; TAG=_splitk1 ROLLOUT_SPLITK_NORM=1 bash $0 p1 ;;
-    splitk_knobs) # split-K partials summed by the consumer kernel (norm, RoPE): GPU tests, then A/B
-      TEST_FILES="tests/gpu/test_skinny_gemm_cuda.py" bash $0 tests_files
-      VARIANTS="base splitk_norm splitk_norm+splitk_rope+qkv=64,128,4,5,2 splitk_norm+splitk_rope+qkv=32,128,4,5,2
-        splitk_norm+splitk_rope+qkv=64,128,4,5,4 splitk_norm+o=32,256,4,5,2 splitk_norm+o=64,128,4,5,2
-        splitk_norm+o=32,256,4,5,4 splitk_norm+down=64,128,4,5,4 splitk_norm+down=32,256,4,5,2 base" \
-        bash $0 variants ;;
     kernels)  timeout 240 python3 -m rollout.bench.kernels --out $OUT/kernels.json 2>&1 | tail -25 ;;
     sampler)  timeout 120 python3 -m rollout.bench.sampler --out $OUT/sampler.json 2>&1 | tail -15 ;;
     q05)      # issue 3's CPU-overhead-heavy workload, sync vs async, with a timeline

@@ -242,43 +242,11 @@ def test_decoder_splitk_into_norm_takes_the_partials_path_with_the_same_bits(mon
 
 
 
-@pytest.mark.parametrize("split_k", [2, 4])
-def test_split_k_partials_summed_by_rope_give_the_fixup_bits(split_k):
-    """The QKV GEMM's split-K partials given to rope_and_write_kv (views [S, T, H, D]): the kernel
-    adds them in split order and rounds once, so RoPE'd q and the K/V cache rows have the same
-    bits as the GEMM's own fix-up followed by the plain RoPE kernel. fp16 (the interpreter's bf16
-    dot is broken). A partial left out (the first split only) is caught."""
-    from rollout.kernels import skinny_gemm as sg
-    T, Hq, Hkv, D, ps = 5, 4, 2, 32, 16
-    sizes = [Hq * D, Hkv * D, Hkv * D]
-    g = torch.Generator().manual_seed(split_k)
-    x = torch.randn(T, 512, generator=g).half()
-    w = (torch.randn(sum(sizes), 512, generator=g) / 16).half()
-    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, D, 2).float() / D))
-    positions = torch.randint(0, 3000, (T,), generator=g)
-    slots = torch.tensor([3, 17, -1, 40, 8])
-
-    def rope_of(qkv):
-        lead = qkv.shape[:-1]
-        q, k, v = (t.view(*lead, -1, D) for t in qkv.split(sizes, dim=-1))
-        kc, vc = (torch.full((4, ps, Hkv, D), float("nan"), dtype=torch.float16) for _ in range(2))
-        return rope_and_write_kv(q, k, v, positions, inv_freq, kc, vc, slots), kc, vc
-
-    parts = sg.skinny_gemm(x, w, 64, 64, 4, 2, split_k, partials=True)
-    want = rope_of(sg.skinny_gemm(x, w, 64, 64, 4, 2, split_k))
-    got = rope_of(parts)
-    assert got[0].dtype == torch.float16
-    for a, b in zip(got, want):
-        assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0))   # unwritten slots: NaN in both
-    dropped = rope_of(parts[:1])
-    assert not torch.equal(dropped[0], want[0])
-
-
-def test_engine_splitk_into_rope_and_norm_take_the_partials_paths_with_the_same_bits(monkeypatch):
+def test_engine_splitk_into_norm_takes_the_partials_path_with_the_same_bits(monkeypatch):
     """The tiny model through the engine on the Triton backend (fp32, interpreter), with a split-K
-    config standing in for the GPU-only skinny-GEMM table: with `splitk_into_rope` and
-    `splitk_into_norm` the QKV partials go to the RoPE kernel and the o_proj / down_proj partials
-    to the add + RMSNorm kernel, and tokens and logprobs are bit-equal to the fix-up GEMMs'."""
+    config standing in for the GPU-only skinny-GEMM table: with `splitk_into_norm` the o_proj and
+    down_proj partials go to the add + RMSNorm kernel, and tokens and logprobs are bit-equal to
+    the fix-up GEMMs'."""
     from rollout import RolloutEngine, SamplingParams
     from rollout.bench.shapes import make_config
     from rollout.kernels import skinny_gemm as sg
@@ -295,11 +263,11 @@ def test_engine_splitk_into_rope_and_norm_take_the_partials_paths_with_the_same_
     for on in (False, True):
         eng = RolloutEngine.from_config(make_config("tiny"), seed=0, device="cpu", dtype="float32",
                                         max_model_len=64, num_kv_pages=16, attention_backend="triton")
-        eng.model.splitk_into_rope = eng.model.splitk_into_norm = on
+        eng.model.splitk_into_norm = on
         calls.clear()
         outs[on] = eng.generate(prompts, p, use_tqdm=False)
         partial_ns = {n for n, partials in calls if partials}
-        assert partial_ns == ({384, 256} if on else set())     # qkv (8 + 2 * 2 heads of 32), o_proj / down
+        assert partial_ns == ({256} if on else set())     # o_proj and down_proj (hidden 256)
     for a, b in zip(outs[False], outs[True]):
         assert a.completions[0].token_ids == b.completions[0].token_ids
         assert a.completions[0].logprobs == b.completions[0].logprobs
@@ -422,7 +390,7 @@ def test_compiles_for_sm90(tmp_path):
             compile_(pp._prefill_kernel, split > 0, GROUP=7, BLOCK_Q=9, BLOCK_M=64, USE_WINDOW=True,
                      SPLIT_LEN=split, SPLIT_PROGRAMS=programs, MAX_SPLITS=17, **common)
         compile_(pp._decode_merge_kernel, True, GROUP=4, GROUP_PAD=4, HEAD_DIM=128, SPLIT_LEN=1024, MAX_SPLITS=17)
-        compile_(rk._rope_kv_kernel, SPLITS=1, HQ=28, HKV=4, Q_HEADS=8, HKV_PAD=4, HALF=64, PRECISE=True)
+        compile_(rk._rope_kv_kernel, HQ=28, HKV=4, Q_HEADS=8, HKV_PAD=4, HALF=64, PRECISE=True)
         compile_(fo._add_rmsnorm_kernel, HAS_DELTA=True, DELTA_PARTIALS=0, BLOCK=4096)
         compile_(fo._silu_mul_kernel, BLOCK=1024)
         compile_(pd._decode_merge_kernel, 1, HEAD_DIM=128, NUM_SPLITS=3)   # wait, then launch
@@ -431,9 +399,7 @@ def test_compiles_for_sm90(tmp_path):
                 compile_(pd._decode_split_kernel, pdl, GROUP=4, GROUP_PAD=16, NUM_SPLITS=3, USE_WINDOW=False,
                          MERGE_LAST=merge_last, **common)
             compile_(pd._decode_merge_kernel, pdl, HEAD_DIM=128, NUM_SPLITS=3)
-            for splits in (1, 2):   # 2: summing the QKV GEMM's fp32 split-K partials
-                compile_(rk._rope_kv_kernel, pdl, SPLITS=splits, HQ=32, HKV=8, Q_HEADS=8, HKV_PAD=8, HALF=64,
-                         PRECISE=False, ptrs={n: "*fp32" for n in ("q_ptr", "k_ptr", "v_ptr")} if splits > 1 else None)
+            compile_(rk._rope_kv_kernel, pdl, HQ=32, HKV=8, Q_HEADS=8, HKV_PAD=8, HALF=64, PRECISE=False)
             compile_(fo._add_rmsnorm_kernel, pdl, HAS_DELTA=True, DELTA_PARTIALS=2 if pdl else 0, BLOCK=4096)
             compile_(fo._silu_mul_kernel, pdl, BLOCK=1024)
             for split in (1, 2):

@@ -16,7 +16,6 @@ ends with the baseline to show the drift. A variant is knobs joined by "+", on t
   attn=NS,BN,W,S    decode attention: splits, key tile, warps, stages
   splitk_norm       split-K GEMMs (o_proj, down) leave their partials to the next add + RMSNorm
                     (the default; no_splitk_norm: the GEMM's own fix-up)
-  splitk_rope       a split-K QKV GEMM leaves its partials to the RoPE + KV-write kernel
   merge_last        decode attention: the last split program merges, no merge kernel
 """
 from __future__ import annotations
@@ -43,7 +42,7 @@ def apply(eng, variant: str, defaults: dict) -> None:
     paged_decode.DECODE_TILE = dict(defaults["tile"])
     paged_decode.pick_num_splits = defaults["splits"]
     paged_decode.MERGE_IN_SPLIT = defaults["merge_last"]
-    eng.model.splitk_into_norm, eng.model.splitk_into_rope = defaults["splitk"]
+    eng.model.splitk_into_norm = defaults["splitk_norm"]
     for knob in variant.split("+"):
         name, _, val = knob.partition("=")
         nums = tuple(int(v) for v in val.split(",")) if val and val != "cublas" else None
@@ -55,8 +54,6 @@ def apply(eng, variant: str, defaults: dict) -> None:
             eng.model.splitk_into_norm = knob == "splitk_norm"
         elif knob == "merge_last":
             paged_decode.MERGE_IN_SPLIT = True
-        elif knob == "splitk_rope":
-            eng.model.splitk_into_rope = True
         elif knob == "rope_token":
             rope_kv.Q_HEADS_PER_PROGRAM = 0
         elif name in GEMMS:
@@ -94,7 +91,7 @@ def main(argv=None):
     defaults = dict(rope=rope_kv.Q_HEADS_PER_PROGRAM, table=dict(skinny_gemm._LLAMA3_8B),
                     tile=dict(paged_decode.DECODE_TILE), splits=paged_decode.pick_num_splits,
                     merge_last=paged_decode.MERGE_IN_SPLIT,
-                    splitk=(eng.model.splitk_into_norm, eng.model.splitk_into_rope))
+                    splitk_norm=eng.model.splitk_into_norm)
     rows = []
     for v in args.variants:
         try:

@@ -10,10 +10,6 @@ form with each product and the sum rounded to the activation dtype (torch's eage
 round after every op; we do the same so logprobs do not move when this kernel is switched on).
 K/V rows go to slot = page * page_size + offset (slot_mapping [n] int64, n <= T; tokens past n
 or with a negative slot are not written, e.g. CUDA-graph padding).
-
-q, k, v may also be the fp32 split-K partials of the QKV GEMM (kernels/skinny_gemm.py,
-partials=True): the kernel then adds them in split order and rounds to the activation dtype, as
-the GEMM's own fix-up would (the same bits), so the GEMM can split K with no fix-up tail.
 """
 from __future__ import annotations
 
@@ -61,26 +57,12 @@ def rotate_halves(x1, x2, c, s, dt):
 
 
 @triton.jit
-def _load_summed(ptrs, mask, s_split, SPLITS: tl.constexpr, dt):
-    """The values at ptrs in fp32; with SPLITS > 1, ptrs are split-K partials s_split apart, added
-    from zero in split order and rounded to dt, as the skinny GEMM's fix-up does."""
-    x = tl.load(ptrs, mask=mask, other=0.0)
-    if SPLITS > 1:
-        x = tl.zeros_like(x) + x
-        for sk in tl.static_range(1, SPLITS):
-            x += tl.load(ptrs + sk * s_split, mask=mask, other=0.0)
-        x = x.to(dt)
-    return x.to(tl.float32)
-
-
-@triton.jit
-def _rotate(x_ptr, o_ptr, heads, h_ok, f, c, s, HALF: tl.constexpr, s_xh, s_oh, s_split, SPLITS: tl.constexpr):
+def _rotate(x_ptr, o_ptr, heads, h_ok, f, c, s, HALF: tl.constexpr, s_xh, s_oh):
     """Rotate-half RoPE on rows `heads` of one token; returns nothing, stores to o_ptr."""
     m = h_ok[:, None]
-    dt = o_ptr.dtype.element_ty
-    x1 = _load_summed(x_ptr + heads[:, None] * s_xh + f[None, :], m, s_split, SPLITS, dt)
-    x2 = _load_summed(x_ptr + heads[:, None] * s_xh + HALF + f[None, :], m, s_split, SPLITS, dt)
-    o1, o2 = rotate_halves(x1, x2, c, s, dt)
+    x1 = tl.load(x_ptr + heads[:, None] * s_xh + f[None, :], mask=m, other=0.0).to(tl.float32)
+    x2 = tl.load(x_ptr + heads[:, None] * s_xh + HALF + f[None, :], mask=m, other=0.0).to(tl.float32)
+    o1, o2 = rotate_halves(x1, x2, c, s, o_ptr.dtype.element_ty)
     tl.store(o_ptr + heads[:, None] * s_oh + f[None, :], o1, mask=m)
     tl.store(o_ptr + heads[:, None] * s_oh + HALF + f[None, :], o2, mask=m)
 
@@ -88,8 +70,8 @@ def _rotate(x_ptr, o_ptr, heads, h_ok, f, c, s, HALF: tl.constexpr, s_xh, s_oh, 
 @triton.jit
 def _rope_kv_kernel(
         q_ptr, k_ptr, v_ptr, qo_ptr, pos_ptr, inv_freq_ptr, kc_ptr, vc_ptr, slot_ptr, n_slots,
-        s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_qot, s_qoh, s_kcs, s_kch, s_vcs, s_vch, s_split,
-        SPLITS: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, Q_HEADS: tl.constexpr, HKV_PAD: tl.constexpr,
+        s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_qot, s_qoh, s_kcs, s_kch, s_vcs, s_vch,
+        HQ: tl.constexpr, HKV: tl.constexpr, Q_HEADS: tl.constexpr, HKV_PAD: tl.constexpr,
         HALF: tl.constexpr, PRECISE: tl.constexpr, PDL: tl.constexpr):
     enter(PDL)
     t = tl.program_id(0)
@@ -101,15 +83,15 @@ def _rope_kv_kernel(
 
     if part > 0:
         hq = (part - 1) * Q_HEADS + tl.arange(0, Q_HEADS)
-        _rotate(q_ptr + t64 * s_qt, qo_ptr + t64 * s_qot, hq, hq < HQ, f, c, s, HALF, s_qh, s_qoh, s_split, SPLITS)
+        _rotate(q_ptr + t64 * s_qt, qo_ptr + t64 * s_qot, hq, hq < HQ, f, c, s, HALF, s_qh, s_qoh)
     else:   # K/V -> cache. slot_mapping may be shorter than T; negative slots are skipped.
         slot = tl.load(slot_ptr + t, mask=t < n_slots, other=-1)
         hk = tl.arange(0, HKV_PAD)
         ok = (hk < HKV) & (slot >= 0)
-        _rotate(k_ptr + t64 * s_kt, kc_ptr + slot * s_kcs, hk, ok, f, c, s, HALF, s_kh, s_kch, s_split, SPLITS)
+        _rotate(k_ptr + t64 * s_kt, kc_ptr + slot * s_kcs, hk, ok, f, c, s, HALF, s_kh, s_kch)
         d = tl.arange(0, 2 * HALF)
-        v = _load_summed(v_ptr + t64 * s_vt + hk[:, None] * s_vh + d[None, :], ok[:, None], s_split, SPLITS, dt)
-        tl.store(vc_ptr + slot * s_vcs + hk[:, None] * s_vch + d[None, :], v.to(dt), mask=ok[:, None])
+        v = tl.load(v_ptr + t64 * s_vt + hk[:, None] * s_vh + d[None, :], mask=ok[:, None])
+        tl.store(vc_ptr + slot * s_vcs + hk[:, None] * s_vch + d[None, :], v, mask=ok[:, None])
 
 
 def rope_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
@@ -117,14 +99,7 @@ def rope_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positio
                       slot_mapping: torch.Tensor, *, out_q: Optional[torch.Tensor] = None) -> torch.Tensor:
     """q [T, Hq, D], k/v [T, Hkv, D] (strided views of the fused QKV output are fine); positions
     [T]; inv_freq [D/2] fp32; caches [num_pages, page_size, Hkv, D]; slot_mapping [n] int64.
-    Returns RoPE'd q (`out_q=q` rotates in place: each program reads its rows before writing).
-    q [S, T, Hq, D], k/v [S, T, Hkv, D]: views of the QKV GEMM's fp32 split-K partials; the
-    kernel sums them (returned q has the caches' dtype)."""
-    partials = q.dim() == 4
-    splits, s_split = (q.shape[0], q.stride(0)) if partials else (1, 0)
-    if partials:
-        assert q.dtype == torch.float32 and k.stride(0) == v.stride(0) == s_split, "partials: views of one [S, T, N]"
-        q, k, v = q[0], k[0], v[0]   # the first split's views carry the token and head strides
+    Returns RoPE'd q (`out_q=q` rotates in place: each program reads its rows before writing)."""
     T, Hq, D = q.shape
     Hkv = k.shape[1]
     assert D % 2 == 0 and (D // 2) & (D // 2 - 1) == 0 and inv_freq.numel() == D // 2, "head_dim / inv_freq"
@@ -135,7 +110,7 @@ def rope_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positio
     assert v_cache.stride(0) == v_cache.shape[1] * v_cache.stride(1)
     assert slot_mapping.dtype == torch.int64 and slot_mapping.numel() <= T
     if out_q is None:
-        out_q = torch.empty((T, Hq, D), dtype=k_cache.dtype if partials else q.dtype, device=q.device)
+        out_q = torch.empty((T, Hq, D), dtype=q.dtype, device=q.device)
     if T == 0:
         return out_q
     q_heads = min(triton.next_power_of_2(Hq), Q_HEADS_PER_PROGRAM or triton.next_power_of_2(Hq))
@@ -144,7 +119,7 @@ def rope_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positio
         slot_mapping.numel(),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out_q.stride(0), out_q.stride(1), k_cache.stride(1), k_cache.stride(2), v_cache.stride(1), v_cache.stride(2),
-        s_split, SPLITS=splits, HQ=Hq, HKV=Hkv, Q_HEADS=q_heads, HKV_PAD=triton.next_power_of_2(Hkv), HALF=D // 2,
+        HQ=Hq, HKV=Hkv, Q_HEADS=q_heads, HKV_PAD=triton.next_power_of_2(Hkv), HALF=D // 2,
         PRECISE=PRECISE, PDL=pdl_for(q), num_warps=4 if max(q_heads, Hkv) * D >= 1024 else 1,
         launch_pdl=bool(pdl_for(q)),
         enable_fp_fusion=False)   # no mul+add -> FMA: torch's fp32 path rounds the products

@@ -110,20 +110,12 @@ def add_norm_of_linear(lin: nn.Module, x: torch.Tensor, residual: torch.Tensor, 
     the skinny GEMM splits K for this shape, the norm kernel sums the GEMM's fp32 partials itself
     (the same bits; the GEMM skips its fix-up tail)."""
     from ..kernels.fused_ops import add_rmsnorm
-    delta = splitk_partials(lin, x, linear) if splitk_into_norm else None
-    return add_rmsnorm(residual, norm.weight, norm.eps, delta=linear(lin, x) if delta is None else delta)
-
-
-def splitk_partials(lin: nn.Module, x: torch.Tensor, linear) -> Optional[torch.Tensor]:
-    """The skinny GEMM's fp32 split-K partials [S, M, N] of lin(x), for a consumer kernel that sums
-    them in split order (the GEMM's fix-up bits, without its tail); None where this x and weight
-    take no split-K config, or lin has a bias."""
-    if linear is skinny_or_cublas and getattr(lin, "bias", None) is None:
+    if splitk_into_norm and linear is skinny_or_cublas and getattr(lin, "bias", None) is None:
         cfg = _skinny_config(lin.weight, x)
         if cfg is not None and len(cfg) > 4 and cfg[4] > 1:
             from ..kernels.skinny_gemm import skinny_gemm
-            return skinny_gemm(x, lin.weight, *cfg, partials=True)
-    return None
+            return add_rmsnorm(residual, norm.weight, norm.eps, delta=skinny_gemm(x, lin.weight, *cfg, partials=True))
+    return add_rmsnorm(residual, norm.weight, norm.eps, delta=linear(lin, x))
 
 
 def _skinny_config(w: torch.Tensor, x: torch.Tensor):
@@ -178,18 +170,12 @@ class Attention(nn.Module):
                 return None
         return int(window)
 
-    def _qkv(self, x, linear=plain_linear, splitk_into_rope=False):
-        """q, k, v as head views of the QKV projection; with `splitk_into_rope` (and no q/k norm),
-        views of its split-K partials [S, T, ...] where the skinny GEMM splits K, for the RoPE kernel
-        to sum."""
-        qkv = splitk_partials(self.qkv_proj, x, linear) if splitk_into_rope and not self.qk_norm else None
-        if qkv is None:
-            qkv = linear(self.qkv_proj, x)
-        lead = qkv.shape[:-1]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(*lead, self.num_heads, self.head_dim)
-        k = k.view(*lead, self.num_kv_heads, self.head_dim)
-        v = v.view(*lead, self.num_kv_heads, self.head_dim)
+    def _qkv(self, x, linear=plain_linear):
+        T = x.shape[0]
+        q, k, v = linear(self.qkv_proj, x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(T, self.num_heads, self.head_dim)
+        k = k.view(T, self.num_kv_heads, self.head_dim)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         return q, k, v
@@ -202,12 +188,11 @@ class Attention(nn.Module):
         o = attend(q, k_cache, v_cache, meta, self.scale, self.sliding_window)
         return self.o_proj(o.reshape(x.shape[0], self.q_size))
 
-    def attend_fused(self, x, positions, inv_freq, kv_cache, meta: AttentionMetadata, linear=plain_linear,
-                     splitk_into_rope=False):
+    def attend_fused(self, x, positions, inv_freq, kv_cache, meta: AttentionMetadata, linear=plain_linear):
         """The Triton path up to o_proj: RoPE and the K/V write in one kernel, then paged attention.
         Returns the attention output [T, q_size]."""
         from ..kernels import rope_and_attend
-        q, k, v = self._qkv(x, linear, splitk_into_rope)
+        q, k, v = self._qkv(x, linear)
         k_cache, v_cache = kv_cache
         o = rope_and_attend(q, k, v, positions, inv_freq, k_cache, v_cache, meta, self.scale, self.sliding_window)
         return o.reshape(x.shape[0], self.q_size)
@@ -258,12 +243,10 @@ class DecoderLM(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(cfg, attn.head_dim), persistent=False)
         self.fused_small_ops = True   # with the Triton backend; the profile bench turns it off to compare
         self.skinny_gemm = True       # decode GEMMs on the fused path: Triton where it beats cuBLAS
-        # Split-K partials summed by the consumer kernel: same bits, no fix-up tail in the GEMM.
-        # Into the next add + RMSNorm (o_proj / down_proj): on; H200 A/B +0.4-0.6% of the decode
-        # step, P1 +0.7% (ROLLOUT_SPLITK_NORM=0 turns it off). Into the RoPE kernel (qkv_proj,
-        # with a split config for it): off, no split-K qkv config beat the unsplit one.
+        # Split-K o_proj / down_proj partials summed by the next add + RMSNorm kernel: same bits, no
+        # fix-up tail in the GEMM; H200 A/B +0.4-0.6% of the decode step, P1 +0.7%
+        # (ROLLOUT_SPLITK_NORM=0 turns it off).
         self.splitk_into_norm = os.environ.get("ROLLOUT_SPLITK_NORM", "1") == "1"
-        self.splitk_into_rope = False
         self.batch_invariant = False  # set by the engine: every GEMM through invariant_linear
 
     def _linear(self):
@@ -297,7 +280,7 @@ class DecoderLM(nn.Module):
         residual = self.embed_tokens(input_ids)
         h, _ = add_rmsnorm(residual, norms[0].weight, norms[0].eps)
         for i, (layer, kv) in enumerate(zip(self.layers, kv_caches)):
-            a = layer.self_attn.attend_fused(h, positions, self.inv_freq, kv, meta, linear, self.splitk_into_rope)
+            a = layer.self_attn.attend_fused(h, positions, self.inv_freq, kv, meta, linear)
             h, residual = add_norm_of_linear(layer.self_attn.o_proj, a, residual, layer.post_attention_layernorm,
                                              linear, self.splitk_into_norm)
             act = silu_mul(linear(layer.mlp.gate_up_proj, h))

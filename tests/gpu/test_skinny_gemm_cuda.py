@@ -146,38 +146,3 @@ def test_split_k_partials_into_the_norm_same_bits_at_8b_shapes_and_in_the_engine
     outs = generate_per_setting(model, cfg, {on: lambda on=on: setattr(model, "splitk_into_norm", on)
                                              for on in (False, True)}, prompt_lens=(3, 40), seed=2)
     assert_same_tokens_and_logprobs(outs[False], outs[True])
-
-
-def test_split_k_partials_into_rope_same_bits_at_8b_shape_and_in_the_engine(monkeypatch):
-    """The 8B QKV GEMM at M = 32 with split-K 2: the RoPE kernel summing the GEMM's partials gives
-    the fix-up path's q and K/V cache bits; and one 8B-shape layer through the engine's decode
-    graphs, with that split config in the table, gives the same greedy tokens and logprobs with
-    the partials path on and off."""
-    from engine_ab import assert_same_tokens_and_logprobs, generate_per_setting, llama8b_model
-    from rollout.kernels import skinny_gemm as sg
-    from rollout.kernels.rope_kv import rope_and_write_kv
-    cfg_qkv = (64, 128, 4, 5, 2)
-    sizes, D, ps = [4096, 1024, 1024], 128, 16
-    g = torch.Generator(device="cuda").manual_seed(0)
-    x = torch.randn(32, 4096, device="cuda", dtype=torch.bfloat16, generator=g)
-    w = torch.randn(sum(sizes), 4096, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02
-    positions = torch.randint(0, 8000, (32,), device="cuda", generator=g)
-    slots = torch.randperm(64 * ps, device="cuda", generator=g)[:32]
-    inv_freq = (1.0 / (500000.0 ** (torch.arange(0, D, 2).float() / D))).cuda()
-
-    def rope_of(qkv):
-        lead = qkv.shape[:-1]
-        q, k, v = (t.view(*lead, -1, D) for t in qkv.split(sizes, dim=-1))
-        kc, vc = (torch.zeros(64, ps, 8, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-        return rope_and_write_kv(q, k, v, positions, inv_freq, kc, vc, slots), kc, vc
-
-    want = rope_of(sg.skinny_gemm(x, w, *cfg_qkv))
-    got = rope_of(sg.skinny_gemm(x, w, *cfg_qkv, partials=True))
-    for a, b in zip(got, want):
-        assert torch.equal(a, b)
-    monkeypatch.setitem(sg._LLAMA3_8B, (6144, 4096), ((64, cfg_qkv),))
-    model, cfg = llama8b_model(1)
-    outs = generate_per_setting(model, cfg, {on: lambda on=on: setattr(model, "splitk_into_rope", on)
-                                             for on in (False, True)}, prompt_lens=(3, 40), seed=3)
-    assert_same_tokens_and_logprobs(outs[False], outs[True])
-
