@@ -67,7 +67,6 @@ def test_decode(Hq, Hkv, D, ps, num_splits, window, dtype):
     check(out, reference(q, clean, meta, D ** -0.5, window), dtype)
 
 
-
 @pytest.mark.parametrize("num_splits,window", [(2, None), (3, None), (4, 1000)])
 def test_decode_merge_in_split_same_bits_and_in_the_engine(num_splits, window):
     """Llama-3-8B heads, bf16: the split merge done by the last-arriving split program (arrival
@@ -100,6 +99,7 @@ def test_decode_merge_in_split_same_bits_and_in_the_engine(num_splits, window):
     finally:
         paged_decode.MERGE_IN_SPLIT = was
     assert_same_tokens_and_logprobs(outs[False], outs[True])
+
 
 PREFILL_SEQS = [(1, 1), (16, 16), (17, 1), (700, 300), (333, 3), (0, 0), (129, 129), (2000, 1000)]
 
