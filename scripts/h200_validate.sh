@@ -60,7 +60,8 @@ for s in $sections; do
         --variants ${VARIANTS:-$V} --out $OUT/step_variants_l8b_B32_C4352.json 2>&1 | grep -A40 "^| variant" ;;
     merge_knob) # the split merge inside the decode split kernel: its GPU tests, then an alternated A/B
       TEST_FILES="tests/gpu/test_kernels_cuda.py" bash $0 tests_files
-      VARIANTS="base merge_last base merge_last base merge_last base" bash $0 variants ;;
+      VARIANTS="base merge_last base merge_last base merge_last base o=64,128,4,5,2 base o=64,128,4,5,2 base" \
+        bash $0 variants ;;
     repeat_base) # the baseline alone, 7 windows: does the last window (near the requests' end) read fast?
       VARIANTS="base base base base base base base" bash $0 variants ;;
     splitk_ab) # split-K partials into the norm, alternated with the baseline in one process, then P1 end to end

@@ -66,6 +66,21 @@ def apply(eng, variant: str, defaults: dict) -> None:
     recapture_graphs(eng)
 
 
+def vs_base(rows: list[dict]) -> None:
+    """Give each timed non-base row `vs_base`: its roofline fraction minus the mean of the nearest
+    timed `base` rows before and after it (one side where only one exists). Alternating base
+    with the variants keeps that comparison at nearly the same context and GPU state."""
+    timed = [i for i, r in enumerate(rows) if "fraction" in r]
+    bases = [i for i in timed if rows[i]["variant"] == "base"]
+    for i in timed:
+        if rows[i]["variant"] == "base":
+            continue
+        near = [max((b for b in bases if b < i), default=None), min((b for b in bases if b > i), default=None)]
+        near = [rows[b]["fraction"] for b in near if b is not None]
+        if near:
+            rows[i]["vs_base"] = rows[i]["fraction"] - sum(near) / len(near)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES))
@@ -114,13 +129,15 @@ def main(argv=None):
         rows.append(dict(variant=v, steps=steps, mean_context=ctx0 + steps / 2, step_ms=step_ms,
                          roofline_step_ms=roof_ms, fraction=roof_ms / step_ms))
         print(f"{v:45s} {step_ms:7.3f} ms/step  {100 * roof_ms / step_ms:5.1f}% of roofline", flush=True)
-    print("\n| variant | mean context | ms/step | roofline ms | fraction |\n|---|---|---|---|---|")
+    vs_base(rows)
+    print("\n| variant | mean context | ms/step | roofline ms | fraction | vs base |\n|---|---|---|---|---|---|")
     for r in rows:
         if "error" in r:
-            print(f"| {r['variant']} | failed | | | |")
+            print(f"| {r['variant']} | failed | | | | |")
             continue
+        delta = f"{100 * r['vs_base']:+.1f}" if "vs_base" in r else ""
         print(f"| {r['variant']} | {r['mean_context']:.0f} | {r['step_ms']:.3f} | {r['roofline_step_ms']:.3f} | "
-              f"{100 * r['fraction']:.1f}% |")
+              f"{100 * r['fraction']:.1f}% | {delta} |")
     write_json(dict(shape=args.shape, batch=B, context=C, rows=rows,
                     meta=run_meta("rollout.bench.step_variants", argv)), args.out)
 
