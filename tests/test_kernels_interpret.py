@@ -24,6 +24,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton")
 
 import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 from fused_cases import fused_ops_cases  # noqa: E402
 from paged_cases import make_paged, meta_for, reference  # noqa: E402
@@ -219,6 +220,30 @@ def test_split_k_partials_summed_by_the_norm_give_the_fixup_bits(split_k):
 
 
 
+@pytest.mark.parametrize("block_n,M", [(64, 5), (128, 16), (32, 33)])
+def test_gate_up_gemm_with_silu_epilogue_gives_the_two_kernel_bits(block_n, M):
+    """skinny_gemm(silu_mul=True) on a fused gate_up weight (gate rows, then up rows): each program
+    takes block_n / 2 gate rows and their up rows as one tile and writes silu(gate) * up, the bits
+    of the plain GEMM followed by fused_ops.silu_mul. I = 96 is not a multiple of block_n / 2 = 64
+    (masked tail). fp16 (the interpreter's bf16 dot is broken). Swapping gate and up is caught."""
+    from rollout.kernels import skinny_gemm as sg
+    from rollout.kernels.fused_ops import silu_mul
+    inter, K = 96, 256
+    g = torch.Generator().manual_seed(block_n + M)
+    x = torch.randn(M, K, generator=g).half()
+    w = (torch.randn(2 * inter, K, generator=g) / 8).half()
+    want = silu_mul(sg.skinny_gemm(x, w, block_n, 64, 4, 2))
+    out = sg.skinny_gemm(x, w, block_n, 64, 4, 2, silu_mul=True)
+    assert out.shape == (M, inter)
+    assert torch.equal(out, want)
+    swapped = sg.skinny_gemm(x, torch.cat([w[inter:], w[:inter]]), block_n, 64, 4, 2, silu_mul=True)
+    assert not torch.equal(swapped, want)
+    gu = x.float() @ w.float().T
+    torch.testing.assert_close(out.float(), F.silu(gu[:, :inter]) * gu[:, inter:], **FP16_TOL)
+    with pytest.raises(AssertionError, match="silu_mul"):
+        sg.skinny_gemm(x, w, block_n, 64, 4, 2, 2, silu_mul=True)
+
+
 def test_decoder_splitk_into_norm_takes_the_partials_path_with_the_same_bits(monkeypatch):
     """decoder.add_norm_of_linear with splitk_into_norm: where the skinny config splits K (here a
     split-K config stands in for the GPU-only table lookup), the GEMM's partials go to the norm
@@ -242,32 +267,33 @@ def test_decoder_splitk_into_norm_takes_the_partials_path_with_the_same_bits(mon
 
 
 
-def test_engine_splitk_into_norm_takes_the_partials_path_with_the_same_bits(monkeypatch):
+def test_engine_splitk_into_norm_and_silu_epilogue_take_their_paths_with_the_same_bits(monkeypatch):
     """The tiny model through the engine on the Triton backend (fp32, interpreter), with a split-K
-    config standing in for the GPU-only skinny-GEMM table: with `splitk_into_norm` the o_proj and
-    down_proj partials go to the add + RMSNorm kernel, and tokens and logprobs are bit-equal to
-    the fix-up GEMMs'."""
+    config standing in for the GPU-only skinny-GEMM table (no split for gate_up, whose K is 256):
+    with `splitk_into_norm` the o_proj and down_proj partials go to the add + RMSNorm kernel, and
+    with `silu_in_gate_up` the gate_up GEMM writes SiLU * up itself; tokens and logprobs are
+    bit-equal to the plain kernels'."""
     from rollout import RolloutEngine, SamplingParams
     from rollout.bench.shapes import make_config
     from rollout.kernels import skinny_gemm as sg
     from rollout.models import decoder
     monkeypatch.setattr(decoder, "_skinny_config",
-                        lambda w, x: (64, 64, 4, 2, 2) if x.shape[0] <= 64 and w.shape[1] % 128 == 0 else None)
+                        lambda w, x: None if x.shape[0] > 64 or w.shape[1] % 128 else
+                        (64, 64, 4, 2, 1) if w.shape[0] == 2 * 768 else (64, 64, 4, 2, 2))
     calls = []
     inner = sg.skinny_gemm
-    monkeypatch.setattr(sg, "skinny_gemm", lambda *a, **k: (calls.append((a[1].shape[0], k.get("partials", False))),
-                                                            inner(*a, **k))[1])
+    monkeypatch.setattr(sg, "skinny_gemm", lambda *a, **k: (calls.append((a[1].shape[0], k)), inner(*a, **k))[1])
     prompts = [[5, 9, 200, 31], [7] * 11]
     p = SamplingParams(max_new_tokens=3, temperature=0.9, seed=3, ignore_eos=True)
     outs = {}
     for on in (False, True):
         eng = RolloutEngine.from_config(make_config("tiny"), seed=0, device="cpu", dtype="float32",
                                         max_model_len=64, num_kv_pages=16, attention_backend="triton")
-        eng.model.splitk_into_norm = on
+        eng.model.splitk_into_norm = eng.model.silu_in_gate_up = on
         calls.clear()
         outs[on] = eng.generate(prompts, p, use_tqdm=False)
-        partial_ns = {n for n, partials in calls if partials}
-        assert partial_ns == ({256} if on else set())     # o_proj and down_proj (hidden 256)
+        assert {n for n, kw in calls if kw.get("partials")} == ({256} if on else set())   # o_proj, down_proj
+        assert any(kw.get("silu_mul") for _, kw in calls) == on    # gate_up (intermediate 768, K 256)
     for a, b in zip(outs[False], outs[True]):
         assert a.completions[0].token_ids == b.completions[0].token_ids
         assert a.completions[0].logprobs == b.completions[0].logprobs
@@ -404,13 +430,15 @@ def test_compiles_for_sm90(tmp_path):
             compile_(fo._silu_mul_kernel, pdl, BLOCK=1024)
             for split in (1, 2):
                 compile_(sg._skinny_gemm_kernel, pdl, early_loads=True, BLOCK_M=32, BLOCK_N=64, BLOCK_K=128,
-                         EVEN_N=split == 1, HAS_BIAS=split == 2, SPLIT_K=split, PARTIALS=False)
+                         EVEN_N=split == 1, HAS_BIAS=split == 2, SPLIT_K=split, PARTIALS=False, SILU_MUL=False)
             compile_(sg._skinny_gemm_kernel, pdl, early_loads=True, BLOCK_M=32, BLOCK_N=64, BLOCK_K=128,
-                     EVEN_N=True, HAS_BIAS=False, SPLIT_K=2, PARTIALS=True,
+                     EVEN_N=True, HAS_BIAS=False, SPLIT_K=2, PARTIALS=True, SILU_MUL=False,
                      ptrs={"cnt_ptr": "*bf16"})   # as skinny_gemm passes it (unused): no fix-up atomics built
             compile_(sg._skinny_gemm_kernel, pdl, early_loads=True, BLOCK_M=sg.INVARIANT_BLOCK_M,   # batch-invariant
                      BLOCK_N=sg.invariant_block_n(4096), BLOCK_K=128, EVEN_N=True, HAS_BIAS=False, SPLIT_K=1,
-                     PARTIALS=False)
+                     PARTIALS=False, SILU_MUL=False)
+            compile_(sg._skinny_gemm_kernel, pdl, early_loads=True, BLOCK_M=32, BLOCK_N=128, BLOCK_K=128,   # gate_up
+                     EVEN_N=True, HAS_BIAS=False, SPLIT_K=1, PARTIALS=False, SILU_MUL=True)    # + SiLU epilogue
         print("ok")
     """)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

@@ -80,9 +80,17 @@ def _silu_mul_kernel(gu_ptr, out_ptr, inter, s_gu, s_o, BLOCK: tl.constexpr, PDL
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = cols < inter
     g = tl.load(gu_ptr + row * s_gu + cols, mask=m, other=0.0).to(tl.float32)
-    u = tl.load(gu_ptr + row * s_gu + inter + cols, mask=m, other=0.0)
-    s = (g / (1.0 + tl.exp(-g))).to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + row * s_o + cols, (s.to(tl.float32) * u.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=m)
+    u = tl.load(gu_ptr + row * s_gu + inter + cols, mask=m, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * s_o + cols, silu_times(g, u, out_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def silu_times(g, u, dt):
+    """silu(g) * u of dt-valued g and u (given in fp32), rounded as torch's eager ops round: the
+    SiLU to dt, then the product to dt. Shared with the gate_up GEMM's SiLU epilogue
+    (skinny_gemm, silu_mul=True), so both give the same bits."""
+    s = (g / (1.0 + tl.exp(-g))).to(dt)
+    return (s.to(tl.float32) * u).to(dt)
 
 
 def silu_mul(gate_up: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:

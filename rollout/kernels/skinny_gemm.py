@@ -13,6 +13,11 @@ split K over `split_k` programs per tile: each stores an fp32 partial, and the l
 (an atomic counter per tile) adds the partials in split order and writes the tile. The sum
 order is fixed, so results stay deterministic and M-independent for a given config.
 
+With `silu_mul` (the fused gate_up weight, gate rows then up rows) each program takes BLOCK_N / 2
+gate rows and the matching up rows as one weight tile, and its epilogue writes SiLU(gate) * up
+(fused_ops.silu_times after the same bf16 rounding of gate and up), so the decode step needs no
+SiLU kernel and gate_up's output never goes to memory.
+
 `pick_config` is a table from the H200 sweep (`python -m rollout.bench.gemm`); where it has no
 entry (cuBLAS was faster, or the shape was not swept) the model calls F.linear.
 """
@@ -25,6 +30,7 @@ import triton
 import triton.language as tl
 
 from . import arrival_counters, fix_interpreter
+from .fused_ops import silu_times
 from .pdl import enter, pdl_for
 
 fix_interpreter()
@@ -34,9 +40,15 @@ fix_interpreter()
 def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, s_xm, s_wn, s_ym,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         EVEN_N: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
-                        PARTIALS: tl.constexpr, PDL: tl.constexpr):
+                        PARTIALS: tl.constexpr, SILU_MUL: tl.constexpr, PDL: tl.constexpr):
     pid = tl.program_id(0)
-    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    if SILU_MUL:   # rows [0, BLOCK_N / 2): gate rows; the rest: the up rows of the same columns
+        r = tl.arange(0, BLOCK_N)
+        rn = pid * (BLOCK_N // 2) + r % (BLOCK_N // 2)         # the output column a row feeds
+        w_rows = rn + (r >= BLOCK_N // 2).to(tl.int32) * N      # N: the intermediate size
+    else:
+        rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        w_rows = rn
     rm = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)     # one M tile except batch_invariant_gemm's
     rk = tl.arange(0, BLOCK_K)
     # This program's K tiles [kt0, kt1): all of K, or its share of a split.
@@ -44,7 +56,7 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, s_
     per = tl.cdiv(k_tiles, SPLIT_K)
     kt0 = tl.program_id(1) * per
     kt1 = tl.minimum(kt0 + per, k_tiles)
-    w_ptrs = w_ptr + rn.to(tl.int64)[:, None] * s_wn + (kt0 * BLOCK_K + rk)[None, :]
+    w_ptrs = w_ptr + w_rows.to(tl.int64)[:, None] * s_wn + (kt0 * BLOCK_K + rk)[None, :]
     x_ptrs = x_ptr + rm.to(tl.int64)[:, None] * s_xm + (kt0 * BLOCK_K + rk)[None, :]
     m_ok = rm[:, None] < M
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
@@ -80,6 +92,13 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, s_
                                    cache_modifier=".cg")
                 tl.atomic_xchg(cnt_ptr + pid, 0)
                 _epilogue(acc, b_ptr, y_ptr, rm, rn, M, N, s_ym, HAS_BIAS)
+    elif SILU_MUL:
+        dt = y_ptr.dtype.element_ty
+        g, u = tl.split(tl.permute(tl.reshape(acc, (2, BLOCK_N // 2, BLOCK_M)), (1, 2, 0)))
+        cols = pid * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        y = silu_times(g.to(dt).to(tl.float32), u.to(dt).to(tl.float32), dt)   # gate, up rounded as stored
+        tl.store(y_ptr + rm.to(tl.int64)[None, :] * s_ym + cols[:, None], y,
+                 mask=(rm[None, :] < M) & (cols[:, None] < N))
     else:
         _epilogue(acc, b_ptr, y_ptr, rm, rn, M, N, s_ym, HAS_BIAS)
 
@@ -134,16 +153,21 @@ def pick_block_m(M: int) -> int:
 def skinny_gemm(x: torch.Tensor, w: torch.Tensor, block_n: int, block_k: int, num_warps: int = 4,
                 num_stages: int = 4, split_k: int = 1, out: Optional[torch.Tensor] = None,
                 bias: Optional[torch.Tensor] = None, block_m: Optional[int] = None,
-                partials: bool = False) -> torch.Tensor:
+                partials: bool = False, silu_mul: bool = False) -> torch.Tensor:
     """x [M, K] (unit stride in K), w [N, K] contiguous, bias [N] or None -> y [M, N] in x's dtype.
     split_k > 1: each output tile's K is shared by split_k programs (more programs for a small N
     than SMs would otherwise get); K / block_k must be a multiple of split_k.
     block_m: None = one M tile of M rows rounded up (M <= 64); else tiles of block_m rows, any M.
     partials: return the split_k fp32 partial products [split_k, M, N] (a strided view) instead of
     adding them here: a consumer that sums them in split order (fused_ops.add_rmsnorm) gets the
-    same bits as y, and the GEMM skips its fix-up (barrier, counter, reload, store)."""
+    same bits as y, and the GEMM skips its fix-up (barrier, counter, reload, store).
+    silu_mul: w is the fused gate_up weight [2I, K] (gate rows, then up rows); returns
+    silu(gate) * up [M, I], the bits of fused_ops.silu_mul(skinny_gemm(x, w, ...)). No split-K,
+    no bias."""
     M, K = x.shape
-    N = w.shape[0]
+    N = w.shape[0] // 2 if silu_mul else w.shape[0]
+    assert not silu_mul or (split_k == 1 and bias is None and not partials and w.shape[0] % 2 == 0
+                            and block_n >= 2), "silu_mul: no split-K, bias or partials; an even weight"
     assert not partials or (split_k > 1 and bias is None and out is None), "partials: split-K, no bias, no out"
     assert (M <= MAX_M or block_m) and w.shape[1] == K and x.stride(1) == 1 and w.is_contiguous()
     assert split_k == 1 or triton.cdiv(M, block_m or MAX_M) == 1, "split-K takes one M tile"
@@ -151,16 +175,17 @@ def skinny_gemm(x: torch.Tensor, w: torch.Tensor, block_n: int, block_k: int, nu
     assert split_k >= 1 and (K // block_k) % split_k == 0, f"{K // block_k} K tiles do not split {split_k} ways"
     if out is None:
         out = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    bm, tiles = block_m or pick_block_m(M), triton.cdiv(N, block_n)
+    cols_per_tile = block_n // 2 if silu_mul else block_n
+    bm, tiles = block_m or pick_block_m(M), triton.cdiv(N, cols_per_tile)
     ws = torch.empty((split_k, bm, N), dtype=torch.float32, device=x.device) if split_k > 1 else out
     if M:
         pdl = pdl_for(x)
         cnt = arrival_counters(x.device, tiles) if split_k > 1 and not partials else out   # else unused
         _skinny_gemm_kernel[(tiles, split_k, triton.cdiv(M, bm))](
             x, w, bias if bias is not None else w, out, ws, cnt, M, N, K, x.stride(0), w.stride(0), out.stride(0),
-            BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_N=N % block_n == 0, HAS_BIAS=bias is not None,
-            SPLIT_K=split_k, PARTIALS=partials, PDL=pdl, num_warps=num_warps, num_stages=num_stages,
-            launch_pdl=bool(pdl))
+            BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_N=N % cols_per_tile == 0, HAS_BIAS=bias is not None,
+            SPLIT_K=split_k, PARTIALS=partials, SILU_MUL=silu_mul, PDL=pdl, num_warps=num_warps,
+            num_stages=num_stages, launch_pdl=bool(pdl))
     return ws[:, :M] if partials else out
 
 
@@ -205,7 +230,8 @@ def invariant_block_k(K: int) -> int:
 
 def invariant_config(N: int, K: int, M: int) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages); all but BLOCK_M and stages fixed per (N, K)."""
-    block_n, block_k, warps, stages = _INVARIANT_LLAMA3_8B.get((N, K), (invariant_block_n(N), invariant_block_k(K), 4, 3))
+    fallback = (invariant_block_n(N), invariant_block_k(K), 4, 3)
+    block_n, block_k, warps, stages = _INVARIANT_LLAMA3_8B.get((N, K), fallback)
     if INVARIANT_SMALL_M_TILES and M <= 32:
         return pick_block_m(M), block_n, block_k, warps, stages
     return INVARIANT_BLOCK_M, block_n, block_k, warps, 3      # 64-row x tiles: 3 stages fit shared memory

@@ -118,6 +118,19 @@ def add_norm_of_linear(lin: nn.Module, x: torch.Tensor, residual: torch.Tensor, 
     return add_rmsnorm(residual, norm.weight, norm.eps, delta=linear(lin, x))
 
 
+def silu_of_gate_up(lin: nn.Module, x: torch.Tensor, linear, in_epilogue: bool = False) -> torch.Tensor:
+    """silu(gate) * up of the fused gate_up projection. With `in_epilogue`, where the skinny GEMM
+    takes this shape without split-K, its epilogue does it (the same bits; no SiLU kernel, and
+    gate_up's output never goes to memory)."""
+    from ..kernels.fused_ops import silu_mul
+    if in_epilogue and linear is skinny_or_cublas and getattr(lin, "bias", None) is None:
+        cfg = _skinny_config(lin.weight, x)
+        if cfg is not None and (len(cfg) < 5 or cfg[4] == 1):
+            from ..kernels.skinny_gemm import skinny_gemm
+            return skinny_gemm(x, lin.weight, *cfg, silu_mul=True)
+    return silu_mul(linear(lin, x))
+
+
 def _skinny_config(w: torch.Tensor, x: torch.Tensor):
     """The swept skinny-GEMM config (kernels/skinny_gemm.py) for a decode-sized bf16 x on the GPU,
     or None where cuBLAS was faster or the shape was not swept."""
@@ -247,6 +260,9 @@ class DecoderLM(nn.Module):
         # fix-up tail in the GEMM; H200 A/B +0.4-0.6% of the decode step, P1 +0.7%
         # (ROLLOUT_SPLITK_NORM=0 turns it off).
         self.splitk_into_norm = os.environ.get("ROLLOUT_SPLITK_NORM", "1") == "1"
+        # SiLU * up in the gate_up GEMM's epilogue: one kernel fewer per layer, same bits;
+        # CPU-tested, not yet timed on the H200, so off (bench.step_variants knob silu_gate_up).
+        self.silu_in_gate_up = False
         self.batch_invariant = False  # set by the engine: every GEMM through invariant_linear
 
     def _linear(self):
@@ -274,7 +290,7 @@ class DecoderLM(nn.Module):
         """Same math as `forward` with ~10 kernels per layer instead of ~35: each residual add
         is fused into the RMSNorm that follows it (the next layer's input norm, or the final
         norm), SiLU * up is one kernel, RoPE + K/V write one kernel."""
-        from ..kernels.fused_ops import add_rmsnorm, silu_mul
+        from ..kernels.fused_ops import add_rmsnorm
         linear = self._linear()
         norms = [layer.input_layernorm for layer in self.layers] + [self.norm]
         residual = self.embed_tokens(input_ids)
@@ -283,7 +299,7 @@ class DecoderLM(nn.Module):
             a = layer.self_attn.attend_fused(h, positions, self.inv_freq, kv, meta, linear)
             h, residual = add_norm_of_linear(layer.self_attn.o_proj, a, residual, layer.post_attention_layernorm,
                                              linear, self.splitk_into_norm)
-            act = silu_mul(linear(layer.mlp.gate_up_proj, h))
+            act = silu_of_gate_up(layer.mlp.gate_up_proj, h, linear, self.silu_in_gate_up)
             h, residual = add_norm_of_linear(layer.mlp.down_proj, act, residual, norms[i + 1], linear,
                                              self.splitk_into_norm)
         return h

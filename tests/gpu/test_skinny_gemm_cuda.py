@@ -146,3 +146,25 @@ def test_split_k_partials_into_the_norm_same_bits_at_8b_shapes_and_in_the_engine
     outs = generate_per_setting(model, cfg, {on: lambda on=on: setattr(model, "splitk_into_norm", on)
                                              for on in (False, True)}, prompt_lens=(3, 40), seed=2)
     assert_same_tokens_and_logprobs(outs[False], outs[True])
+
+
+def test_gate_up_silu_epilogue_same_bits_at_8b_shape_and_in_the_engine():
+    """The 8B gate_up GEMM with SiLU * up in its epilogue, at the table's configs for M = 1, 16,
+    32 and 64: the bits of the plain GEMM followed by fused_ops.silu_mul. Then one 8B-shape layer
+    through the engine's decode graphs: the same greedy tokens and logprobs with it on and off."""
+    from engine_ab import assert_same_tokens_and_logprobs, generate_per_setting, llama8b_model
+    from rollout.kernels.fused_ops import silu_mul
+    from rollout.kernels.skinny_gemm import pick_config, skinny_gemm
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w = torch.randn(28672, 4096, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02
+    for M in (1, 16, 32, 64):
+        cfg = pick_config(28672, 4096, M)
+        assert cfg is not None and (len(cfg) < 5 or cfg[4] == 1), cfg   # the epilogue path takes no split-K
+        x = torch.randn(M, 4096, device="cuda", dtype=torch.bfloat16, generator=g)
+        want = silu_mul(skinny_gemm(x, w, *cfg))
+        got = skinny_gemm(x, w, *cfg, silu_mul=True)
+        assert torch.equal(got, want), M
+    model, cfg = llama8b_model(1)
+    outs = generate_per_setting(model, cfg, {on: lambda on=on: setattr(model, "silu_in_gate_up", on)
+                                             for on in (False, True)}, prompt_lens=(3, 40), seed=5)
+    assert_same_tokens_and_logprobs(outs[False], outs[True])
