@@ -164,6 +164,36 @@ def test_rope_kv(dtype):
     assert torch.equal(vc, vc_ref)
 
 
+@pytest.mark.parametrize("block_n,T", [(32, 5), (16, 16), (32, 1)])
+def test_qkv_gemm_with_rope_epilogue_gives_the_two_kernel_bits(block_n, T):
+    """qkv_rope_and_write_kv: the QKV GEMM whose epilogue rotates q and k and writes K/V to the
+    cache gives the same q, cache and untouched-slot bits as skinny_gemm then rope_and_write_kv.
+    block_n / 2 = 16 frequency pairs (a whole half-head, D = 32) or 8 (two programs per head);
+    slot -1 and tokens past slot_mapping are not written. fp16 (the interpreter's bf16 dot is
+    broken). Rotating with the wrong half is caught."""
+    from rollout.kernels import skinny_gemm as sg
+    from rollout.kernels.rope_kv import qkv_rope_and_write_kv
+    Hq, Hkv, D, ps, K = 4, 2, 32, 16, 256
+    g = torch.Generator().manual_seed(block_n + T)
+    x = torch.randn(T, K, generator=g).half()
+    w = (torch.randn((Hq + 2 * Hkv) * D, K, generator=g) / 8).half()
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, D, 2).float() / D))
+    positions = torch.randint(0, 3000, (T,), generator=g)
+    slots = torch.tensor([3, -1, 40, 8, 17][:max(T - 1, 1)])
+    caches = {k: [torch.full((4, ps, Hkv, D), float("nan"), dtype=torch.float16) for _ in range(2)] for k in "ab"}
+    qkv = sg.skinny_gemm(x, w, block_n, 64, 4, 2)
+    q, k, v = (t.view(T, -1, D) for t in qkv.split([Hq * D, Hkv * D, Hkv * D], dim=-1))
+    want = rope_and_write_kv(q, k, v, positions, inv_freq, *caches["a"], slots)
+    got = qkv_rope_and_write_kv(x, w, Hq, positions, inv_freq, *caches["b"], slots, block_n, 64, 4, 2)
+    assert torch.equal(got, want)
+    for a, b in zip(caches["a"], caches["b"]):
+        assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0))
+    assert caches["b"][0].isnan().sum() == caches["a"][0].isnan().sum() > 0   # only the slots given
+    w_swapped = w.view(Hq + 2 * Hkv, 2, D // 2, K).flip(1).reshape(w.shape)
+    bad = qkv_rope_and_write_kv(x, w_swapped, Hq, positions, inv_freq, *caches["b"], slots, block_n, 64, 4, 2)
+    assert not torch.equal(bad, want)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_ops(dtype):
     for name, got, want in fused_ops_cases("cpu", dtype):
@@ -267,33 +297,41 @@ def test_decoder_splitk_into_norm_takes_the_partials_path_with_the_same_bits(mon
 
 
 
-def test_engine_splitk_into_norm_and_silu_epilogue_take_their_paths_with_the_same_bits(monkeypatch):
-    """The tiny model through the engine on the Triton backend (fp32, interpreter), with a split-K
-    config standing in for the GPU-only skinny-GEMM table (no split for gate_up, whose K is 256):
-    with `splitk_into_norm` the o_proj and down_proj partials go to the add + RMSNorm kernel, and
-    with `silu_in_gate_up` the gate_up GEMM writes SiLU * up itself; tokens and logprobs are
-    bit-equal to the plain kernels'."""
+def test_engine_fused_gemm_paths_give_the_same_bits(monkeypatch):
+    """The tiny model through the engine on the Triton backend (fp32, interpreter), with configs
+    standing in for the GPU-only skinny-GEMM table (split-K for o_proj and down_proj; none for
+    gate_up, and for qkv a 32-row tile, 16 frequency pairs of a 32-wide head): with
+    `splitk_into_norm` the o_proj and down_proj partials go to the add + RMSNorm kernel, with
+    `silu_in_gate_up` the gate_up GEMM writes SiLU * up itself, and with `rope_in_qkv` the QKV
+    GEMM rotates q and k and writes the K/V cache. Tokens and logprobs are bit-equal to the plain
+    kernels'."""
     from rollout import RolloutEngine, SamplingParams
     from rollout.bench.shapes import make_config
     from rollout.kernels import skinny_gemm as sg
     from rollout.models import decoder
     monkeypatch.setattr(decoder, "_skinny_config",
                         lambda w, x: None if x.shape[0] > 64 or w.shape[1] % 128 else
-                        (64, 64, 4, 2, 1) if w.shape[0] == 2 * 768 else (64, 64, 4, 2, 2))
+                        (64, 64, 4, 2, 1) if w.shape[0] == 2 * 768 else
+                        (32, 64, 4, 2, 1) if w.shape[0] == (8 + 2 * 2) * 32 else (64, 64, 4, 2, 2))
     calls = []
     inner = sg.skinny_gemm
     monkeypatch.setattr(sg, "skinny_gemm", lambda *a, **k: (calls.append((a[1].shape[0], k)), inner(*a, **k))[1])
+    from rollout.kernels import rope_kv
+    rope_inner = rope_kv.qkv_rope_and_write_kv
+    monkeypatch.setattr(rope_kv, "qkv_rope_and_write_kv",
+                        lambda *a, **k: (calls.append((-1, {})), rope_inner(*a, **k))[1])
     prompts = [[5, 9, 200, 31], [7] * 11]
     p = SamplingParams(max_new_tokens=3, temperature=0.9, seed=3, ignore_eos=True)
     outs = {}
     for on in (False, True):
         eng = RolloutEngine.from_config(make_config("tiny"), seed=0, device="cpu", dtype="float32",
                                         max_model_len=64, num_kv_pages=16, attention_backend="triton")
-        eng.model.splitk_into_norm = eng.model.silu_in_gate_up = on
+        eng.model.splitk_into_norm = eng.model.silu_in_gate_up = eng.model.rope_in_qkv = on
         calls.clear()
         outs[on] = eng.generate(prompts, p, use_tqdm=False)
         assert {n for n, kw in calls if kw.get("partials")} == ({256} if on else set())   # o_proj, down_proj
         assert any(kw.get("silu_mul") for _, kw in calls) == on    # gate_up (intermediate 768, K 256)
+        assert any(n == -1 for n, _ in calls) == on                # the QKV GEMM with the RoPE epilogue
     for a, b in zip(outs[False], outs[True]):
         assert a.completions[0].token_ids == b.completions[0].token_ids
         assert a.completions[0].logprobs == b.completions[0].logprobs
@@ -426,6 +464,8 @@ def test_compiles_for_sm90(tmp_path):
                          MERGE_LAST=merge_last, **common)
             compile_(pd._decode_merge_kernel, pdl, HEAD_DIM=128, NUM_SPLITS=3)
             compile_(rk._rope_kv_kernel, pdl, HQ=32, HKV=8, Q_HEADS=8, HKV_PAD=8, HALF=64, PRECISE=False)
+            compile_(rk._qkv_rope_kernel, pdl, early_loads=True, HQ=32, HKV=8, HALF=64, BLOCK_M=32, BLOCK_N=64,
+                     BLOCK_K=128, PRECISE=True)                   # QKV GEMM + RoPE + K/V write epilogue
             compile_(fo._add_rmsnorm_kernel, pdl, HAS_DELTA=True, DELTA_PARTIALS=2 if pdl else 0, BLOCK=4096)
             compile_(fo._silu_mul_kernel, pdl, BLOCK=1024)
             for split in (1, 2):

@@ -18,6 +18,7 @@ ends with the baseline to show the drift. A variant is knobs joined by "+", on t
                     (the default; no_splitk_norm: the GEMM's own fix-up)
   merge_last        decode attention: the last split program merges, no merge kernel
   silu_gate_up      SiLU * up in the gate_up GEMM's epilogue, no SiLU kernel
+  rope_in_qkv       RoPE + the K/V write in the QKV GEMM's epilogue, no RoPE kernel
 """
 from __future__ import annotations
 
@@ -45,6 +46,7 @@ def apply(eng, variant: str, defaults: dict) -> None:
     paged_decode.MERGE_IN_SPLIT = defaults["merge_last"]
     eng.model.splitk_into_norm = defaults["splitk_norm"]
     eng.model.silu_in_gate_up = defaults["silu_gate_up"]
+    eng.model.rope_in_qkv = defaults["rope_in_qkv"]
     for knob in variant.split("+"):
         name, _, val = knob.partition("=")
         nums = tuple(int(v) for v in val.split(",")) if val and val != "cublas" else None
@@ -54,6 +56,8 @@ def apply(eng, variant: str, defaults: dict) -> None:
             pdl.set_enabled(True, launch_first=False)
         elif knob in ("splitk_norm", "no_splitk_norm"):
             eng.model.splitk_into_norm = knob == "splitk_norm"
+        elif knob == "rope_in_qkv":
+            eng.model.rope_in_qkv = True
         elif knob == "silu_gate_up":
             eng.model.silu_in_gate_up = True
         elif knob == "merge_last":
@@ -110,7 +114,8 @@ def main(argv=None):
     defaults = dict(rope=rope_kv.Q_HEADS_PER_PROGRAM, table=dict(skinny_gemm._LLAMA3_8B),
                     tile=dict(paged_decode.DECODE_TILE), splits=paged_decode.pick_num_splits,
                     merge_last=paged_decode.MERGE_IN_SPLIT,
-                    splitk_norm=eng.model.splitk_into_norm, silu_gate_up=eng.model.silu_in_gate_up)
+                    splitk_norm=eng.model.splitk_into_norm, silu_gate_up=eng.model.silu_in_gate_up,
+                    rope_in_qkv=eng.model.rope_in_qkv)
     rows = []
     for v in args.variants:
         try:

@@ -10,6 +10,12 @@ form with each product and the sum rounded to the activation dtype (torch's eage
 round after every op; we do the same so logprobs do not move when this kernel is switched on).
 K/V rows go to slot = page * page_size + offset (slot_mapping [n] int64, n <= T; tokens past n
 or with a negative slot are not written, e.g. CUDA-graph padding).
+
+`qkv_rope_and_write_kv` does the same in the epilogue of the QKV projection's skinny GEMM
+(kernels/skinny_gemm.py's main loop): each program takes matching row blocks of a head's two
+halves as one weight tile, rounds the products to the activation dtype as the GEMM would store
+them, then rotates them with the same helpers, so q and the cache get the same bits with one
+kernel fewer per layer.
 """
 from __future__ import annotations
 
@@ -22,6 +28,7 @@ from triton.language.extra import libdevice
 
 from . import fix_interpreter
 from .pdl import enter, pdl_for
+from .skinny_gemm import weight_rows_times_x
 
 fix_interpreter()
 
@@ -33,8 +40,8 @@ Q_HEADS_PER_PROGRAM = 8   # a power of two; 0: every q head of a token in one pr
 
 @triton.jit
 def cos_sin(pos, inv_freq_ptr, f, dt, PRECISE: tl.constexpr):
-    """cos and sin of the angles pos * inv_freq[f] (fp32), rounded to dt as torch's eager path
-    rounds them; returned in fp32 as [1, HALF] rows."""
+    """cos and sin of the angles pos * inv_freq[f] (fp32; pos and f broadcast), rounded to dt as
+    torch's eager path rounds them; returned in fp32."""
     ang = pos.to(tl.float32) * tl.load(inv_freq_ptr + f)
     if PRECISE:
         c = libdevice.cos(ang)
@@ -42,7 +49,7 @@ def cos_sin(pos, inv_freq_ptr, f, dt, PRECISE: tl.constexpr):
     else:
         c = tl.cos(ang)
         s = tl.sin(ang)
-    return c.to(dt).to(tl.float32)[None, :], s.to(dt).to(tl.float32)[None, :]
+    return c.to(dt).to(tl.float32), s.to(dt).to(tl.float32)
 
 
 @triton.jit
@@ -79,6 +86,7 @@ def _rope_kv_kernel(
     dt = qo_ptr.dtype.element_ty
     f = tl.arange(0, HALF)
     c, s = cos_sin(tl.load(pos_ptr + t), inv_freq_ptr, f, dt, PRECISE)
+    c, s = c[None, :], s[None, :]
     t64 = t.to(tl.int64)
 
     if part > 0:
@@ -124,3 +132,72 @@ def rope_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positio
         launch_pdl=bool(pdl_for(q)),
         enable_fp_fusion=False)   # no mul+add -> FMA: torch's fp32 path rounds the products
     return out_q
+
+
+@triton.jit
+def _qkv_rope_kernel(
+        x_ptr, w_ptr, qo_ptr, pos_ptr, inv_freq_ptr, kc_ptr, vc_ptr, slot_ptr, n_slots, M, K,
+        s_xm, s_wn, s_qot, s_qoh, s_kcs, s_kch, s_vcs, s_vch,
+        HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr, PRECISE: tl.constexpr, PDL: tl.constexpr):
+    P: tl.constexpr = BLOCK_N // 2              # frequency pairs per program
+    pid = tl.program_id(0)
+    head = pid // (HALF // P)                    # q heads, then k heads, then v heads
+    f = (pid % (HALF // P)) * P + tl.arange(0, P)
+    r = tl.arange(0, BLOCK_N)
+    w_rows = head * 2 * HALF + (pid % (HALF // P)) * P + r % P + (r >= P).to(tl.int32) * HALF   # halves 1, 2
+    rm = tl.arange(0, BLOCK_M)
+    acc = weight_rows_times_x(x_ptr, w_ptr, w_rows, w_rows, rm, M, (HQ + 2 * HKV) * 2 * HALF, s_xm, s_wn,
+                              0, K // BLOCK_K, BLOCK_M, BLOCK_N, BLOCK_K, True, PDL)
+    dt = qo_ptr.dtype.element_ty
+    x1, x2 = tl.split(tl.permute(tl.reshape(acc, (2, P, BLOCK_M)), (1, 2, 0)))     # [P, BLOCK_M] halves
+    x1 = x1.to(dt).to(tl.float32)                # as the GEMM would store them
+    x2 = x2.to(dt).to(tl.float32)
+    m_ok = rm[None, :] < M
+    if head < HQ + HKV:
+        c, s = cos_sin(tl.load(pos_ptr + rm, mask=rm < M, other=0)[None, :], inv_freq_ptr, f[:, None], dt, PRECISE)
+        o1, o2 = rotate_halves(x1, x2, c, s, dt)
+        if head < HQ:
+            qp = qo_ptr + rm.to(tl.int64)[None, :] * s_qot + head * s_qoh + f[:, None]
+            tl.store(qp, o1, mask=m_ok)
+            tl.store(qp + HALF, o2, mask=m_ok)
+        else:
+            slot = tl.load(slot_ptr + rm, mask=(rm < n_slots) & (rm < M), other=-1)[None, :]
+            kp = kc_ptr + slot * s_kcs + (head - HQ) * s_kch + f[:, None]
+            tl.store(kp, o1, mask=slot >= 0)
+            tl.store(kp + HALF, o2, mask=slot >= 0)
+    else:
+        slot = tl.load(slot_ptr + rm, mask=(rm < n_slots) & (rm < M), other=-1)[None, :]
+        vp = vc_ptr + slot * s_vcs + (head - HQ - HKV) * s_vch + f[:, None]
+        tl.store(vp, x1.to(dt), mask=slot >= 0)
+        tl.store(vp + HALF, x2.to(dt), mask=slot >= 0)
+
+
+def qkv_rope_and_write_kv(x: torch.Tensor, w: torch.Tensor, num_heads: int, positions: torch.Tensor,
+                          inv_freq: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          slot_mapping: torch.Tensor, block_n: int, block_k: int, num_warps: int = 4,
+                          num_stages: int = 4) -> torch.Tensor:
+    """The fused QKV projection x [T, K] @ w.T (w [(Hq + 2 Hkv) D, K], no bias; q, k, v heads in
+    order), RoPE on q and k, and the K/V write: the result of skinny_gemm then rope_and_write_kv,
+    in one kernel. T <= 64 (one row tile). Returns RoPE'd q [T, Hq, D]."""
+    T, K = x.shape
+    Hkv, D = k_cache.shape[2], k_cache.shape[3]
+    half, pairs = D // 2, block_n // 2
+    assert w.shape == ((num_heads + 2 * Hkv) * D, K) and w.is_contiguous() and x.stride(1) == 1 and T <= 64
+    assert K % block_k == 0 and half % pairs == 0 and inv_freq.numel() == half, "tile / head_dim"
+    assert k_cache.stride(0) == k_cache.shape[1] * k_cache.stride(1) and v_cache.shape == k_cache.shape
+    assert v_cache.stride(0) == v_cache.shape[1] * v_cache.stride(1) and k_cache.stride(3) == v_cache.stride(3) == 1
+    assert slot_mapping.dtype == torch.int64 and slot_mapping.numel() <= T
+    out_q = torch.empty((T, num_heads, D), dtype=x.dtype, device=x.device)
+    if T == 0:
+        return out_q
+    pdl = pdl_for(x)
+    _qkv_rope_kernel[((num_heads + 2 * Hkv) * (half // pairs),)](
+        x, w, out_q, positions, inv_freq.float().contiguous(), k_cache, v_cache, slot_mapping, slot_mapping.numel(),
+        T, K, x.stride(0), w.stride(0), out_q.stride(0), out_q.stride(1), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(1), v_cache.stride(2), HQ=num_heads, HKV=Hkv, HALF=half,
+        BLOCK_M=max(16, triton.next_power_of_2(T)), BLOCK_N=block_n, BLOCK_K=block_k, PRECISE=PRECISE, PDL=pdl,
+        num_warps=num_warps, num_stages=num_stages, launch_pdl=bool(pdl),
+        enable_fp_fusion=False)   # the rotation rounds each product, as rope_and_write_kv (the MMA is unaffected)
+    return out_q
+

@@ -50,30 +50,12 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, s_
         rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         w_rows = rn
     rm = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)     # one M tile except batch_invariant_gemm's
-    rk = tl.arange(0, BLOCK_K)
     # This program's K tiles [kt0, kt1): all of K, or its share of a split.
     k_tiles = K // BLOCK_K                       # K % BLOCK_K == 0 (checked by the wrapper)
     per = tl.cdiv(k_tiles, SPLIT_K)
     kt0 = tl.program_id(1) * per
-    kt1 = tl.minimum(kt0 + per, k_tiles)
-    w_ptrs = w_ptr + w_rows.to(tl.int64)[:, None] * s_wn + (kt0 * BLOCK_K + rk)[None, :]
-    x_ptrs = x_ptr + rm.to(tl.int64)[:, None] * s_xm + (kt0 * BLOCK_K + rk)[None, :]
-    m_ok = rm[:, None] < M
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    if PDL:   # the first weight tile while the previous kernel drains (weights are not its output;
-        # two tiles measured no faster inside the decode graphs, bench/results/README.md)
-        w = _load_w(w_ptrs, rn, N, EVEN_N)
-        enter(PDL)
-        acc = tl.dot(w, tl.trans(tl.load(x_ptrs, mask=m_ok, other=0.0)), acc)
-        w_ptrs += BLOCK_K
-        x_ptrs += BLOCK_K
-        kt0 += 1
-    for _ in range(kt0, kt1):
-        w = _load_w(w_ptrs, rn, N, EVEN_N)
-        x = tl.load(x_ptrs, mask=m_ok, other=0.0)
-        acc = tl.dot(w, tl.trans(x), acc)
-        w_ptrs += BLOCK_K
-        x_ptrs += BLOCK_K
+    acc = weight_rows_times_x(x_ptr, w_ptr, w_rows, rn, rm, M, N, s_xm, s_wn, kt0, tl.minimum(kt0 + per, k_tiles),
+                              BLOCK_M, BLOCK_N, BLOCK_K, EVEN_N, PDL)
     if SPLIT_K > 1:
         # Serial split-K fix-up: each split stores its fp32 partial; the last of the tile's
         # programs to arrive adds them in split order (the same bits whichever arrives last)
@@ -101,6 +83,34 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, s_
                  mask=(rm[None, :] < M) & (cols[:, None] < N))
     else:
         _epilogue(acc, b_ptr, y_ptr, rm, rn, M, N, s_ym, HAS_BIAS)
+
+
+@triton.jit
+def weight_rows_times_x(x_ptr, w_ptr, w_rows, rn, rm, M, N, s_xm, s_wn, kt0, kt1, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, PDL: tl.constexpr):
+    """acc [BLOCK_N, BLOCK_M] = w[w_rows] @ x[rm].T over K tiles [kt0, kt1), fp32 in K order (the
+    weight tile is the MMA's left operand). rn < N masks weight rows unless EVEN_N. With PDL the
+    first weight tile is loaded before the wait on the previous kernel (weights are not its
+    output; two tiles measured no faster inside the decode graphs, bench/results/README.md)."""
+    rk = tl.arange(0, BLOCK_K)
+    w_ptrs = w_ptr + w_rows.to(tl.int64)[:, None] * s_wn + (kt0 * BLOCK_K + rk)[None, :]
+    x_ptrs = x_ptr + rm.to(tl.int64)[:, None] * s_xm + (kt0 * BLOCK_K + rk)[None, :]
+    m_ok = rm[:, None] < M
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    if PDL:
+        w = _load_w(w_ptrs, rn, N, EVEN_N)
+        enter(PDL)
+        acc = tl.dot(w, tl.trans(tl.load(x_ptrs, mask=m_ok, other=0.0)), acc)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+        kt0 += 1
+    for _ in range(kt0, kt1):
+        w = _load_w(w_ptrs, rn, N, EVEN_N)
+        x = tl.load(x_ptrs, mask=m_ok, other=0.0)
+        acc = tl.dot(w, tl.trans(x), acc)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    return acc
 
 
 @triton.jit

@@ -201,13 +201,25 @@ class Attention(nn.Module):
         o = attend(q, k_cache, v_cache, meta, self.scale, self.sliding_window)
         return self.o_proj(o.reshape(x.shape[0], self.q_size))
 
-    def attend_fused(self, x, positions, inv_freq, kv_cache, meta: AttentionMetadata, linear=plain_linear):
-        """The Triton path up to o_proj: RoPE and the K/V write in one kernel, then paged attention.
-        Returns the attention output [T, q_size]."""
-        from ..kernels import rope_and_attend
-        q, k, v = self._qkv(x, linear)
+    def attend_fused(self, x, positions, inv_freq, kv_cache, meta: AttentionMetadata, linear=plain_linear,
+                     rope_in_qkv=False):
+        """The Triton path up to o_proj: RoPE and the K/V write in one kernel (with `rope_in_qkv`,
+        where the skinny GEMM takes this shape without split-K, in the QKV GEMM's epilogue), then
+        paged attention. Returns the attention output [T, q_size]."""
+        from ..kernels import paged_attention, rope_and_attend
         k_cache, v_cache = kv_cache
-        o = rope_and_attend(q, k, v, positions, inv_freq, k_cache, v_cache, meta, self.scale, self.sliding_window)
+        w = self.qkv_proj.weight
+        cfg = _skinny_config(w, x) if rope_in_qkv and linear is skinny_or_cublas else None
+        if (cfg is not None and (len(cfg) < 5 or cfg[4] == 1) and self.qkv_proj.bias is None and not self.qk_norm
+                and (self.head_dim // 2) % (cfg[0] // 2) == 0):
+            from ..kernels.rope_kv import qkv_rope_and_write_kv
+            q = qkv_rope_and_write_kv(x, w, self.num_heads, positions, inv_freq, k_cache, v_cache,
+                                      meta.slot_mapping, *cfg[:4])
+            o = paged_attention(q, k_cache, v_cache, meta, self.scale, self.sliding_window)
+        else:
+            q, k, v = self._qkv(x, linear)
+            o = rope_and_attend(q, k, v, positions, inv_freq, k_cache, v_cache, meta, self.scale,
+                                self.sliding_window)
         return o.reshape(x.shape[0], self.q_size)
 
 
@@ -263,6 +275,9 @@ class DecoderLM(nn.Module):
         # SiLU * up in the gate_up GEMM's epilogue: one kernel fewer per layer, same bits;
         # CPU-tested, not yet timed on the H200, so off (bench.step_variants knob silu_gate_up).
         self.silu_in_gate_up = False
+        # RoPE + the K/V write in the QKV GEMM's epilogue: one kernel fewer per layer, same bits;
+        # CPU-tested, not yet timed on the H200, so off (bench.step_variants knob rope_in_qkv).
+        self.rope_in_qkv = False
         self.batch_invariant = False  # set by the engine: every GEMM through invariant_linear
 
     def _linear(self):
@@ -296,7 +311,7 @@ class DecoderLM(nn.Module):
         residual = self.embed_tokens(input_ids)
         h, _ = add_rmsnorm(residual, norms[0].weight, norms[0].eps)
         for i, (layer, kv) in enumerate(zip(self.layers, kv_caches)):
-            a = layer.self_attn.attend_fused(h, positions, self.inv_freq, kv, meta, linear)
+            a = layer.self_attn.attend_fused(h, positions, self.inv_freq, kv, meta, linear, self.rope_in_qkv)
             h, residual = add_norm_of_linear(layer.self_attn.o_proj, a, residual, layer.post_attention_layernorm,
                                              linear, self.splitk_into_norm)
             act = silu_of_gate_up(layer.mlp.gate_up_proj, h, linear, self.silu_in_gate_up)
