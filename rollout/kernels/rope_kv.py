@@ -200,4 +200,3 @@ def qkv_rope_and_write_kv(x: torch.Tensor, w: torch.Tensor, num_heads: int, posi
         num_warps=num_warps, num_stages=num_stages, launch_pdl=bool(pdl),
         enable_fp_fusion=False)   # the rotation rounds each product, as rope_and_write_kv (the MMA is unaffected)
     return out_q
-
