@@ -302,9 +302,9 @@ def test_engine_fused_gemm_paths_give_the_same_bits(monkeypatch):
     standing in for the GPU-only skinny-GEMM table (split-K for o_proj and down_proj; none for
     gate_up, and for qkv a 32-row tile, 16 frequency pairs of a 32-wide head): with
     `splitk_into_norm` the o_proj and down_proj partials go to the add + RMSNorm kernel, with
-    `silu_in_gate_up` the gate_up GEMM writes SiLU * up itself, and with `rope_in_qkv` the QKV
-    GEMM rotates q and k and writes the K/V cache. Tokens and logprobs are bit-equal to the plain
-    kernels'."""
+    `silu_in_gate_up` the gate_up GEMM writes SiLU * up itself, with `rope_in_qkv` the QKV GEMM
+    rotates q and k and writes the K/V cache, and with `MERGE_IN_SPLIT` the decode kernel merges
+    its own splits. Tokens and logprobs are bit-equal to the plain kernels'."""
     from rollout import RolloutEngine, SamplingParams
     from rollout.bench.shapes import make_config
     from rollout.kernels import skinny_gemm as sg
@@ -316,7 +316,7 @@ def test_engine_fused_gemm_paths_give_the_same_bits(monkeypatch):
     calls = []
     inner = sg.skinny_gemm
     monkeypatch.setattr(sg, "skinny_gemm", lambda *a, **k: (calls.append((a[1].shape[0], k)), inner(*a, **k))[1])
-    from rollout.kernels import rope_kv
+    from rollout.kernels import paged_decode, rope_kv
     rope_inner = rope_kv.qkv_rope_and_write_kv
     monkeypatch.setattr(rope_kv, "qkv_rope_and_write_kv",
                         lambda *a, **k: (calls.append((-1, {})), rope_inner(*a, **k))[1])
@@ -327,6 +327,7 @@ def test_engine_fused_gemm_paths_give_the_same_bits(monkeypatch):
         eng = RolloutEngine.from_config(make_config("tiny"), seed=0, device="cpu", dtype="float32",
                                         max_model_len=64, num_kv_pages=16, attention_backend="triton")
         eng.model.splitk_into_norm = eng.model.silu_in_gate_up = eng.model.rope_in_qkv = on
+        monkeypatch.setattr(paged_decode, "MERGE_IN_SPLIT", on)
         calls.clear()
         outs[on] = eng.generate(prompts, p, use_tqdm=False)
         assert {n for n, kw in calls if kw.get("partials")} == ({256} if on else set())   # o_proj, down_proj
