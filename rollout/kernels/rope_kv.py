@@ -154,6 +154,7 @@ def _qkv_rope_kernel(
     x1 = x1.to(dt).to(tl.float32)                # as the GEMM would store them
     x2 = x2.to(dt).to(tl.float32)
     m_ok = rm[None, :] < M
+    slot = tl.load(slot_ptr + rm, mask=(rm < n_slots) & (rm < M), other=-1)[None, :]   # k, v programs use it
     if head < HQ + HKV:
         c, s = cos_sin(tl.load(pos_ptr + rm, mask=rm < M, other=0)[None, :], inv_freq_ptr, f[:, None], dt, PRECISE)
         o1, o2 = rotate_halves(x1, x2, c, s, dt)
@@ -162,12 +163,10 @@ def _qkv_rope_kernel(
             tl.store(qp, o1, mask=m_ok)
             tl.store(qp + HALF, o2, mask=m_ok)
         else:
-            slot = tl.load(slot_ptr + rm, mask=(rm < n_slots) & (rm < M), other=-1)[None, :]
             kp = kc_ptr + slot * s_kcs + (head - HQ) * s_kch + f[:, None]
             tl.store(kp, o1, mask=slot >= 0)
             tl.store(kp + HALF, o2, mask=slot >= 0)
     else:
-        slot = tl.load(slot_ptr + rm, mask=(rm < n_slots) & (rm < M), other=-1)[None, :]
         vp = vc_ptr + slot * s_vcs + (head - HQ - HKV) * s_vch + f[:, None]
         tl.store(vp, x1.to(dt), mask=slot >= 0)
         tl.store(vp + HALF, x2.to(dt), mask=slot >= 0)

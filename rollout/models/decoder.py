@@ -110,11 +110,10 @@ def add_norm_of_linear(lin: nn.Module, x: torch.Tensor, residual: torch.Tensor, 
     the skinny GEMM splits K for this shape, the norm kernel sums the GEMM's fp32 partials itself
     (the same bits; the GEMM skips its fix-up tail)."""
     from ..kernels.fused_ops import add_rmsnorm
-    if splitk_into_norm and linear is skinny_or_cublas and getattr(lin, "bias", None) is None:
-        cfg = _skinny_config(lin.weight, x)
-        if cfg is not None and len(cfg) > 4 and cfg[4] > 1:
-            from ..kernels.skinny_gemm import skinny_gemm
-            return add_rmsnorm(residual, norm.weight, norm.eps, delta=skinny_gemm(x, lin.weight, *cfg, partials=True))
+    cfg = _fusable_config(lin, x, linear, split_k=True) if splitk_into_norm else None
+    if cfg is not None:
+        from ..kernels.skinny_gemm import skinny_gemm
+        return add_rmsnorm(residual, norm.weight, norm.eps, delta=skinny_gemm(x, lin.weight, *cfg, partials=True))
     return add_rmsnorm(residual, norm.weight, norm.eps, delta=linear(lin, x))
 
 
@@ -123,12 +122,22 @@ def silu_of_gate_up(lin: nn.Module, x: torch.Tensor, linear, in_epilogue: bool =
     takes this shape without split-K, its epilogue does it (the same bits; no SiLU kernel, and
     gate_up's output never goes to memory)."""
     from ..kernels.fused_ops import silu_mul
-    if in_epilogue and linear is skinny_or_cublas and getattr(lin, "bias", None) is None:
-        cfg = _skinny_config(lin.weight, x)
-        if cfg is not None and (len(cfg) < 5 or cfg[4] == 1):
-            from ..kernels.skinny_gemm import skinny_gemm
-            return skinny_gemm(x, lin.weight, *cfg, silu_mul=True)
+    cfg = _fusable_config(lin, x, linear, split_k=False) if in_epilogue else None
+    if cfg is not None:
+        from ..kernels.skinny_gemm import skinny_gemm
+        return skinny_gemm(x, lin.weight, *cfg, silu_mul=True)
     return silu_mul(linear(lin, x))
+
+
+def _fusable_config(lin: nn.Module, x: torch.Tensor, linear, split_k: bool):
+    """The skinny-GEMM config of lin(x) when a fused path may take it: the skinny GEMM is in use
+    for this shape, lin has no bias, and the config splits K (split_k) or does not. Else None."""
+    if linear is not skinny_or_cublas or getattr(lin, "bias", None) is not None:
+        return None
+    cfg = _skinny_config(lin.weight, x)
+    if cfg is None or (len(cfg) > 4 and cfg[4] > 1) != split_k:
+        return None
+    return cfg
 
 
 def _skinny_config(w: torch.Tensor, x: torch.Tensor):
@@ -208,13 +217,11 @@ class Attention(nn.Module):
         paged attention. Returns the attention output [T, q_size]."""
         from ..kernels import paged_attention, rope_and_attend
         k_cache, v_cache = kv_cache
-        w = self.qkv_proj.weight
-        cfg = _skinny_config(w, x) if rope_in_qkv and linear is skinny_or_cublas else None
-        if (cfg is not None and (len(cfg) < 5 or cfg[4] == 1) and self.qkv_proj.bias is None and not self.qk_norm
-                and (self.head_dim // 2) % (cfg[0] // 2) == 0):
+        cfg = _fusable_config(self.qkv_proj, x, linear, split_k=False) if rope_in_qkv and not self.qk_norm else None
+        if cfg is not None and (self.head_dim // 2) % (cfg[0] // 2) == 0:
             from ..kernels.rope_kv import qkv_rope_and_write_kv
-            q = qkv_rope_and_write_kv(x, w, self.num_heads, positions, inv_freq, k_cache, v_cache,
-                                      meta.slot_mapping, *cfg[:4])
+            q = qkv_rope_and_write_kv(x, self.qkv_proj.weight, self.num_heads, positions, inv_freq, k_cache,
+                                      v_cache, meta.slot_mapping, *cfg[:4])
             o = paged_attention(q, k_cache, v_cache, meta, self.scale, self.sliding_window)
         else:
             q, k, v = self._qkv(x, linear)
