@@ -58,11 +58,12 @@ for s in $sections; do
          attn=3,32,4,2 attn=4,64,4,2 attn=2,64,4,3 attn=2,64,8,2 base"
       timeout 560 python3 -m rollout.bench.step_variants --shape llama3-8b --batch 32 --context 4352 --steps 40 \
         --variants ${VARIANTS:-$V} --out $OUT/step_variants_l8b_B32_C4352.json 2>&1 | grep -A40 "^| variant" ;;
-    fusion_knobs) # the eighth session's untimed fusions (split merge in the split kernel, SiLU in the gate_up
-      # epilogue, RoPE + K/V write in the QKV epilogue): their GPU tests, then an alternated A/B
+    epilogues) # the SiLU and RoPE GEMM epilogues, on by default since the ninth session: their GPU tests, the
+      # fused kernels against the two they replace, then P1 end to end with both off and on
       TEST_FILES="tests/gpu/test_kernels_cuda.py tests/gpu/test_skinny_gemm_cuda.py" bash $0 tests_files
-      VARIANTS="base merge_last base merge_last base silu_gate_up base silu_gate_up base rope_in_qkv base rope_in_qkv
-        base merge_last+silu_gate_up+rope_in_qkv base merge_last+silu_gate_up+rope_in_qkv base" bash $0 variants ;;
+      timeout 120 python3 -m rollout.bench.gemm --shape llama3-8b --epilogues-only --m 32 1 16 64 \
+        --out $OUT/gemm_epilogues_l8b.json 2>&1 | grep -E "^NVIDIA|M=|Error"
+      TAG=_epilogues0 ROLLOUT_SILU_GATE_UP=0 ROLLOUT_ROPE_QKV=0 bash $0 p1; TAG=_epilogues1 bash $0 p1 ;;
     repeat_base) # the baseline alone, 7 windows: does the last window (near the requests' end) read fast?
       VARIANTS="base base base base base base base" bash $0 variants ;;
     splitk_ab) # split-K partials into the norm, alternated with the baseline in one process, then P1 end to end

@@ -67,31 +67,6 @@ def test_decode_fp32(Hq, Hkv, ps, block_n, num_splits, window):
     torch.testing.assert_close(out, reference(q, caches, meta, scale, window), **FP32_TOL)  # row 0: zeros
 
 
-@pytest.mark.parametrize("num_splits", [2, 3, 4])
-def test_decode_merge_in_split_gives_the_merge_kernels_bits(num_splits):
-    """MERGE_LAST: the last-arriving split program of each (sequence, KV head) merges the splits
-    instead of the merge kernel, through the same helper, so the output bits are the same; the
-    arrival counters are back at zero (a second call, as a graph replay, gives the same bits).
-    Padding row 0 and 1-token rows leave splits empty. fp16 (the interpreter's bf16 dot is broken)."""
-    from rollout import kernels
-    Hq, Hkv, D, ps = 8, 2, 32, 16
-    lens = [0, 1, ps + 1, 83, 150]
-    caches, poisoned, bt = make_paged(lens, Hkv, D, ps, torch.float16, seed=num_splits)
-    q = torch.randn(len(lens), Hq, D).half()
-    meta = meta_for(lens, [1] * len(lens), bt, ps)
-    outs = {}
-    for merge in (False, True):
-        outs[merge] = torch.full_like(q, float("nan"))
-        paged_decode_attention(q, *poisoned, bt, meta.seq_lens, 0.3, None, num_splits, out=outs[merge], block_n=16,
-                               merge_in_split=merge)
-    assert torch.equal(outs[True], outs[False])
-    assert int(kernels._COUNTERS[q.device][:len(lens) * Hkv].abs().sum()) == 0
-    again = paged_decode_attention(q, *poisoned, bt, meta.seq_lens, 0.3, None, num_splits, block_n=16,
-                                   merge_in_split=True)
-    assert torch.equal(again, outs[True])
-    torch.testing.assert_close(outs[True].float(), reference(q, caches, meta, 0.3, None), **FP16_TOL)
-
-
 def test_decode_fp16():
     lens, ps, Hq, Hkv, D = [0, 1, 16, 17, 45], 16, 8, 2, 64
     caches, poisoned, bt = make_paged(lens, Hkv, D, ps, torch.float16, seed=7)
@@ -211,7 +186,6 @@ def test_skinny_gemm_split_k(split_k):
     order differs from torch, ~1e-6 on these O(1) sums; 1e-5 catches a lost or doubled split).
     N = 96 is not a multiple of BLOCK_N (masked tail); the counters are back at 0 after each
     call, so a second call (as a graph replay would) gives the same bits."""
-    from rollout import kernels
     from rollout.kernels import skinny_gemm as sg
     g = torch.Generator().manual_seed(split_k)
     x, w, b = torch.randn(5, 512, generator=g), torch.randn(96, 512, generator=g) / 16, torch.randn(96, generator=g)
@@ -219,7 +193,7 @@ def test_skinny_gemm_split_k(split_k):
     sg.skinny_gemm(x, w, 64, 64, 4, 2, split_k, out=out, bias=b)
     torch.testing.assert_close(out, x @ w.T + b, atol=1e-5, rtol=1e-5)
     if split_k > 1:
-        assert int(kernels._COUNTERS[x.device][:2].abs().sum()) == 0
+        assert int(sg._COUNTERS[x.device][:2].abs().sum()) == 0
     again = sg.skinny_gemm(x, w, 64, 64, 4, 2, split_k, bias=b)
     assert torch.equal(again, out)
     with pytest.raises(AssertionError, match="do not split"):
@@ -303,8 +277,8 @@ def test_engine_fused_gemm_paths_give_the_same_bits(monkeypatch):
     gate_up, and for qkv a 32-row tile, 16 frequency pairs of a 32-wide head): with
     `splitk_into_norm` the o_proj and down_proj partials go to the add + RMSNorm kernel, with
     `silu_in_gate_up` the gate_up GEMM writes SiLU * up itself, with `rope_in_qkv` the QKV GEMM
-    rotates q and k and writes the K/V cache, and with `MERGE_IN_SPLIT` the decode kernel merges
-    its own splits. Tokens and logprobs are bit-equal to the plain kernels'."""
+    rotates q and k and writes the K/V cache. Tokens and logprobs are bit-equal to the plain
+    kernels'."""
     from rollout import RolloutEngine, SamplingParams
     from rollout.bench.shapes import make_config
     from rollout.kernels import skinny_gemm as sg
@@ -316,7 +290,7 @@ def test_engine_fused_gemm_paths_give_the_same_bits(monkeypatch):
     calls = []
     inner = sg.skinny_gemm
     monkeypatch.setattr(sg, "skinny_gemm", lambda *a, **k: (calls.append((a[1].shape[0], k)), inner(*a, **k))[1])
-    from rollout.kernels import paged_decode, rope_kv
+    from rollout.kernels import rope_kv
     rope_inner = rope_kv.qkv_rope_and_write_kv
     monkeypatch.setattr(rope_kv, "qkv_rope_and_write_kv",
                         lambda *a, **k: (calls.append((-1, {})), rope_inner(*a, **k))[1])
@@ -327,7 +301,6 @@ def test_engine_fused_gemm_paths_give_the_same_bits(monkeypatch):
         eng = RolloutEngine.from_config(make_config("tiny"), seed=0, device="cpu", dtype="float32",
                                         max_model_len=64, num_kv_pages=16, attention_backend="triton")
         eng.model.splitk_into_norm = eng.model.silu_in_gate_up = eng.model.rope_in_qkv = on
-        monkeypatch.setattr(paged_decode, "MERGE_IN_SPLIT", on)
         calls.clear()
         outs[on] = eng.generate(prompts, p, use_tqdm=False)
         assert {n for n, kw in calls if kw.get("partials")} == ({256} if on else set())   # o_proj, down_proj
@@ -448,9 +421,8 @@ def test_compiles_for_sm90(tmp_path):
                 if not early_loads:
                     assert wait < first("ld.global", "cp.async"), fn.__name__ + ": a load before the wait"
         common = dict(HEAD_DIM=128, PAGE_SIZE=16, BLOCK_N=64, DOT_PREC="tf32")
-        compile_(pd._decode_split_kernel, GROUP=4, GROUP_PAD=16, NUM_SPLITS=2, USE_WINDOW=True, MERGE_LAST=False,
-                 **common)
-        compile_(pd._decode_merge_kernel, HEAD_DIM=128, NUM_SPLITS=3)
+        compile_(pd._decode_split_kernel, GROUP=4, GROUP_PAD=16, NUM_SPLITS=2, USE_WINDOW=True, **common)
+        compile_(pd._decode_merge_kernel, HEAD_DIM=128, NUM_SPLITS=3, SPLITS_PAD=4)
         for split, programs in ((0, False), (1024, False), (1024, True)):    # normal; batch-invariant
             compile_(pp._prefill_kernel, split > 0, GROUP=7, BLOCK_Q=9, BLOCK_M=64, USE_WINDOW=True,
                      SPLIT_LEN=split, SPLIT_PROGRAMS=programs, MAX_SPLITS=17, **common)
@@ -458,12 +430,10 @@ def test_compiles_for_sm90(tmp_path):
         compile_(rk._rope_kv_kernel, HQ=28, HKV=4, Q_HEADS=8, HKV_PAD=4, HALF=64, PRECISE=True)
         compile_(fo._add_rmsnorm_kernel, HAS_DELTA=True, DELTA_PARTIALS=0, BLOCK=4096)
         compile_(fo._silu_mul_kernel, BLOCK=1024)
-        compile_(pd._decode_merge_kernel, 1, HEAD_DIM=128, NUM_SPLITS=3)   # wait, then launch
+        compile_(pd._decode_merge_kernel, 1, HEAD_DIM=128, NUM_SPLITS=3, SPLITS_PAD=4)   # wait, then launch
         for pdl in (0, 2):    # off; launch dependents, then wait (pdl_for's default mode)
-            for merge_last in (False, True):   # True: the last split program merges (counter atomics)
-                compile_(pd._decode_split_kernel, pdl, GROUP=4, GROUP_PAD=16, NUM_SPLITS=3, USE_WINDOW=False,
-                         MERGE_LAST=merge_last, **common)
-            compile_(pd._decode_merge_kernel, pdl, HEAD_DIM=128, NUM_SPLITS=3)
+            compile_(pd._decode_split_kernel, pdl, GROUP=4, GROUP_PAD=16, NUM_SPLITS=3, USE_WINDOW=False, **common)
+            compile_(pd._decode_merge_kernel, pdl, HEAD_DIM=128, NUM_SPLITS=3, SPLITS_PAD=4)
             compile_(rk._rope_kv_kernel, pdl, HQ=32, HKV=8, Q_HEADS=8, HKV_PAD=8, HALF=64, PRECISE=False)
             compile_(rk._qkv_rope_kernel, pdl, early_loads=True, HQ=32, HKV=8, HALF=64, BLOCK_M=32, BLOCK_N=64,
                      BLOCK_K=128, PRECISE=True)                   # QKV GEMM + RoPE + K/V write epilogue
@@ -522,15 +492,12 @@ def test_engine_truncating_sampler_takes_the_split_rows_and_matches_torch():
             assert max(abs(x - y) for x, y in zip(ca.logprobs, cb.logprobs)) < 1e-5
 
 
-@pytest.mark.parametrize("merge_in_split", [False, True])
-def test_engine_with_triton_backend_matches_torch_backend(model_dir, tiny_tokenizer, monkeypatch, merge_in_split):
+def test_engine_with_triton_backend_matches_torch_backend(model_dir, tiny_tokenizer, monkeypatch):
     """End to end under the interpreter: the engine's attention through the Triton kernels
-    (decode, with the split merge in its own kernel or in the split kernel, and chunked prefill)
-    gives the torch reference's tokens and logprobs."""
+    (decode, split, and chunked prefill) gives the torch reference's tokens and logprobs."""
     from hf_reference import random_prompts
     from rollout import RolloutEngine, SamplingParams
     from rollout.kernels import paged_decode
-    monkeypatch.setattr(paged_decode, "MERGE_IN_SPLIT", merge_in_split)
     calls = []
     inner = paged_decode.paged_decode_attention
     monkeypatch.setattr(paged_decode, "paged_decode_attention",

@@ -2,6 +2,9 @@
 
     python -m rollout.bench.gemm --shape llama3-8b --out bench/results/<name>.json
 
+`--epilogues-only`: the fused GEMM epilogues (RoPE + K/V write, SiLU * up) against the two
+kernels each replaces (`bench_epilogues`).
+
 For each linear of the shape (fused QKV, o_proj, fused gate_up, down_proj, lm_head) and each M:
 the time per call inside a CUDA graph (as decode runs them), cycling over enough weight copies
 that they do not sit in the 50 MB L2, so every call streams its weight from HBM. GB/s = weight
@@ -130,7 +133,64 @@ def bench_shape(name, N, K, Ms, configs, top, dtype, results, check=True, pdl_to
               + (f" | PDL {row['best_pdl']} {row['best_pdl_us']:7.1f} us" if "best_pdl" in row else ""),
               flush=True)
         results.append(row)
-    del ws
+    ws.clear()   # free the weight copies (the lambdas above are done with them)
+
+
+def bench_epilogues(cfg, M: int, copy_gbps: float, results: list, dtype=torch.bfloat16) -> None:
+    """The decode path's GEMM epilogue fusions at batch M with the table's configs, each against
+    the two kernels it replaces, with PDL on as in the decode graph: the QKV GEMM then RoPE + K/V
+    write vs `qkv_rope_and_write_kv`, and the gate_up GEMM then SiLU * up vs `silu_mul=True`. The
+    bits are compared first. GB/s = weight bytes / time; `of_copy` = that over the copy rate."""
+    from ..kernels import pdl
+    from ..kernels.fused_ops import silu_mul
+    from ..kernels.rope_kv import qkv_rope_and_write_kv, rope_and_write_kv
+    from ..kernels.skinny_gemm import pick_config, skinny_gemm
+    from ..models.decoder import rope_inv_freq
+    shapes = linear_shapes(cfg)
+    H, Hkv = cfg.num_attention_heads, cfg.num_key_value_heads
+    D = getattr(cfg, "head_dim", None) or cfg.hidden_size // H
+    x = torch.randn(M, cfg.hidden_size, device="cuda", dtype=dtype)
+    pos = torch.randint(0, 8192, (M,), device="cuda")
+    inv = rope_inv_freq(cfg, D).cuda()
+    slots = torch.arange(M, device="cuda") * 16           # each token in a page of its own
+    caches = [torch.zeros(M, 16, Hkv, D, device="cuda", dtype=dtype) for _ in range(4)]
+
+    def qkv_two(w, c, kc, vc):
+        q, k, v = skinny_gemm(x, w, *c[:4]).view(M, H + 2 * Hkv, D).split([H, Hkv, Hkv], 1)
+        return rope_and_write_kv(q, k, v, pos, inv, kc, vc, slots)
+
+    def qkv_fused(w, c, kc, vc):
+        return qkv_rope_and_write_kv(x, w, H, pos, inv, kc, vc, slots, *c[:4])
+
+    cases = {"qkv+rope_kv": ("qkv", qkv_two, qkv_fused),
+             "gate_up+silu": ("gate_up", lambda w, c, *_: silu_mul(skinny_gemm(x, w, *c[:4])),
+                              lambda w, c, *_: skinny_gemm(x, w, *c[:4], silu_mul=True))}
+    was = pdl.enabled()
+    pdl.set_enabled(True)
+    try:
+        for fusion, (lin, two, fused) in cases.items():
+            N, K, _ = shapes[lin]
+            c = pick_config(N, K, M)
+            if c is None or (len(c) > 4 and c[4] > 1):
+                print(f"{fusion}: M={M} takes cuBLAS or split-K here, not the fused path", flush=True)
+                continue
+            wbytes = N * K * torch.finfo(dtype).bits // 8
+            copies = max(2, -(-2 * L2_BYTES // wbytes))
+            ws = [torch.randn(N, K, device="cuda", dtype=dtype) * 0.02 for _ in range(copies)]
+            a, b = two(ws[0], c, *caches[:2]), fused(ws[0], c, *caches[2:])
+            same = torch.equal(a, b) and torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+            row = dict(fusion=fusion, M=M, config=list(c), weight_bytes=wbytes, same_bits=same)
+            for name, fn in (("two_kernels", two), ("fused", fused)):
+                us = graph_time_us(lambda i: fn(ws[i], c, *caches[:2]), copies)
+                row[f"{name}_us"], row[f"{name}_GBps"] = us, wbytes / us / 1e3
+                row[f"{name}_of_copy"] = row[f"{name}_GBps"] / copy_gbps
+            print(f"{fusion:13s} M={M:3d} {c}: two kernels {row['two_kernels_us']:6.1f} us "
+                  f"{row['two_kernels_GBps']:5.0f} GB/s | fused {row['fused_us']:6.1f} us {row['fused_GBps']:5.0f} GB/s "
+                  f"({row['fused_of_copy']:.0%} of copy) | same bits {same}", flush=True)
+            results.append(row)
+            ws.clear()   # free the weight copies (the lambdas above are done with them)
+    finally:
+        pdl.set_enabled(was)
 
 
 def main(argv=None):
@@ -144,6 +204,8 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="a smaller config space (see sweep_configs)")
     ap.add_argument("--pdl-top", type=int, default=3,
                     help="time the fastest N configs again with programmatic dependent launch (0: off)")
+    ap.add_argument("--epilogues-only", action="store_true",
+                    help="only the fused-epilogue GEMMs against their two-kernel form, at each --m")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -153,6 +215,12 @@ def main(argv=None):
     copy_gbps = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}: copy {copy_gbps:.0f} GB/s (read + write)", flush=True)
     results: list = []
+    if args.epilogues_only:
+        for M in args.m:
+            bench_epilogues(cfg, M, copy_gbps, results)
+        write_json(dict(shape=args.shape, copy_GBps=copy_gbps, epilogues=results,
+                        meta=run_meta("rollout.bench.gemm", argv)), args.out)
+        return
     from ..kernels import pdl
     pdl.set_enabled(False)       # the sweep itself: one launch at a time, as before PDL existed
     for name, (N, K, _) in shapes.items():

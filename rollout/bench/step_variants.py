@@ -8,7 +8,7 @@ compute stream, as rollout.bench.profile). The context grows by one token per st
 window is also given as a fraction of the roofline at its own mean context; the list starts and
 ends with the baseline to show the drift. A variant is knobs joined by "+", on top of the defaults:
   base              the defaults (PDL launch-then-wait, RoPE over head groups, swept tables,
-                    split-K partials into the norm)
+                    split-K partials into the norm, SiLU and RoPE in GEMM epilogues)
   wait_first        PDL: wait, then let dependents launch (kernels/pdl.py mode 1)
   rope_token        RoPE + KV write with one program per token
   qkv=BN,BK,W,S[,SK]  a skinny GEMM config for one weight at every M (also o, gate_up, down, lm_head;
@@ -16,9 +16,10 @@ ends with the baseline to show the drift. A variant is knobs joined by "+", on t
   attn=NS,BN,W,S    decode attention: splits, key tile, warps, stages
   splitk_norm       split-K GEMMs (o_proj, down) leave their partials to the next add + RMSNorm
                     (the default; no_splitk_norm: the GEMM's own fix-up)
-  merge_last        decode attention: the last split program merges, no merge kernel
-  silu_gate_up      SiLU * up in the gate_up GEMM's epilogue, no SiLU kernel
-  rope_in_qkv       RoPE + the K/V write in the QKV GEMM's epilogue, no RoPE kernel
+  silu_gate_up      SiLU * up in the gate_up GEMM's epilogue, no SiLU kernel (the default;
+                    no_silu_gate_up: the SiLU kernel)
+  rope_in_qkv       RoPE + the K/V write in the QKV GEMM's epilogue, no RoPE kernel (the default;
+                    no_rope_in_qkv: the RoPE kernel)
 """
 from __future__ import annotations
 
@@ -43,7 +44,6 @@ def apply(eng, variant: str, defaults: dict) -> None:
     skinny_gemm._LLAMA3_8B = dict(defaults["table"])
     paged_decode.DECODE_TILE = dict(defaults["tile"])
     paged_decode.pick_num_splits = defaults["splits"]
-    paged_decode.MERGE_IN_SPLIT = defaults["merge_last"]
     eng.model.splitk_into_norm = defaults["splitk_norm"]
     eng.model.silu_in_gate_up = defaults["silu_gate_up"]
     eng.model.rope_in_qkv = defaults["rope_in_qkv"]
@@ -56,12 +56,10 @@ def apply(eng, variant: str, defaults: dict) -> None:
             pdl.set_enabled(True, launch_first=False)
         elif knob in ("splitk_norm", "no_splitk_norm"):
             eng.model.splitk_into_norm = knob == "splitk_norm"
-        elif knob == "rope_in_qkv":
-            eng.model.rope_in_qkv = True
-        elif knob == "silu_gate_up":
-            eng.model.silu_in_gate_up = True
-        elif knob == "merge_last":
-            paged_decode.MERGE_IN_SPLIT = True
+        elif knob in ("rope_in_qkv", "no_rope_in_qkv"):
+            eng.model.rope_in_qkv = knob == "rope_in_qkv"
+        elif knob in ("silu_gate_up", "no_silu_gate_up"):
+            eng.model.silu_in_gate_up = knob == "silu_gate_up"
         elif knob == "rope_token":
             rope_kv.Q_HEADS_PER_PROGRAM = 0
         elif name in GEMMS:
@@ -113,7 +111,6 @@ def main(argv=None):
     from ..kernels import paged_decode, rope_kv, skinny_gemm
     defaults = dict(rope=rope_kv.Q_HEADS_PER_PROGRAM, table=dict(skinny_gemm._LLAMA3_8B),
                     tile=dict(paged_decode.DECODE_TILE), splits=paged_decode.pick_num_splits,
-                    merge_last=paged_decode.MERGE_IN_SPLIT,
                     splitk_norm=eng.model.splitk_into_norm, silu_gate_up=eng.model.silu_in_gate_up,
                     rope_in_qkv=eng.model.rope_in_qkv)
     rows = []

@@ -27,24 +27,6 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-_COUNTERS: dict = {}     # device -> int32 arrival counters (zero between kernel calls)
-
-
-def arrival_counters(device, n: int):
-    """Zeroed int32 counters for kernels whose last-arriving program finishes a tile (split-K
-    fix-up, split-KV merge); each kernel resets the counters it used, so one buffer per device
-    serves every call. Made on the first (eager) call: CUDA-graph warm-up runs each shape eagerly
-    before capture. Users on one device must not overlap in time on two streams (the engine runs
-    its forward on one compute stream; with PDL a kernel touches memory only after its wait)."""
-    import torch
-    buf = _COUNTERS.get(device)
-    if buf is None or buf.numel() < n:
-        if torch.cuda.is_available() and device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("arrival counters: run this shape once eagerly before capturing a CUDA graph")
-        buf = _COUNTERS[device] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
-    return buf
-
-
 def fix_interpreter() -> None:
     """Under TRITON_INTERPRET=1 only. triton 3.6's interpreter holds scalars as 1-element numpy
     arrays and gives them `__index__ = int(array)`, which numpy >= 2.3 rejects, so `range()` over

@@ -6,10 +6,7 @@ cores), walks its split of the context in BLOCK_N-token tiles and reads each key
 the block table (page of position p = block_tables[b, p // PAGE_SIZE], so tile and page size are
 independent). fp32 online softmax in the log2 domain; it writes a normalised partial output and
 its log-sum-exp. Kernel 2, grid (B, Hq), merges the splits by log-sum-exp weights. With
-NUM_SPLITS == 1 kernel 1 writes the output directly and kernel 2 is skipped. With MERGE_LAST
-(`MERGE_IN_SPLIT`) there is no kernel 2: the last of a (sequence, KV head)'s split programs to
-arrive (an arrival counter, reset by that program) merges them, with the same helper and so the
-same bits.
+NUM_SPLITS == 1 kernel 1 writes the output directly and kernel 2 is skipped.
 
 Split bounds come from seq_len inside the kernel, so the grid depends only on (B, NUM_SPLITS):
 one CUDA graph per batch bucket is valid at every context length. Rows with seq_len 0 (bucket
@@ -23,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import arrival_counters, fix_interpreter
+from . import fix_interpreter
 from .pdl import enter, pdl_for
 
 fix_interpreter()
@@ -33,12 +30,12 @@ LOG2E = 1.4426950408889634
 
 @triton.jit
 def _decode_split_kernel(
-        q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, po_ptr, plse_ptr, cnt_ptr,
+        q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, po_ptr, plse_ptr,
         sm_scale_log2, window,
         s_qb, s_qh, s_kp, s_ks, s_kh, s_vp, s_vs, s_vh, s_bt, s_ob, s_oh,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
         BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr,
-        MERGE_LAST: tl.constexpr, PDL: tl.constexpr):
+        PDL: tl.constexpr):
     enter(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -91,14 +88,6 @@ def _decode_split_kernel(
         part = (b * num_q_heads + heads) * NUM_SPLITS + split
         tl.store(po_ptr + part[:, None] * HEAD_DIM + dims[None, :], o, mask=row_ok[:, None])
         tl.store(plse_ptr + part, lse, mask=row_ok)
-        if MERGE_LAST:
-            tl.debug_barrier()                        # every thread's partial before the release
-            tile = b * tl.num_programs(1) + kvh
-            if tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel") == NUM_SPLITS - 1:
-                res = _merge_splits(po_ptr, plse_ptr, part - split, row_ok, dims, HEAD_DIM, NUM_SPLITS)
-                tl.store(out_ptr + b * s_ob + heads[:, None] * s_oh + dims[None, :],
-                         res.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
-                tl.atomic_xchg(cnt_ptr + tile, 0)
 
 
 @triton.jit
@@ -120,45 +109,29 @@ def load_kv_tile(k_ptr, v_ptr, bt_ptr, seq, kvh, n0, pos, valid, s_kp, s_ks, s_k
 
 
 @triton.jit
-def _merge_splits(po_ptr, plse_ptr, part0, ok, dims, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr):
-    """The output rows [R, HEAD_DIM] (fp32) from their NUM_SPLITS normalised partials, weighted by
-    log-sum-exp, summed in split order. part0 [R]: each row's partial index of split 0. Loads go
-    to L2 (.cg): in the split kernel other SMs wrote them."""
-    mx = tl.load(plse_ptr + part0, mask=ok, other=float("-inf"), cache_modifier=".cg")
-    for sk in tl.static_range(1, NUM_SPLITS):
-        mx = tl.maximum(mx, tl.load(plse_ptr + part0 + sk, mask=ok, other=float("-inf"), cache_modifier=".cg"))
-    mx = tl.where(mx == float("-inf"), 0.0, mx)
-    den = tl.zeros_like(mx)
-    acc = tl.zeros([part0.shape[0], HEAD_DIM], dtype=tl.float32)
-    for sk in tl.static_range(NUM_SPLITS):
-        w = tl.exp2(tl.load(plse_ptr + part0 + sk, mask=ok, other=float("-inf"), cache_modifier=".cg") - mx)
-        den += w                                 # empty splits (lse -inf) weigh 0
-        o = tl.load(po_ptr + (part0 + sk)[:, None] * HEAD_DIM + dims[None, :], mask=ok[:, None], other=0.0,
-                    cache_modifier=".cg")
-        acc += w[:, None] * o
-    return acc / tl.where(den > 0.0, den, 1.0)[:, None]
-
-
-@triton.jit
 def _decode_merge_kernel(po_ptr, plse_ptr, out_ptr, s_ob, s_oh,
-                         HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, PDL: tl.constexpr):
+                         HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+                         PDL: tl.constexpr):
     enter(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
+    sp = tl.arange(0, SPLITS_PAD)
     dims = tl.arange(0, HEAD_DIM)
-    one = tl.arange(0, 1)                        # a row of one, so the merge helper is shared
-    part0 = (b * tl.num_programs(1) + h) * NUM_SPLITS + one
-    res = _merge_splits(po_ptr, plse_ptr, part0, one < 1, dims, HEAD_DIM, NUM_SPLITS)
-    tl.store(out_ptr + b * s_ob + h * s_oh + one[:, None] * 0 + dims[None, :], res.to(out_ptr.dtype.element_ty))
+    ok = sp < NUM_SPLITS
+    part = (b * tl.num_programs(1) + h) * NUM_SPLITS + sp
+    lse = tl.load(plse_ptr + part, mask=ok, other=float("-inf"))
+    o = tl.load(po_ptr + part[:, None] * HEAD_DIM + dims[None, :], mask=ok[:, None], other=0.0)
+    mx = tl.max(lse, 0)
+    mx = tl.where(mx == float("-inf"), 0.0, mx)
+    w = tl.exp2(lse - mx)                       # empty splits (lse -inf) weigh 0
+    den = tl.sum(w, 0)
+    res = tl.sum(w[:, None] * o, 0) / tl.where(den > 0.0, den, 1.0)
+    tl.store(out_ptr + b * s_ob + h * s_oh + dims, res.to(out_ptr.dtype.element_ty))
 
 
 # The decode tile (H200 sweeps, bench/results/*_kernels_micro.json and *_attn_layout_*.json):
 # 64-key tiles, 4 warps, 2 stages; `bench.step_variants` tries others inside the decode graphs.
 DECODE_TILE = dict(block_n=None, num_warps=4, num_stages=2)   # block_n None: 64 (16 in fp32)
-# The split merge inside the split kernel (its last-arriving program), not a kernel of its own:
-# one launch fewer per layer. CPU-tested, not yet timed on the H200, so off; `bench.step_variants`
-# knob merge_last turns it on.
-MERGE_IN_SPLIT = False
 
 
 def pick_num_splits(batch: int, num_kv_heads: int, num_sms: int = 132, max_splits: int = 16) -> int:
@@ -171,12 +144,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                            sliding_window: Optional[int] = None, num_splits: int = 1, *,
                            out: Optional[torch.Tensor] = None, block_n: Optional[int] = None,
-                           num_warps: int = 4, num_stages: int = 2,
-                           merge_in_split: Optional[bool] = None) -> torch.Tensor:
+                           num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
     """q [B, Hq, D]; k_cache, v_cache [num_pages, page_size, Hkv, D]; block_tables [B, P] int32;
     seq_lens [B] int32 (context incl. the current token, already in the cache). -> [B, Hq, D]
-    in q's dtype. Shape-only host logic: safe to capture in a CUDA graph. merge_in_split: None
-    follows MERGE_IN_SPLIT."""
+    in q's dtype. Shape-only host logic: safe to capture in a CUDA graph."""
     B, Hq, D = q.shape
     _, page_size, Hkv, Dk = k_cache.shape
     assert Dk == D and v_cache.shape == k_cache.shape and Hq % Hkv == 0, "shape mismatch"
@@ -198,22 +169,20 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         plse = torch.empty((B, Hq, num_splits), dtype=torch.float32, device=q.device)
     else:
         po = plse = out  # unused
-    merge_last = num_splits > 1 and (MERGE_IN_SPLIT if merge_in_split is None else merge_in_split)
-    cnt = arrival_counters(q.device, B * Hkv) if merge_last else seq_lens   # else unused
     # fp32 inputs: ieee dot (default would be tf32, ~1e-3 error); bf16/fp16 ignore this.
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
     pdl = pdl_for(q)
     _decode_split_kernel[(B, Hkv, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, out, po, plse, cnt,
+        q, k_cache, v_cache, block_tables, seq_lens, out, po, plse,
         scale * LOG2E, int(sliding_window or 0),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=D, PAGE_SIZE=page_size,
         BLOCK_N=block_n, NUM_SPLITS=num_splits, USE_WINDOW=sliding_window is not None, DOT_PREC=prec,
-        MERGE_LAST=merge_last, PDL=pdl, num_warps=num_warps, num_stages=num_stages, launch_pdl=bool(pdl))
-    if num_splits > 1 and not merge_last:
+        PDL=pdl, num_warps=num_warps, num_stages=num_stages, launch_pdl=bool(pdl))
+    if num_splits > 1:
         _decode_merge_kernel[(B, Hq)](po, plse, out, out.stride(0), out.stride(1), HEAD_DIM=D,
-                                      NUM_SPLITS=num_splits, PDL=pdl, num_warps=1 if D <= 64 else 2,
-                                      launch_pdl=bool(pdl))
+                                      NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits),
+                                      PDL=pdl, num_warps=1 if D <= 64 else 2, launch_pdl=bool(pdl))
     return out

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import arrival_counters, fix_interpreter
+from . import fix_interpreter
 from .fused_ops import silu_times
 from .pdl import enter, pdl_for
 
@@ -160,6 +160,22 @@ def pick_block_m(M: int) -> int:
     return max(16, triton.next_power_of_2(M))
 
 
+_COUNTERS: dict = {}     # device -> int32 arrival counters of split-K tiles (zero between calls)
+
+
+def _split_counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """One zeroed counter per output tile, reset by the kernel itself after each use, so one
+    buffer per device serves every call. Made on the first (eager) call: CUDA-graph warm-up runs
+    each shape eagerly before capture. Split-K calls on one device must not overlap in time on
+    two streams (the engine runs its forward on one compute stream)."""
+    buf = _COUNTERS.get(device)
+    if buf is None or buf.numel() < tiles:
+        if torch.cuda.is_available() and device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("skinny_gemm: run a split-K shape once eagerly before capturing a CUDA graph")
+        buf = _COUNTERS[device] = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
+    return buf
+
+
 def skinny_gemm(x: torch.Tensor, w: torch.Tensor, block_n: int, block_k: int, num_warps: int = 4,
                 num_stages: int = 4, split_k: int = 1, out: Optional[torch.Tensor] = None,
                 bias: Optional[torch.Tensor] = None, block_m: Optional[int] = None,
@@ -190,7 +206,7 @@ def skinny_gemm(x: torch.Tensor, w: torch.Tensor, block_n: int, block_k: int, nu
     ws = torch.empty((split_k, bm, N), dtype=torch.float32, device=x.device) if split_k > 1 else out
     if M:
         pdl = pdl_for(x)
-        cnt = arrival_counters(x.device, tiles) if split_k > 1 and not partials else out   # else unused
+        cnt = _split_counters(x.device, tiles) if split_k > 1 and not partials else out   # else unused
         _skinny_gemm_kernel[(tiles, split_k, triton.cdiv(M, bm))](
             x, w, bias if bias is not None else w, out, ws, cnt, M, N, K, x.stride(0), w.stride(0), out.stride(0),
             BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_N=N % cols_per_tile == 0, HAS_BIAS=bias is not None,

@@ -258,6 +258,10 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+def _env_on(name: str) -> bool:
+    return os.environ.get(name, "1") != "0"
+
+
 class DecoderLM(nn.Module):
     def __init__(self, cfg):
         super().__init__()
@@ -275,16 +279,14 @@ class DecoderLM(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(cfg, attn.head_dim), persistent=False)
         self.fused_small_ops = True   # with the Triton backend; the profile bench turns it off to compare
         self.skinny_gemm = True       # decode GEMMs on the fused path: Triton where it beats cuBLAS
-        # Split-K o_proj / down_proj partials summed by the next add + RMSNorm kernel: same bits, no
-        # fix-up tail in the GEMM; H200 A/B +0.4-0.6% of the decode step, P1 +0.7%
-        # (ROLLOUT_SPLITK_NORM=0 turns it off).
-        self.splitk_into_norm = os.environ.get("ROLLOUT_SPLITK_NORM", "1") == "1"
-        # SiLU * up in the gate_up GEMM's epilogue: one kernel fewer per layer, same bits;
-        # CPU-tested, not yet timed on the H200, so off (bench.step_variants knob silu_gate_up).
-        self.silu_in_gate_up = False
-        # RoPE + the K/V write in the QKV GEMM's epilogue: one kernel fewer per layer, same bits;
-        # CPU-tested, not yet timed on the H200, so off (bench.step_variants knob rope_in_qkv).
-        self.rope_in_qkv = False
+        # Decode-GEMM epilogue fusions, each one kernel fewer per layer with the same bits; in-graph
+        # H200 A/Bs against the plain kernels (bench/results/README.md). Env "0" turns one off.
+        # Split-K o_proj / down_proj partials summed by the next add + RMSNorm: +0.4-0.6% of the step.
+        self.splitk_into_norm = _env_on("ROLLOUT_SPLITK_NORM")
+        # SiLU * up in the gate_up GEMM's epilogue: +0.1-0.2%.
+        self.silu_in_gate_up = _env_on("ROLLOUT_SILU_GATE_UP")
+        # RoPE + the K/V write in the QKV GEMM's epilogue (no qk-norm, no bias): +0.2-0.3%.
+        self.rope_in_qkv = _env_on("ROLLOUT_ROPE_QKV")
         self.batch_invariant = False  # set by the engine: every GEMM through invariant_linear
 
     def _linear(self):

@@ -67,40 +67,6 @@ def test_decode(Hq, Hkv, D, ps, num_splits, window, dtype):
     check(out, reference(q, clean, meta, D ** -0.5, window), dtype)
 
 
-@pytest.mark.parametrize("num_splits,window", [(2, None), (3, None), (4, 1000)])
-def test_decode_merge_in_split_same_bits_and_in_the_engine(num_splits, window):
-    """Llama-3-8B heads, bf16: the split merge done by the last-arriving split program (arrival
-    counters, .cg loads of what other SMs wrote) gives the merge kernel's output bits, twice in a
-    row (the counters reset themselves), and matches the fp32 reference. Then one 8B-shape layer
-    through the engine's decode graphs: the same greedy tokens and logprobs with it on and off."""
-    from rollout import kernels
-    from rollout.kernels import paged_decode
-    Hq, Hkv, D, ps = 32, 8, 128, 16
-    lens = [0, 1, ps, 63, 1000, 3001, 4352, 0] * 4
-    clean, poisoned, bt = make_paged(lens, Hkv, D, ps, torch.bfloat16, seed=num_splits)
-    q = torch.randn(len(lens), Hq, D, device=DEV).bfloat16()
-    meta = meta_for(lens, [1] * len(lens), bt, ps)
-    outs = []
-    for merge in (False, True, True):
-        outs.append(torch.full_like(q, float("nan")))
-        paged_decode_attention(q, *poisoned, bt, meta.seq_lens, D ** -0.5, window, num_splits, out=outs[-1],
-                               merge_in_split=merge)
-    assert torch.equal(outs[1], outs[0]) and torch.equal(outs[2], outs[0])
-    assert int(kernels._COUNTERS[q.device][:len(lens) * Hkv].abs().sum()) == 0
-    check(outs[1], reference(q, clean, meta, D ** -0.5, window), torch.bfloat16)
-    if num_splits != 2:
-        return
-    from engine_ab import assert_same_tokens_and_logprobs, generate_per_setting, llama8b_model
-    model, cfg = llama8b_model(1)
-    was = paged_decode.MERGE_IN_SPLIT
-    try:
-        outs = generate_per_setting(model, cfg, {m: lambda m=m: setattr(paged_decode, "MERGE_IN_SPLIT", m)
-                                                 for m in (False, True)}, prompt_lens=(3, 300), seed=4)
-    finally:
-        paged_decode.MERGE_IN_SPLIT = was
-    assert_same_tokens_and_logprobs(outs[False], outs[True])
-
-
 PREFILL_SEQS = [(1, 1), (16, 16), (17, 1), (700, 300), (333, 3), (0, 0), (129, 129), (2000, 1000)]
 
 
