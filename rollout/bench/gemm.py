@@ -62,14 +62,15 @@ def graph_time_us(fn_per_copy, copies: int, reps: int = 20) -> float:
 
 
 def sweep_configs(N: int, K: int, split_k: tuple[int, ...] = (1,), quick: bool = False) -> list[tuple[int, ...]]:
-    """(BLOCK_N, BLOCK_K, num_warps, num_stages, split_k). Split-K with 4 warps and BLOCK_N 32
-    or 64 only where N / BLOCK_N leaves SMs idle (< 2 x 132 programs) and K's tiles divide
-    evenly. quick: BLOCK_N 32 / 64 with 4 warps only (each config compiles for ~1 s)."""
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages, split_k). Split-K only where N / BLOCK_N leaves
+    SMs idle (< 2 x 132 programs) and K's tiles divide evenly; also for wide tiles, which re-read
+    less of x from L2 (each output tile reads all of x [M, K]: M / BLOCK_N of the weight bytes).
+    quick: BLOCK_N 32 / 64 with 4 warps only (each config compiles for ~1 s)."""
     out = []
-    for bn, bk, st in itertools.product((32, 64) if quick else (16, 32, 64, 128), (64, 128, 256), (3, 5)):
+    for bn, bk, st in itertools.product((32, 64) if quick else (16, 32, 64, 128, 256), (64, 128, 256), (3, 5)):
         for nw in ((4, 8) if bn >= 64 and not quick else (4,)):
             for sk in split_k:
-                if sk == 1 or (bn in (32, 64) and nw == 4 and -(-N // bn) < 264 and (K // bk) % sk == 0):
+                if sk == 1 or (bn >= 32 and -(-N // bn) < 264 and (K // bk) % sk == 0):
                     out.append((bn, bk, nw, st, sk))
     return out
 
