@@ -66,11 +66,12 @@ for s in $sections; do
       TAG=_epilogues0 ROLLOUT_SILU_GATE_UP=0 ROLLOUT_ROPE_QKV=0 bash $0 p1; TAG=_epilogues1 bash $0 p1 ;;
     x_traffic) # the small decode GEMMs re-read x [32, K] from L2 once per output tile: M / BLOCK_N of their
       # weight bytes (o_proj's 32-row tiles: 100%). Wider tiles with split-K (o_proj / down partials go to the
-      # add + RMSNorm, so no fix-up tail) cut that at the same program count; deeper pipelines keep more bytes
-      # in flight. Alternated with base; the QKV split rows also pay the RoPE kernel (no split-K RoPE epilogue)
+      # add + RMSNorm; QKV's last split program does the RoPE epilogue) cut that at the same program count;
+      # deeper pipelines keep more bytes in flight. First the GPU tests of the split-K RoPE epilogue
+      TEST_FILES="tests/gpu/test_skinny_gemm_cuda.py" bash $0 tests_files
       VARIANTS="base o=128,128,8,4,4 o=128,128,4,4,4 base o=64,128,4,5,2 o=256,64,8,3,8 base down=128,128,8,4,4
-        down=256,64,8,3,8 base down=128,64,4,5,4 qkv=128,128,8,4,2 base qkv=64,128,4,7 o=32,256,4,6 base
-        lm_head=128,128,8,4 lm_head=256,64,8,3 base" bash $0 variants ;;
+        down=256,64,8,3,8 base down=128,64,4,5,4 qkv=128,128,8,4,2 base qkv=64,128,4,5,2 qkv=128,128,4,4,4 base
+        qkv=64,128,4,7 o=32,256,4,6 base lm_head=128,128,8,4 lm_head=256,64,8,3 base" bash $0 variants ;;
     p3_ab) # P3's step (Qwen2.5-1.5B, 512 rows, mean context 2304) under PDL off / wait-first / the old RoPE grid:
       # P3 read 73.6% at 4a16869 against 78.0% at 3901d6d, with 4.7% more GPU time; every GEMM there is cuBLAS
       timeout 300 python3 -m rollout.bench.step_variants --shape qwen2.5-1.5b --batch 512 --context 2304 --steps 40 \

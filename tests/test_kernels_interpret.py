@@ -139,13 +139,15 @@ def test_rope_kv(dtype):
     assert torch.equal(vc, vc_ref)
 
 
-@pytest.mark.parametrize("block_n,T", [(32, 5), (16, 16), (32, 1)])
-def test_qkv_gemm_with_rope_epilogue_gives_the_two_kernel_bits(block_n, T):
+@pytest.mark.parametrize("block_n,T,split_k", [(32, 5, 1), (16, 16, 1), (32, 1, 1), (32, 5, 2), (16, 3, 4)])
+def test_qkv_gemm_with_rope_epilogue_gives_the_two_kernel_bits(block_n, T, split_k):
     """qkv_rope_and_write_kv: the QKV GEMM whose epilogue rotates q and k and writes K/V to the
-    cache gives the same q, cache and untouched-slot bits as skinny_gemm then rope_and_write_kv.
-    block_n / 2 = 16 frequency pairs (a whole half-head, D = 32) or 8 (two programs per head);
-    slot -1 and tokens past slot_mapping are not written. fp16 (the interpreter's bf16 dot is
-    broken). Rotating with the wrong half is caught."""
+    cache gives the same q, cache and untouched-slot bits as skinny_gemm (with the same split-K)
+    then rope_and_write_kv. block_n / 2 = 16 frequency pairs (a whole half-head, D = 32) or 8
+    (two programs per head); with split-K the tile's last program sums the partials, resets the
+    counters (a second call gives the same bits) and does the epilogue. Slot -1 and tokens past
+    slot_mapping are not written. fp16 (the interpreter's bf16 dot is broken). Rotating with the
+    wrong half is caught."""
     from rollout.kernels import skinny_gemm as sg
     from rollout.kernels.rope_kv import qkv_rope_and_write_kv
     Hq, Hkv, D, ps, K = 4, 2, 32, 16, 256
@@ -156,16 +158,21 @@ def test_qkv_gemm_with_rope_epilogue_gives_the_two_kernel_bits(block_n, T):
     positions = torch.randint(0, 3000, (T,), generator=g)
     slots = torch.tensor([3, -1, 40, 8, 17][:max(T - 1, 1)])
     caches = {k: [torch.full((4, ps, Hkv, D), float("nan"), dtype=torch.float16) for _ in range(2)] for k in "ab"}
-    qkv = sg.skinny_gemm(x, w, block_n, 64, 4, 2)
+    qkv = sg.skinny_gemm(x, w, block_n, 64, 4, 2, split_k)
     q, k, v = (t.view(T, -1, D) for t in qkv.split([Hq * D, Hkv * D, Hkv * D], dim=-1))
     want = rope_and_write_kv(q, k, v, positions, inv_freq, *caches["a"], slots)
-    got = qkv_rope_and_write_kv(x, w, Hq, positions, inv_freq, *caches["b"], slots, block_n, 64, 4, 2)
+    got = qkv_rope_and_write_kv(x, w, Hq, positions, inv_freq, *caches["b"], slots, block_n, 64, 4, 2, split_k)
     assert torch.equal(got, want)
     for a, b in zip(caches["a"], caches["b"]):
         assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0))
     assert caches["b"][0].isnan().sum() == caches["a"][0].isnan().sum() > 0   # only the slots given
+    if split_k > 1:
+        assert int(sg._COUNTERS[x.device][:(Hq + 2 * Hkv) * D // block_n].abs().sum()) == 0
+        again = qkv_rope_and_write_kv(x, w, Hq, positions, inv_freq, *caches["b"], slots, block_n, 64, 4, 2, split_k)
+        assert torch.equal(again, want)
     w_swapped = w.view(Hq + 2 * Hkv, 2, D // 2, K).flip(1).reshape(w.shape)
-    bad = qkv_rope_and_write_kv(x, w_swapped, Hq, positions, inv_freq, *caches["b"], slots, block_n, 64, 4, 2)
+    bad = qkv_rope_and_write_kv(x, w_swapped, Hq, positions, inv_freq, *caches["b"], slots, block_n, 64, 4, 2,
+                                split_k)
     assert not torch.equal(bad, want)
 
 
@@ -271,10 +278,11 @@ def test_decoder_splitk_into_norm_takes_the_partials_path_with_the_same_bits(mon
 
 
 
-def test_engine_fused_gemm_paths_give_the_same_bits(monkeypatch):
+@pytest.mark.parametrize("qkv_split", [1, 2])
+def test_engine_fused_gemm_paths_give_the_same_bits(monkeypatch, qkv_split):
     """The tiny model through the engine on the Triton backend (fp32, interpreter), with configs
     standing in for the GPU-only skinny-GEMM table (split-K for o_proj and down_proj; none for
-    gate_up, and for qkv a 32-row tile, 16 frequency pairs of a 32-wide head): with
+    gate_up, and for qkv a 32-row tile, 16 frequency pairs of a 32-wide head, split-K or not): with
     `splitk_into_norm` the o_proj and down_proj partials go to the add + RMSNorm kernel, with
     `silu_in_gate_up` the gate_up GEMM writes SiLU * up itself, with `rope_in_qkv` the QKV GEMM
     rotates q and k and writes the K/V cache. Tokens and logprobs are bit-equal to the plain
@@ -286,7 +294,7 @@ def test_engine_fused_gemm_paths_give_the_same_bits(monkeypatch):
     monkeypatch.setattr(decoder, "_skinny_config",
                         lambda w, x: None if x.shape[0] > 64 or w.shape[1] % 128 else
                         (64, 64, 4, 2, 1) if w.shape[0] == 2 * 768 else
-                        (32, 64, 4, 2, 1) if w.shape[0] == (8 + 2 * 2) * 32 else (64, 64, 4, 2, 2))
+                        (32, 64, 4, 2, qkv_split) if w.shape[0] == (8 + 2 * 2) * 32 else (64, 64, 4, 2, 2))
     calls = []
     inner = sg.skinny_gemm
     monkeypatch.setattr(sg, "skinny_gemm", lambda *a, **k: (calls.append((a[1].shape[0], k)), inner(*a, **k))[1])
@@ -435,8 +443,10 @@ def test_compiles_for_sm90(tmp_path):
             compile_(pd._decode_split_kernel, pdl, GROUP=4, GROUP_PAD=16, NUM_SPLITS=3, USE_WINDOW=False, **common)
             compile_(pd._decode_merge_kernel, pdl, HEAD_DIM=128, NUM_SPLITS=3, SPLITS_PAD=4)
             compile_(rk._rope_kv_kernel, pdl, HQ=32, HKV=8, Q_HEADS=8, HKV_PAD=8, HALF=64, PRECISE=False)
-            compile_(rk._qkv_rope_kernel, pdl, early_loads=True, HQ=32, HKV=8, HALF=64, BLOCK_M=32, BLOCK_N=64,
-                     BLOCK_K=128, PRECISE=True)                   # QKV GEMM + RoPE + K/V write epilogue
+            for split in (1, 2):     # QKV GEMM + RoPE + K/V write epilogue (after the split-K fix-up)
+                compile_(rk._qkv_rope_kernel, pdl, early_loads=True, HQ=32, HKV=8, HALF=64, BLOCK_M=32,
+                         BLOCK_N=64 * split, BLOCK_K=128, SPLIT_K=split, PRECISE=True,
+                         ptrs=None if split > 1 else {"ws_ptr": "*bf16", "cnt_ptr": "*bf16"})   # as passed
             compile_(fo._add_rmsnorm_kernel, pdl, HAS_DELTA=True, DELTA_PARTIALS=2 if pdl else 0, BLOCK=4096)
             compile_(fo._silu_mul_kernel, pdl, BLOCK=1024)
             for split in (1, 2):

@@ -15,7 +15,8 @@ or with a negative slot are not written, e.g. CUDA-graph padding).
 (kernels/skinny_gemm.py's main loop): each program takes matching row blocks of a head's two
 halves as one weight tile, rounds the products to the activation dtype as the GEMM would store
 them, then rotates them with the same helpers, so q and the cache get the same bits with one
-kernel fewer per layer.
+kernel fewer per layer. With split-K the tile's last program to arrive does it, after the
+skinny GEMM's fix-up (`splitk_fixup`, the same summation order).
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from triton.language.extra import libdevice
 
 from . import fix_interpreter
 from .pdl import enter, pdl_for
-from .skinny_gemm import weight_rows_times_x
+from .skinny_gemm import split_counters, splitk_fixup, weight_rows_times_x
 
 fix_interpreter()
 
@@ -136,10 +137,10 @@ def rope_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positio
 
 @triton.jit
 def _qkv_rope_kernel(
-        x_ptr, w_ptr, qo_ptr, pos_ptr, inv_freq_ptr, kc_ptr, vc_ptr, slot_ptr, n_slots, M, K,
+        x_ptr, w_ptr, qo_ptr, pos_ptr, inv_freq_ptr, kc_ptr, vc_ptr, slot_ptr, ws_ptr, cnt_ptr, n_slots, M, K,
         s_xm, s_wn, s_qot, s_qoh, s_kcs, s_kch, s_vcs, s_vch,
         HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        BLOCK_K: tl.constexpr, PRECISE: tl.constexpr, PDL: tl.constexpr):
+        BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PRECISE: tl.constexpr, PDL: tl.constexpr):
     P: tl.constexpr = BLOCK_N // 2              # frequency pairs per program
     pid = tl.program_id(0)
     head = pid // (HALF // P)                    # q heads, then k heads, then v heads
@@ -147,8 +148,25 @@ def _qkv_rope_kernel(
     r = tl.arange(0, BLOCK_N)
     w_rows = head * 2 * HALF + (pid % (HALF // P)) * P + r % P + (r >= P).to(tl.int32) * HALF   # halves 1, 2
     rm = tl.arange(0, BLOCK_M)
-    acc = weight_rows_times_x(x_ptr, w_ptr, w_rows, w_rows, rm, M, (HQ + 2 * HKV) * 2 * HALF, s_xm, s_wn,
-                              0, K // BLOCK_K, BLOCK_M, BLOCK_N, BLOCK_K, True, PDL)
+    N = (HQ + 2 * HKV) * 2 * HALF
+    per = tl.cdiv(K // BLOCK_K, SPLIT_K)         # this program's K tiles, as in the skinny GEMM
+    kt0 = tl.program_id(1) * per
+    acc = weight_rows_times_x(x_ptr, w_ptr, w_rows, w_rows, rm, M, N, s_xm, s_wn,
+                              kt0, tl.minimum(kt0 + per, K // BLOCK_K), BLOCK_M, BLOCK_N, BLOCK_K, True, PDL)
+    last = True
+    if SPLIT_K > 1:   # the tile's last split program sums the partials (skinny_gemm's order) and goes on
+        acc, last = splitk_fixup(acc, ws_ptr, cnt_ptr, pid, w_rows, rm, N, BLOCK_M, SPLIT_K)
+    if last:
+        _rope_epilogue(acc, qo_ptr, pos_ptr, inv_freq_ptr, kc_ptr, vc_ptr, slot_ptr, n_slots, M, head, f, rm,
+                       s_qot, s_qoh, s_kcs, s_kch, s_vcs, s_vch, HQ, HKV, HALF, BLOCK_M, P, PRECISE)
+
+
+@triton.jit
+def _rope_epilogue(acc, qo_ptr, pos_ptr, inv_freq_ptr, kc_ptr, vc_ptr, slot_ptr, n_slots, M, head, f, rm,
+                   s_qot, s_qoh, s_kcs, s_kch, s_vcs, s_vch, HQ: tl.constexpr, HKV: tl.constexpr,
+                   HALF: tl.constexpr, BLOCK_M: tl.constexpr, P: tl.constexpr, PRECISE: tl.constexpr):
+    """acc [2P, BLOCK_M] (fp32 sums of P frequency pairs' two halves of head `head`) rounded as the
+    GEMM would store them, then q rotated, or k rotated and written to its cache slot, or v written."""
     dt = qo_ptr.dtype.element_ty
     x1, x2 = tl.split(tl.permute(tl.reshape(acc, (2, P, BLOCK_M)), (1, 2, 0)))     # [P, BLOCK_M] halves
     x1 = x1.to(dt).to(tl.float32)                # as the GEMM would store them
@@ -175,15 +193,16 @@ def _qkv_rope_kernel(
 def qkv_rope_and_write_kv(x: torch.Tensor, w: torch.Tensor, num_heads: int, positions: torch.Tensor,
                           inv_freq: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           slot_mapping: torch.Tensor, block_n: int, block_k: int, num_warps: int = 4,
-                          num_stages: int = 4) -> torch.Tensor:
+                          num_stages: int = 4, split_k: int = 1) -> torch.Tensor:
     """The fused QKV projection x [T, K] @ w.T (w [(Hq + 2 Hkv) D, K], no bias; q, k, v heads in
-    order), RoPE on q and k, and the K/V write: the result of skinny_gemm then rope_and_write_kv,
-    in one kernel. T <= 64 (one row tile). Returns RoPE'd q [T, Hq, D]."""
+    order), RoPE on q and k, and the K/V write: the result of skinny_gemm (with the same split_k)
+    then rope_and_write_kv, in one kernel. T <= 64 (one row tile). Returns RoPE'd q [T, Hq, D]."""
     T, K = x.shape
     Hkv, D = k_cache.shape[2], k_cache.shape[3]
     half, pairs = D // 2, block_n // 2
     assert w.shape == ((num_heads + 2 * Hkv) * D, K) and w.is_contiguous() and x.stride(1) == 1 and T <= 64
     assert K % block_k == 0 and half % pairs == 0 and inv_freq.numel() == half, "tile / head_dim"
+    assert split_k >= 1 and (K // block_k) % split_k == 0, f"{K // block_k} K tiles do not split {split_k} ways"
     assert k_cache.stride(0) == k_cache.shape[1] * k_cache.stride(1) and v_cache.shape == k_cache.shape
     assert v_cache.stride(0) == v_cache.shape[1] * v_cache.stride(1) and k_cache.stride(3) == v_cache.stride(3) == 1
     assert slot_mapping.dtype == torch.int64 and slot_mapping.numel() <= T
@@ -191,11 +210,18 @@ def qkv_rope_and_write_kv(x: torch.Tensor, w: torch.Tensor, num_heads: int, posi
     if T == 0:
         return out_q
     pdl = pdl_for(x)
-    _qkv_rope_kernel[((num_heads + 2 * Hkv) * (half // pairs),)](
-        x, w, out_q, positions, inv_freq.float().contiguous(), k_cache, v_cache, slot_mapping, slot_mapping.numel(),
+    tiles, bm = (num_heads + 2 * Hkv) * (half // pairs), max(16, triton.next_power_of_2(T))
+    if split_k > 1:   # fp32 partials [split, row tile, N]; torch.empty is graph-safe
+        ws = torch.empty((split_k, bm, w.shape[0]), dtype=torch.float32, device=x.device)
+        cnt = split_counters(x.device, tiles)
+    else:
+        ws, cnt = out_q, out_q   # unused
+    _qkv_rope_kernel[(tiles, split_k)](
+        x, w, out_q, positions, inv_freq.float().contiguous(), k_cache, v_cache, slot_mapping, ws, cnt,
+        slot_mapping.numel(),
         T, K, x.stride(0), w.stride(0), out_q.stride(0), out_q.stride(1), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(1), v_cache.stride(2), HQ=num_heads, HKV=Hkv, HALF=half,
-        BLOCK_M=max(16, triton.next_power_of_2(T)), BLOCK_N=block_n, BLOCK_K=block_k, PRECISE=PRECISE, PDL=pdl,
+        BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, PRECISE=PRECISE, PDL=pdl,
         num_warps=num_warps, num_stages=num_stages, launch_pdl=bool(pdl),
         enable_fp_fusion=False)   # the rotation rounds each product, as rope_and_write_kv (the MMA is unaffected)
     return out_q

@@ -57,22 +57,11 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, s_
     acc = weight_rows_times_x(x_ptr, w_ptr, w_rows, rn, rm, M, N, s_xm, s_wn, kt0, tl.minimum(kt0 + per, k_tiles),
                               BLOCK_M, BLOCK_N, BLOCK_K, EVEN_N, PDL)
     if SPLIT_K > 1:
-        # Serial split-K fix-up: each split stores its fp32 partial; the last of the tile's
-        # programs to arrive adds them in split order (the same bits whichever arrives last)
-        # and resets the tile's counter for the next call. No atomics on the output.
-        n_ok = rn[:, None] < N
-        tl.store(ws_ptr + (tl.program_id(1) * BLOCK_M + rm[None, :]) * N + rn[:, None], acc, mask=n_ok)
-        # With PARTIALS the consumer kernel adds them (in split order). No early return: Triton
-        # compiles the code after one, and the unused counter pointer is then the bf16 output.
-        if not PARTIALS:
-            tl.debug_barrier()                        # every thread's partial before the release
-            arrived = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel")
-            if arrived == SPLIT_K - 1:
-                acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-                for sk in range(SPLIT_K):              # .cg: from L2, where the other SMs wrote
-                    acc += tl.load(ws_ptr + (sk * BLOCK_M + rm[None, :]) * N + rn[:, None], mask=n_ok, other=0.0,
-                                   cache_modifier=".cg")
-                tl.atomic_xchg(cnt_ptr + pid, 0)
+        if PARTIALS:   # the consumer kernel adds them (in split order)
+            tl.store(ws_ptr + (tl.program_id(1) * BLOCK_M + rm[None, :]) * N + rn[:, None], acc, mask=rn[:, None] < N)
+        else:          # if/else, not an early return: Triton compiles the code after a return too
+            acc, last = splitk_fixup(acc, ws_ptr, cnt_ptr, pid, rn, rm, N, BLOCK_M, SPLIT_K)
+            if last:
                 _epilogue(acc, b_ptr, y_ptr, rm, rn, M, N, s_ym, HAS_BIAS)
     elif SILU_MUL:
         dt = y_ptr.dtype.element_ty
@@ -83,6 +72,25 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, s_
                  mask=(rm[None, :] < M) & (cols[:, None] < N))
     else:
         _epilogue(acc, b_ptr, y_ptr, rm, rn, M, N, s_ym, HAS_BIAS)
+
+
+@triton.jit
+def splitk_fixup(acc, ws_ptr, cnt_ptr, tile, cols, rm, N, BLOCK_M: tl.constexpr, SPLIT_K: tl.constexpr):
+    """Serial split-K fix-up: this program stores its fp32 partial [cols, rm] of output tile
+    `tile`; the last of the tile's SPLIT_K programs to arrive (an arrival counter, which it resets
+    for the next call) adds the partials in split order, so the bits do not depend on which
+    arrives last, and no atomics touch the output. Returns (the sum, or acc elsewhere; is_last)."""
+    n_ok = cols[:, None] < N
+    tl.store(ws_ptr + (tl.program_id(1) * BLOCK_M + rm[None, :]) * N + cols[:, None], acc, mask=n_ok)
+    tl.debug_barrier()                        # every thread's partial before the release
+    last = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel") == SPLIT_K - 1
+    if last:
+        acc = tl.zeros_like(acc)
+        for sk in range(SPLIT_K):              # .cg: from L2, where the other SMs wrote
+            acc += tl.load(ws_ptr + (sk * BLOCK_M + rm[None, :]) * N + cols[:, None], mask=n_ok, other=0.0,
+                           cache_modifier=".cg")
+        tl.atomic_xchg(cnt_ptr + tile, 0)
+    return acc, last
 
 
 @triton.jit
@@ -163,15 +171,15 @@ def pick_block_m(M: int) -> int:
 _COUNTERS: dict = {}     # device -> int32 arrival counters of split-K tiles (zero between calls)
 
 
-def _split_counters(device: torch.device, tiles: int) -> torch.Tensor:
-    """One zeroed counter per output tile, reset by the kernel itself after each use, so one
-    buffer per device serves every call. Made on the first (eager) call: CUDA-graph warm-up runs
+def split_counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """One zeroed counter per output tile (`splitk_fixup`, here and in rope_kv's QKV kernel), reset
+    by the kernel itself after each use, so one buffer per device serves every call. Made on the first (eager) call: CUDA-graph warm-up runs
     each shape eagerly before capture. Split-K calls on one device must not overlap in time on
     two streams (the engine runs its forward on one compute stream)."""
     buf = _COUNTERS.get(device)
     if buf is None or buf.numel() < tiles:
         if torch.cuda.is_available() and device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("skinny_gemm: run a split-K shape once eagerly before capturing a CUDA graph")
+            raise RuntimeError("split-K GEMM: run this shape once eagerly before capturing a CUDA graph")
         buf = _COUNTERS[device] = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
     return buf
 
@@ -206,7 +214,7 @@ def skinny_gemm(x: torch.Tensor, w: torch.Tensor, block_n: int, block_k: int, nu
     ws = torch.empty((split_k, bm, N), dtype=torch.float32, device=x.device) if split_k > 1 else out
     if M:
         pdl = pdl_for(x)
-        cnt = _split_counters(x.device, tiles) if split_k > 1 and not partials else out   # else unused
+        cnt = split_counters(x.device, tiles) if split_k > 1 and not partials else out   # else unused
         _skinny_gemm_kernel[(tiles, split_k, triton.cdiv(M, bm))](
             x, w, bias if bias is not None else w, out, ws, cnt, M, N, K, x.stride(0), w.stride(0), out.stride(0),
             BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_N=N % cols_per_tile == 0, HAS_BIAS=bias is not None,

@@ -129,13 +129,14 @@ def silu_of_gate_up(lin: nn.Module, x: torch.Tensor, linear, in_epilogue: bool =
     return silu_mul(linear(lin, x))
 
 
-def _fusable_config(lin: nn.Module, x: torch.Tensor, linear, split_k: bool):
+def _fusable_config(lin: nn.Module, x: torch.Tensor, linear, split_k: Optional[bool]):
     """The skinny-GEMM config of lin(x) when a fused path may take it: the skinny GEMM is in use
-    for this shape, lin has no bias, and the config splits K (split_k) or does not. Else None."""
+    for this shape, lin has no bias, and the config splits K (split_k True) or does not (False;
+    None: either). Else None."""
     if linear is not skinny_or_cublas or getattr(lin, "bias", None) is not None:
         return None
     cfg = _skinny_config(lin.weight, x)
-    if cfg is None or (len(cfg) > 4 and cfg[4] > 1) != split_k:
+    if cfg is None or (split_k is not None and (len(cfg) > 4 and cfg[4] > 1) != split_k):
         return None
     return cfg
 
@@ -213,15 +214,15 @@ class Attention(nn.Module):
     def attend_fused(self, x, positions, inv_freq, kv_cache, meta: AttentionMetadata, linear=plain_linear,
                      rope_in_qkv=False):
         """The Triton path up to o_proj: RoPE and the K/V write in one kernel (with `rope_in_qkv`,
-        where the skinny GEMM takes this shape without split-K, in the QKV GEMM's epilogue), then
-        paged attention. Returns the attention output [T, q_size]."""
+        where the skinny GEMM takes this shape, in the QKV GEMM's epilogue, after its split-K
+        fix-up if the config splits), then paged attention. Returns the attention output [T, q_size]."""
         from ..kernels import paged_attention, rope_and_attend
         k_cache, v_cache = kv_cache
-        cfg = _fusable_config(self.qkv_proj, x, linear, split_k=False) if rope_in_qkv and not self.qk_norm else None
+        cfg = _fusable_config(self.qkv_proj, x, linear, split_k=None) if rope_in_qkv and not self.qk_norm else None
         if cfg is not None and (self.head_dim // 2) % (cfg[0] // 2) == 0:
             from ..kernels.rope_kv import qkv_rope_and_write_kv
             q = qkv_rope_and_write_kv(x, self.qkv_proj.weight, self.num_heads, positions, inv_freq, k_cache,
-                                      v_cache, meta.slot_mapping, *cfg[:4])
+                                      v_cache, meta.slot_mapping, *cfg)
             o = paged_attention(q, k_cache, v_cache, meta, self.scale, self.sliding_window)
         else:
             q, k, v = self._qkv(x, linear)

@@ -172,9 +172,9 @@ def test_gate_up_silu_epilogue_same_bits_at_8b_shape_and_in_the_engine():
 
 def test_qkv_rope_epilogue_same_bits_at_8b_shape_and_in_the_engine():
     """The 8B QKV GEMM with RoPE and the K/V write in its epilogue, at the table's configs for
-    M = 1, 16 and 32: the q, cache and untouched-slot bits of the plain GEMM followed by
-    rope_and_write_kv (both compiled without FMA contraction, libdevice cos/sin), positions up to
-    16K. Then one 8B-shape layer through the engine's decode graphs: the same greedy tokens and
+    M = 1, 16 and 32 and at three split-K configs: the q, cache and untouched-slot bits of the
+    plain GEMM (same config) followed by rope_and_write_kv (both compiled without FMA
+    contraction, libdevice cos/sin), positions up to 16K. Then one 8B-shape layer through the engine's decode graphs: the same greedy tokens and
     logprobs with it on and off."""
     from engine_ab import assert_same_tokens_and_logprobs, generate_per_setting, llama8b_model
     from rollout.kernels.rope_kv import qkv_rope_and_write_kv, rope_and_write_kv
@@ -183,9 +183,12 @@ def test_qkv_rope_epilogue_same_bits_at_8b_shape_and_in_the_engine():
     g = torch.Generator(device="cuda").manual_seed(0)
     w = torch.randn(6144, 4096, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02
     inv_freq = (1.0 / (500000.0 ** (torch.arange(0, D, 2).float() / D))).cuda()
-    for M in (1, 16, 32):
-        cfg = pick_config(6144, 4096, M)
-        assert cfg is not None and (len(cfg) < 5 or cfg[4] == 1), cfg
+    # The table's configs, then split-K ones (wide tiles re-read less of x; the tile's last split
+    # program does the epilogue after the fix-up), twice each (the counters reset themselves).
+    cases = [(M, pick_config(6144, 4096, M)) for M in (1, 16, 32)]
+    cases += [(32, (128, 128, 8, 4, 2)), (32, (64, 128, 4, 5, 2)), (16, (128, 128, 4, 4, 4))] * 2
+    for M, cfg in cases:
+        assert cfg is not None, M
         x = torch.randn(M, 4096, device="cuda", dtype=torch.bfloat16, generator=g)
         positions = torch.randint(0, 16384, (M,), device="cuda", generator=g)
         slots = torch.randperm(64 * ps, device="cuda", generator=g)[:M]
@@ -194,7 +197,7 @@ def test_qkv_rope_epilogue_same_bits_at_8b_shape_and_in_the_engine():
                   for _ in range(2)]
         q, k, v = (t.view(M, -1, D) for t in skinny_gemm(x, w, *cfg).split([4096, 1024, 1024], dim=-1))
         want = rope_and_write_kv(q, k, v, positions, inv_freq, *caches[0], slots)
-        got = qkv_rope_and_write_kv(x, w, 32, positions, inv_freq, *caches[1], slots, *cfg[:4])
+        got = qkv_rope_and_write_kv(x, w, 32, positions, inv_freq, *caches[1], slots, *cfg)
         assert torch.equal(got, want), M
         for a, b in zip(*caches):
             assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0)), M
