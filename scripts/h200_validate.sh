@@ -72,6 +72,10 @@ for s in $sections; do
       VARIANTS="base o=128,128,8,4,4 o=128,128,4,4,4 base o=64,128,4,5,2 o=256,64,8,3,8 base down=128,128,8,4,4
         down=256,64,8,3,8 base down=128,64,4,5,4 qkv=128,128,8,4,2 base qkv=64,128,4,5,2 qkv=128,128,4,4,4 base
         qkv=64,128,4,7 o=32,256,4,6 base lm_head=128,128,8,4 lm_head=256,64,8,3 base" bash $0 variants ;;
+    chain) # what a launch boundary costs: 32 dependent o_proj-sized GEMMs as 32 PDL launches vs one persistent
+      # kernel with a grid barrier between layers (bits compared first)
+      timeout 240 python3 -m rollout.bench.chain --layers 32 --n 4096 --m 32 --out $OUT/chain_l8b_o.json 2>&1 \
+        | grep -E "^NVIDIA|^[0-9]+,|Error" ;;
     p3_ab) # P3's step (Qwen2.5-1.5B, 512 rows, mean context 2304) under PDL off / wait-first / the old RoPE grid:
       # P3 read 73.6% at 4a16869 against 78.0% at 3901d6d, with 4.7% more GPU time; every GEMM there is cuBLAS
       timeout 300 python3 -m rollout.bench.step_variants --shape qwen2.5-1.5b --batch 512 --context 2304 --steps 40 \

@@ -404,6 +404,7 @@ def test_compiles_for_sm90(tmp_path):
         from triton.compiler import ASTSource
         from rollout.kernels import paged_decode as pd, paged_prefill as pp, rope_kv as rk, fused_ops as fo
         from rollout.kernels import skinny_gemm as sg
+        from rollout.bench import chain
         PTR = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "out_ptr": "*bf16", "qo_ptr": "*bf16",
                "kc_ptr": "*bf16", "vc_ptr": "*bf16", "po_ptr": "*fp32", "plse_ptr": "*fp32", "bt_ptr": "*i32",
                "lens_ptr": "*i32", "qsl_ptr": "*i32", "pos_ptr": "*i64", "inv_freq_ptr": "*fp32", "slot_ptr": "*i64",
@@ -443,6 +444,9 @@ def test_compiles_for_sm90(tmp_path):
             compile_(pd._decode_split_kernel, pdl, GROUP=4, GROUP_PAD=16, NUM_SPLITS=3, USE_WINDOW=False, **common)
             compile_(pd._decode_merge_kernel, pdl, HEAD_DIM=128, NUM_SPLITS=3, SPLITS_PAD=4)
             compile_(rk._rope_kv_kernel, pdl, HQ=32, HKV=8, Q_HEADS=8, HKV_PAD=8, HALF=64, PRECISE=False)
+            if not pdl:              # bench.chain's persistent GEMM chain (a grid barrier, launched without PDL)
+                compile_(chain._chain_kernel, ptrs={"bar_ptr": "*i32", "err_ptr": "*i32"}, BLOCK_M=32, BLOCK_N=32,
+                         BLOCK_K=256, SPIN=1 << 22)
             for split in (1, 2):     # QKV GEMM + RoPE + K/V write epilogue (after the split-K fix-up)
                 compile_(rk._qkv_rope_kernel, pdl, early_loads=True, HQ=32, HKV=8, HALF=64, BLOCK_M=32,
                          BLOCK_N=64 * split, BLOCK_K=128, SPLIT_K=split, PRECISE=True,
