@@ -95,28 +95,6 @@ def chain_launches(x: torch.Tensor, w: torch.Tensor, block_n: int, block_k: int,
         skinny_gemm(x[i], w[i], block_n, block_k, num_warps, num_stages, out=x[i + 1])
 
 
-def graph_ms(fn, reps: int = 20) -> float:
-    """Median over `reps` replays of a CUDA graph of fn()."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return sorted(times)[len(times) // 2]
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=32)
@@ -129,6 +107,7 @@ def main(argv=None):
     if not torch.cuda.is_available():
         sys.exit("rollout.bench.chain needs a CUDA GPU")
     from ..kernels import pdl
+    from .gemm import graph_time_us
     from .kernels import copy_bandwidth
     copy_gbps = copy_bandwidth()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -162,7 +141,7 @@ def main(argv=None):
         row["counter_after"] = int(bar.item())
         for name, fn in (("launches", lambda: chain_launches(xs["launches"], w, bn, bk, nw, ns)),
                          ("persistent", lambda: chain_persistent(xs["persistent"], w, bar, err, bn, bk, nw, ns, sms))):
-            ms = graph_ms(fn)
+            ms = graph_time_us(lambda i, fn=fn: fn(), 1) / 1e3   # one graph of the whole chain
             row[f"{name}_ms"], row[f"{name}_GBps"] = ms, wbytes / ms / 1e6
             row[f"{name}_us_per_boundary"] = (ms - wbytes / copy_gbps / 1e6) * 1e3 / L
         print(f"{cfg}: launches {row['launches_ms']:.3f} ms {row['launches_GBps']:5.0f} GB/s "
