@@ -30,9 +30,23 @@ SPIN_LIMIT = 1 << 20    # barrier polls before a program gives up (and flags it)
 
 
 @triton.jit
+def _prefetch_l2(ptr, nbytes):
+    """Ask L2 for nbytes (a multiple of 16) from ptr: one bulk prefetch (sm_90), issued by thread 0
+    only, in 32 KB pieces. No registers or shared memory are held while the bytes arrive."""
+    for off in range(0, nbytes, 32768):
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; .reg .b32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
+            "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+            "=r,l,r", [ptr + off, tl.minimum(nbytes - off, 32768)], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def _chain_kernel(x_ptr, w_ptr, bar_ptr, err_ptr, M, N, LAYERS,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPIN: tl.constexpr):
-    """x [LAYERS + 1, M, N] (x[0] the input), w [LAYERS, N, N]; x[l + 1] = x[l] @ w[l].T."""
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPIN: tl.constexpr,
+                  PREFETCH: tl.constexpr):
+    """x [LAYERS + 1, M, N] (x[0] the input), w [LAYERS, N, N]; x[l + 1] = x[l] @ w[l].T. PREFETCH:
+    before waiting, also ask L2 for all of this program's first weight tile of the layer (BLOCK_N
+    whole rows: one contiguous range), so HBM streams it during the wait and the drain."""
     pid = tl.program_id(0)
     progs = tl.num_programs(0)
     rm = tl.arange(0, BLOCK_M)
@@ -44,6 +58,9 @@ def _chain_kernel(x_ptr, w_ptr, bar_ptr, err_ptr, M, N, LAYERS,
         x_in = x_ptr + layer * M * N
         rn0 = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         # The first weight tile does not depend on the layer before: load it, then wait.
+        if PREFETCH:
+            if pid < tiles:
+                _prefetch_l2(w_l + pid * BLOCK_N * N, BLOCK_N * N * 2)
         w_first = tl.load(w_l + rn0.to(tl.int64)[:, None] * N + rk[None, :], mask=rn0[:, None] < N, other=0.0)
         if layer > 0:   # every program, with tiles or not, so the count means "layer - 1 finished"
             polls = 0
@@ -75,16 +92,18 @@ def _chain_kernel(x_ptr, w_ptr, bar_ptr, err_ptr, M, N, LAYERS,
 
 
 def chain_persistent(x: torch.Tensor, w: torch.Tensor, bar: torch.Tensor, err: torch.Tensor, block_n: int,
-                     block_k: int, num_warps: int, num_stages: int, grid: int) -> None:
+                     block_k: int, num_warps: int, num_stages: int, grid: int, prefetch: bool = False) -> None:
     """x [L + 1, M, N] (x[0] given), w [L, N, N] -> x[1:], in one launch of `grid` programs, which
     must all be resident at once (grid <= SMs at one program per SM). bar: a zeroed int32 counter
-    (zero again after the call); err counts programs that gave up waiting."""
+    (zero again after the call); err counts programs that gave up waiting. prefetch: the L2 bulk
+    prefetch of each first tile (sm_90 PTX: not under the interpreter)."""
     L, N = w.shape[0], w.shape[1]
     M = x.shape[1]
     assert w.shape == (L, N, N) and x.shape == (L + 1, M, N) and N % block_n == 0 and N % block_k == 0
     assert x.is_contiguous() and w.is_contiguous() and M <= 64
     _chain_kernel[(grid,)](x, w, bar, err, M, N, L, BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_N=block_n,
-                           BLOCK_K=block_k, SPIN=SPIN_LIMIT, num_warps=num_warps, num_stages=num_stages)
+                           BLOCK_K=block_k, SPIN=SPIN_LIMIT, PREFETCH=prefetch, num_warps=num_warps,
+                           num_stages=num_stages)
 
 
 def chain_launches(x: torch.Tensor, w: torch.Tensor, block_n: int, block_k: int, num_warps: int,
@@ -139,16 +158,28 @@ def main(argv=None):
         row["same_bits"] = bool(torch.equal(xs["launches"], xs["persistent"]))
         row["barrier_timeouts"] = int(err.item())
         row["counter_after"] = int(bar.item())
-        for name, fn in (("launches", lambda: chain_launches(xs["launches"], w, bn, bk, nw, ns)),
-                         ("persistent", lambda: chain_persistent(xs["persistent"], w, bar, err, bn, bk, nw, ns, sms))):
+        ways = {"launches": lambda: chain_launches(xs["launches"], w, bn, bk, nw, ns),
+                "persistent": lambda: chain_persistent(xs["persistent"], w, bar, err, bn, bk, nw, ns, sms),
+                "prefetch": lambda: chain_persistent(xs["prefetch"], w, bar, err, bn, bk, nw, ns, sms, prefetch=True)}
+        xs["prefetch"] = xs["persistent"].clone()
+        xs["prefetch"][1:] = 0
+        try:
+            ways["prefetch"]()
+            torch.cuda.synchronize()
+            row["prefetch_same_bits"] = bool(torch.equal(xs["prefetch"], xs["launches"]))
+        except Exception as e:
+            row["prefetch_error"] = f"{type(e).__name__}: {e}"[:300]
+            print(f"{cfg}: prefetch failed: {row['prefetch_error']}", flush=True)
+            del ways["prefetch"]
+        for name, fn in ways.items():
             ms = graph_time_us(lambda i, fn=fn: fn(), 1) / 1e3   # one graph of the whole chain
             row[f"{name}_ms"], row[f"{name}_GBps"] = ms, wbytes / ms / 1e6
             row[f"{name}_us_per_boundary"] = (ms - wbytes / copy_gbps / 1e6) * 1e3 / L
-        print(f"{cfg}: launches {row['launches_ms']:.3f} ms {row['launches_GBps']:5.0f} GB/s "
-              f"({row['launches_us_per_boundary']:.1f} us/layer over copy) | persistent {row['persistent_ms']:.3f} ms "
-              f"{row['persistent_GBps']:5.0f} GB/s ({row['persistent_us_per_boundary']:.1f} us/layer) | same bits "
-              f"{row['same_bits']}, barrier timeouts {row['barrier_timeouts']}, counter {row['counter_after']}",
-              flush=True)
+        row["barrier_timeouts_after_timing"] = int(err.item())
+        print(f"{cfg}: " + " | ".join(f"{k} {row[k + '_ms']:.3f} ms {row[k + '_GBps']:5.0f} GB/s "
+                                      f"({row[k + '_us_per_boundary']:.1f} us/layer over copy)" for k in ways)
+              + f" | same bits {row['same_bits']} / {row.get('prefetch_same_bits')}, barrier timeouts "
+              f"{row['barrier_timeouts_after_timing']}, counter {int(bar.item())}", flush=True)
         rows.append(row)
     write_json(dict(layers=L, n=N, m=M, copy_GBps=copy_gbps, sms=sms, rows=rows,
                     meta=run_meta("rollout.bench.chain", argv)), args.out)
