@@ -10,7 +10,7 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
-from rollout.bench.chain import chain_launches, chain_persistent  # noqa: E402
+from rollout.bench.chain import chain_launches, chain_persistent, chain_queue  # noqa: E402
 
 
 @pytest.mark.parametrize("block_n,block_k,M", [(16, 32, 5), (32, 64, 16)])
@@ -42,3 +42,28 @@ def test_persistent_chain_gives_the_launches_bits(block_n, block_k, M):
     flipped = xs[1].clone()
     chain_persistent(flipped, w.flip(0).contiguous(), bar, err, block_n, block_k, 4, 2, grid=1)
     assert not torch.equal(flipped[L], xs[1][L])
+
+
+@pytest.mark.parametrize("grid", [1, 3])
+def test_queue_chain_gives_the_launches_bits_with_any_grid(grid):
+    """The work-queue chain: items taken in layer order and per-layer done counts. Under the
+    interpreter the first program takes every item (each wait is on items it already did) and
+    the others find the queue empty; the last one out zeroes the counters. The same bits as the
+    launches, twice in a row; a wrong layer order is caught."""
+    L, N, M, block_n, block_k = 3, 64, 5, 16, 32
+    g = torch.Generator().manual_seed(grid)
+    w = (torch.randn(L, N, N, generator=g) * N ** -0.5).half()
+    xs = [torch.zeros(L + 1, M, N, dtype=torch.float16) for _ in range(2)]
+    for x in xs:
+        x[0] = torch.randn(M, N, generator=g).half()
+    xs[1][0] = xs[0][0]
+    cnt, err = torch.zeros(L + 2, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+    chain_launches(xs[0], w, block_n, block_k, 4, 2)
+    for _ in range(2):
+        xs[1][1:] = 0
+        chain_queue(xs[1], w, cnt, err, block_n, block_k, 4, 2, grid)
+        assert torch.equal(xs[1], xs[0])
+        assert int(cnt.abs().sum()) == 0 and int(err.item()) == 0
+    xs[1][1:] = 0
+    chain_queue(xs[1], w.flip(0).contiguous(), cnt, err, block_n, block_k, 4, 2, grid)
+    assert not torch.equal(xs[1][L], xs[0][L])

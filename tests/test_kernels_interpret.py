@@ -446,8 +446,9 @@ def test_compiles_for_sm90(tmp_path):
             compile_(rk._rope_kv_kernel, pdl, HQ=32, HKV=8, Q_HEADS=8, HKV_PAD=8, HALF=64, PRECISE=False)
             if not pdl:              # bench.chain's persistent GEMM chain (a grid barrier, launched without PDL)
                 for prefetch in (False, True):   # True: L2 bulk prefetch of the first tile (inline PTX)
-                    compile_(chain._chain_kernel, ptrs={"bar_ptr": "*i32", "err_ptr": "*i32"}, BLOCK_M=32,
-                             BLOCK_N=32, BLOCK_K=256, SPIN=1 << 20, PREFETCH=prefetch)
+                    for kern in (chain._chain_kernel, chain._chain_queue_kernel):
+                        compile_(kern, ptrs={"bar_ptr": "*i32", "cnt_ptr": "*i32", "err_ptr": "*i32"}, BLOCK_M=32,
+                                 BLOCK_N=32, BLOCK_K=256, SPIN=1 << 20, PREFETCH=prefetch)
             for split in (1, 2):     # QKV GEMM + RoPE + K/V write epilogue (after the split-K fix-up)
                 compile_(rk._qkv_rope_kernel, pdl, early_loads=True, HQ=32, HKV=8, HALF=64, BLOCK_M=32,
                          BLOCK_N=64 * split, BLOCK_K=128, SPLIT_K=split, PRECISE=True,
