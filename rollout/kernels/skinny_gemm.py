@@ -173,9 +173,10 @@ _COUNTERS: dict = {}     # device -> int32 arrival counters of split-K tiles (ze
 
 def split_counters(device: torch.device, tiles: int) -> torch.Tensor:
     """One zeroed counter per output tile (`splitk_fixup`, here and in rope_kv's QKV kernel), reset
-    by the kernel itself after each use, so one buffer per device serves every call. Made on the first (eager) call: CUDA-graph warm-up runs
-    each shape eagerly before capture. Split-K calls on one device must not overlap in time on
-    two streams (the engine runs its forward on one compute stream)."""
+    by the kernel itself after each use, so one buffer per device serves every call. Made on the
+    first (eager) call: CUDA-graph warm-up runs each shape eagerly before capture. Split-K calls on
+    one device must not overlap in time on two streams (the engine runs its forward on one
+    compute stream)."""
     buf = _COUNTERS.get(device)
     if buf is None or buf.numel() < tiles:
         if torch.cuda.is_available() and device.type == "cuda" and torch.cuda.is_current_stream_capturing():
