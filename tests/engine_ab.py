@@ -1,7 +1,24 @@
 """Shared by the GPU tests that run the engine under two or more kernel settings: a Llama-3-8B
 shape model with few layers (random weights), and greedy generation of the same 32 random
-prompts once per setting, each engine capturing its decode graphs after its setting is applied."""
+prompts once per setting, each engine capturing its decode graphs after its setting is applied.
+And for the interpreter tests (CPU): the tiny model's engine on the Triton backend."""
 import torch
+
+TINY_PROMPTS = [[5, 9, 200, 31], [7] * 11]
+
+
+def tiny_triton_engine():
+    """The tiny model (fp32, seed 0) on the Triton backend; with TINY_PROMPTS and tiny_params()
+    the interpreter engine tests compare kernel settings."""
+    from rollout import RolloutEngine
+    from rollout.bench.shapes import make_config
+    return RolloutEngine.from_config(make_config("tiny"), seed=0, device="cpu", dtype="float32", max_model_len=64,
+                                     num_kv_pages=16, attention_backend="triton")
+
+
+def tiny_params():
+    from rollout import SamplingParams
+    return SamplingParams(max_new_tokens=3, temperature=0.9, seed=3, ignore_eos=True)
 
 
 def llama8b_model(layers: int):

@@ -167,7 +167,7 @@ def test_qkv_gemm_with_rope_epilogue_gives_the_two_kernel_bits(block_n, T, split
         assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0))
     assert caches["b"][0].isnan().sum() == caches["a"][0].isnan().sum() > 0   # only the slots given
     if split_k > 1:
-        assert int(sg._COUNTERS[x.device][:(Hq + 2 * Hkv) * D // block_n].abs().sum()) == 0
+        assert int(sg._COUNTERS[(x.device, "split")][:(Hq + 2 * Hkv) * D // block_n].abs().sum()) == 0
         again = qkv_rope_and_write_kv(x, w, Hq, positions, inv_freq, *caches["b"], slots, block_n, 64, 4, 2, split_k)
         assert torch.equal(again, want)
     w_swapped = w.view(Hq + 2 * Hkv, 2, D // 2, K).flip(1).reshape(w.shape)
@@ -200,7 +200,7 @@ def test_skinny_gemm_split_k(split_k):
     sg.skinny_gemm(x, w, 64, 64, 4, 2, split_k, out=out, bias=b)
     torch.testing.assert_close(out, x @ w.T + b, atol=1e-5, rtol=1e-5)
     if split_k > 1:
-        assert int(sg._COUNTERS[x.device][:2].abs().sum()) == 0
+        assert int(sg._COUNTERS[(x.device, "split")][:2].abs().sum()) == 0
     again = sg.skinny_gemm(x, w, 64, 64, 4, 2, split_k, bias=b)
     assert torch.equal(again, out)
     with pytest.raises(AssertionError, match="do not split"):
@@ -287,8 +287,7 @@ def test_engine_fused_gemm_paths_give_the_same_bits(monkeypatch, qkv_split):
     `silu_in_gate_up` the gate_up GEMM writes SiLU * up itself, with `rope_in_qkv` the QKV GEMM
     rotates q and k and writes the K/V cache. Tokens and logprobs are bit-equal to the plain
     kernels'."""
-    from rollout import RolloutEngine, SamplingParams
-    from rollout.bench.shapes import make_config
+    from engine_ab import TINY_PROMPTS, tiny_params, tiny_triton_engine
     from rollout.kernels import skinny_gemm as sg
     from rollout.models import decoder
     monkeypatch.setattr(decoder, "_skinny_config",
@@ -302,15 +301,12 @@ def test_engine_fused_gemm_paths_give_the_same_bits(monkeypatch, qkv_split):
     rope_inner = rope_kv.qkv_rope_and_write_kv
     monkeypatch.setattr(rope_kv, "qkv_rope_and_write_kv",
                         lambda *a, **k: (calls.append((-1, {})), rope_inner(*a, **k))[1])
-    prompts = [[5, 9, 200, 31], [7] * 11]
-    p = SamplingParams(max_new_tokens=3, temperature=0.9, seed=3, ignore_eos=True)
     outs = {}
     for on in (False, True):
-        eng = RolloutEngine.from_config(make_config("tiny"), seed=0, device="cpu", dtype="float32",
-                                        max_model_len=64, num_kv_pages=16, attention_backend="triton")
+        eng = tiny_triton_engine()
         eng.model.splitk_into_norm = eng.model.silu_in_gate_up = eng.model.rope_in_qkv = on
         calls.clear()
-        outs[on] = eng.generate(prompts, p, use_tqdm=False)
+        outs[on] = eng.generate(TINY_PROMPTS, tiny_params(), use_tqdm=False)
         assert {n for n, kw in calls if kw.get("partials")} == ({256} if on else set())   # o_proj, down_proj
         assert any(kw.get("silu_mul") for _, kw in calls) == on    # gate_up (intermediate 768, K 256)
         assert any(n == -1 for n, _ in calls) == on                # the QKV GEMM with the RoPE epilogue
@@ -405,6 +401,7 @@ def test_compiles_for_sm90(tmp_path):
         from rollout.kernels import paged_decode as pd, paged_prefill as pp, rope_kv as rk, fused_ops as fo
         from rollout.kernels import skinny_gemm as sg
         from rollout.bench import chain
+        from rollout.kernels import persistent_mlp as pm
         PTR = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "out_ptr": "*bf16", "qo_ptr": "*bf16",
                "kc_ptr": "*bf16", "vc_ptr": "*bf16", "po_ptr": "*fp32", "plse_ptr": "*fp32", "bt_ptr": "*i32",
                "lens_ptr": "*i32", "qsl_ptr": "*i32", "pos_ptr": "*i64", "inv_freq_ptr": "*fp32", "slot_ptr": "*i64",
@@ -444,6 +441,13 @@ def test_compiles_for_sm90(tmp_path):
             compile_(pd._decode_split_kernel, pdl, GROUP=4, GROUP_PAD=16, NUM_SPLITS=3, USE_WINDOW=False, **common)
             compile_(pd._decode_merge_kernel, pdl, HEAD_DIM=128, NUM_SPLITS=3, SPLITS_PAD=4)
             compile_(rk._rope_kv_kernel, pdl, HQ=32, HKV=8, Q_HEADS=8, HKV_PAD=8, HALF=64, PRECISE=False)
+            if not pdl:              # the persistent MLP block (launched without PDL), with and without prefetch
+                for prefetch in (False, True):
+                    bf = {n: "*bf16" for n in ("a_ptr", "wo_ptr", "n2w_ptr", "wgu_ptr", "wd_ptr", "n3w_ptr", "r1_ptr",
+                                               "x2_ptr", "act_ptr", "r2_ptr", "x3_ptr")}
+                    compile_(pm._mlp_kernel, ptrs=dict(bf, pd_ptr="*fp32", err_ptr="*i32", eps2="fp32", eps3="fp32"),
+                             BLOCK_M=32, BLOCK_H=4096, O_BN=32, O_BK=256, O_SPLIT=1, O_ST=5, G_BN=128, G_BK=128,
+                             G_ST=4, D_BN=64, D_BK=128, D_SPLIT=2, D_ST=5, PREFETCH=prefetch, SPIN=1 << 20)
             if not pdl:              # bench.chain's persistent GEMM chain (a grid barrier, launched without PDL)
                 for prefetch in (False, True):   # True: L2 bulk prefetch of the first tile (inline PTX)
                     for kern in (chain._chain_kernel, chain._chain_queue_kernel):

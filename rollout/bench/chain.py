@@ -28,20 +28,10 @@ import torch
 import triton
 import triton.language as tl
 
+from ..kernels.persistent_mlp import prefetch_l2, wait_at_least
 from .__main__ import run_meta, write_json
 
 SPIN_LIMIT = 1 << 20    # barrier polls before a program gives up (and flags it): no hang if not co-resident
-
-
-@triton.jit
-def _prefetch_l2(ptr, nbytes):
-    """Ask L2 for nbytes (a multiple of 16) from ptr: one bulk prefetch (sm_90), issued by thread 0
-    only, in 32 KB pieces. No registers or shared memory are held while the bytes arrive."""
-    for off in range(0, nbytes, 32768):
-        tl.inline_asm_elementwise(
-            "{ .reg .pred p; .reg .b32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
-            "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-            "=r,l,r", [ptr + off, tl.minimum(nbytes - off, 32768)], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -59,18 +49,6 @@ def _layer_tile(x_in, w_l, w0, rn, rm, rk, m_ok, M, N, BLOCK_M: tl.constexpr, BL
         x_ptrs += BLOCK_K
         acc = tl.dot(tl.load(w_ptrs), tl.trans(tl.load(x_ptrs, mask=m_ok, other=0.0, cache_modifier=".cg")), acc)
     tl.store(x_in + M * N + rm[None, :] * N + rn[:, None], acc.to(x_in.dtype.element_ty), mask=rm[None, :] < M)
-
-
-@triton.jit
-def _wait_at_least(ptr, target, err_ptr, SPIN: tl.constexpr):
-    """Poll the counter at ptr until it reaches target (or SPIN polls: then count it in err), then
-    an acquire, so what the counting programs wrote before their release is visible."""
-    polls = 0
-    while (tl.load(ptr, volatile=True) < target) & (polls < SPIN):
-        polls += 1
-    if polls >= SPIN:
-        tl.atomic_add(err_ptr, 1)
-    tl.atomic_add(ptr, 0, sem="acquire")
 
 
 @triton.jit
@@ -93,10 +71,10 @@ def _chain_kernel(x_ptr, w_ptr, bar_ptr, err_ptr, M, N, LAYERS,
         # The first weight tile does not depend on the layer before: load it, then wait.
         if PREFETCH:
             if pid < tiles:
-                _prefetch_l2(w_l + pid * BLOCK_N * N, BLOCK_N * N * 2)
+                prefetch_l2(w_l + pid * BLOCK_N * N, BLOCK_N * N * 2)
         w_first = tl.load(w_l + rn0.to(tl.int64)[:, None] * N + rk[None, :], mask=rn0[:, None] < N, other=0.0)
         if layer > 0:   # every program, with tiles or not, so the count means "layer - 1 finished"
-            _wait_at_least(bar_ptr, layer * progs, err_ptr, SPIN)
+            wait_at_least(bar_ptr, layer * progs, err_ptr, SPIN)
         for t in range(pid, tiles, progs):
             rn = t * BLOCK_N + tl.arange(0, BLOCK_N)
             if t == pid:
@@ -131,10 +109,10 @@ def _chain_queue_kernel(x_ptr, w_ptr, cnt_ptr, err_ptr, M, N, LAYERS,
         rn = (item % tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
         w_l = w_ptr + (layer * N).to(tl.int64) * N
         if PREFETCH:
-            _prefetch_l2(w_l + (item % tiles) * BLOCK_N * N, BLOCK_N * N * 2)
+            prefetch_l2(w_l + (item % tiles) * BLOCK_N * N, BLOCK_N * N * 2)
         w0 = tl.load(w_l + rn.to(tl.int64)[:, None] * N + rk[None, :])
         if layer > 0:
-            _wait_at_least(cnt_ptr + 1 + layer, tiles, err_ptr, SPIN)     # done[layer - 1]
+            wait_at_least(cnt_ptr + 1 + layer, tiles, err_ptr, SPIN)     # done[layer - 1]
         _layer_tile(x_ptr + layer * M * N, w_l, w0, rn, rm, rk, m_ok, M, N, BLOCK_M, BLOCK_N, BLOCK_K)
         tl.debug_barrier()                       # every thread's stores before the release
         tl.atomic_add(cnt_ptr + 2 + layer, 1, sem="release")

@@ -39,11 +39,18 @@ def _add_rmsnorm_kernel(x_ptr, d_ptr, w_ptr, out_ptr, res_ptr, N, eps, s_x, s_d,
             d = tl.load(d_ptr + row * s_d + cols, mask=m, other=0.0)
         x = (x.to(tl.float32) + d.to(tl.float32)).to(x_ptr.dtype.element_ty)   # the residual, rounded
         tl.store(res_ptr + row * s_r + cols, x, mask=m)
+    rmsnorm_store(x, w_ptr, out_ptr + row * s_o, cols, m, N, eps)
+
+
+@triton.jit
+def rmsnorm_store(x, w_ptr, out_row_ptr, cols, m, N, eps):
+    """rmsnorm(x) * w of one row x (activation dtype) stored at out_row_ptr + cols, rounded as HF
+    rounds: the norm in fp32, cast, then times the weight. Shared with kernels/persistent_mlp.py."""
     xf = x.to(tl.float32)
     inv = 1.0 / tl.sqrt_rn(tl.sum(xf * xf, axis=0) / N + eps)
-    y = (xf * inv).to(out_ptr.dtype.element_ty)
+    y = (xf * inv).to(out_row_ptr.dtype.element_ty)
     w = tl.load(w_ptr + cols, mask=m, other=0.0)
-    tl.store(out_ptr + row * s_o + cols, (w.to(tl.float32) * y.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=m)
+    tl.store(out_row_ptr + cols, (w.to(tl.float32) * y.to(tl.float32)).to(out_row_ptr.dtype.element_ty), mask=m)
 
 
 def add_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, delta: Optional[torch.Tensor] = None,

@@ -205,3 +205,39 @@ def test_qkv_rope_epilogue_same_bits_at_8b_shape_and_in_the_engine():
     outs = generate_per_setting(model, cfg, {on: lambda on=on: setattr(model, "rope_in_qkv", on)
                                              for on in (False, True)}, prompt_lens=(3, 40), seed=6)
     assert_same_tokens_and_logprobs(outs[False], outs[True])
+
+
+@pytest.mark.parametrize("grid", [0, 7, 264])
+def test_persistent_mlp_same_bits_at_8b_shape_and_in_the_engine(grid):
+    """kernels/persistent_mlp.py at the 8B shape with the table's configs for M = 1, 16, 32: the
+    normed output and residual bit-equal to the five launches it replaces, three calls in a row
+    (its queue counters reset themselves), with one program per SM (0), fewer programs than SMs
+    and more than can be resident (the work queue makes both safe); no wait gave up. Then one
+    8B-shape layer through the engine's decode graphs: the same greedy tokens and logprobs with it
+    on and off."""
+    from engine_ab import assert_same_tokens_and_logprobs, generate_per_setting, llama8b_model
+    from rollout.kernels.persistent_mlp import mlp_block, mlp_launches, wait_timeouts
+    from rollout.kernels.skinny_gemm import pick_config
+    g = torch.Generator(device="cuda").manual_seed(grid)
+    H, I = 4096, 14336
+    wo = torch.randn(H, H, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02
+    wgu = torch.randn(2 * I, H, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02
+    wd = torch.randn(H, I, device="cuda", dtype=torch.bfloat16, generator=g) * 0.01
+    n2 = ((1 + torch.randn(H, device="cuda", generator=g) / 4).bfloat16(), 1e-5)
+    n3 = ((1 + torch.randn(H, device="cuda", generator=g) / 4).bfloat16(), 1e-5)
+    before = wait_timeouts(torch.device("cuda", 0))
+    for M in (1, 16, 32):
+        cfgs = pick_config(H, H, M), pick_config(2 * I, H, M), pick_config(H, I, M)
+        a = torch.randn(M, H, device="cuda", dtype=torch.bfloat16, generator=g)
+        residual = torch.randn(M, H, device="cuda", dtype=torch.bfloat16, generator=g)
+        want = mlp_launches(a, residual, wo, n2, wgu, wd, n3, *cfgs)
+        for _ in range(3):
+            got = mlp_block(a, residual, wo, n2, wgu, wd, n3, *cfgs, grid=grid)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (M, cfgs)
+    assert wait_timeouts(torch.device("cuda", 0)) == before
+    if grid:
+        return
+    model, cfg = llama8b_model(1)
+    outs = generate_per_setting(model, cfg, {on: lambda on=on: setattr(model, "persistent_mlp", on)
+                                             for on in (False, True)}, prompt_lens=(3, 40), seed=7)
+    assert_same_tokens_and_logprobs(outs[False], outs[True])
