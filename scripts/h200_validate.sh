@@ -69,7 +69,7 @@ for s in $sections; do
       # then the persistent MLP block alternated with base in the decode graphs
       TEST_FILES="tests/gpu/test_skinny_gemm_cuda.py" bash $0 tests_files
       bash $0 chain
-      VARIANTS="base persistent_mlp base persistent_mlp base" bash $0 variants ;;
+      VARIANTS="base persistent_mlp base persistent_mlp+mlp_no_prefetch base persistent_mlp base" bash $0 variants ;;
     x_traffic) # the small decode GEMMs re-read x [32, K] from L2 once per output tile: M / BLOCK_N of their
       # weight bytes (o_proj's 32-row tiles: 100%). Wider tiles with split-K (o_proj / down partials go to the
       # add + RMSNorm; QKV's last split program does the RoPE epilogue) cut that at the same program count;

@@ -22,6 +22,7 @@ ends with the baseline to show the drift. A variant is knobs joined by "+", on t
   rope_in_qkv       RoPE + the K/V write in the QKV GEMM's epilogue, no RoPE kernel (the default;
                     no_rope_in_qkv: the RoPE kernel)
   persistent_mlp    o_proj .. the next norm as one persistent kernel (kernels/persistent_mlp.py)
+  mlp_no_prefetch   that kernel without its L2 prefetch of each item's weights
 """
 from __future__ import annotations
 
@@ -40,8 +41,9 @@ GEMMS = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down
 
 
 def apply(eng, variant: str, defaults: dict) -> None:
-    from ..kernels import paged_decode, pdl, rope_kv, skinny_gemm
+    from ..kernels import paged_decode, pdl, persistent_mlp, rope_kv, skinny_gemm
     pdl.set_enabled(True, launch_first=True)
+    persistent_mlp.PREFETCH_WEIGHTS = True
     rope_kv.Q_HEADS_PER_PROGRAM = defaults["rope"]
     skinny_gemm._LLAMA3_8B = dict(defaults["table"])
     paged_decode.DECODE_TILE = dict(defaults["tile"])
@@ -67,6 +69,8 @@ def apply(eng, variant: str, defaults: dict) -> None:
             eng.model.silu_in_gate_up = knob == "silu_gate_up"
         elif knob == "persistent_mlp":
             eng.model.persistent_mlp = True
+        elif knob == "mlp_no_prefetch":
+            persistent_mlp.PREFETCH_WEIGHTS = False
         elif knob == "rope_token":
             rope_kv.Q_HEADS_PER_PROGRAM = 0
         elif name in GEMMS:

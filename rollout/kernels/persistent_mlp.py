@@ -28,6 +28,7 @@ fix_interpreter()
 
 SPIN_LIMIT = 1 << 20    # polls before a wait gives up and counts itself in err (a bug, not a hang)
 PHASES = 5
+PREFETCH_WEIGHTS = True  # the L2 bulk prefetch of each item's weights (bench.step_variants knob mlp_no_prefetch)
 
 
 @triton.jit
@@ -101,7 +102,7 @@ def _norm_row(r, res_ptr, part_ptr, SPLITS: tl.constexpr, BLOCK_M: tl.constexpr,
     DELTA_PARTIALS sum), rounded, stored as the new residual; then its RMSNorm times w."""
     cols = tl.arange(0, BLOCK_H)
     m = cols < H
-    x = tl.load(res_ptr + r * H + cols, mask=m, other=0.0)
+    x = tl.load(res_ptr + r * H + cols, mask=m, other=0.0, cache_modifier=".cg")   # phase 4: r1, from other SMs
     dsum = tl.zeros([BLOCK_H], tl.float32)
     for sk in tl.static_range(SPLITS):
         dsum += tl.load(part_ptr + (sk * BLOCK_M + r) * H + cols, mask=m, other=0.0, cache_modifier=".cg")
@@ -173,14 +174,14 @@ def _mlp_kernel(a_ptr, wo_ptr, res_ptr, n2w_ptr, wgu_ptr, wd_ptr, n3w_ptr,
 
 def mlp_block(a: torch.Tensor, residual: torch.Tensor, wo: torch.Tensor, norm2: tuple, wgu: torch.Tensor,
               wd: torch.Tensor, norm3: tuple, cfg_o: tuple, cfg_g: tuple, cfg_d: tuple, *, grid: int = 0,
-              num_warps: int = 0, prefetch: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+              num_warps: int = 0, prefetch: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """a [M, KA] (attention output), residual [M, H] -> (normed [M, H], new residual [M, H]) =
     add_rmsnorm(r1, norm3, delta=down(silu(gate_up(x2)))) with (x2, r1) =
     add_rmsnorm(residual, norm2, delta=o_proj(a)); norm2 / norm3 = (weight, eps). cfg_*: the
     skinny-GEMM configs (BLOCK_N, BLOCK_K, num_warps, num_stages[, split_k]) of o_proj, gate_up
     (no split) and down_proj. grid: programs (default: one per SM; any count is safe). num_warps:
     default gate_up's, the add + RMSNorm kernel's 8 at 4096-wide rows. prefetch: the L2 bulk
-    prefetch of each item's weights (sm_90; never under the interpreter)."""
+    prefetch of each item's weights (sm_90; never under the interpreter); None: PREFETCH_WEIGHTS."""
     M, KA = a.shape
     H, I = residual.shape[1], wd.shape[1]
     (o_bn, o_bk, _, o_st, *o_sp), (g_bn, g_bk, g_w, g_st, *g_sp), (d_bn, d_bk, _, d_st, *d_sp) = cfg_o, cfg_g, cfg_d
@@ -204,7 +205,7 @@ def mlp_block(a: torch.Tensor, residual: torch.Tensor, wo: torch.Tensor, norm2: 
             a, wo, residual, norm2[0], wgu, wd, norm3[0], po, r1, x2, act, pd, r2, x3, cnt, cnt[2 + PHASES:],
             M, H, KA, I, float(norm2[1]), float(norm3[1]), BLOCK_M=bm, BLOCK_H=triton.next_power_of_2(H),
             O_BN=o_bn, O_BK=o_bk, O_SPLIT=o_split, O_ST=o_st, G_BN=g_bn, G_BK=g_bk, G_ST=g_st,
-            D_BN=d_bn, D_BK=d_bk, D_SPLIT=d_split, D_ST=d_st, PREFETCH=prefetch and not interpret, SPIN=SPIN_LIMIT,
+            D_BN=d_bn, D_BK=d_bk, D_SPLIT=d_split, D_ST=d_st, PREFETCH=(PREFETCH_WEIGHTS if prefetch is None else prefetch) and not interpret, SPIN=SPIN_LIMIT,
             num_warps=num_warps or g_w, num_stages=max(o_st, g_st, d_st))
     return x3, r2
 

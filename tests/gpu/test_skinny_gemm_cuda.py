@@ -212,7 +212,8 @@ def test_persistent_mlp_same_bits_at_8b_shape_and_in_the_engine(grid):
     """kernels/persistent_mlp.py at the 8B shape with the table's configs for M = 1, 16, 32: the
     normed output and residual bit-equal to the five launches it replaces, three calls in a row
     (its queue counters reset themselves), with one program per SM (0), fewer programs than SMs
-    and more than can be resident (the work queue makes both safe); no wait gave up. Then one
+    and more than can be resident (the work queue makes both safe), the L2 prefetch on (and off
+    with 7 programs); no wait gave up. Then one
     8B-shape layer through the engine's decode graphs: the same greedy tokens and logprobs with it
     on and off."""
     from engine_ab import assert_same_tokens_and_logprobs, generate_per_setting, llama8b_model
@@ -232,7 +233,7 @@ def test_persistent_mlp_same_bits_at_8b_shape_and_in_the_engine(grid):
         residual = torch.randn(M, H, device="cuda", dtype=torch.bfloat16, generator=g)
         want = mlp_launches(a, residual, wo, n2, wgu, wd, n3, *cfgs)
         for _ in range(3):
-            got = mlp_block(a, residual, wo, n2, wgu, wd, n3, *cfgs, grid=grid)
+            got = mlp_block(a, residual, wo, n2, wgu, wd, n3, *cfgs, grid=grid, prefetch=grid != 7)
             assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (M, cfgs)
     assert wait_timeouts(torch.device("cuda", 0)) == before
     if grid:
