@@ -4,9 +4,9 @@ path otherwise runs as five launches (each costs ~4-7 us over its bytes even wit
 `rollout.bench.chain`). An experiment behind `DecoderLM.persistent_mlp` (off by default).
 
 Work items in phase order: o_proj tiles (x K splits), the M norm rows, gate_up tiles, down_proj
-tiles (x K splits), the M next-norm rows. A program takes the next item from an atomic queue,
-asks L2 for the item's weights and loads its first weight tile, then waits until the phase
-before is done (a count per phase). Every wait is on earlier items, which running programs
+tiles (x K splits), the M next-norm rows. A program takes items from an atomic queue one ahead
+of its work and asks L2 for an item's weights when it takes it; on an item it loads the first
+weight tile, then waits until the phase before is done (a count per phase). Every wait is on earlier items, which running programs
 hold, so it cannot deadlock whatever the grid or whatever else runs on the GPU (under the
 interpreter the first program does every item). The last program out zeroes the counters.
 
@@ -79,20 +79,42 @@ def _gemm_item(x_ptr, s_x, w_ptr, s_w, w_rows, rm, M, kt0, kt1, wait_ptr, wait_t
 @triton.jit
 def _partial_item(i, x_ptr, w_ptr, part_ptr, K, H, rm, M, wait_ptr, wait_target, err_ptr, BLOCK_M: tl.constexpr,
                   BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr, STAGES: tl.constexpr,
-                  PREFETCH: tl.constexpr, SPIN: tl.constexpr):
+                  SPIN: tl.constexpr):
     """Item i of a GEMM phase x [M, K] @ w.T -> [M, H] split SPLIT ways in K: output tile
     i // SPLIT, split i % SPLIT, stored as fp32 partial [split, BLOCK_M, H] (summed by the norm
-    rows in split order). With PREFETCH its weight rows' K range is asked of L2 first."""
+    rows in split order)."""
     tile = i // SPLIT
     sk = i % SPLIT
     rn = tile * BN + tl.arange(0, BN)
     per = tl.cdiv(K // BK, SPLIT)
-    if PREFETCH:
-        for r in range(BN):
-            prefetch_l2(w_ptr + (tile * BN + r).to(tl.int64) * K + sk * per * BK, per * BK * 2)
     acc = _gemm_item(x_ptr, K, w_ptr, K, rn, rm, M, sk * per, tl.minimum(sk * per + per, K // BK),
                      wait_ptr, wait_target, err_ptr, BLOCK_M, BN, BK, STAGES, SPIN)
     tl.store(part_ptr + (sk * BLOCK_M + rm[None, :]) * H + rn[:, None], acc)
+
+
+@triton.jit
+def _prefetch_rows(w_ptr, i, K, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr):
+    """L2 prefetch of the weights of item i of a split GEMM phase (see _partial_item)."""
+    per = tl.cdiv(K // BK, SPLIT)
+    for r in range(BN):
+        prefetch_l2(w_ptr + ((i // SPLIT) * BN + r).to(tl.int64) * K + (i % SPLIT) * per * BK, per * BK * 2)
+
+
+@triton.jit
+def _prefetch_item(i, p1, p2, p3, p4, wo_ptr, wgu_ptr, wd_ptr, H, KA, I, O_BN: tl.constexpr, O_BK: tl.constexpr,
+                   O_SPLIT: tl.constexpr, G_BN: tl.constexpr, D_BN: tl.constexpr, D_BK: tl.constexpr,
+                   D_SPLIT: tl.constexpr):
+    """Ask L2 for queue item i's weights (none for norm rows or past the end): issued when the
+    item is taken, one item ahead of its work."""
+    if i < p1:
+        _prefetch_rows(wo_ptr, i, KA, O_BN, O_BK, O_SPLIT)
+    elif i < p2:
+        pass
+    elif i < p3:          # gate rows and the matching up rows: two contiguous blocks
+        prefetch_l2(wgu_ptr + ((i - p2) * (G_BN // 2)).to(tl.int64) * H, (G_BN // 2) * H * 2)
+        prefetch_l2(wgu_ptr + (I + (i - p2) * (G_BN // 2)).to(tl.int64) * H, (G_BN // 2) * H * 2)
+    elif i < p4:
+        _prefetch_rows(wd_ptr, i - p3, I, D_BN, D_BK, D_SPLIT)
 
 
 @triton.jit
@@ -133,11 +155,17 @@ def _mlp_kernel(a_ptr, wo_ptr, res_ptr, n2w_ptr, wgu_ptr, wd_ptr, n3w_ptr,
     p4 = p3 + n_d
     done = cnt_ptr + 2                            # done[phase]
     item = tl.atomic_add(cnt_ptr, 1)
+    if PREFETCH:
+        _prefetch_item(item, p1, p2, p3, p4, wo_ptr, wgu_ptr, wd_ptr, H, KA, I, O_BN, O_BK, O_SPLIT, G_BN, D_BN, D_BK,
+                       D_SPLIT)
     while item < p4 + M:
-        nxt = tl.atomic_add(cnt_ptr, 1)           # the next grab, hidden behind this item
+        nxt = tl.atomic_add(cnt_ptr, 1)           # the next item, taken now: its atomic and weights
+        if PREFETCH:                              # arrive while this one works
+            _prefetch_item(nxt, p1, p2, p3, p4, wo_ptr, wgu_ptr, wd_ptr, H, KA, I, O_BN, O_BK, O_SPLIT, G_BN, D_BN,
+                           D_BK, D_SPLIT)
         if item < p1:                             # o_proj tile x split -> fp32 partial (no phase before)
             _partial_item(item, a_ptr, wo_ptr, po_ptr, KA, H, rm, M, done, 0, err_ptr,
-                          BLOCK_M, O_BN, O_BK, O_SPLIT, O_ST, PREFETCH, SPIN)
+                          BLOCK_M, O_BN, O_BK, O_SPLIT, O_ST, SPIN)
         elif item < p2:                           # residual + o_proj, post-attention norm
             wait_at_least(done, n_o, err_ptr, SPIN)
             _norm_row(item - p1, res_ptr, po_ptr, O_SPLIT, BLOCK_M, n2w_ptr, eps2, r1_ptr, x2_ptr, H, BLOCK_H)
@@ -146,9 +174,6 @@ def _mlp_kernel(a_ptr, wo_ptr, res_ptr, n2w_ptr, wgu_ptr, wd_ptr, n3w_ptr,
             r = tl.arange(0, G_BN)
             cols = g * (G_BN // 2) + r % (G_BN // 2)
             w_rows = cols + (r >= G_BN // 2).to(tl.int32) * I
-            if PREFETCH:
-                prefetch_l2(wgu_ptr + (g * (G_BN // 2)).to(tl.int64) * H, (G_BN // 2) * H * 2)
-                prefetch_l2(wgu_ptr + (I + g * (G_BN // 2)).to(tl.int64) * H, (G_BN // 2) * H * 2)
             acc = _gemm_item(x2_ptr, H, wgu_ptr, H, w_rows, rm, M, 0, H // G_BK, done + 1, M, err_ptr,
                              BLOCK_M, G_BN, G_BK, G_ST, SPIN)
             dt = act_ptr.dtype.element_ty
@@ -158,7 +183,7 @@ def _mlp_kernel(a_ptr, wo_ptr, res_ptr, n2w_ptr, wgu_ptr, wd_ptr, n3w_ptr,
                      silu_times(gt.to(dt).to(tl.float32), up.to(dt).to(tl.float32), dt), mask=rm[None, :] < M)
         elif item < p4:                           # down_proj tile x split -> fp32 partial
             _partial_item(item - p3, act_ptr, wd_ptr, pd_ptr, I, H, rm, M, done + 2, n_g, err_ptr,
-                          BLOCK_M, D_BN, D_BK, D_SPLIT, D_ST, PREFETCH, SPIN)
+                          BLOCK_M, D_BN, D_BK, D_SPLIT, D_ST, SPIN)
         else:                                     # residual + down_proj, the next norm
             wait_at_least(done + 3, n_d, err_ptr, SPIN)
             _norm_row(item - p4, r1_ptr, pd_ptr, D_SPLIT, BLOCK_M, n3w_ptr, eps3, r2_ptr, x3_ptr, H, BLOCK_H)
