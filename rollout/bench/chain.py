@@ -6,7 +6,8 @@ bytes at the copy rate, ~4-7 us per launch even with PDL).
 
 A chain of dependent skinny GEMMs, x[i+1] = x[i] @ W[i].T (bf16, W [N, N], M rows), shaped like
 o_proj layer after layer, timed inside a CUDA graph:
-- `launches`: one skinny_gemm launch per layer, with PDL, as the decode graph runs them;
+- `launches`: one skinny_gemm launch per layer, with PDL, as the decode graph runs them
+  (`launches_no_pdl`: without);
 - `persistent`: one launch of `_chain_kernel`, one program per SM. Each program takes every
   `grid`-th weight tile of a layer; between layers all programs meet at a grid barrier (one
   arrival counter). A program loads its first weight tile of the next layer before it waits, so
@@ -204,6 +205,8 @@ def main(argv=None):
         row["barrier_timeouts"] = int(err.item())
         row["counter_after"] = int(bar.item())
         ways = {"launches": lambda: chain_launches(xs["launches"], w, bn, bk, nw, ns),
+                "launches_no_pdl": lambda: (pdl.set_enabled(False), chain_launches(xs["launches"], w, bn, bk, nw, ns),
+                                            pdl.set_enabled(True)),
                 "persistent": lambda: chain_persistent(xs["persistent"], w, bar, err, bn, bk, nw, ns, sms),
                 "prefetch": lambda: chain_persistent(xs["prefetch"], w, bar, err, bn, bk, nw, ns, sms, prefetch=True),
                 "queue": lambda: chain_queue(xs["queue"], w, cnt, err, bn, bk, nw, ns, sms),
