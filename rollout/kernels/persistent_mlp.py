@@ -6,9 +6,10 @@ path otherwise runs as five launches (each costs ~4-7 us over its bytes even wit
 Work items in phase order: o_proj tiles (x K splits), the M norm rows, gate_up tiles, down_proj
 tiles (x K splits), the M next-norm rows. A program takes items from an atomic queue one ahead
 of its work and asks L2 for an item's weights when it takes it; on an item it loads the first
-weight tile, then waits until the phase before is done (a count per phase). Every wait is on earlier items, which running programs
-hold, so it cannot deadlock whatever the grid or whatever else runs on the GPU (under the
-interpreter the first program does every item). The last program out zeroes the counters.
+weight tile, then waits until the phase before is done (a count per phase). Every wait is on
+earlier items, which running programs hold, so it cannot deadlock whatever the grid or whatever
+else runs on the GPU (under the interpreter the first program does every item). The last
+program out zeroes the counters.
 
 The same bits as the launches: the GEMM tiles, K order and split sums of skinny_gemm (o_proj
 and down_proj partials are summed in split order by the norm rows, as add_rmsnorm sums them),
@@ -225,12 +226,13 @@ def mlp_block(a: torch.Tensor, residual: torch.Tensor, wo: torch.Tensor, norm2: 
     interpret = triton.knobs.runtime.interpret
     if not grid:
         grid = 2 if interpret else torch.cuda.get_device_properties(a.device).multi_processor_count
+    prefetch = (PREFETCH_WEIGHTS if prefetch is None else prefetch) and not interpret
     if M:
         _mlp_kernel[(grid,)](
             a, wo, residual, norm2[0], wgu, wd, norm3[0], po, r1, x2, act, pd, r2, x3, cnt, cnt[2 + PHASES:],
             M, H, KA, I, float(norm2[1]), float(norm3[1]), BLOCK_M=bm, BLOCK_H=triton.next_power_of_2(H),
             O_BN=o_bn, O_BK=o_bk, O_SPLIT=o_split, O_ST=o_st, G_BN=g_bn, G_BK=g_bk, G_ST=g_st,
-            D_BN=d_bn, D_BK=d_bk, D_SPLIT=d_split, D_ST=d_st, PREFETCH=(PREFETCH_WEIGHTS if prefetch is None else prefetch) and not interpret, SPIN=SPIN_LIMIT,
+            D_BN=d_bn, D_BK=d_bk, D_SPLIT=d_split, D_ST=d_st, PREFETCH=prefetch, SPIN=SPIN_LIMIT,
             num_warps=num_warps or g_w, num_stages=max(o_st, g_st, d_st))
     return x3, r2
 
