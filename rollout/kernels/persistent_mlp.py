@@ -13,7 +13,7 @@ program out zeroes the counters.
 
 The same bits as the launches: the GEMM tiles, K order and split sums of skinny_gemm (o_proj
 and down_proj partials are summed in split order by the norm rows, as add_rmsnorm sums them),
-SiLU * up through `silu_times`, the norms through `rmsnorm_store`.
+SiLU * up through skinny_gemm's `silu_epilogue`, the norms through `rmsnorm_store`.
 """
 from __future__ import annotations
 
@@ -22,8 +22,8 @@ import triton
 import triton.language as tl
 
 from . import fix_interpreter
-from .fused_ops import rmsnorm_store, silu_times
-from .skinny_gemm import split_counters
+from .fused_ops import rmsnorm_store
+from .skinny_gemm import gate_up_rows, silu_epilogue, split_counters
 
 fix_interpreter()
 
@@ -171,17 +171,10 @@ def _mlp_kernel(a_ptr, wo_ptr, res_ptr, n2w_ptr, wgu_ptr, wd_ptr, n3w_ptr,
             wait_at_least(done, n_o, err_ptr, SPIN)
             _norm_row(item - p1, res_ptr, po_ptr, O_SPLIT, BLOCK_M, n2w_ptr, eps2, r1_ptr, x2_ptr, H, BLOCK_H)
         elif item < p3:                           # gate_up tile: half gate rows, half the matching up rows
-            g = item - p2
-            r = tl.arange(0, G_BN)
-            cols = g * (G_BN // 2) + r % (G_BN // 2)
-            w_rows = cols + (r >= G_BN // 2).to(tl.int32) * I
+            _, w_rows = gate_up_rows(item - p2, I, G_BN)
             acc = _gemm_item(x2_ptr, H, wgu_ptr, H, w_rows, rm, M, 0, H // G_BK, done + 1, M, err_ptr,
                              BLOCK_M, G_BN, G_BK, G_ST, SPIN)
-            dt = act_ptr.dtype.element_ty
-            gt, up = tl.split(tl.permute(tl.reshape(acc, (2, G_BN // 2, BLOCK_M)), (1, 2, 0)))
-            oc = g * (G_BN // 2) + tl.arange(0, G_BN // 2)
-            tl.store(act_ptr + rm[None, :] * I + oc[:, None],
-                     silu_times(gt.to(dt).to(tl.float32), up.to(dt).to(tl.float32), dt), mask=rm[None, :] < M)
+            silu_epilogue(acc, act_ptr, item - p2, rm, M, I, I, BLOCK_M, G_BN)
         elif item < p4:                           # down_proj tile x split -> fp32 partial
             _partial_item(item - p3, act_ptr, wd_ptr, pd_ptr, I, H, rm, M, done + 2, n_g, err_ptr,
                           BLOCK_M, D_BN, D_BK, D_SPLIT, D_ST, SPIN)

@@ -42,10 +42,8 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, s_
                         EVEN_N: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
                         PARTIALS: tl.constexpr, SILU_MUL: tl.constexpr, PDL: tl.constexpr):
     pid = tl.program_id(0)
-    if SILU_MUL:   # rows [0, BLOCK_N / 2): gate rows; the rest: the up rows of the same columns
-        r = tl.arange(0, BLOCK_N)
-        rn = pid * (BLOCK_N // 2) + r % (BLOCK_N // 2)         # the output column a row feeds
-        w_rows = rn + (r >= BLOCK_N // 2).to(tl.int32) * N      # N: the intermediate size
+    if SILU_MUL:
+        rn, w_rows = gate_up_rows(pid, N, BLOCK_N)               # N: the intermediate size
     else:
         rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         w_rows = rn
@@ -64,14 +62,30 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, s_
             if last:
                 _epilogue(acc, b_ptr, y_ptr, rm, rn, M, N, s_ym, HAS_BIAS)
     elif SILU_MUL:
-        dt = y_ptr.dtype.element_ty
-        g, u = tl.split(tl.permute(tl.reshape(acc, (2, BLOCK_N // 2, BLOCK_M)), (1, 2, 0)))
-        cols = pid * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-        y = silu_times(g.to(dt).to(tl.float32), u.to(dt).to(tl.float32), dt)   # gate, up rounded as stored
-        tl.store(y_ptr + rm.to(tl.int64)[None, :] * s_ym + cols[:, None], y,
-                 mask=(rm[None, :] < M) & (cols[:, None] < N))
+        silu_epilogue(acc, y_ptr, pid, rm, M, N, s_ym, BLOCK_M, BLOCK_N)
     else:
         _epilogue(acc, b_ptr, y_ptr, rm, rn, M, N, s_ym, HAS_BIAS)
+
+
+@triton.jit
+def gate_up_rows(tile, I, BLOCK_N: tl.constexpr):
+    """The fused gate_up weight's rows of SiLU tile `tile`: rows [0, BLOCK_N / 2) are gate rows,
+    the rest the up rows of the same output columns (gate rows then up rows in the weight, I
+    each). Returns (the output column each row feeds, the weight row)."""
+    r = tl.arange(0, BLOCK_N)
+    cols = tile * (BLOCK_N // 2) + r % (BLOCK_N // 2)
+    return cols, cols + (r >= BLOCK_N // 2).to(tl.int32) * I
+
+
+@triton.jit
+def silu_epilogue(acc, y_ptr, tile, rm, M, I, s_ym, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Store silu(gate) * up of a gate_up_rows tile's acc [BLOCK_N, BLOCK_M] (fp32) as y[rm, cols],
+    gate and up rounded as the GEMM would store them (the bits of fused_ops.silu_mul)."""
+    dt = y_ptr.dtype.element_ty
+    g, u = tl.split(tl.permute(tl.reshape(acc, (2, BLOCK_N // 2, BLOCK_M)), (1, 2, 0)))
+    cols = tile * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+    y = silu_times(g.to(dt).to(tl.float32), u.to(dt).to(tl.float32), dt)
+    tl.store(y_ptr + rm.to(tl.int64)[None, :] * s_ym + cols[:, None], y, mask=(rm[None, :] < M) & (cols[:, None] < I))
 
 
 @triton.jit

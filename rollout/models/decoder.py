@@ -326,9 +326,11 @@ class DecoderLM(nn.Module):
         return self.norm(x)
 
     def _forward_fused(self, input_ids, positions, kv_caches, meta: AttentionMetadata):
-        """Same math as `forward` with ~10 kernels per layer instead of ~35: each residual add
+        """Same math as `forward` with ~6 kernels per layer instead of ~35: each residual add
         is fused into the RMSNorm that follows it (the next layer's input norm, or the final
-        norm), SiLU * up is one kernel, RoPE + K/V write one kernel."""
+        norm), SiLU * up and RoPE + K/V write are kernels of their own or GEMM epilogues
+        (`silu_in_gate_up`, `rope_in_qkv`), and with `persistent_mlp` o_proj .. the next norm
+        is one kernel."""
         from ..kernels.fused_ops import add_rmsnorm
         linear = self._linear()
         norms = [layer.input_layernorm for layer in self.layers] + [self.norm]
