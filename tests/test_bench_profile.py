@@ -10,3 +10,20 @@ def test_kernel_names_fall_into_the_step_breakdown_categories():
     assert categorize("_add_rmsnorm_kernel") == categorize("_rope_kv_kernel") == "fused small ops"
     assert categorize("_sample_kernel") == "sampling"
     assert categorize("void at::native::vectorized_elementwise_kernel<4>") == "other small ops"
+
+
+def test_the_profiled_window_times_the_whole_batch_decoding():
+    """Chunked prefill lets the first prompts decode while later ones prefill; decoding_engine's
+    headroom keeps them running until the last prompt is in, so the timed window holds all B rows
+    (without it, 512 x 2304 on the H200 profiled ~200 rows). Tiny model on the CPU, 8 prefill steps."""
+    from rollout.bench.profile import decoding_engine, step_until_decoding
+    from rollout.bench.shapes import make_config
+    cfg = make_config("qwen2.5-1.5b")
+    cfg.update(dict(num_hidden_layers=1, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=16, vocab_size=1000))
+    B, C = 64, 512
+    eng = decoding_engine(cfg, B, C, new_tokens=1, device="cpu")
+    step_until_decoding(eng, B, extra_steps=1)
+    running = eng.scheduler.running
+    assert len(running) == B and all(s.num_computed >= s.num_prompt for s in running)
+    assert not eng.scheduler.waiting

@@ -31,7 +31,7 @@ import argparse
 import torch
 
 from .__main__ import run_meta, write_json
-from .profile import decoding_engine, recapture_graphs
+from .profile import decoding_engine, recapture_graphs, step_until_decoding
 from .roofline import model_sizes, step_time_s
 from .shapes import SHAPES, make_config
 
@@ -112,13 +112,9 @@ def main(argv=None):
     cfg = make_config(args.shape)
     B, C, K = args.batch, args.context, args.steps
     sizes = model_sizes(cfg)
-    # Chunked prefill (4096 tokens a step) lets the first prompts start decoding ~B * C / 4096 steps
-    # before the last: without that much headroom they finish during the last window, which then
-    # times a smaller batch (it read ~4.5% fast).
-    eng = decoding_engine(cfg, B, C, len(args.variants) * (K + 5) + 64 + B * C // 4096)
+    eng = decoding_engine(cfg, B, C, len(args.variants) * (K + 5) + 64)   # + the prefill phase's headroom
     p = eng.pipeline
-    while p.counts["graph_steps"] < 3:
-        eng.step()
+    step_until_decoding(eng, B)
     from ..kernels import paged_decode, rope_kv, skinny_gemm
     defaults = dict(rope=rope_kv.Q_HEADS_PER_PROGRAM, table=dict(skinny_gemm._LLAMA3_8B),
                     tile=dict(paged_decode.DECODE_TILE), splits=paged_decode.pick_num_splits,
