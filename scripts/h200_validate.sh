@@ -64,16 +64,11 @@ for s in $sections; do
       timeout 120 python3 -m rollout.bench.gemm --shape llama3-8b --epilogues-only --m 32 1 16 64 \
         --out $OUT/gemm_epilogues_l8b.json 2>&1 | grep -E "^NVIDIA|M=|Error"
       TAG=_epilogues0 ROLLOUT_SILU_GATE_UP=0 ROLLOUT_ROPE_QKV=0 bash $0 p1; TAG=_epilogues1 bash $0 p1 ;;
-    untimed) # the ninth session's code that has not run on a GPU: the skinny-GEMM GPU tests (split-K QKV RoPE
-      # epilogue, the persistent MLP block's bits at the 8B shape and in the engine), the launch-boundary bench,
-      # then the persistent MLP block alternated with base in the decode graphs
-      TEST_FILES="tests/gpu/test_skinny_gemm_cuda.py" bash $0 tests_files
-      bash $0 chain
-      VARIANTS="base persistent_mlp base persistent_mlp+mlp_no_prefetch base persistent_mlp base" bash $0 variants ;;
     x_traffic) # the small decode GEMMs re-read x [32, K] from L2 once per output tile: M / BLOCK_N of their
       # weight bytes (o_proj's 32-row tiles: 100%). Wider tiles with split-K (o_proj / down partials go to the
       # add + RMSNorm; QKV's last split program does the RoPE epilogue) cut that at the same program count;
-      # deeper pipelines keep more bytes in flight (run `untimed` first: the split-K RoPE epilogue's GPU tests)
+      # deeper pipelines keep more bytes in flight. Timed in the tenth session (most of these, and
+      # deeper ones): none beat the table, bench/results/README.md
       VARIANTS="base o=128,128,8,4,4 o=128,128,4,4,4 base o=64,128,4,5,2 o=256,64,8,3,8 base down=128,128,8,4,4
         down=256,64,8,3,8 base down=128,64,4,5,4 qkv=128,128,8,4,2 base qkv=64,128,4,5,2 qkv=128,128,4,4,4 base
         qkv=64,128,4,7 o=32,256,4,6 base lm_head=128,128,8,4 lm_head=256,64,8,3 base" bash $0 variants ;;

@@ -26,8 +26,8 @@ CATEGORIES = (   # first match wins; names as CUDA reports them
     ("attention", r"_decode_split|_decode_merge|_prefill_kernel"),
     ("sampling", r"_sample_kernel|_merge_kernel|_trunc_kernel|_split_(step|final|merge)_kernel|sort|topk|softmax|"
                  r"gather|argmax|cumsum"),
-    # the QKV GEMM with its RoPE epilogue; the persistent MLP block (its GEMMs carry its norms)
-    ("gemm", r"gemm|gemv|cutlass|xmma|nvjet|cublas|splitK|sm90_|_qkv_rope|_mlp_kernel"),
+    # _qkv_rope: the QKV GEMM with its RoPE epilogue
+    ("gemm", r"gemm|gemv|cutlass|xmma|nvjet|cublas|splitK|sm90_|_qkv_rope"),
     ("fused small ops", r"_add_rmsnorm|_silu_mul|_rope_kv"),
 )
 

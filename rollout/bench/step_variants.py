@@ -21,8 +21,6 @@ ends with the baseline to show the drift. A variant is knobs joined by "+", on t
                     no_silu_gate_up: the SiLU kernel)
   rope_in_qkv       RoPE + the K/V write in the QKV GEMM's epilogue, no RoPE kernel (the default;
                     no_rope_in_qkv: the RoPE kernel)
-  persistent_mlp    o_proj .. the next norm as one persistent kernel (kernels/persistent_mlp.py)
-  mlp_no_prefetch   that kernel without its L2 prefetch of each item's weights
 """
 from __future__ import annotations
 
@@ -41,9 +39,8 @@ GEMMS = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down
 
 
 def apply(eng, variant: str, defaults: dict) -> None:
-    from ..kernels import paged_decode, pdl, persistent_mlp, rope_kv, skinny_gemm
+    from ..kernels import paged_decode, pdl, rope_kv, skinny_gemm
     pdl.set_enabled(True, launch_first=True)
-    persistent_mlp.PREFETCH_WEIGHTS = True
     rope_kv.Q_HEADS_PER_PROGRAM = defaults["rope"]
     skinny_gemm._LLAMA3_8B = dict(defaults["table"])
     paged_decode.DECODE_TILE = dict(defaults["tile"])
@@ -51,7 +48,6 @@ def apply(eng, variant: str, defaults: dict) -> None:
     eng.model.splitk_into_norm = defaults["splitk_norm"]
     eng.model.silu_in_gate_up = defaults["silu_gate_up"]
     eng.model.rope_in_qkv = defaults["rope_in_qkv"]
-    eng.model.persistent_mlp = defaults["persistent_mlp"]
     for knob in variant.split("+"):
         name, _, val = knob.partition("=")
         nums = tuple(int(v) for v in val.split(",")) if val and val != "cublas" else None
@@ -67,10 +63,6 @@ def apply(eng, variant: str, defaults: dict) -> None:
             eng.model.rope_in_qkv = knob == "rope_in_qkv"
         elif knob in ("silu_gate_up", "no_silu_gate_up"):
             eng.model.silu_in_gate_up = knob == "silu_gate_up"
-        elif knob == "persistent_mlp":
-            eng.model.persistent_mlp = True
-        elif knob == "mlp_no_prefetch":
-            persistent_mlp.PREFETCH_WEIGHTS = False
         elif knob == "rope_token":
             rope_kv.Q_HEADS_PER_PROGRAM = 0
         elif name in GEMMS:
@@ -119,7 +111,7 @@ def main(argv=None):
     defaults = dict(rope=rope_kv.Q_HEADS_PER_PROGRAM, table=dict(skinny_gemm._LLAMA3_8B),
                     tile=dict(paged_decode.DECODE_TILE), splits=paged_decode.pick_num_splits,
                     splitk_norm=eng.model.splitk_into_norm, silu_gate_up=eng.model.silu_in_gate_up,
-                    rope_in_qkv=eng.model.rope_in_qkv, persistent_mlp=eng.model.persistent_mlp)
+                    rope_in_qkv=eng.model.rope_in_qkv)
     rows = []
     for v in args.variants:
         try:

@@ -45,7 +45,7 @@ def _add_rmsnorm_kernel(x_ptr, d_ptr, w_ptr, out_ptr, res_ptr, N, eps, s_x, s_d,
 @triton.jit
 def rmsnorm_store(x, w_ptr, out_row_ptr, cols, m, N, eps):
     """rmsnorm(x) * w of one row x (activation dtype) stored at out_row_ptr + cols, rounded as HF
-    rounds: the norm in fp32, cast, then times the weight. Shared with kernels/persistent_mlp.py."""
+    rounds: the norm in fp32, cast, then times the weight. The tail of `_add_rmsnorm_kernel`'s row."""
     xf = x.to(tl.float32)
     inv = 1.0 / tl.sqrt_rn(tl.sum(xf * xf, axis=0) / N + eps)
     y = (xf * inv).to(out_row_ptr.dtype.element_ty)

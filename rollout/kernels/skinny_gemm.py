@@ -182,20 +182,20 @@ def pick_block_m(M: int) -> int:
     return max(16, triton.next_power_of_2(M))
 
 
-_COUNTERS: dict = {}     # (device, pool) -> int32 arrival counters (zero between calls)
+_COUNTERS: dict = {}     # device -> int32 arrival counters (zero between calls)
 
 
-def split_counters(device: torch.device, tiles: int, pool: str = "split") -> torch.Tensor:
+def split_counters(device: torch.device, tiles: int) -> torch.Tensor:
     """One zeroed counter per output tile (`splitk_fixup`, here and in rope_kv's QKV kernel), reset
     by the kernel itself after each use, so one buffer per device serves every call. Made on the
     first (eager) call: CUDA-graph warm-up runs each shape eagerly before capture. Split-K calls on
     one device must not overlap in time on two streams (the engine runs its forward on one
-    compute stream). pool: another kernel's own buffer (kernels/persistent_mlp.py's queue)."""
-    buf = _COUNTERS.get((device, pool))
+    compute stream)."""
+    buf = _COUNTERS.get(device)
     if buf is None or buf.numel() < tiles:
         if torch.cuda.is_available() and device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("split-K GEMM: run this shape once eagerly before capturing a CUDA graph")
-        buf = _COUNTERS[(device, pool)] = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
+        buf = _COUNTERS[device] = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
     return buf
 
 

@@ -141,17 +141,6 @@ def _fusable_config(lin: nn.Module, x: torch.Tensor, linear, split_k: Optional[b
     return cfg
 
 
-def _mlp_block_configs(layer, a: torch.Tensor, linear):
-    """(o_proj, gate_up, down_proj) skinny configs where kernels/persistent_mlp.py can take this
-    layer's MLP half (each GEMM on the skinny path without bias; gate_up without split-K), else
-    None. Its norms and residual adds match the launches' (splitk_into_norm or the GEMM fix-up
-    sum split-K the same way)."""
-    cfgs = (_fusable_config(layer.self_attn.o_proj, a, linear, split_k=None),
-            _fusable_config(layer.mlp.gate_up_proj, a, linear, split_k=False),
-            _fusable_config(layer.mlp.down_proj, a, linear, split_k=None))
-    return None if any(c is None for c in cfgs) else cfgs
-
-
 def _skinny_config(w: torch.Tensor, x: torch.Tensor):
     """The swept skinny-GEMM config (kernels/skinny_gemm.py) for a decode-sized bf16 x on the GPU,
     or None where cuBLAS was faster or the shape was not swept."""
@@ -299,9 +288,6 @@ class DecoderLM(nn.Module):
         self.silu_in_gate_up = _env_on("ROLLOUT_SILU_GATE_UP")
         # RoPE + the K/V write in the QKV GEMM's epilogue (no qk-norm, no bias): +0.2-0.3%.
         self.rope_in_qkv = _env_on("ROLLOUT_ROPE_QKV")
-        # o_proj .. the next norm as one persistent kernel (kernels/persistent_mlp.py): not yet
-        # run on a GPU, so off (ROLLOUT_PERSISTENT_MLP=1 or bench.step_variants knob persistent_mlp).
-        self.persistent_mlp = os.environ.get("ROLLOUT_PERSISTENT_MLP", "0") == "1"
         self.batch_invariant = False  # set by the engine: every GEMM through invariant_linear
 
     def _linear(self):
@@ -329,8 +315,7 @@ class DecoderLM(nn.Module):
         """Same math as `forward` with ~6 kernels per layer instead of ~35: each residual add
         is fused into the RMSNorm that follows it (the next layer's input norm, or the final
         norm), SiLU * up and RoPE + K/V write are kernels of their own or GEMM epilogues
-        (`silu_in_gate_up`, `rope_in_qkv`), and with `persistent_mlp` o_proj .. the next norm
-        is one kernel."""
+        (`silu_in_gate_up`, `rope_in_qkv`)."""
         from ..kernels.fused_ops import add_rmsnorm
         linear = self._linear()
         norms = [layer.input_layernorm for layer in self.layers] + [self.norm]
@@ -338,14 +323,6 @@ class DecoderLM(nn.Module):
         h, _ = add_rmsnorm(residual, norms[0].weight, norms[0].eps)
         for i, (layer, kv) in enumerate(zip(self.layers, kv_caches)):
             a = layer.self_attn.attend_fused(h, positions, self.inv_freq, kv, meta, linear, self.rope_in_qkv)
-            cfgs = _mlp_block_configs(layer, a, linear) if self.persistent_mlp else None
-            if cfgs is not None:
-                from ..kernels.persistent_mlp import mlp_block
-                post, nxt = layer.post_attention_layernorm, norms[i + 1]
-                h, residual = mlp_block(a, residual, layer.self_attn.o_proj.weight, (post.weight, post.eps),
-                                        layer.mlp.gate_up_proj.weight, layer.mlp.down_proj.weight,
-                                        (nxt.weight, nxt.eps), *cfgs)
-                continue
             h, residual = add_norm_of_linear(layer.self_attn.o_proj, a, residual, layer.post_attention_layernorm,
                                              linear, self.splitk_into_norm)
             act = silu_of_gate_up(layer.mlp.gate_up_proj, h, linear, self.silu_in_gate_up)
