@@ -64,6 +64,15 @@ for s in $sections; do
       timeout 120 python3 -m rollout.bench.gemm --shape llama3-8b --epilogues-only --m 32 1 16 64 \
         --out $OUT/gemm_epilogues_l8b.json 2>&1 | grep -E "^NVIDIA|M=|Error"
       TAG=_epilogues0 ROLLOUT_SILU_GATE_UP=0 ROLLOUT_ROPE_QKV=0 bash $0 p1; TAG=_epilogues1 bash $0 p1 ;;
+    stream_k) # stream-K: 132 programs share tiles x K tiles, so QKV's 96 tiles (70% of copy bandwidth in the
+      # graph: 36 SMs idle) and gate_up's 224 (1.7 waves) use every SM. Its GPU tests, then the decode graphs
+      # at P1's context alternated with base (a winner goes into the table, then P1 / P5 end to end)
+      ROLLOUT_GPU_REPORT=$OUT/gpu_tests.jsonl timeout 300 python3 -m pytest -q -p no:cacheprovider --noconftest -s \
+        tests/gpu/test_skinny_gemm_cuda.py -k "stream_k" > $OUT/gpu_tests_stream_k.log 2>&1
+      grep -E "passed|failed|FAILED|Error" $OUT/gpu_tests_stream_k.log | tail -8
+      VARIANTS="base qkv=64,128,4,5,1,132 base gate_up=128,128,8,4,1,132 base qkv=32,256,4,5,1,132
+        gate_up=64,128,4,5,1,132 base qkv=64,128,4,5,1,132+gate_up=128,128,8,4,1,132 base o=32,256,4,5,1,132
+        down=64,128,4,5,1,132 base qkv=64,128,4,5,1,264 gate_up=128,128,8,4,1,264 base" bash $0 variants ;;
     x_traffic) # the small decode GEMMs re-read x [32, K] from L2 once per output tile: M / BLOCK_N of their
       # weight bytes (o_proj's 32-row tiles: 100%). Wider tiles with split-K (o_proj / down partials go to the
       # add + RMSNorm; QKV's last split program does the RoPE epilogue) cut that at the same program count;
