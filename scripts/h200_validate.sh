@@ -73,6 +73,17 @@ for s in $sections; do
       VARIANTS="base qkv=64,128,4,5,1,132 base gate_up=128,128,8,4,1,132 base qkv=32,256,4,5,1,132
         gate_up=64,128,4,5,1,132 base qkv=64,128,4,5,1,132+gate_up=128,128,8,4,1,132 base o=32,256,4,5,1,132
         down=64,128,4,5,1,132 base qkv=64,128,4,5,1,264 gate_up=128,128,8,4,1,264 base" bash $0 variants ;;
+    tree_profile) # P3's regression, tree against tree on one machine: the whole-batch decode-step profile of
+      # Qwen2.5-1.5B at 512 x 2304, PDL off (kernel times add up), for this checkout and each folder in $TREES: an
+      # older commit's rollout/, made before the call (`mkdir t_<c> && git archive <c> rollout | tar -x -C t_<c>`),
+      # run with this checkout's profile.py copied in (older ones timed a partial batch at this size)
+      here=$PWD
+      for t in . ${TREES:-}; do
+        c=${t#t_}; [ "$t" = . ] && c=${ROLLOUT_GIT_COMMIT:-head} || cp $here/rollout/bench/profile.py $t/rollout/bench/
+        (cd $t && ROLLOUT_GIT_COMMIT=$c ROLLOUT_PDL=0 PYTHONPATH=$PWD timeout 240 python3 -m rollout.bench.profile \
+          --shape qwen2.5-1.5b --batch 512 --context 2304 --steps 30 --out $OUT/profile_q15_B512_C2304_pdl0_$c.json \
+          2>&1 | grep -A30 "^| part")
+      done ;;
     x_traffic) # the small decode GEMMs re-read x [32, K] from L2 once per output tile: M / BLOCK_N of their
       # weight bytes (o_proj's 32-row tiles: 100%). Wider tiles with split-K (o_proj / down partials go to the
       # add + RMSNorm; QKV's last split program does the RoPE epilogue) cut that at the same program count;

@@ -92,7 +92,8 @@ def main(argv=None):
         raise SystemExit("rollout.bench.profile needs CUDA")
     cfg = make_config(args.shape)
     B, C, K = args.batch, args.context, args.steps
-    eng = decoding_engine(cfg, B, C, 4 * K, batch_invariant=args.batch_invariant)
+    # batch_invariant only when asked: this file also runs in older trees (h200_validate tree_profile)
+    eng = decoding_engine(cfg, B, C, 4 * K, **({"batch_invariant": True} if args.batch_invariant else {}))
     if args.no_fused_ops:       # graphs were captured with the fused ops: capture them again
         eng.model.fused_small_ops = False
         recapture_graphs(eng)
