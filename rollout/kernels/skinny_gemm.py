@@ -69,8 +69,7 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, s_
 
 @triton.jit
 def _gemm_tile(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, s_xm, s_wn, s_ym, n_tiles, tile, kt0, kt1, part,
-               parts,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr,
+               parts, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr,
                HAS_BIAS: tl.constexpr, PARTIALS: tl.constexpr, SILU_MUL: tl.constexpr, PDL: tl.constexpr):
     """Output tile `tile` over K tiles [kt0, kt1), part `part` of the tile's `parts`: the last part
     to arrive sums them (or, with PARTIALS, the consumer does) and runs the epilogue."""
@@ -146,9 +145,10 @@ def silu_epilogue(acc, y_ptr, tile, rm, M, I, s_ym, BLOCK_M: tl.constexpr, BLOCK
 @triton.jit
 def splitk_fixup(acc, ws_ptr, cnt_ptr, tile, part, parts, cols, rm, N, BLOCK_M: tl.constexpr):
     """Serial split-K fix-up: this program stores its fp32 partial [cols, rm] (cols: the tile's
-    columns of the [parts, BLOCK_M, N] workspace), part `part` of the `parts` of output tile `tile`; the last part to arrive (an arrival counter, which it resets
-    for the next call) adds the partials in part order, so the bits do not depend on which
-    arrives last, and no atomics touch the output. Returns (the sum, or acc elsewhere; is_last)."""
+    columns of the [parts, BLOCK_M, N] workspace), part `part` of the `parts` of output tile
+    `tile`; the last part to arrive (an arrival counter, which it resets for the next call) adds
+    the partials in part order, so the bits do not depend on which arrives last, and no atomics
+    touch the output. Returns (the sum, or acc elsewhere; is_last)."""
     n_ok = cols[:, None] < N
     tl.store(ws_ptr + (part * BLOCK_M + rm[None, :]) * N + cols[:, None], acc, mask=n_ok)
     tl.debug_barrier()                        # every thread's partial before the release
