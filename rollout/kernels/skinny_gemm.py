@@ -85,12 +85,9 @@ def _gemm_tile(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, s_xm, s_wn, s_
         tl.store(ws_ptr + (part * BLOCK_M + rm[None, :]) * N + rn[:, None], acc, mask=rn[:, None] < N)
     else:              # if/else, not an early return: Triton compiles the code after a return too
         last = True
-        if parts > 1:
-            if SILU_MUL:   # gate and up rows share output columns: partials by tile row instead
-                acc, last = splitk_fixup(acc, ws_ptr, cnt_ptr, tile, part, parts,
-                                         tile * BLOCK_N + tl.arange(0, BLOCK_N), rm, n_tiles * BLOCK_N, BLOCK_M)
-            else:
-                acc, last = splitk_fixup(acc, ws_ptr, cnt_ptr, tile, part, parts, rn, rm, N, BLOCK_M)
+        if parts > 1:      # partials by tile row (SiLU tiles' gate and up rows share output columns)
+            acc, last = splitk_fixup(acc, ws_ptr, cnt_ptr, tile, part, parts, tile * BLOCK_N + tl.arange(0, BLOCK_N),
+                                     rm, n_tiles * BLOCK_N, BLOCK_M)
         if last:
             if SILU_MUL:
                 silu_epilogue(acc, y_ptr, tile, rm, M, N, s_ym, BLOCK_M, BLOCK_N)
@@ -285,7 +282,7 @@ def skinny_gemm(x: torch.Tensor, w: torch.Tensor, block_n: int, block_k: int, nu
     parts = streamk_max_parts(tiles, K // block_k, programs) if programs else split_k
     assert not programs or (split_k == 1 and not partials and triton.cdiv(M, block_m or MAX_M) == 1), \
         "stream-K: no split-K or partials, one M tile"
-    ws_cols = tiles * block_n if silu_mul else N    # see _gemm_tile: SiLU partials go by tile row
+    ws_cols = N if partials else tiles * block_n    # the consumer's layout, or _gemm_tile's fix-up's (tile rows)
     ws = torch.empty((parts, bm, ws_cols), dtype=torch.float32, device=x.device) if parts > 1 else out
     if M:
         pdl = pdl_for(x)
