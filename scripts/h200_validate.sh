@@ -84,6 +84,15 @@ for s in $sections; do
           --shape qwen2.5-1.5b --batch 512 --context 2304 --steps 30 --out $OUT/profile_q15_B512_C2304_pdl0_$c.json \
           2>&1 | grep -A30 "^| part")
       done ;;
+    tree_groups) # as tree_profile, as P3 runs: 64 prompts of 256 tokens x n = 8 samples sharing the prompt's
+      # pages, decoded to context 2304; the per-step curve from the first step, then the profiled window
+      here=$PWD
+      for t in . ${TREES:-}; do
+        c=${t#t_}; [ "$t" = . ] && c=${ROLLOUT_GIT_COMMIT:-head} || cp $here/rollout/bench/profile.py $t/rollout/bench/
+        (cd $t && ROLLOUT_GIT_COMMIT=$c ROLLOUT_PDL=0 PYTHONPATH=$PWD timeout 240 python3 -m rollout.bench.profile \
+          --shape qwen2.5-1.5b --batch 512 --n 8 --prompt-len 256 --context 2304 --steps 30 \
+          --out $OUT/profile_q15_64x8_P256_C2304_pdl0_$c.json 2>&1 | grep -E -A30 "^step ms|Error" | grep -v "^| - Mem")
+      done ;;
     x_traffic) # the small decode GEMMs re-read x [32, K] from L2 once per output tile: M / BLOCK_N of their
       # weight bytes (o_proj's 32-row tiles: 100%). Wider tiles with split-K (o_proj / down partials go to the
       # add + RMSNorm; QKV's last split program does the RoPE epilogue) cut that at the same program count;

@@ -26,3 +26,20 @@ def test_the_profiled_window_times_the_whole_batch_decoding():
     running = eng.scheduler.running
     assert len(running) == B and all(s.num_computed >= s.num_prompt for s in running)
     assert not eng.scheduler.waiting
+
+
+def test_grouped_profile_decodes_every_sample_up_to_the_context():
+    """GRPO groups (n = 8): B / n prompts prefilled once, their n samples sharing the prompt's
+    pages, all B rows decoding and holding `context` tokens before the timed window."""
+    from rollout.bench.profile import decoding_engine, step_until_decoding
+    from rollout.bench.shapes import make_config
+    cfg = make_config("qwen2.5-1.5b")
+    cfg.update(dict(num_hidden_layers=1, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=16, vocab_size=1000))
+    B, n, P, C = 32, 8, 48, 80
+    eng = decoding_engine(cfg, B, C, new_tokens=1, device="cpu", n=n, prompt_len=P)
+    step_until_decoding(eng, B, extra_steps=1, context=C)
+    running = eng.scheduler.running
+    assert len(running) == B and all(s.num_tokens >= C and s.num_prompt == P for s in running)
+    # the samples of a group share its prompt pages: B / n distinct first pages
+    assert len({s.block_table[0] for s in running}) == B // n

@@ -43,29 +43,35 @@ PREFILL_BUDGET = 4096     # max_num_batched_tokens of the benches' engine
 
 
 def decoding_engine(cfg, batch: int, context: int, new_tokens: int, device: str = "cuda",
-                    dtype: str = "bfloat16", **engine_kw) -> RolloutEngine:
+                    dtype: str = "bfloat16", n: int = 1, prompt_len: int | None = None,
+                    **engine_kw) -> RolloutEngine:
     """An engine (random weights, greedy decode graphs, KV sized for the run) with `batch` random
     prompts of `context` tokens, each queued for `new_tokens` greedy tokens after the last prompt
     is prefilled. Chunked prefill lets the first prompts decode while later ones prefill, one
     token per step for ~batch * context / (budget - batch) steps: that much headroom is added,
     or the first ones finish before the last start and the timed batch is smaller than `batch`
-    (at 512 x 2304 about 200 sequences were left, which read as a 5.5 ms step instead of ~11)."""
-    prefill_steps = -(-batch * context // max(256, PREFILL_BUDGET - batch)) + 8
-    total_new = new_tokens + prefill_steps
+    (at 512 x 2304 about 200 sequences were left, which read as a 5.5 ms step instead of ~11).
+    GRPO groups (n > 1): batch / n prompts of `prompt_len` tokens, n samples each sharing the
+    prompt's pages, decoding from prompt_len to `context` first (step_until_decoding's `context`)."""
+    P = prompt_len or context
+    assert batch % n == 0 and P <= context, "batch must be a multiple of n, prompt_len <= context"
+    prefill_steps = -(-(batch // n) * P // max(256, PREFILL_BUDGET - batch)) + 8
+    total_new = new_tokens + prefill_steps + context - P
     eng = RolloutEngine.from_config(
         cfg, seed=0, device=device, dtype=dtype, max_model_len=context + total_new + 64, max_num_seqs=batch,
         max_num_batched_tokens=PREFILL_BUDGET, cuda_graph_modes=("greedy",),
         kv_cache_memory=int(model_sizes(cfg)["kv_bytes_per_token"] * batch * (context + total_new + 128)), **engine_kw)
-    prompts = torch.randint(10, cfg.vocab_size - 10, (batch, context), generator=torch.Generator().manual_seed(0))
-    eng.add_requests(prompts.tolist(), SamplingParams(max_new_tokens=total_new, temperature=0.0, ignore_eos=True))
+    prompts = torch.randint(10, cfg.vocab_size - 10, (batch // n, P), generator=torch.Generator().manual_seed(0))
+    eng.add_requests(prompts.tolist(), SamplingParams(n=n, max_new_tokens=total_new, temperature=0.0, ignore_eos=True))
     return eng
 
 
-def step_until_decoding(eng: RolloutEngine, batch: int, extra_steps: int = 3) -> None:
-    """Step until every prompt is prefilled, then `extra_steps` more (decode only: on CUDA they
-    replay graphs), so that what is timed next is the whole batch decoding."""
+def step_until_decoding(eng: RolloutEngine, batch: int, extra_steps: int = 3, context: int = 0) -> None:
+    """Step until every prompt is prefilled (and every sequence holds `context` tokens), then
+    `extra_steps` more (decode only: on CUDA they replay graphs), so that what is timed next is
+    the whole batch decoding."""
     sched = eng.scheduler
-    while sched.waiting or any(s.num_computed < s.num_prompt for s in sched.running):
+    while sched.waiting or any(s.num_computed < s.num_prompt or s.num_tokens < context for s in sched.running):
         eng.step()
     for _ in range(extra_steps):
         eng.step()
@@ -84,6 +90,9 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--n", type=int, default=1, help="GRPO groups: batch / n prompts, n samples sharing each prompt")
+    ap.add_argument("--prompt-len", type=int, default=None,
+                    help="decode from this prompt length up to --context first (default: prompts of --context)")
     ap.add_argument("--no-fused-ops", action="store_true", help="torch RMSNorm / RoPE / SiLU ops (Triton attention kept)")
     ap.add_argument("--batch-invariant", action="store_true", help="engine batch_invariant=True (its kernels' cost)")
     ap.add_argument("--out", default=None)
@@ -93,12 +102,18 @@ def main(argv=None):
     cfg = make_config(args.shape)
     B, C, K = args.batch, args.context, args.steps
     # batch_invariant only when asked: this file also runs in older trees (h200_validate tree_profile)
-    eng = decoding_engine(cfg, B, C, 4 * K, **({"batch_invariant": True} if args.batch_invariant else {}))
+    P = args.prompt_len or C
+    eng = decoding_engine(cfg, B, C, 4 * K, n=args.n, prompt_len=P,
+                          **({"batch_invariant": True} if args.batch_invariant else {}))
     if args.no_fused_ops:       # graphs were captured with the fused ops: capture them again
         eng.model.fused_small_ops = False
         recapture_graphs(eng)
-    step_until_decoding(eng, B, extra_steps=5)
     p = eng.pipeline
+    p.start_trace()             # every step's compute-stream span, prefill and decode up to C
+    step_until_decoding(eng, B, extra_steps=5, context=C)
+    spans, p.gpu_spans = p.gpu_spans, None
+    span_ms = [1e3 * (b - a) for a, b in spans]
+    curve = [(i, sum(span_ms[i:i + 128]) / len(span_ms[i:i + 128])) for i in range(0, len(span_ms), 128)]
     busy0, n0 = p.busy_ms, p.counts["graph_steps"]
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(K):
@@ -120,15 +135,17 @@ def main(argv=None):
     sizes = model_sizes(cfg)
     from .kernels import copy_bandwidth
     copy_Bps = copy_bandwidth() * 1e9
-    kv_bytes = B * (C + 2 * K) * sizes["kv_bytes_per_token"]
+    # A group's prompt pages are read by its n rows; counted once (the rows run side by side).
+    kv_bytes = (B // args.n * P + B * (C - P + 2 * K)) * sizes["kv_bytes_per_token"]
     result = {
-        "shape": args.shape, "batch": B, "context": C, "steps": steps, "fused_small_ops": not args.no_fused_ops,
-        "batch_invariant": args.batch_invariant,
-        "step_ms": step_ms, "kernel_ms": dict(per_cat), "kernels_per_step": {k: v / steps for k, v in count.items()},
+        "shape": args.shape, "batch": B, "context": C, "n": args.n, "prompt_len": P, "steps": steps,
+        "fused_small_ops": not args.no_fused_ops, "batch_invariant": args.batch_invariant,
+        # mean compute-stream ms of each 128 steps from the first (prefill, then decode up to C)
+        "step_ms_curve": curve, "step_ms": step_ms, "kernel_ms": dict(per_cat), "kernels_per_step": {k: v / steps for k, v in count.items()},
         "gaps_ms": step_ms - kernels_ms,
         "kernels": {n: dict(ms=v[0], per_step=v[1])
                     for n, v in sorted(per_name.items(), key=lambda kv: -kv[1][0])[:30]},
-        "roofline_step_ms": 1e3 * step_time_s(sizes, B, C + 2 * K),
+        "roofline_step_ms": 1e3 * step_time_s(sizes, B, C + 2 * K),    # prompt pages not shared
         "weights_at_hbm_ms": 1e3 * sizes["weight_bytes"] / 4.8e12,
         "kv_at_hbm_ms": 1e3 * kv_bytes / 4.8e12,
         # The practical ceiling: every byte moved at the measured device copy bandwidth.
@@ -137,6 +154,7 @@ def main(argv=None):
         "meta": run_meta("rollout.bench.profile", argv),
     }
     print(json.dumps(result, indent=1))
+    print("step ms by step index:", " ".join(f"{i}:{ms:.2f}" for i, ms in curve))
     print("\n| part | ms/step | kernels/step |\n|---|---|---|")
     for cat in sorted(per_cat, key=per_cat.get, reverse=True):
         print(f"| {cat} | {per_cat[cat]:.3f} | {count[cat] / steps:.0f} |")
