@@ -249,7 +249,11 @@ def main(argv=None):
         assert all(len(c.token_ids) == G for x in o for c in x.completions)
         steady = spans[len(spans) // 10: len(spans) - len(spans) // 10]   # decode, away from the ends
         cuda = device.type == "cuda"
+        span_ms = [1e3 * (b - a) for a, b in spans]
         return {"wall_s": wall, "tok_s": S * G / wall,
+                # mean compute-stream ms of each 256 steps: where in the run the time goes
+                "step_ms_curve": [(i, sum(span_ms[i:i + 256]) / len(span_ms[i:i + 256]))
+                                  for i in range(0, len(span_ms), 256)],
                 "gpu_busy": (engine.pipeline.busy_ms - busy0) / 1e3 / wall if cuda else None,
                 "gpu_busy_steady_decode": timeline.busy_fraction(steady) if cuda else None,
                 "peak_memory_gb": torch.cuda.max_memory_allocated() / 1e9 if cuda else None,
