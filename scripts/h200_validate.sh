@@ -133,10 +133,11 @@ for s in $sections; do
     p1)       # issue 4 P1 alone (async): the seed workload with the current kernels
       timeout 300 $B --shape llama3-8b --batch 32 --prompt-len 256 --gen-len 8192 --modes async --hf none \
         --out $OUT/p1_l8b_B32_G8192${TAG:-}.json 2>&1 | grep -A8 "^roofline" ;;
-    p3)       timeout 400 $B --shape qwen2.5-1.5b --batch 64 --n 8 --prompt-len 256 --gen-len 4096 --modes async --hf none \
+    p3)       timeout 400 $B --shape qwen2.5-1.5b --batch 64 --n 8 --prompt-len 256 --gen-len 4096 --modes async --hf none ${P3_ARGS:-} \
         --trace $OUT/timeline_p3 --out $OUT/p3_q15_64x8_G4096${TAG:-}.json 2>&1 | grep -A8 "^roofline"
       python3 -c "import json,sys; d=json.load(open(sys.argv[1]))['ours']; print(' '.join(f'{i}:{m:.2f}' \
-        for i, m in d['step_ms_curve']), d['fraction_of_roofline'])" $OUT/p3_q15_64x8_G4096${TAG:-}.json ;;
+        for i, m in d['step_ms_curve']), d['fraction_of_roofline'], d['runs_tok_s'], d['longest_steps_ms'][:4], \
+        len(d['triton_compiles']), *d['triton_compiles'][:12], sep='\n')" $OUT/p3_q15_64x8_G4096${TAG:-}.json ;;
     p5)       timeout 400 $B --shape llama3-8b --batch 32 --prompt-len 256 --gen-len 16384 --modes async --hf none \
         --out $OUT/p5_l8b_B32_G16384.json 2>&1 | grep -A8 "^roofline" ;;
     drift)    timeout 240 python3 scripts/diag_bf16_drift.py --layers 32 --out $OUT/drift_l8b.json 2>&1 | tail -12 ;;

@@ -239,12 +239,18 @@ def main(argv=None):
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
         busy0, counts0 = engine.pipeline.busy_ms, dict(engine.pipeline.counts)
+        compiled = []      # Triton kernels compiled (or loaded from disk) inside the timed run: host stalls
+        if device.type == "cuda":
+            import triton
+            triton.knobs.runtime.jit_cache_hook = lambda *, repr, **_: compiled.append(repr[:160])
         engine.pipeline.start_trace()
         t0 = time.perf_counter()
         o = engine.generate(prompts, greedy, use_tqdm=True)
         engine.drain()
         _sync()
         wall = time.perf_counter() - t0
+        if device.type == "cuda":
+            triton.knobs.runtime.jit_cache_hook = None
         spans, engine.pipeline.gpu_spans = engine.pipeline.gpu_spans, None
         assert all(len(c.token_ids) == G for x in o for c in x.completions)
         steady = spans[len(spans) // 10: len(spans) - len(spans) // 10]   # decode, away from the ends
@@ -254,6 +260,8 @@ def main(argv=None):
                 # mean compute-stream ms of each 256 steps: where in the run the time goes
                 "step_ms_curve": [(i, sum(span_ms[i:i + 256]) / len(span_ms[i:i + 256]))
                                   for i in range(0, len(span_ms), 256)],
+                "longest_steps_ms": sorted(((ms, i) for i, ms in enumerate(span_ms)), reverse=True)[:8],
+                "triton_compiles": compiled,
                 "gpu_busy": (engine.pipeline.busy_ms - busy0) / 1e3 / wall if cuda else None,
                 "gpu_busy_steady_decode": timeline.busy_fraction(steady) if cuda else None,
                 "peak_memory_gb": torch.cuda.max_memory_allocated() / 1e9 if cuda else None,
@@ -268,6 +276,7 @@ def main(argv=None):
         engine.pipeline.async_mode = mode == "async" and device.type == "cuda"
         runs = [time_ours() for _ in range(args.repeats)]
         best = sorted(runs, key=lambda r: r["wall_s"])[len(runs) // 2]     # the median run
+        best["runs_tok_s"] = [r["tok_s"] for r in runs]
         tokens[mode] = best.pop("tokens")
         best["fraction_of_roofline"] = best["tok_s"] / result["roofline"]["tok_s"]
         best["preemptions"] = engine.scheduler.num_preemptions
