@@ -93,6 +93,12 @@ for s in $sections; do
           --shape qwen2.5-1.5b --batch 512 --n 8 --prompt-len 256 --context 2304 --steps 30 \
           --out $OUT/profile_q15_64x8_P256_C2304_pdl0_$c.json 2>&1 | grep -E -A30 "^step ms|Error" | grep -v "^| - Mem")
       done ;;
+    compile_stalls) # no Triton compile inside a step after the first request (P3's first run lost ~3 s to 7 of
+      # them), P3 end to end (its first 256 steps read 15.5 ms with them against 5.4), then the sampler's GPU tests
+      TEST_FILES=tests/gpu/test_compile_stalls_cuda.py bash $0 tests_files
+      mv $OUT/gpu_tests_files.log $OUT/gpu_tests_compile_stalls.log
+      TAG=${TAG:-_nocompile} bash $0 p3
+      TEST_FILES=tests/gpu/test_fused_sampler_cuda.py bash $0 tests_files ;;
     x_traffic) # the small decode GEMMs re-read x [32, K] from L2 once per output tile: M / BLOCK_N of their
       # weight bytes (o_proj's 32-row tiles: 100%). Wider tiles with split-K (o_proj / down partials go to the
       # add + RMSNorm; QKV's last split program does the RoPE epilogue) cut that at the same program count;

@@ -129,7 +129,7 @@ def _finish(row_ptr, t, m, total, tok, tok_out, lp_out, stats_out, R, STATS: tl.
     return lp
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["R"])   # row counts vary per eager step: one kernel for all
 def _sample_kernel(logits_ptr, stride, temp_ptr, seed_ptr, ctr_ptr, tok_ptr, lp_ptr, stats_ptr,
                    pf_ptr, pi_ptr, R, V, SAMPLE: tl.constexpr, STATS: tl.constexpr,
                    SPLITS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_V: tl.constexpr):
@@ -188,7 +188,7 @@ def _merged_z(pf_ptr, temp_ptr, row, R, SPLITS: tl.constexpr, BLOCK_S: tl.conste
     return off, ok, mx, total, t
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["R"])
 def _merge_kernel(logits_ptr, stride, temp_ptr, tok_ptr, lp_ptr, stats_ptr, pf_ptr, pi_ptr, R,
                   STATS: tl.constexpr, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr):
     row = tl.program_id(0)
@@ -206,12 +206,20 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
+def pow2_floor(n: int) -> int:
+    """The largest power of two <= max(n, 1)."""
+    return 1 << (max(n, 1).bit_length() - 1)
+
+
 def default_num_splits(R: int, V: int, device, block_v: int = 2048) -> int:
     """About 4 programs per SM (the sampled-row loop is ALU-bound: hash + 2 logs per element),
-    at least one BLOCK_V chunk per split. Depends only on (R, V, device): static under CUDA graphs. Logprobs
-    vary in the last ulp with S (summation order); tokens never do. Pass a fixed num_splits for
-    bit-level batch-size invariance of logprobs."""
-    return max(1, min(triton.cdiv(4 * _sm_count(torch.device(device)), max(R, 1)), triton.cdiv(V, block_v)))
+    at least one BLOCK_V chunk per split, rounded down to a power of two: SPLITS and CHUNK are
+    constexprs, so each value is its own compiled kernel (~0.4 s on the H200 when first met; an
+    eager step with a row count of a new class stalled the GPU for that long), and powers of two
+    leave 7 classes, which the decode graphs' buckets compile at capture. Depends only on
+    (R, V, device): static under CUDA graphs. Logprobs vary in the last ulp with S (summation
+    order); tokens never do. Pass a fixed num_splits for bit-level batch-size invariance."""
+    return max(1, min(pow2_floor(triton.cdiv(4 * _sm_count(torch.device(device)), max(R, 1))), triton.cdiv(V, block_v)))
 
 
 def fused_sample(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor,

@@ -31,7 +31,7 @@ import triton.language as tl
 
 from ..sampler import SamplerOutput, SamplingTensors
 from .fused_sampler import (_NEG_BIG, _finish, _gumbel_pruned, _log_precise, _merged_z,
-                            _row_keys, _row_temperature, _sample_kernel, _sm_count, fused_sample)
+                            _row_keys, _row_temperature, _sample_kernel, _sm_count, fused_sample, pow2_floor)
 
 
 @triton.jit
@@ -149,7 +149,7 @@ def _final_block(row_ptr, idx, V, m, c, inv_t, kth, min_p, vstar, n_keep, do_p, 
     return ties, bound, kept_e, kept_n, best, bidx
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["R"])
 def _trunc_kernel(logits_ptr, stride, temp_ptr, topk_ptr, topp_ptr, minp_ptr, seed_ptr, ctr_ptr,
                   tok_ptr, lp_ptr, plp_ptr, km_ptr, stats_ptr, mask_ptr, R,
                   V: tl.constexpr, SAMPLE: tl.constexpr, STATS: tl.constexpr, MASK: tl.constexpr,
@@ -299,7 +299,7 @@ def _row_max(pf_ptr, row, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr):
     return tl.max(tl.load(pf_ptr + row * SPLITS + offs, mask=offs < SPLITS, other=_NEG_BIG), 0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["R"])
 def _split_step_kernel(logits_ptr, stride, temp_ptr, topk_ptr, topp_ptr, pf_ptr, cnt_ptr, mass_ptr,
                        state_ptr, R, V: tl.constexpr, J: tl.constexpr, NDIG: tl.constexpr,
                        SHIFT: tl.constexpr, SPLITS: tl.constexpr, CHUNK: tl.constexpr,
@@ -351,7 +351,7 @@ def _split_step_kernel(logits_ptr, stride, temp_ptr, topk_ptr, topp_ptr, pf_ptr,
             tl.store(mass_ptr + ((D * R + row) * SPLITS + split) * 16 + bins, mass)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["R"])
 def _split_final_kernel(logits_ptr, stride, temp_ptr, topk_ptr, topp_ptr, minp_ptr, seed_ptr, ctr_ptr,
                         pf_ptr, cnt_ptr, mass_ptr, state_ptr, fo_ptr, io_ptr, mask_ptr, R,
                         V: tl.constexpr, SAMPLE: tl.constexpr, MASK: tl.constexpr, NDIG: tl.constexpr,
@@ -407,7 +407,7 @@ def _split_final_kernel(logits_ptr, stride, temp_ptr, topk_ptr, topp_ptr, minp_p
     tl.store(io_ptr + R * SPLITS + off, tl.min(tl.where(best == top, bidx, 0x7FFFFFFF), 0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["R"])
 def _split_merge_kernel(logits_ptr, stride, temp_ptr, pf_ptr, fo_ptr, io_ptr, tok_ptr, lp_ptr, plp_ptr,
                         km_ptr, stats_ptr, R, V: tl.constexpr, STATS: tl.constexpr, SPLITS: tl.constexpr,
                         BLOCK_S: tl.constexpr):
@@ -439,9 +439,11 @@ def default_row_splits(R: int, V: int, device, block: int = 1024) -> int:
     graphs; bench/results/2026-11-29_kernels_fused-sampler-truncation_row-splits_315b2bc.json):
     S = 8 was the fastest or within 1% of it for top-k, top-p, min-p and all three at R = 64 and
     256 (R = 64 top-p 1,439 -> 377 us, top-k 1,087 -> 231; R = 256 top-k 1,757 -> 909), where
-    3 programs per SM alone would take 7 and 2."""
-    return max(1, min(max(8, triton.cdiv(3 * _sm_count(torch.device(device)), max(R, 1))), triton.cdiv(V, block),
-                      _MAX_ROW_SPLITS))
+    3 programs per SM alone would take 7 and 2. Rounded down to a power of two (8, 16, 32): the
+    split kernels are compiled per chunk width, and few classes keep eager steps from compiling
+    (`fused_sampler.default_num_splits`)."""
+    by_sms = pow2_floor(min(max(8, triton.cdiv(3 * _sm_count(torch.device(device)), max(R, 1))), _MAX_ROW_SPLITS))
+    return max(1, min(by_sms, triton.cdiv(V, block)))
 
 
 def _row_chunks(V: int, S: int, block: int) -> tuple[int, int]:

@@ -85,7 +85,7 @@ def _merge(m_run, l_run, acc_run, m, l, acc):
     return m_new, l_run, acc_run
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs"])   # varies per step: one kernel for every count
 def _prefill_kernel(
         q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, qsl_ptr, lens_ptr, ws_ptr, wml_ptr,
         sm_scale_log2, window, num_seqs,
