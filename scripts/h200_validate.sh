@@ -64,15 +64,6 @@ for s in $sections; do
       timeout 120 python3 -m rollout.bench.gemm --shape llama3-8b --epilogues-only --m 32 1 16 64 \
         --out $OUT/gemm_epilogues_l8b.json 2>&1 | grep -E "^NVIDIA|M=|Error"
       TAG=_epilogues0 ROLLOUT_SILU_GATE_UP=0 ROLLOUT_ROPE_QKV=0 bash $0 p1; TAG=_epilogues1 bash $0 p1 ;;
-    stream_k) # stream-K: 132 programs share tiles x K tiles, so QKV's 96 tiles (70% of copy bandwidth in the
-      # graph: 36 SMs idle) and gate_up's 224 (1.7 waves) use every SM. Its GPU tests, then the decode graphs
-      # at P1's context alternated with base (a winner goes into the table, then P1 / P5 end to end)
-      ROLLOUT_GPU_REPORT=$OUT/gpu_tests.jsonl timeout 300 python3 -m pytest -q -p no:cacheprovider --noconftest -s \
-        tests/gpu/test_skinny_gemm_cuda.py -k "stream_k" > $OUT/gpu_tests_stream_k.log 2>&1
-      grep -E "passed|failed|FAILED|Error" $OUT/gpu_tests_stream_k.log | tail -8
-      VARIANTS="base qkv=64,128,4,5,1,132 base gate_up=128,128,8,4,1,132 base qkv=32,256,4,5,1,132
-        gate_up=64,128,4,5,1,132 base qkv=64,128,4,5,1,132+gate_up=128,128,8,4,1,132 base o=32,256,4,5,1,132
-        down=64,128,4,5,1,132 base qkv=64,128,4,5,1,264 gate_up=128,128,8,4,1,264 base" bash $0 variants ;;
     tree_profile) # P3's regression, tree against tree on one machine: the whole-batch decode-step profile of
       # Qwen2.5-1.5B at 512 x 2304, PDL off (kernel times add up), for this checkout and each folder in $TREES: an
       # older commit's rollout/, made before the call (`mkdir t_<c> && git archive <c> rollout | tar -x -C t_<c>`),

@@ -139,15 +139,13 @@ def test_rope_kv(dtype):
     assert torch.equal(vc, vc_ref)
 
 
-@pytest.mark.parametrize("block_n,T,split_k,programs", [(32, 5, 1, 0), (16, 16, 1, 0), (32, 1, 1, 0), (32, 5, 2, 0),
-                                                         (16, 3, 4, 0), (32, 5, 1, 7), (16, 3, 1, 5)])
-def test_qkv_gemm_with_rope_epilogue_gives_the_two_kernel_bits(block_n, T, split_k, programs):
+@pytest.mark.parametrize("block_n,T,split_k", [(32, 5, 1), (16, 16, 1), (32, 1, 1), (32, 5, 2), (16, 3, 4)])
+def test_qkv_gemm_with_rope_epilogue_gives_the_two_kernel_bits(block_n, T, split_k):
     """qkv_rope_and_write_kv: the QKV GEMM whose epilogue rotates q and k and writes K/V to the
     cache gives the same q, cache and untouched-slot bits as skinny_gemm (with the same split-K)
     then rope_and_write_kv. block_n / 2 = 16 frequency pairs (a whole half-head, D = 32) or 8
-    (two programs per head); with split-K (or stream-K over `programs`: 8 or 16 tiles of 4 K tiles
-    each shared unevenly) the tile's last program sums the partials, resets the counters (a second
-    call gives the same bits) and does the epilogue. Slot -1 and tokens past
+    (two programs per head); with split-K the tile's last program sums the partials, resets the
+    counters (a second call gives the same bits) and does the epilogue. Slot -1 and tokens past
     slot_mapping are not written. fp16 (the interpreter's bf16 dot is broken). Rotating with the
     wrong half is caught."""
     from rollout.kernels import skinny_gemm as sg
@@ -160,27 +158,21 @@ def test_qkv_gemm_with_rope_epilogue_gives_the_two_kernel_bits(block_n, T, split
     positions = torch.randint(0, 3000, (T,), generator=g)
     slots = torch.tensor([3, -1, 40, 8, 17][:max(T - 1, 1)])
     caches = {k: [torch.full((4, ps, Hkv, D), float("nan"), dtype=torch.float16) for _ in range(2)] for k in "ab"}
-    # Stream-K splits each tile at its own K points, so the plain GEMM is the bit reference only
-    # with the fused kernel's tiles: weight rows permuted into them, the output permuted back.
-    rows = torch.arange(w.shape[0]).view(Hq + 2 * Hkv, 2, D // block_n, block_n // 2).transpose(1, 2).flatten()
-    qkv = torch.empty(T, w.shape[0], dtype=x.dtype)
-    qkv[:, rows] = sg.skinny_gemm(x, w[rows], block_n, 64, 4, 2, split_k, programs)
+    qkv = sg.skinny_gemm(x, w, block_n, 64, 4, 2, split_k)
     q, k, v = (t.view(T, -1, D) for t in qkv.split([Hq * D, Hkv * D, Hkv * D], dim=-1))
     want = rope_and_write_kv(q, k, v, positions, inv_freq, *caches["a"], slots)
-    got = qkv_rope_and_write_kv(x, w, Hq, positions, inv_freq, *caches["b"], slots, block_n, 64, 4, 2, split_k,
-                                programs)
+    got = qkv_rope_and_write_kv(x, w, Hq, positions, inv_freq, *caches["b"], slots, block_n, 64, 4, 2, split_k)
     assert torch.equal(got, want)
     for a, b in zip(caches["a"], caches["b"]):
         assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0))
     assert caches["b"][0].isnan().sum() == caches["a"][0].isnan().sum() > 0   # only the slots given
-    if split_k > 1 or programs:
+    if split_k > 1:
         assert int(sg._COUNTERS[x.device][:(Hq + 2 * Hkv) * D // block_n].abs().sum()) == 0
-        again = qkv_rope_and_write_kv(x, w, Hq, positions, inv_freq, *caches["b"], slots, block_n, 64, 4, 2, split_k,
-                                      programs)
+        again = qkv_rope_and_write_kv(x, w, Hq, positions, inv_freq, *caches["b"], slots, block_n, 64, 4, 2, split_k)
         assert torch.equal(again, want)
     w_swapped = w.view(Hq + 2 * Hkv, 2, D // 2, K).flip(1).reshape(w.shape)
     bad = qkv_rope_and_write_kv(x, w_swapped, Hq, positions, inv_freq, *caches["b"], slots, block_n, 64, 4, 2,
-                                split_k, programs)
+                                split_k)
     assert not torch.equal(bad, want)
 
 
@@ -213,60 +205,6 @@ def test_skinny_gemm_split_k(split_k):
     assert torch.equal(again, out)
     with pytest.raises(AssertionError, match="do not split"):
         sg.skinny_gemm(x, w, 64, 64, 4, 2, 3)
-
-@pytest.mark.parametrize("programs", [1, 5, 7, 24])
-def test_skinny_gemm_stream_k(programs):
-    """Stream-K: `programs` share the 3 tiles x 8 K tiles = 24 units evenly (5 and 7: tiles split
-    between two or three programs at uneven K points; 24: one unit each, 8 parts a tile). fp32,
-    tolerance as in the split-K test (a lost or doubled part is O(1)); counters back at 0, a second
-    call the same bits; more programs than units refused."""
-    from rollout.kernels import skinny_gemm as sg
-    g = torch.Generator().manual_seed(programs)
-    x, w, b = torch.randn(5, 512, generator=g), torch.randn(96, 512, generator=g) / 16, torch.randn(96, generator=g)
-    out = torch.full((5, 96), float("nan"))
-    sg.skinny_gemm(x, w, 32, 64, 4, 2, 1, programs, out=out, bias=b)
-    torch.testing.assert_close(out, x @ w.T + b, atol=1e-5, rtol=1e-5)
-    assert int(sg._COUNTERS[x.device][:3].abs().sum()) == 0
-    assert torch.equal(sg.skinny_gemm(x, w, 32, 64, 4, 2, 1, programs, bias=b), out)
-    with pytest.raises(AssertionError, match="programs for 24 units"):
-        sg.skinny_gemm(x, w, 32, 64, 4, 2, 1, 25)
-    with pytest.raises(AssertionError, match="stream-K"):
-        sg.skinny_gemm(x, w, 32, 64, 4, 2, 2, programs)
-
-
-def test_stream_k_parts_per_tile_match_a_direct_assignment():
-    """streamk_max_parts (the workspace depth) against assigning every unit to its program
-    directly, for tile / K-tile / program counts around the decode shapes' (QKV 96 x 32 on 132)."""
-    from rollout.kernels.skinny_gemm import streamk_max_parts
-    for tiles, k_tiles, programs in ((96, 32, 132), (224, 32, 132), (3, 8, 5), (3, 8, 24), (7, 3, 20), (5, 4, 1)):
-        units = tiles * k_tiles
-        owners = [next(p for p in range(programs) if p * units // programs <= u < (p + 1) * units // programs)
-                  for u in range(units)]
-        direct = max(len(set(owners[t * k_tiles:(t + 1) * k_tiles])) for t in range(tiles))
-        assert streamk_max_parts(tiles, k_tiles, programs) == direct
-
-
-@pytest.mark.parametrize("programs", [5, 7])
-def test_gate_up_stream_k_with_silu_epilogue_gives_the_two_kernel_bits(programs):
-    """The SiLU epilogue after a stream-K fix-up: the same bits as the stream-K GEMM over the same
-    tiles (weight rows permuted into the fused kernel's gate/up tiles: stream-K splits each tile at
-    its own K points) then fused_ops.silu_mul. fp32 (summation order shows in every bit; 24 tiles
-    of 4 K tiles over 5 or 7 programs: tiles split unevenly). With the natural row order the bits differ."""
-    from rollout.kernels import skinny_gemm as sg
-    from rollout.kernels.fused_ops import silu_mul
-    inter, K, block_n = 768, 256, 64
-    g = torch.Generator().manual_seed(programs)
-    x = torch.randn(16, K, generator=g)
-    w = torch.randn(2 * inter, K, generator=g) / 8
-    rows = torch.arange(2 * inter).view(2, inter // (block_n // 2), block_n // 2).transpose(0, 1).flatten()
-    gu = torch.empty(16, 2 * inter)
-    gu[:, rows] = sg.skinny_gemm(x, w[rows], block_n, 64, 4, 2, 1, programs)
-    got = sg.skinny_gemm(x, w, block_n, 64, 4, 2, 1, programs, silu_mul=True)
-    assert torch.equal(got, silu_mul(gu))
-    assert not torch.equal(got, silu_mul(sg.skinny_gemm(x, w, block_n, 64, 4, 2, 1, programs)))
-    ref = x @ w.T     # fp32: summation order only
-    torch.testing.assert_close(got, F.silu(ref[:, :inter]) * ref[:, inter:], atol=1e-5, rtol=1e-5)
-
 
 @pytest.mark.parametrize("split_k", [2, 4])
 def test_split_k_partials_summed_by_the_norm_give_the_fixup_bits(split_k):
@@ -340,13 +278,11 @@ def test_decoder_splitk_into_norm_takes_the_partials_path_with_the_same_bits(mon
 
 
 
-@pytest.mark.parametrize("qkv_split,programs", [(1, 0), (2, 0), (1, 5)])
-def test_engine_fused_gemm_paths_give_the_same_bits(monkeypatch, qkv_split, programs):
+@pytest.mark.parametrize("qkv_split", [1, 2])
+def test_engine_fused_gemm_paths_give_the_same_bits(monkeypatch, qkv_split):
     """The tiny model through the engine on the Triton backend (fp32, interpreter), with configs
     standing in for the GPU-only skinny-GEMM table (split-K for o_proj and down_proj; none for
-    gate_up, and for qkv a 32-row tile, 16 frequency pairs of a 32-wide head, split-K or not; or
-    gate_up and qkv stream-K over 5 programs, where the fused tiles group other rows than the plain
-    GEMM's, so each row's K split points and the logprobs' last bits may differ): with
+    gate_up, and for qkv a 32-row tile, 16 frequency pairs of a 32-wide head, split-K or not): with
     `splitk_into_norm` the o_proj and down_proj partials go to the add + RMSNorm kernel, with
     `silu_in_gate_up` the gate_up GEMM writes SiLU * up itself, with `rope_in_qkv` the QKV GEMM
     rotates q and k and writes the K/V cache. Tokens and logprobs are bit-equal to the plain
@@ -356,8 +292,8 @@ def test_engine_fused_gemm_paths_give_the_same_bits(monkeypatch, qkv_split, prog
     from rollout.models import decoder
     monkeypatch.setattr(decoder, "_skinny_config",
                         lambda w, x: None if x.shape[0] > 64 or w.shape[1] % 128 else
-                        (64, 64, 4, 2, 1, programs) if w.shape[0] == 2 * 768 else
-                        (32, 64, 4, 2, qkv_split, programs) if w.shape[0] == (8 + 2 * 2) * 32 else (64, 64, 4, 2, 2))
+                        (64, 64, 4, 2, 1) if w.shape[0] == 2 * 768 else
+                        (32, 64, 4, 2, qkv_split) if w.shape[0] == (8 + 2 * 2) * 32 else (64, 64, 4, 2, 2))
     calls = []
     inner = sg.skinny_gemm
     monkeypatch.setattr(sg, "skinny_gemm", lambda *a, **k: (calls.append((a[1].shape[0], k)), inner(*a, **k))[1])
@@ -376,10 +312,7 @@ def test_engine_fused_gemm_paths_give_the_same_bits(monkeypatch, qkv_split, prog
         assert any(n == -1 for n, _ in calls) == on                # the QKV GEMM with the RoPE epilogue
     for a, b in zip(outs[False], outs[True]):
         assert a.completions[0].token_ids == b.completions[0].token_ids
-        if programs:   # fp32, summation order only
-            torch.testing.assert_close(a.completions[0].logprobs, b.completions[0].logprobs, atol=1e-5, rtol=0)
-        else:
-            assert a.completions[0].logprobs == b.completions[0].logprobs
+        assert a.completions[0].logprobs == b.completions[0].logprobs
 
 
 def test_batch_invariant_gemm_rows_do_not_depend_on_their_batch():
@@ -473,17 +406,7 @@ def test_compiles_for_sm90(tmp_path):
                "lens_ptr": "*i32", "qsl_ptr": "*i32", "pos_ptr": "*i64", "inv_freq_ptr": "*fp32", "slot_ptr": "*i64",
                "x_ptr": "*bf16", "d_ptr": "*bf16", "w_ptr": "*bf16", "res_ptr": "*bf16", "gu_ptr": "*bf16",
                "b_ptr": "*bf16", "y_ptr": "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "wml_ptr": "*fp32"}
-        def stores_before_wait_in_its_loop(ptx, wait):
-            # A loop's blocks may be laid out above its header: a store printed before the wait is
-            # fine if its block belongs to the loop whose header holds the wait (it dominates them).
-            labels = [(m.start(), m.group(1), m.group(0)) for m in re.finditer(r"\\$L__(BB\\d+_\\d+):[^\\n]*", ptx)]
-            head = [lab for at, lab, line in labels if at < wait][-1]
-            assert "Loop Header" in [line for at, lab, line in labels if lab == head][0], "the wait is not a loop's"
-            for m in re.finditer(r"st\\.global", ptx[:wait]):
-                line = [line for at, lab, line in labels if at < m.start()][-1]
-                assert re.search(rf"Header={head}\\b", line), "a store before the wait outside its loop"
-            return True
-        def compile_(fn, pdl=False, early_loads=False, ptrs=None, loop=False, **const):
+        def compile_(fn, pdl=False, early_loads=False, ptrs=None, **const):
             const = dict(const, PDL=pdl) if "PDL" in fn.arg_names else const
             sig, attrs = {}, {}
             for i, name in enumerate(fn.arg_names):
@@ -499,8 +422,7 @@ def test_compiles_for_sm90(tmp_path):
                 wait = ptx.find("griddepcontrol.wait")
                 assert wait >= 0 and "griddepcontrol.launch_dependents" in ptx, fn.__name__
                 first = lambda *ops: min([ptx.find(op) for op in ops if op in ptx] or [len(ptx)])
-                assert wait < first("st.global") or (loop and stores_before_wait_in_its_loop(ptx, wait)), \
-                    fn.__name__ + ": a store before the wait"
+                assert wait < first("st.global"), fn.__name__ + ": a store before the wait"
                 if not early_loads:
                     assert wait < first("ld.global", "cp.async"), fn.__name__ + ": a load before the wait"
         common = dict(HEAD_DIM=128, PAGE_SIZE=16, BLOCK_N=64, DOT_PREC="tf32")
@@ -523,27 +445,23 @@ def test_compiles_for_sm90(tmp_path):
                     for kern in (chain._chain_kernel, chain._chain_queue_kernel):
                         compile_(kern, ptrs={"bar_ptr": "*i32", "cnt_ptr": "*i32", "err_ptr": "*i32"}, BLOCK_M=32,
                                  BLOCK_N=32, BLOCK_K=256, SPIN=1 << 20, PREFETCH=prefetch)
-            for split, stream in ((1, False), (2, False), (1, True)):   # QKV GEMM + RoPE + K/V write epilogue
-                compile_(rk._qkv_rope_kernel, pdl, early_loads=True, HQ=32, HKV=8, HALF=64, BLOCK_M=32,  # after the
-                         BLOCK_N=64 * split, BLOCK_K=128, SPLIT_K=split, STREAM_K=stream, PRECISE=True,  # fix-up
-                         loop=stream,
-                         ptrs=None if split > 1 or stream else {"ws_ptr": "*bf16", "cnt_ptr": "*bf16"})   # as passed
+            for split in (1, 2):     # QKV GEMM + RoPE + K/V write epilogue (after the split-K fix-up)
+                compile_(rk._qkv_rope_kernel, pdl, early_loads=True, HQ=32, HKV=8, HALF=64, BLOCK_M=32,
+                         BLOCK_N=64 * split, BLOCK_K=128, SPLIT_K=split, PRECISE=True,
+                         ptrs=None if split > 1 else {"ws_ptr": "*bf16", "cnt_ptr": "*bf16"})   # as passed
             compile_(fo._add_rmsnorm_kernel, pdl, HAS_DELTA=True, DELTA_PARTIALS=2 if pdl else 0, BLOCK=4096)
             compile_(fo._silu_mul_kernel, pdl, BLOCK=1024)
-            for split, stream in ((1, False), (2, False), (1, True)):   # plain, split-K, stream-K
+            for split in (1, 2):
                 compile_(sg._skinny_gemm_kernel, pdl, early_loads=True, BLOCK_M=32, BLOCK_N=64, BLOCK_K=128,
-                         EVEN_N=split == 1, HAS_BIAS=split == 2, SPLIT_K=split, STREAM_K=stream, PARTIALS=False,
-                         SILU_MUL=False, loop=stream)
+                         EVEN_N=split == 1, HAS_BIAS=split == 2, SPLIT_K=split, PARTIALS=False, SILU_MUL=False)
             compile_(sg._skinny_gemm_kernel, pdl, early_loads=True, BLOCK_M=32, BLOCK_N=64, BLOCK_K=128,
-                     EVEN_N=True, HAS_BIAS=False, SPLIT_K=2, STREAM_K=False, PARTIALS=True, SILU_MUL=False,
+                     EVEN_N=True, HAS_BIAS=False, SPLIT_K=2, PARTIALS=True, SILU_MUL=False,
                      ptrs={"cnt_ptr": "*bf16"})   # as skinny_gemm passes it (unused): no fix-up atomics built
             compile_(sg._skinny_gemm_kernel, pdl, early_loads=True, BLOCK_M=sg.INVARIANT_BLOCK_M,   # batch-invariant
                      BLOCK_N=sg.invariant_block_n(4096), BLOCK_K=128, EVEN_N=True, HAS_BIAS=False, SPLIT_K=1,
-                     STREAM_K=False, PARTIALS=False, SILU_MUL=False)
-            for stream in (False, True):
-                compile_(sg._skinny_gemm_kernel, pdl, early_loads=True, BLOCK_M=32, BLOCK_N=128, BLOCK_K=128,  # gate_up
-                         EVEN_N=True, HAS_BIAS=False, SPLIT_K=1, STREAM_K=stream, PARTIALS=False,  # + SiLU epilogue
-                         SILU_MUL=True, loop=stream)
+                     PARTIALS=False, SILU_MUL=False)
+            compile_(sg._skinny_gemm_kernel, pdl, early_loads=True, BLOCK_M=32, BLOCK_N=128, BLOCK_K=128,   # gate_up
+                     EVEN_N=True, HAS_BIAS=False, SPLIT_K=1, PARTIALS=False, SILU_MUL=True)    # + SiLU epilogue
         print("ok")
     """)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

@@ -16,7 +16,7 @@ or with a negative slot are not written, e.g. CUDA-graph padding).
 halves as one weight tile, rounds the products to the activation dtype as the GEMM would store
 them, then rotates them with the same helpers, so q and the cache get the same bits with one
 kernel fewer per layer. With split-K the tile's last program to arrive does it, after the
-skinny GEMM's fix-up (`splitk_fixup`, the same summation order); stream-K likewise.
+skinny GEMM's fix-up (`splitk_fixup`, the same summation order).
 """
 from __future__ import annotations
 
@@ -29,8 +29,7 @@ from triton.language.extra import libdevice
 
 from . import fix_interpreter
 from .pdl import enter, pdl_for
-from .skinny_gemm import (split_counters, splitk_fixup, streamk_max_parts, streamk_span, streamk_units,
-                          weight_rows_times_x)
+from .skinny_gemm import split_counters, splitk_fixup, weight_rows_times_x
 
 fix_interpreter()
 
@@ -139,48 +138,24 @@ def rope_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positio
 @triton.jit
 def _qkv_rope_kernel(
         x_ptr, w_ptr, qo_ptr, pos_ptr, inv_freq_ptr, kc_ptr, vc_ptr, slot_ptr, ws_ptr, cnt_ptr, n_slots, M, K,
-        s_xm, s_wn, s_qot, s_qoh, s_kcs, s_kch, s_vcs, s_vch, n_tiles,
+        s_xm, s_wn, s_qot, s_qoh, s_kcs, s_kch, s_vcs, s_vch,
         HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, STREAM_K: tl.constexpr, PRECISE: tl.constexpr,
-        PDL: tl.constexpr):
-    k_tiles = K // BLOCK_K                       # tiles, splits and stream-K as in the skinny GEMM
-    if STREAM_K:
-        u0, u1 = streamk_units(n_tiles, k_tiles)
-        tile = u0 // k_tiles
-        while tile * k_tiles < u1:
-            kt0, kt1, part, parts = streamk_span(tile, u0, u1, n_tiles, k_tiles)
-            _qkv_rope_tile(x_ptr, w_ptr, qo_ptr, pos_ptr, inv_freq_ptr, kc_ptr, vc_ptr, slot_ptr, ws_ptr, cnt_ptr,
-                           n_slots, M, s_xm, s_wn, s_qot, s_qoh, s_kcs, s_kch, s_vcs, s_vch, tile, kt0, kt1, part,
-                           parts, HQ, HKV, HALF, BLOCK_M, BLOCK_N, BLOCK_K, PRECISE, PDL)
-            tile += 1
-    else:
-        per = tl.cdiv(k_tiles, SPLIT_K)
-        kt0 = tl.program_id(1) * per
-        _qkv_rope_tile(x_ptr, w_ptr, qo_ptr, pos_ptr, inv_freq_ptr, kc_ptr, vc_ptr, slot_ptr, ws_ptr, cnt_ptr,
-                       n_slots, M, s_xm, s_wn, s_qot, s_qoh, s_kcs, s_kch, s_vcs, s_vch, tl.program_id(0), kt0,
-                       tl.minimum(kt0 + per, k_tiles), tl.program_id(1), SPLIT_K, HQ, HKV, HALF, BLOCK_M, BLOCK_N,
-                       BLOCK_K, PRECISE, PDL)
-
-
-@triton.jit
-def _qkv_rope_tile(x_ptr, w_ptr, qo_ptr, pos_ptr, inv_freq_ptr, kc_ptr, vc_ptr, slot_ptr, ws_ptr, cnt_ptr, n_slots,
-                   M, s_xm, s_wn, s_qot, s_qoh, s_kcs, s_kch, s_vcs, s_vch, tile, kt0, kt1, part, parts,
-                   HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISE: tl.constexpr, PDL: tl.constexpr):
-    """QKV tile `tile` (P frequency pairs' two halves of one head) over K tiles [kt0, kt1), part
-    `part` of `parts`; the last part to arrive sums them (skinny_gemm's order) and goes on."""
-    P: tl.constexpr = BLOCK_N // 2              # frequency pairs per tile
-    head = tile // (HALF // P)                   # q heads, then k heads, then v heads
-    f = (tile % (HALF // P)) * P + tl.arange(0, P)
+        BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PRECISE: tl.constexpr, PDL: tl.constexpr):
+    P: tl.constexpr = BLOCK_N // 2              # frequency pairs per program
+    pid = tl.program_id(0)
+    head = pid // (HALF // P)                    # q heads, then k heads, then v heads
+    f = (pid % (HALF // P)) * P + tl.arange(0, P)
     r = tl.arange(0, BLOCK_N)
-    w_rows = head * 2 * HALF + (tile % (HALF // P)) * P + r % P + (r >= P).to(tl.int32) * HALF   # halves 1, 2
+    w_rows = head * 2 * HALF + (pid % (HALF // P)) * P + r % P + (r >= P).to(tl.int32) * HALF   # halves 1, 2
     rm = tl.arange(0, BLOCK_M)
     N = (HQ + 2 * HKV) * 2 * HALF
-    acc = weight_rows_times_x(x_ptr, w_ptr, w_rows, w_rows, rm, M, N, s_xm, s_wn, kt0, kt1,
-                              BLOCK_M, BLOCK_N, BLOCK_K, True, PDL)
+    per = tl.cdiv(K // BLOCK_K, SPLIT_K)         # this program's K tiles, as in the skinny GEMM
+    kt0 = tl.program_id(1) * per
+    acc = weight_rows_times_x(x_ptr, w_ptr, w_rows, w_rows, rm, M, N, s_xm, s_wn,
+                              kt0, tl.minimum(kt0 + per, K // BLOCK_K), BLOCK_M, BLOCK_N, BLOCK_K, True, PDL)
     last = True
-    if parts > 1:
-        acc, last = splitk_fixup(acc, ws_ptr, cnt_ptr, tile, part, parts, w_rows, rm, N, BLOCK_M)
+    if SPLIT_K > 1:   # the tile's last split program sums the partials (skinny_gemm's order) and goes on
+        acc, last = splitk_fixup(acc, ws_ptr, cnt_ptr, pid, w_rows, rm, N, BLOCK_M, SPLIT_K)
     if last:
         _rope_epilogue(acc, qo_ptr, pos_ptr, inv_freq_ptr, kc_ptr, vc_ptr, slot_ptr, n_slots, M, head, f, rm,
                        s_qot, s_qoh, s_kcs, s_kch, s_vcs, s_vch, HQ, HKV, HALF, BLOCK_M, P, PRECISE)
@@ -218,11 +193,10 @@ def _rope_epilogue(acc, qo_ptr, pos_ptr, inv_freq_ptr, kc_ptr, vc_ptr, slot_ptr,
 def qkv_rope_and_write_kv(x: torch.Tensor, w: torch.Tensor, num_heads: int, positions: torch.Tensor,
                           inv_freq: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           slot_mapping: torch.Tensor, block_n: int, block_k: int, num_warps: int = 4,
-                          num_stages: int = 4, split_k: int = 1, programs: int = 0) -> torch.Tensor:
+                          num_stages: int = 4, split_k: int = 1) -> torch.Tensor:
     """The fused QKV projection x [T, K] @ w.T (w [(Hq + 2 Hkv) D, K], no bias; q, k, v heads in
     order), RoPE on q and k, and the K/V write: the result of skinny_gemm (with the same split_k)
-    then rope_and_write_kv, in one kernel; `programs` > 0: stream-K, as skinny_gemm's. T <= 64 (one
-    row tile). Returns RoPE'd q [T, Hq, D]."""
+    then rope_and_write_kv, in one kernel. T <= 64 (one row tile). Returns RoPE'd q [T, Hq, D]."""
     T, K = x.shape
     Hkv, D = k_cache.shape[2], k_cache.shape[3]
     half, pairs = D // 2, block_n // 2
@@ -237,19 +211,17 @@ def qkv_rope_and_write_kv(x: torch.Tensor, w: torch.Tensor, num_heads: int, posi
         return out_q
     pdl = pdl_for(x)
     tiles, bm = (num_heads + 2 * Hkv) * (half // pairs), max(16, triton.next_power_of_2(T))
-    assert not programs or split_k == 1, "stream-K or split-K, not both"
-    parts = streamk_max_parts(tiles, K // block_k, programs) if programs else split_k
-    if parts > 1:   # fp32 partials [part, row tile, N]; torch.empty is graph-safe
-        ws = torch.empty((parts, bm, w.shape[0]), dtype=torch.float32, device=x.device)
+    if split_k > 1:   # fp32 partials [split, row tile, N]; torch.empty is graph-safe
+        ws = torch.empty((split_k, bm, w.shape[0]), dtype=torch.float32, device=x.device)
         cnt = split_counters(x.device, tiles)
     else:
         ws, cnt = out_q, out_q   # unused
-    _qkv_rope_kernel[(programs,) if programs else (tiles, split_k)](
+    _qkv_rope_kernel[(tiles, split_k)](
         x, w, out_q, positions, inv_freq.float().contiguous(), k_cache, v_cache, slot_mapping, ws, cnt,
         slot_mapping.numel(),
         T, K, x.stride(0), w.stride(0), out_q.stride(0), out_q.stride(1), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(1), v_cache.stride(2), tiles, HQ=num_heads, HKV=Hkv, HALF=half,
-        BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, STREAM_K=programs > 0, PRECISE=PRECISE,
-        PDL=pdl, num_warps=num_warps, num_stages=num_stages, launch_pdl=bool(pdl),
+        v_cache.stride(1), v_cache.stride(2), HQ=num_heads, HKV=Hkv, HALF=half,
+        BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, PRECISE=PRECISE, PDL=pdl,
+        num_warps=num_warps, num_stages=num_stages, launch_pdl=bool(pdl),
         enable_fp_fusion=False)   # the rotation rounds each product, as rope_and_write_kv (the MMA is unaffected)
     return out_q

@@ -13,13 +13,6 @@ split K over `split_k` programs per tile: each stores an fp32 partial, and the l
 (an atomic counter per tile) adds the partials in split order and writes the tile. The sum
 order is fixed, so results stay deterministic and M-independent for a given config.
 
-Split-K keeps whole splits per tile, so the program count is tiles x split_k: QKV's 96 tiles
-leave 36 of the H200's 132 SMs idle, gate_up's 224 run as 1.7 waves. Stream-K (`programs` = P):
-P programs share the tiles x K-tiles units evenly, each a contiguous run in tile-major order, so
-a program ends one tile part-way and starts the next. A tile split between programs is summed by
-the same fix-up as split-K, its parts in K order, so results are deterministic for a given P
-(and, like split-K, independent of M).
-
 With `silu_mul` (the fused gate_up weight, gate rows then up rows) each program takes BLOCK_N / 2
 gate rows and the matching up rows as one weight tile, and its epilogue writes SiLU(gate) * up
 (fused_ops.silu_times after the same bf16 rounding of gate and up), so the decode step needs no
@@ -30,7 +23,6 @@ entry (cuBLAS was faster, or the shape was not swept) the model calls F.linear.
 """
 from __future__ import annotations
 
-import functools
 from typing import Optional
 
 import torch
@@ -45,77 +37,34 @@ fix_interpreter()
 
 
 @triton.jit
-def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, s_xm, s_wn, s_ym, n_tiles,
+def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, s_xm, s_wn, s_ym,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         EVEN_N: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
-                        STREAM_K: tl.constexpr, PARTIALS: tl.constexpr, SILU_MUL: tl.constexpr,
-                        PDL: tl.constexpr):
-    k_tiles = K // BLOCK_K                       # K % BLOCK_K == 0 (checked by the wrapper)
-    if STREAM_K:       # this program's units [u0, u1) of n_tiles x k_tiles, tile by tile
-        u0, u1 = streamk_units(n_tiles, k_tiles)
-        tile = u0 // k_tiles                     # u1 > u0: the wrapper keeps programs <= units
-        while tile * k_tiles < u1:
-            kt0, kt1, part, parts = streamk_span(tile, u0, u1, n_tiles, k_tiles)
-            _gemm_tile(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, s_xm, s_wn, s_ym, n_tiles, tile, kt0, kt1,
-                       part, parts, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_N, HAS_BIAS, False, SILU_MUL, PDL)
-            tile += 1
-    else:              # tile program_id(0), split program_id(1) of SPLIT_K
-        per = tl.cdiv(k_tiles, SPLIT_K)
-        kt0 = tl.program_id(1) * per
-        _gemm_tile(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, s_xm, s_wn, s_ym, n_tiles, tl.program_id(0),
-                   kt0, tl.minimum(kt0 + per, k_tiles), tl.program_id(1), SPLIT_K, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_N,
-                   HAS_BIAS, PARTIALS, SILU_MUL, PDL)
-
-
-@triton.jit
-def _gemm_tile(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, s_xm, s_wn, s_ym, n_tiles, tile, kt0, kt1, part,
-               parts, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr,
-               HAS_BIAS: tl.constexpr, PARTIALS: tl.constexpr, SILU_MUL: tl.constexpr, PDL: tl.constexpr):
-    """Output tile `tile` over K tiles [kt0, kt1), part `part` of the tile's `parts`: the last part
-    to arrive sums them (or, with PARTIALS, the consumer does) and runs the epilogue."""
+                        PARTIALS: tl.constexpr, SILU_MUL: tl.constexpr, PDL: tl.constexpr):
+    pid = tl.program_id(0)
     if SILU_MUL:
-        rn, w_rows = gate_up_rows(tile, N, BLOCK_N)              # N: the intermediate size
+        rn, w_rows = gate_up_rows(pid, N, BLOCK_N)               # N: the intermediate size
     else:
-        rn = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         w_rows = rn
     rm = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)     # one M tile except batch_invariant_gemm's
-    acc = weight_rows_times_x(x_ptr, w_ptr, w_rows, rn, rm, M, N, s_xm, s_wn, kt0, kt1,
+    # This program's K tiles [kt0, kt1): all of K, or its share of a split.
+    k_tiles = K // BLOCK_K                       # K % BLOCK_K == 0 (checked by the wrapper)
+    per = tl.cdiv(k_tiles, SPLIT_K)
+    kt0 = tl.program_id(1) * per
+    acc = weight_rows_times_x(x_ptr, w_ptr, w_rows, rn, rm, M, N, s_xm, s_wn, kt0, tl.minimum(kt0 + per, k_tiles),
                               BLOCK_M, BLOCK_N, BLOCK_K, EVEN_N, PDL)
-    if PARTIALS:       # the consumer kernel adds them (in split order)
-        tl.store(ws_ptr + (part * BLOCK_M + rm[None, :]) * N + rn[:, None], acc, mask=rn[:, None] < N)
-    else:              # if/else, not an early return: Triton compiles the code after a return too
-        last = True
-        if parts > 1:      # partials by tile row (SiLU tiles' gate and up rows share output columns)
-            acc, last = splitk_fixup(acc, ws_ptr, cnt_ptr, tile, part, parts, tile * BLOCK_N + tl.arange(0, BLOCK_N),
-                                     rm, n_tiles * BLOCK_N, BLOCK_M)
-        if last:
-            if SILU_MUL:
-                silu_epilogue(acc, y_ptr, tile, rm, M, N, s_ym, BLOCK_M, BLOCK_N)
-            else:
+    if SPLIT_K > 1:
+        if PARTIALS:   # the consumer kernel adds them (in split order)
+            tl.store(ws_ptr + (tl.program_id(1) * BLOCK_M + rm[None, :]) * N + rn[:, None], acc, mask=rn[:, None] < N)
+        else:          # if/else, not an early return: Triton compiles the code after a return too
+            acc, last = splitk_fixup(acc, ws_ptr, cnt_ptr, pid, rn, rm, N, BLOCK_M, SPLIT_K)
+            if last:
                 _epilogue(acc, b_ptr, y_ptr, rm, rn, M, N, s_ym, HAS_BIAS)
-
-
-@triton.jit
-def streamk_units(n_tiles, k_tiles):
-    """Program program_id(0)'s share [u0, u1) of the n_tiles x k_tiles units (tile-major) among
-    num_programs(0) programs: floor(p U / P) .. floor((p + 1) U / P)."""
-    U = n_tiles * k_tiles
-    P = tl.num_programs(0)
-    p = tl.program_id(0)
-    return p * U // P, (p + 1) * U // P
-
-
-@triton.jit
-def streamk_span(tile, u0, u1, n_tiles, k_tiles):
-    """Where this program's units [u0, u1) meet `tile`: its K tiles [kt0, kt1) there, and which
-    part (in K order) of how many programs' parts of the tile that is."""
-    U = n_tiles * k_tiles
-    P = tl.num_programs(0)
-    first = ((tile * k_tiles + 1) * P - 1) // U           # the program holding the tile's first unit
-    last = (((tile + 1) * k_tiles) * P - 1) // U          # ... and its last one
-    kt0 = tl.maximum(u0 - tile * k_tiles, 0)
-    kt1 = tl.minimum(u1 - tile * k_tiles, k_tiles)
-    return kt0, kt1, tl.program_id(0) - first, last - first + 1
+    elif SILU_MUL:
+        silu_epilogue(acc, y_ptr, pid, rm, M, N, s_ym, BLOCK_M, BLOCK_N)
+    else:
+        _epilogue(acc, b_ptr, y_ptr, rm, rn, M, N, s_ym, HAS_BIAS)
 
 
 @triton.jit
@@ -140,19 +89,18 @@ def silu_epilogue(acc, y_ptr, tile, rm, M, I, s_ym, BLOCK_M: tl.constexpr, BLOCK
 
 
 @triton.jit
-def splitk_fixup(acc, ws_ptr, cnt_ptr, tile, part, parts, cols, rm, N, BLOCK_M: tl.constexpr):
-    """Serial split-K fix-up: this program stores its fp32 partial [cols, rm] (cols: the tile's
-    columns of the [parts, BLOCK_M, N] workspace), part `part` of the `parts` of output tile
-    `tile`; the last part to arrive (an arrival counter, which it resets for the next call) adds
-    the partials in part order, so the bits do not depend on which arrives last, and no atomics
-    touch the output. Returns (the sum, or acc elsewhere; is_last)."""
+def splitk_fixup(acc, ws_ptr, cnt_ptr, tile, cols, rm, N, BLOCK_M: tl.constexpr, SPLIT_K: tl.constexpr):
+    """Serial split-K fix-up: this program stores its fp32 partial [cols, rm] of output tile
+    `tile`; the last of the tile's SPLIT_K programs to arrive (an arrival counter, which it resets
+    for the next call) adds the partials in split order, so the bits do not depend on which
+    arrives last, and no atomics touch the output. Returns (the sum, or acc elsewhere; is_last)."""
     n_ok = cols[:, None] < N
-    tl.store(ws_ptr + (part * BLOCK_M + rm[None, :]) * N + cols[:, None], acc, mask=n_ok)
+    tl.store(ws_ptr + (tl.program_id(1) * BLOCK_M + rm[None, :]) * N + cols[:, None], acc, mask=n_ok)
     tl.debug_barrier()                        # every thread's partial before the release
-    last = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel") == parts - 1
+    last = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel") == SPLIT_K - 1
     if last:
         acc = tl.zeros_like(acc)
-        for sk in range(parts):                # .cg: from L2, where the other SMs wrote
+        for sk in range(SPLIT_K):              # .cg: from L2, where the other SMs wrote
             acc += tl.load(ws_ptr + (sk * BLOCK_M + rm[None, :]) * N + cols[:, None], mask=n_ok, other=0.0,
                            cache_modifier=".cg")
         tl.atomic_xchg(cnt_ptr + tile, 0)
@@ -252,13 +200,12 @@ def split_counters(device: torch.device, tiles: int) -> torch.Tensor:
 
 
 def skinny_gemm(x: torch.Tensor, w: torch.Tensor, block_n: int, block_k: int, num_warps: int = 4,
-                num_stages: int = 4, split_k: int = 1, programs: int = 0, out: Optional[torch.Tensor] = None,
+                num_stages: int = 4, split_k: int = 1, out: Optional[torch.Tensor] = None,
                 bias: Optional[torch.Tensor] = None, block_m: Optional[int] = None,
                 partials: bool = False, silu_mul: bool = False) -> torch.Tensor:
     """x [M, K] (unit stride in K), w [N, K] contiguous, bias [N] or None -> y [M, N] in x's dtype.
     split_k > 1: each output tile's K is shared by split_k programs (more programs for a small N
     than SMs would otherwise get); K / block_k must be a multiple of split_k.
-    programs > 0: stream-K over that many programs (split_k 1; at most tiles x K / block_k).
     block_m: None = one M tile of M rows rounded up (M <= 64); else tiles of block_m rows, any M.
     partials: return the split_k fp32 partial products [split_k, M, N] (a strided view) instead of
     adding them here: a consumer that sums them in split order (fused_ops.add_rmsnorm) gets the
@@ -279,31 +226,16 @@ def skinny_gemm(x: torch.Tensor, w: torch.Tensor, block_n: int, block_k: int, nu
         out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     cols_per_tile = block_n // 2 if silu_mul else block_n
     bm, tiles = block_m or pick_block_m(M), triton.cdiv(N, cols_per_tile)
-    parts = streamk_max_parts(tiles, K // block_k, programs) if programs else split_k
-    assert not programs or (split_k == 1 and not partials and triton.cdiv(M, block_m or MAX_M) == 1), \
-        "stream-K: no split-K or partials, one M tile"
-    ws_cols = N if partials else tiles * block_n    # the consumer's layout, or _gemm_tile's fix-up's (tile rows)
-    ws = torch.empty((parts, bm, ws_cols), dtype=torch.float32, device=x.device) if parts > 1 else out
+    ws = torch.empty((split_k, bm, N), dtype=torch.float32, device=x.device) if split_k > 1 else out
     if M:
         pdl = pdl_for(x)
-        cnt = split_counters(x.device, tiles) if parts > 1 and not partials else out   # else unused
-        grid = (programs, 1, 1) if programs else (tiles, split_k, triton.cdiv(M, bm))
-        _skinny_gemm_kernel[grid](
+        cnt = split_counters(x.device, tiles) if split_k > 1 and not partials else out   # else unused
+        _skinny_gemm_kernel[(tiles, split_k, triton.cdiv(M, bm))](
             x, w, bias if bias is not None else w, out, ws, cnt, M, N, K, x.stride(0), w.stride(0), out.stride(0),
-            tiles, BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_N=N % cols_per_tile == 0,
-            HAS_BIAS=bias is not None, SPLIT_K=split_k, STREAM_K=programs > 0, PARTIALS=partials,
-            SILU_MUL=silu_mul, PDL=pdl, num_warps=num_warps, num_stages=num_stages, launch_pdl=bool(pdl))
+            BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_N=N % cols_per_tile == 0, HAS_BIAS=bias is not None,
+            SPLIT_K=split_k, PARTIALS=partials, SILU_MUL=silu_mul, PDL=pdl, num_warps=num_warps,
+            num_stages=num_stages, launch_pdl=bool(pdl))
     return ws[:, :M] if partials else out
-
-
-@functools.lru_cache(maxsize=64)
-def streamk_max_parts(tiles: int, k_tiles: int, programs: int) -> int:
-    """The most programs any tile is shared by under stream-K (the fix-up workspace's depth), the
-    owner arithmetic of `streamk_span`; checks that every program gets at least one unit."""
-    units = tiles * k_tiles
-    assert 1 <= programs <= units, f"stream-K: {programs} programs for {units} units"
-    owner = lambda u: ((u + 1) * programs - 1) // units       # noqa: E731
-    return max(owner((t + 1) * k_tiles - 1) - owner(t * k_tiles) + 1 for t in range(tiles))
 
 
 # Batch-invariant mode: one tile shape per weight whatever the row count, so a row's result is the
