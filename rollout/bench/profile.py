@@ -141,7 +141,8 @@ def main(argv=None):
         "shape": args.shape, "batch": B, "context": C, "n": args.n, "prompt_len": P, "steps": steps,
         "fused_small_ops": not args.no_fused_ops, "batch_invariant": args.batch_invariant,
         # mean compute-stream ms of each 128 steps from the first (prefill, then decode up to C)
-        "step_ms_curve": curve, "step_ms": step_ms, "kernel_ms": dict(per_cat), "kernels_per_step": {k: v / steps for k, v in count.items()},
+        "step_ms_curve": curve, "step_ms": step_ms, "kernel_ms": dict(per_cat),
+        "kernels_per_step": {k: v / steps for k, v in count.items()},
         "gaps_ms": step_ms - kernels_ms,
         "kernels": {n: dict(ms=v[0], per_step=v[1])
                     for n, v in sorted(per_name.items(), key=lambda kv: -kv[1][0])[:30]},

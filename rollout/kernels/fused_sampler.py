@@ -216,7 +216,7 @@ def default_num_splits(R: int, V: int, device, block_v: int = 2048) -> int:
     at least one BLOCK_V chunk per split, rounded down to a power of two: SPLITS and CHUNK are
     constexprs, so each value is its own compiled kernel (~0.4 s on the H200 when first met; an
     eager step with a row count of a new class stalled the GPU for that long), and powers of two
-    leave 7 classes, which the decode graphs' buckets compile at capture. Depends only on
+    leave 8 classes on 132 SMs, which the decode graphs' buckets compile at capture. Depends only on
     (R, V, device): static under CUDA graphs. Logprobs vary in the last ulp with S (summation
     order); tokens never do. Pass a fixed num_splits for bit-level batch-size invariance."""
     return max(1, min(pow2_floor(triton.cdiv(4 * _sm_count(torch.device(device)), max(R, 1))), triton.cdiv(V, block_v)))

@@ -12,7 +12,8 @@ from rollout import RolloutEngine, SamplingParams  # noqa: E402
 
 def _prompts(n, seed):
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, 150_000, (int(L),), generator=g).tolist() for L in torch.randint(20, 200, (n,), generator=g)]
+    lengths = torch.randint(20, 200, (n,), generator=g)
+    return [torch.randint(3, 150_000, (int(L),), generator=g).tolist() for L in lengths]
 
 
 def test_no_triton_compiles_in_steps_after_the_first_request():
