@@ -67,23 +67,18 @@ for s in $sections; do
     tree_profile) # P3's regression, tree against tree on one machine: the whole-batch decode-step profile of
       # Qwen2.5-1.5B at 512 x 2304, PDL off (kernel times add up), for this checkout and each folder in $TREES: an
       # older commit's rollout/, made before the call (`mkdir t_<c> && git archive <c> rollout | tar -x -C t_<c>`),
-      # run with this checkout's profile.py copied in (older ones timed a partial batch at this size)
+      # run with this checkout's profile.py and timeline.py copied in (older ones timed a partial batch at this size).
+      # TREE_ARGS / TREE_NAME: other profile arguments and JSON name (tree_groups)
       here=$PWD
       for t in . ${TREES:-}; do
-        c=${t#t_}; [ "$t" = . ] && c=${ROLLOUT_GIT_COMMIT:-head} || cp $here/rollout/bench/profile.py $t/rollout/bench/
+        c=${t#t_}; [ "$t" = . ] && c=${ROLLOUT_GIT_COMMIT:-head} || cp $here/rollout/bench/{profile,timeline}.py $t/rollout/bench/
         (cd $t && ROLLOUT_GIT_COMMIT=$c ROLLOUT_PDL=0 PYTHONPATH=$PWD timeout 240 python3 -m rollout.bench.profile \
-          --shape qwen2.5-1.5b --batch 512 --context 2304 --steps 30 --out $OUT/profile_q15_B512_C2304_pdl0_$c.json \
-          2>&1 | grep -A30 "^| part")
+          --shape qwen2.5-1.5b --batch 512 --context 2304 --steps 30 ${TREE_ARGS:-} \
+          --out $OUT/profile_q15_${TREE_NAME:-B512_C2304}_pdl0_$c.json 2>&1 | grep -E -A30 "^step ms|Error" | grep -v "^| - Mem")
       done ;;
     tree_groups) # as tree_profile, as P3 runs: 64 prompts of 256 tokens x n = 8 samples sharing the prompt's
       # pages, decoded to context 2304; the per-step curve from the first step, then the profiled window
-      here=$PWD
-      for t in . ${TREES:-}; do
-        c=${t#t_}; [ "$t" = . ] && c=${ROLLOUT_GIT_COMMIT:-head} || cp $here/rollout/bench/profile.py $t/rollout/bench/
-        (cd $t && ROLLOUT_GIT_COMMIT=$c ROLLOUT_PDL=0 PYTHONPATH=$PWD timeout 240 python3 -m rollout.bench.profile \
-          --shape qwen2.5-1.5b --batch 512 --n 8 --prompt-len 256 --context 2304 --steps 30 \
-          --out $OUT/profile_q15_64x8_P256_C2304_pdl0_$c.json 2>&1 | grep -E -A30 "^step ms|Error" | grep -v "^| - Mem")
-      done ;;
+      TREE_ARGS="--n 8 --prompt-len 256" TREE_NAME=64x8_P256_C2304 bash $0 tree_profile ;;
     compile_stalls) # no Triton compile inside a step after the first request (P3's first run lost ~3 s to 7 of
       # them), P3 end to end (its first 256 steps read 15.5 ms with them against 5.4), then the sampler's GPU tests
       TEST_FILES=tests/gpu/test_compile_stalls_cuda.py bash $0 tests_files

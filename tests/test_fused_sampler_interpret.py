@@ -348,11 +348,7 @@ def test_default_splits_leave_few_compiled_variants(monkeypatch):
     monkeypatch.setattr(fs, "_sm_count", lambda device: 132)     # the H200's SMs
     monkeypatch.setattr(ft, "_sm_count", lambda device: 132)
     for V in (151_936, 128_256):
-        pairs = set()
-        for R in range(1, 4097):
-            S = fs.default_num_splits(R, V, "cpu")
-            chunk = -(-(-(-V // S)) // 2048) * 2048      # as fused_sample rounds it
-            pairs.add((-(-V // chunk), chunk))
+        pairs = {fs.split_chunks(V, fs.default_num_splits(R, V, "cpu"), 2048) for R in range(1, 4097)}
         assert len(pairs) <= 8, sorted(pairs)
         rows = {ft._row_chunks(V, ft.default_row_splits(R, V, "cpu"), 1024) for R in range(1, 4097)}
         assert len(rows) <= 3, sorted(rows)

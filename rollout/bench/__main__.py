@@ -239,28 +239,28 @@ def main(argv=None):
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
         busy0, counts0 = engine.pipeline.busy_ms, dict(engine.pipeline.counts)
+        cuda = device.type == "cuda"
         compiled = []      # Triton kernels compiled (or loaded from disk) inside the timed run: host stalls
-        if device.type == "cuda":
+        if cuda:
             import triton
+            hook = triton.knobs.runtime.jit_cache_hook
             triton.knobs.runtime.jit_cache_hook = lambda *, repr, **_: compiled.append(repr[:160])
         engine.pipeline.start_trace()
         t0 = time.perf_counter()
-        o = engine.generate(prompts, greedy, use_tqdm=True)
-        engine.drain()
-        _sync()
+        try:
+            o = engine.generate(prompts, greedy, use_tqdm=True)
+            engine.drain()
+            _sync()
+        finally:
+            if cuda:
+                triton.knobs.runtime.jit_cache_hook = hook
         wall = time.perf_counter() - t0
-        if device.type == "cuda":
-            triton.knobs.runtime.jit_cache_hook = None
         spans, engine.pipeline.gpu_spans = engine.pipeline.gpu_spans, None
         assert all(len(c.token_ids) == G for x in o for c in x.completions)
         steady = spans[len(spans) // 10: len(spans) - len(spans) // 10]   # decode, away from the ends
-        cuda = device.type == "cuda"
-        span_ms = [1e3 * (b - a) for a, b in spans]
         return {"wall_s": wall, "tok_s": S * G / wall,
-                # mean compute-stream ms of each 256 steps: where in the run the time goes
-                "step_ms_curve": [(i, sum(span_ms[i:i + 256]) / len(span_ms[i:i + 256]))
-                                  for i in range(0, len(span_ms), 256)],
-                "longest_steps_ms": sorted(((ms, i) for i, ms in enumerate(span_ms)), reverse=True)[:8],
+                "step_ms_curve": timeline.step_ms_curve(spans, 256),
+                "longest_steps_ms": sorted(((1e3 * (e - s), i) for i, (s, e) in enumerate(spans)), reverse=True)[:8],
                 "triton_compiles": compiled,
                 "gpu_busy": (engine.pipeline.busy_ms - busy0) / 1e3 / wall if cuda else None,
                 "gpu_busy_steady_decode": timeline.busy_fraction(steady) if cuda else None,

@@ -19,6 +19,7 @@ import torch
 from ..engine import RolloutEngine
 from ..request import SamplingParams
 from .__main__ import run_meta, write_json
+from . import timeline
 from .roofline import model_sizes, step_time_s
 from .shapes import SHAPES, make_config
 
@@ -111,9 +112,7 @@ def main(argv=None):
     p = eng.pipeline
     p.start_trace()             # every step's compute-stream span, prefill and decode up to C
     step_until_decoding(eng, B, extra_steps=5, context=C)
-    spans, p.gpu_spans = p.gpu_spans, None
-    span_ms = [1e3 * (b - a) for a, b in spans]
-    curve = [(i, sum(span_ms[i:i + 128]) / len(span_ms[i:i + 128])) for i in range(0, len(span_ms), 128)]
+    curve, p.gpu_spans = timeline.step_ms_curve(p.gpu_spans, 128), None
     busy0, n0 = p.busy_ms, p.counts["graph_steps"]
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(K):

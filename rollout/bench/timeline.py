@@ -28,6 +28,12 @@ def busy_fraction(gpu: list) -> float | None:
     return sum(e - s for s, e in gpu) / wall if wall > 0 else None
 
 
+def step_ms_curve(gpu: list, every: int) -> list[tuple[int, float]]:
+    """(first step index, mean compute-stream ms) of each `every` steps: where in a run the time goes."""
+    ms = [1e3 * (e - s) for s, e in gpu]
+    return [(i, sum(ms[i:i + every]) / len(ms[i:i + every])) for i in range(0, len(ms), every)]
+
+
 def write_chrome_trace(runs: dict, path: str) -> None:
     """runs: {mode: {"cpu": [(name, s, e)], "gpu": [(s, e)]}} -> Chrome trace JSON (µs)."""
     events = []

@@ -211,6 +211,12 @@ def pow2_floor(n: int) -> int:
     return 1 << (max(n, 1).bit_length() - 1)
 
 
+def split_chunks(V: int, S: int, block: int) -> tuple[int, int]:
+    """-> (chunks, chunk width): V in at most S chunks of whole `block`s, none empty."""
+    chunk = triton.cdiv(triton.cdiv(V, max(1, S)), block) * block
+    return triton.cdiv(V, chunk), chunk
+
+
 def default_num_splits(R: int, V: int, device, block_v: int = 2048) -> int:
     """About 4 programs per SM (the sampled-row loop is ALU-bound: hash + 2 logs per element),
     at least one BLOCK_V chunk per split, rounded down to a power of two: SPLITS and CHUNK are
@@ -240,8 +246,7 @@ def fused_sample(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.T
     if R == 0:
         return tok, lp
     S = num_splits if num_splits is not None else default_num_splits(R, V, dev, block_v)
-    chunk = triton.cdiv(triton.cdiv(V, max(1, min(S, triton.cdiv(V, block_v)))), block_v) * block_v
-    S = triton.cdiv(V, chunk)  # no empty splits
+    S, chunk = split_chunks(V, S, block_v)
     pf = torch.empty((3, R, S) if S > 1 else (1,), dtype=torch.float32, device=dev)
     pi = torch.empty((R, S) if S > 1 else (1,), dtype=torch.int32, device=dev)
     temperature, seeds, counters = temperature.float(), seeds.long(), counters.long()  # no-ops

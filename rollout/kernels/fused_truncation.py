@@ -31,7 +31,8 @@ import triton.language as tl
 
 from ..sampler import SamplerOutput, SamplingTensors
 from .fused_sampler import (_NEG_BIG, _finish, _gumbel_pruned, _log_precise, _merged_z,
-                            _row_keys, _row_temperature, _sample_kernel, _sm_count, fused_sample, pow2_floor)
+                            _row_keys, _row_temperature, _sample_kernel, _sm_count, fused_sample, pow2_floor,
+                            split_chunks)
 
 
 @triton.jit
@@ -448,8 +449,7 @@ def default_row_splits(R: int, V: int, device, block: int = 1024) -> int:
 
 def _row_chunks(V: int, S: int, block: int) -> tuple[int, int]:
     """-> (chunks, chunk width): S chunks of whole blocks, fewer where V is too short (none empty)."""
-    chunk = triton.cdiv(triton.cdiv(V, max(1, min(S, _MAX_ROW_SPLITS))), block) * block
-    return triton.cdiv(V, chunk), chunk
+    return split_chunks(V, min(S, _MAX_ROW_SPLITS), block)
 
 
 def _trunc_split(logits, st, S, chunk, tok, lp, plp, km, stats, mask, block_v, hblock, num_warps):
