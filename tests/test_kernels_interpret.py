@@ -65,6 +65,12 @@ def test_decode_fp32(Hq, Hkv, ps, block_n, num_splits, window):
     out = torch.full_like(q, float("nan"))
     paged_decode_attention(q, *poisoned, bt, meta.seq_lens, scale, window, num_splits, out=out, block_n=block_n)
     torch.testing.assert_close(out, reference(q, caches, meta, scale, window), **FP32_TOL)  # row 0: zeros
+    # The first tile peeled off the loop (loaded before the PDL wait on the GPU): the same ops in
+    # the same order, so the same bits, also for empty splits (1-token rows, 3 splits).
+    peeled = torch.full_like(q, float("nan"))
+    paged_decode_attention(q, *poisoned, bt, meta.seq_lens, scale, window, num_splits, out=peeled,
+                           block_n=block_n, prefetch=True)
+    assert torch.equal(peeled, out)
 
 
 def test_decode_fp16():

@@ -1,0 +1,196 @@
+"""Decode attention against what HBM gives a pure read, inside CUDA graphs. CUDA only; an
+experiment for issue 4 (P1's attention reads the KV cache at ~4.3 TB/s, cuDNN's dense decode
+reached 4.5-4.6 TB/s in performance.md; how much of that gap is ours to take?).
+
+    python -m rollout.bench.attn_ceiling --batch 32 --context 4352 --out bench/results/<name>.json
+
+L layers, each its own paged KV cache (bf16, page 16, Llama-3-8B heads: 32 q, 8 KV, d 128), are
+chained in one graph the way the decode step runs them: layer l + 1's query is layer l's output,
+so each launch depends on the one before (PDL as in the engine). Per layer, timed with events
+over graph replays (median of --repeats):
+- `ours`: paged_decode_attention for each --config NS,BLOCK_N,WARPS,STAGES[,PREFETCH[,MAXNREG]]
+  (MAXNREG 0: Triton's choice), with the block tables' pages shuffled (a fragmented pool, as
+  after hours of serving) and in order (`--pages ordered`);
+- `read`: a Triton kernel that only reads the same bytes (K then V of the layer, each program a
+  contiguous share, summed in fp32) for each --read-grid (programs per SM) and --read-stages:
+  the ceiling for a kernel that reads those bytes once, with no attention math;
+- `sdpa_cudnn`: torch SDPA on a dense equal-length cache [B, Hkv, ctx, D] with the cuDNN back-end
+  (where torch has it), the dense-cache reference of performance.md.
+Outputs are checked against the fp32 torch reference before timing (ours and SDPA).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+import triton
+import triton.language as tl
+
+from ..kernels import fix_interpreter
+from .__main__ import run_meta, write_json
+from .kernels import copy_bandwidth
+
+fix_interpreter()
+
+
+@triton.jit
+def _read_kernel(k_ptr, v_ptr, out_ptr, n_per_prog, n_total, BLOCK: tl.constexpr, STAGES: tl.constexpr):
+    """Program p sums elements [p * n_per_prog, (p + 1) * n_per_prog) of k and then of v."""
+    pid = tl.program_id(0)
+    lo = pid.to(tl.int64) * n_per_prog
+    acc = tl.zeros([BLOCK], tl.float32)
+    offs = tl.arange(0, BLOCK)
+    for i in tl.range(0, n_per_prog, BLOCK, num_stages=STAGES):
+        idx = lo + i + offs
+        acc += tl.load(k_ptr + idx, mask=idx < n_total, other=0.0).to(tl.float32)
+    for i in tl.range(0, n_per_prog, BLOCK, num_stages=STAGES):
+        idx = lo + i + offs
+        acc += tl.load(v_ptr + idx, mask=idx < n_total, other=0.0).to(tl.float32)
+    tl.store(out_ptr + pid, tl.sum(acc, 0))
+
+
+def read_bytes(k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, programs: int, stages: int,
+               block: int = 4096) -> torch.Tensor:
+    n = k.numel()
+    per = triton.cdiv(triton.cdiv(n, programs), block) * block
+    _read_kernel[(programs,)](k, v, out, per, n, BLOCK=block, STAGES=stages, num_warps=4)
+    return out
+
+
+def graph_us(chain, layers: int, replays: int, repeats: int) -> float:
+    """Median over `repeats` of the per-layer time of `replays` replays of a graph of chain()."""
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        chain()                                        # compile + warm up
+        chain()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=s):
+        chain()
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(replays):
+            g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / (replays * layers))
+    return sorted(times)[len(times) // 2]
+
+
+def make_layers(B: int, ctx: int, L: int, ps: int, Hkv: int, D: int, ordered: bool, seed: int = 0):
+    """L (k_cache, v_cache) pairs and one block table [B, ctx / ps] (the same for every layer,
+    as in the engine: one table, a cache per layer)."""
+    g = torch.Generator().manual_seed(seed)
+    per_seq = -(-ctx // ps)
+    pages = B * per_seq + 1
+    order = torch.arange(1, pages) if ordered else torch.randperm(pages - 1, generator=g) + 1
+    bt = order.view(B, per_seq).int().cuda()
+    caches = [tuple(torch.randn(pages, ps, Hkv, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+              for _ in range(L)]
+    return caches, bt
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--context", type=int, default=4352)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--replays", type=int, default=10)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--configs", nargs="+", default=["2,64,4,2", "2,64,4,2,1"],
+                    help="NS,BLOCK_N,WARPS,STAGES[,PREFETCH[,MAXNREG]]")
+    ap.add_argument("--pages", nargs="+", choices=["shuffled", "ordered"], default=["shuffled", "ordered"])
+    ap.add_argument("--read-grid", nargs="+", type=int, default=[2, 4, 8], help="read kernel programs per SM")
+    ap.add_argument("--read-stages", nargs="+", type=int, default=[2, 4])
+    ap.add_argument("--no-sdpa", dest="sdpa", action="store_false")
+    ap.add_argument("--out")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("rollout.bench.attn_ceiling needs a CUDA GPU")
+    from ..attention import AttentionMetadata, paged_attention_ref
+    from ..kernels.paged_decode import paged_decode_attention
+
+    B, ctx, L, ps, Hq, Hkv, D = args.batch, args.context, args.layers, args.page_size, 32, 8, 128
+    scale = D ** -0.5
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    copy = copy_bandwidth()
+    kv_bytes = 2 * B * ctx * Hkv * D * 2
+    print(f"{torch.cuda.get_device_name()}: copy {copy:.0f} GB/s; B={B} ctx={ctx}: {kv_bytes / 1e6:.0f} MB KV a layer, "
+          f"{L} layers a graph")
+    rows = []
+
+    def report(name, us, **kw):
+        gbps = kv_bytes / (us * 1e-6) / 1e9
+        rows.append(dict(name=name, us_per_layer=us, GBps=gbps, of_copy=gbps / copy, **kw))
+        print(f"  {name:<44} {us:8.1f} us/layer  {gbps:6.0f} GB/s  {gbps / copy:6.1%} of copy")
+
+    q0 = torch.randn(B, Hq, D, device="cuda", dtype=torch.bfloat16)
+    lens = torch.full((B,), ctx, dtype=torch.int32, device="cuda")
+    for pages in args.pages:
+        caches, bt = make_layers(B, ctx, L, ps, Hkv, D, pages == "ordered")
+        meta = AttentionMetadata(slot_mapping=None, block_tables=bt, seq_lens=lens,
+                                 query_start_loc=torch.arange(B + 1, dtype=torch.int32, device="cuda"),
+                                 seq_lens_host=[ctx] * B, query_start_host=list(range(B + 1)), page_size=ps)
+        ref = paged_attention_ref(q0.float(), caches[0][0].float(), caches[0][1].float(), meta, scale)
+        for cfg in args.configs:
+            ns, bn, w, st, *rest = (int(x) for x in cfg.split(","))
+            kw = dict(block_n=bn, num_warps=w, num_stages=st, prefetch=bool(rest[0]) if rest else False,
+                      maxnreg=(rest[1] or None) if len(rest) > 1 else None)
+            outs = [torch.empty_like(q0) for _ in range(L)]
+
+            def chain(ns=ns, kw=kw, outs=outs):
+                q = q0
+                for (kc, vc), o in zip(caches, outs):
+                    q = paged_decode_attention(q, kc, vc, bt, lens, scale, None, ns, out=o, **kw)
+            try:
+                err = (paged_decode_attention(q0, *caches[0], bt, lens, scale, None, ns, **kw).float() - ref).abs().max()
+                report(f"ours {pages} ns={ns} bn={bn} w={w} st={st} pf={int(kw['prefetch'])} "
+                       f"nreg={kw['maxnreg'] or '-'}", graph_us(chain, L, args.replays, args.repeats),
+                       pages=pages, config=cfg, max_err=err.item())
+            except Exception as e:       # e.g. out of shared memory: report, go on
+                print(f"  ours {pages} {cfg}: {type(e).__name__}: {e}"[:200])
+        if pages == args.pages[0]:
+            sums = torch.empty(8 * sms, dtype=torch.float32, device="cuda")
+            for per_sm in args.read_grid:
+                for st in args.read_stages:
+                    def reads(per_sm=per_sm, st=st):
+                        for kc, vc in caches:
+                            read_bytes(kc, vc, sums, per_sm * sms, st)
+                    report(f"read {per_sm} programs/SM, {st} stages", graph_us(reads, L, args.replays, args.repeats),
+                           programs=per_sm * sms, stages=st)
+        caches.clear()                  # free this page order's caches before the next
+        torch.cuda.empty_cache()
+
+    if args.sdpa:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        dense = [tuple(torch.randn(B, Hkv, ctx, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+                 for _ in range(L)]
+        q4 = q0.unsqueeze(2)
+
+        def sdpa_chain():
+            q = q4
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                for kc, vc in dense:
+                    q = torch.nn.functional.scaled_dot_product_attention(q, kc, vc, scale=scale, enable_gqa=True)
+        try:
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                o = torch.nn.functional.scaled_dot_product_attention(q4, *dense[0], scale=scale, enable_gqa=True)
+            kr = dense[0][0].float().repeat_interleave(Hq // Hkv, 1)
+            vr = dense[0][1].float().repeat_interleave(Hq // Hkv, 1)
+            r = torch.softmax(q4.float() @ kr.transpose(-1, -2) * scale, -1) @ vr
+            report("sdpa cudnn dense", graph_us(sdpa_chain, L, args.replays, args.repeats),
+                   max_err=(o.float() - r).abs().max().item())
+        except Exception as e:
+            print(f"  sdpa cudnn: {type(e).__name__}: {e}"[:300])
+    write_json(dict(batch=B, context=ctx, layers=L, page_size=ps, kv_bytes_per_layer=kv_bytes, copy_GBps=copy,
+                    rows=rows, meta=run_meta("rollout.bench.attn_ceiling", argv)), args.out)
+
+
+if __name__ == "__main__":
+    main()
