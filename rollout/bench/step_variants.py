@@ -14,8 +14,8 @@ ends with the baseline to show the drift. A variant is knobs joined by "+", on t
   rope_token        RoPE + KV write with one program per token
   qkv=BN,BK,W,S[,SK]  a skinny GEMM config for one weight at every M (also o, gate_up, down, lm_head;
                     "cublas" for F.linear)
-  attn=NS,BN,W,S[,PF[,NREG]]  decode attention: splits, key tile, warps, stages, first tile
-                    before the PDL wait (1) or not, a register cap (0: none)
+  attn=NS,BN,W,S[,AHEAD]  decode attention: splits, key tile, warps, stages, pages looked
+                    up one tile early (1) or not
   splitk_norm       split-K GEMMs (o_proj, down) leave their partials to the next add + RMSNorm
                     (the default; no_splitk_norm: the GEMM's own fix-up)
   silu_gate_up      SiLU * up in the gate_up GEMM's epilogue, no SiLU kernel (the default;
@@ -71,8 +71,7 @@ def apply(eng, variant: str, defaults: dict) -> None:
         elif name == "attn":
             paged_decode.pick_num_splits = lambda *a, ns=nums[0], **k: ns
             paged_decode.DECODE_TILE = dict(block_n=nums[1], num_warps=nums[2], num_stages=nums[3],
-                                            prefetch=len(nums) > 4 and bool(nums[4]),
-                                            maxnreg=nums[5] or None if len(nums) > 5 else None)
+                                            pages_ahead=len(nums) > 4 and bool(nums[4]))
         else:
             raise SystemExit(f"unknown knob {knob!r}")
     recapture_graphs(eng)

@@ -35,9 +35,8 @@ def _decode_split_kernel(
         s_qb, s_qh, s_kp, s_ks, s_kh, s_vp, s_vs, s_vh, s_bt, s_ob, s_oh,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
         BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr,
-        PDL: tl.constexpr, PREFETCH: tl.constexpr):
-    if not PREFETCH:
-        enter(PDL)
+        PDL: tl.constexpr, PAGES_AHEAD: tl.constexpr):
+    enter(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -58,34 +57,35 @@ def _decode_split_kernel(
     dims = tl.arange(0, HEAD_DIM)
     heads = kvh * GROUP + rows
     row_ok = rows < GROUP
+    q = tl.load(q_ptr + b * s_qb + heads[:, None] * s_qh + dims[None, :], mask=row_ok[:, None], other=0.0)
+
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
-    if PREFETCH:
-        # The first tile's keys, loaded before the wait on the previous grid (the QKV kernel
-        # writes only position seq_len - 1; lengths and block tables are uploaded before the step),
-        # when the tile ends before that position; else loaded after the wait.
-        pos = start + offs_n
-        valid = (pos < end) & (pos >= lo)
-        late = start + BLOCK_N >= seq_len
-        n0 = tl.where(start < end, start, 0)     # an empty split: no table lookup past its row
-        k, v = load_kv_tile(k_ptr, v_ptr, bt_ptr, b, kvh, n0, pos, valid & (late == 0), s_kp, s_ks, s_kh,
-                            s_vp, s_vs, s_vh, s_bt, HEAD_DIM, PAGE_SIZE, BLOCK_N)
-        enter(PDL)
-        k_late, v_late = load_kv_tile(k_ptr, v_ptr, bt_ptr, b, kvh, n0, pos, valid & late, s_kp, s_ks, s_kh,
-                                      s_vp, s_vs, s_vh, s_bt, HEAD_DIM, PAGE_SIZE, BLOCK_N)
-        q = tl.load(q_ptr + b * s_qb + heads[:, None] * s_qh + dims[None, :], mask=row_ok[:, None], other=0.0)
-        m_i, l_i, acc = attend_tile(q, k + k_late, v + v_late, valid, m_i, l_i, acc, sm_scale_log2, DOT_PREC)
-        start += BLOCK_N
-    else:
-        q = tl.load(q_ptr + b * s_qb + heads[:, None] * s_qh + dims[None, :], mask=row_ok[:, None], other=0.0)
+    # PAGES_AHEAD: each tile's page numbers are looked up one iteration early, so the K / V loads
+    # of a tile do not wait on a block-table load issued in the same iteration.
+    if PAGES_AHEAD:
+        pages = tile_pages(bt_ptr, b, s_bt, start, start + offs_n, end, PAGE_SIZE, BLOCK_N)
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + offs_n
         valid = (pos < end) & (pos >= lo)
-        k, v = load_kv_tile(k_ptr, v_ptr, bt_ptr, b, kvh, n0, pos, valid, s_kp, s_ks, s_kh, s_vp, s_vs, s_vh, s_bt,
-                            HEAD_DIM, PAGE_SIZE, BLOCK_N)
-        m_i, l_i, acc = attend_tile(q, k, v, valid, m_i, l_i, acc, sm_scale_log2, DOT_PREC)
+        if PAGES_AHEAD:
+            page = pages
+            pages = tile_pages(bt_ptr, b, s_bt, n0 + BLOCK_N, pos + BLOCK_N, end, PAGE_SIZE, BLOCK_N)
+        else:
+            page = tile_pages(bt_ptr, b, s_bt, n0, pos, end, PAGE_SIZE, BLOCK_N)
+        k, v = load_kv_pages(k_ptr, v_ptr, page, kvh, n0, pos, valid, s_kp, s_ks, s_kh, s_vp, s_vs, s_vh,
+                             HEAD_DIM, PAGE_SIZE, BLOCK_N)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * sm_scale_log2
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)   # all-masked row: no NaN from -inf - -inf
+        p = tl.exp2(s - m_use[:, None])
+        alpha = tl.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PREC)
+        m_i = m_new
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)       # empty split / padding row -> acc 0, output 0
     o = acc / l_safe[:, None]
@@ -100,31 +100,27 @@ def _decode_split_kernel(
 
 
 @triton.jit
-def attend_tile(q, k, v, valid, m_i, l_i, acc, sm_scale_log2, DOT_PREC: tl.constexpr):
-    """One key tile of the online softmax (log2 domain): returns the updated (max, sum, acc)."""
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * sm_scale_log2
-    s = tl.where(valid[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)   # all-masked row: no NaN from -inf - -inf
-    p = tl.exp2(s - m_use[:, None])
-    alpha = tl.exp2(m_i - m_use)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PREC)
-    return m_new, l_i, acc
+def tile_pages(bt_ptr, seq, s_bt, n0, pos, end, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The pages (int64) of keys pos = n0 + arange(BLOCK_N) (n0 a BLOCK_N multiple) of sequence
+    `seq`: one number when the tile lies in one page (BLOCK_N <= PAGE_SIZE), else one per key.
+    Keys at or past `end` look nothing up (0): the table row may end there."""
+    if BLOCK_N <= PAGE_SIZE:
+        page = tl.load(bt_ptr + seq * s_bt + n0 // PAGE_SIZE, mask=n0 < end, other=0)
+    else:
+        page = tl.load(bt_ptr + seq * s_bt + pos // PAGE_SIZE, mask=pos < end, other=0)
+    return page.to(tl.int64)
 
 
 @triton.jit
-def load_kv_tile(k_ptr, v_ptr, bt_ptr, seq, kvh, n0, pos, valid, s_kp, s_ks, s_kh, s_vp, s_vs, s_vh, s_bt,
-                 HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
-    """K and V [BLOCK_N, HEAD_DIM] of keys pos = n0 + arange(BLOCK_N) (n0 a BLOCK_N multiple) of
-    sequence `seq`, KV head kvh, through the block table; 0 where not `valid`. A tile that lies in
-    one page (BLOCK_N <= PAGE_SIZE) takes one table lookup instead of one per key."""
+def load_kv_pages(k_ptr, v_ptr, page, kvh, n0, pos, valid, s_kp, s_ks, s_kh, s_vp, s_vs, s_vh,
+                  HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """K and V [BLOCK_N, HEAD_DIM] of keys pos of KV head kvh from their pages (tile_pages); 0
+    where not `valid`."""
     dims = tl.arange(0, HEAD_DIM)
     if BLOCK_N <= PAGE_SIZE:
-        page = tl.load(bt_ptr + seq * s_bt + n0 // PAGE_SIZE).to(tl.int64)
         slot = (n0 % PAGE_SIZE + tl.arange(0, BLOCK_N))[:, None]
     else:
-        page = tl.load(bt_ptr + seq * s_bt + pos // PAGE_SIZE, mask=valid, other=0).to(tl.int64)[:, None]
+        page = page[:, None]
         slot = (pos % PAGE_SIZE)[:, None]
     k = tl.load(k_ptr + page * s_kp + slot * s_ks + kvh * s_kh + dims[None, :], mask=valid[:, None], other=0.0)
     v = tl.load(v_ptr + page * s_vp + slot * s_vs + kvh * s_vh + dims[None, :], mask=valid[:, None], other=0.0)
@@ -167,13 +163,11 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                            sliding_window: Optional[int] = None, num_splits: int = 1, *,
                            out: Optional[torch.Tensor] = None, block_n: Optional[int] = None,
-                           num_warps: int = 4, num_stages: int = 2, prefetch: bool = False,
-                           maxnreg: Optional[int] = None) -> torch.Tensor:
+                           num_warps: int = 4, num_stages: int = 2, pages_ahead: bool = False) -> torch.Tensor:
     """q [B, Hq, D]; k_cache, v_cache [num_pages, page_size, Hkv, D]; block_tables [B, P] int32;
     seq_lens [B] int32 (context incl. the current token, already in the cache). -> [B, Hq, D]
-    in q's dtype. Shape-only host logic: safe to capture in a CUDA graph.
-    prefetch: load each program's first key tile before the PDL wait (same bits either way).
-    maxnreg: a register cap per thread (more programs resident per SM), None: Triton's choice."""
+    in q's dtype. Shape-only host logic: safe to capture in a CUDA graph. pages_ahead: look each
+    key tile's pages up one tile early (same bits)."""
     B, Hq, D = q.shape
     _, page_size, Hkv, Dk = k_cache.shape
     assert Dk == D and v_cache.shape == k_cache.shape and Hq % Hkv == 0, "shape mismatch"
@@ -206,8 +200,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         out.stride(0), out.stride(1),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=D, PAGE_SIZE=page_size,
         BLOCK_N=block_n, NUM_SPLITS=num_splits, USE_WINDOW=sliding_window is not None, DOT_PREC=prec,
-        PDL=pdl, PREFETCH=prefetch, num_warps=num_warps, num_stages=num_stages, launch_pdl=bool(pdl),
-        **({} if maxnreg is None else {"maxnreg": maxnreg}))
+        PDL=pdl, PAGES_AHEAD=pages_ahead, num_warps=num_warps, num_stages=num_stages, launch_pdl=bool(pdl))
     if num_splits > 1:
         _decode_merge_kernel[(B, Hq)](po, plse, out, out.stride(0), out.stride(1), HEAD_DIM=D,
                                       NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits),
