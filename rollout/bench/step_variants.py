@@ -10,6 +10,8 @@ ends with the baseline to show the drift. A variant is knobs joined by "+", on t
   base              the defaults (PDL launch-then-wait, RoPE over head groups, swept tables,
                     split-K partials into the norm, SiLU and RoPE in GEMM epilogues)
   wait_first        PDL: wait, then let dependents launch (kernels/pdl.py mode 1)
+  attn_no_pdl       the decode attention kernels (split, merge) without PDL, the rest with it
+                    (after attn=..., which sets the whole tile dict)
   no_pdl            no programmatic dependent launch (kernels/pdl.py off)
   rope_token        RoPE + KV write with one program per token
   qkv=BN,BK,W,S[,SK]  a skinny GEMM config for one weight at every M (also o, gate_up, down, lm_head;
@@ -56,6 +58,8 @@ def apply(eng, variant: str, defaults: dict) -> None:
             pass
         elif knob == "no_pdl":
             pdl.set_enabled(False)
+        elif knob == "attn_no_pdl":
+            paged_decode.DECODE_TILE["use_pdl"] = False
         elif knob == "wait_first":
             pdl.set_enabled(True, launch_first=False)
         elif knob in ("splitk_norm", "no_splitk_norm"):
