@@ -8,14 +8,15 @@ L layers, each its own paged KV cache (bf16, page 16, Llama-3-8B heads: 32 q, 8 
 chained in one graph the way the decode step runs them: layer l + 1's query is layer l's output,
 so each launch depends on the one before (PDL as in the engine). Per layer, timed with events
 over graph replays (median of --repeats):
-- `ours`: paged_decode_attention for each --config NS,BLOCK_N,WARPS,STAGES[,PAGES_AHEAD[,PDL]], with
-  the block tables' pages shuffled (a fragmented pool, as after hours of serving) and in order;
+- `ours`: paged_decode_attention for each --config NS,BLOCK_N,WARPS,STAGES, with the block
+  tables' pages shuffled (a fragmented pool, as after hours of serving) and in order;
 - `read`: a Triton kernel that only reads the same bytes (K then V of the layer, each program a
   contiguous share, summed in fp32) for each --read-grid (programs per SM) and --read-stages:
   the ceiling for a kernel that reads those bytes once, with no attention math;
 - `sdpa_cudnn`: torch SDPA on a dense equal-length cache [B, Hkv, ctx, D] with the cuDNN back-end
   (where torch has it), the dense-cache reference of performance.md.
-Outputs are checked against the fp32 torch reference before timing (ours and SDPA).
+Outputs are checked against the fp32 torch reference before timing (ours and SDPA). ROLLOUT_PDL=0
+launches ours without programmatic dependent launch (kernels/pdl.py).
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..kernels import fix_interpreter
+from ..kernels import fix_interpreter, pdl
 from .__main__ import run_meta, write_json
 from .kernels import copy_bandwidth
 
@@ -102,8 +103,8 @@ def main(argv=None):
     ap.add_argument("--replays", type=int, default=10)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--page-size", type=int, default=16)
-    ap.add_argument("--configs", nargs="+", default=["2,64,4,2", "2,64,4,2,1"],
-                    help="NS,BLOCK_N,WARPS,STAGES[,PAGES_AHEAD[,PDL]] (PDL 0: launched without PDL)")
+    ap.add_argument("--configs", nargs="+", default=["2,64,4,2", "4,64,4,2", "2,64,4,3", "2,128,8,2"],
+                    help="NS,BLOCK_N,WARPS,STAGES")
     ap.add_argument("--pages", nargs="+", choices=["shuffled", "ordered"], default=["shuffled", "ordered"])
     ap.add_argument("--read-grid", nargs="+", type=int, default=[2, 4, 8], help="read kernel programs per SM")
     ap.add_argument("--read-stages", nargs="+", type=int, default=[2, 4])
@@ -138,9 +139,8 @@ def main(argv=None):
                                  seq_lens_host=[ctx] * B, query_start_host=list(range(B + 1)), page_size=ps)
         ref = paged_attention_ref(q0.float(), caches[0][0].float(), caches[0][1].float(), meta, scale)
         for cfg in args.configs:
-            ns, bn, w, st, *rest = (int(x) for x in cfg.split(","))
-            kw = dict(block_n=bn, num_warps=w, num_stages=st, pages_ahead=bool(rest[0]) if rest else False,
-                      use_pdl=not (len(rest) > 1 and rest[1] == 0))
+            ns, bn, w, st = (int(x) for x in cfg.split(","))
+            kw = dict(block_n=bn, num_warps=w, num_stages=st)
             outs = [torch.empty_like(q0) for _ in range(L)]
 
             def chain(ns=ns, kw=kw, outs=outs):
@@ -150,8 +150,7 @@ def main(argv=None):
             try:
                 out0 = paged_decode_attention(q0, *caches[0], bt, lens, scale, None, ns, **kw)
                 err = (out0.float() - ref).abs().max()
-                report(f"ours {pages} ns={ns} bn={bn} w={w} st={st} ahead={int(kw['pages_ahead'])} "
-                       f"pdl={int(kw['use_pdl'])}",
+                report(f"ours {pages} ns={ns} bn={bn} w={w} st={st}",
                        graph_us(chain, L, args.replays, args.repeats),
                        pages=pages, config=cfg, max_err=err.item())
             except Exception as e:       # e.g. out of shared memory: report, go on
@@ -190,6 +189,7 @@ def main(argv=None):
         except Exception as e:
             print(f"  sdpa cudnn: {type(e).__name__}: {e}"[:300])
     write_json(dict(batch=B, context=ctx, layers=L, page_size=ps, kv_bytes_per_layer=kv_bytes, copy_GBps=copy,
+                    pdl=pdl.enabled(),
                     rows=rows, meta=run_meta("rollout.bench.attn_ceiling", argv)), args.out)
 
 

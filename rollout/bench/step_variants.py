@@ -10,14 +10,11 @@ ends with the baseline to show the drift. A variant is knobs joined by "+", on t
   base              the defaults (PDL launch-then-wait, RoPE over head groups, swept tables,
                     split-K partials into the norm, SiLU and RoPE in GEMM epilogues)
   wait_first        PDL: wait, then let dependents launch (kernels/pdl.py mode 1)
-  attn_no_pdl       the decode attention kernels (split, merge) without PDL, the rest with it
-                    (after attn=..., which sets the whole tile dict)
   no_pdl            no programmatic dependent launch (kernels/pdl.py off)
   rope_token        RoPE + KV write with one program per token
   qkv=BN,BK,W,S[,SK]  a skinny GEMM config for one weight at every M (also o, gate_up, down, lm_head;
                     "cublas" for F.linear)
-  attn=NS,BN,W,S[,AHEAD]  decode attention: splits, key tile, warps, stages, pages looked
-                    up one tile early (1) or not
+  attn=NS,BN,W,S    decode attention: splits, key tile, warps, stages
   splitk_norm       split-K GEMMs (o_proj, down) leave their partials to the next add + RMSNorm
                     (the default; no_splitk_norm: the GEMM's own fix-up)
   silu_gate_up      SiLU * up in the gate_up GEMM's epilogue, no SiLU kernel (the default;
@@ -58,8 +55,6 @@ def apply(eng, variant: str, defaults: dict) -> None:
             pass
         elif knob == "no_pdl":
             pdl.set_enabled(False)
-        elif knob == "attn_no_pdl":
-            paged_decode.DECODE_TILE["use_pdl"] = False
         elif knob == "wait_first":
             pdl.set_enabled(True, launch_first=False)
         elif knob in ("splitk_norm", "no_splitk_norm"):
@@ -74,8 +69,7 @@ def apply(eng, variant: str, defaults: dict) -> None:
             skinny_gemm._LLAMA3_8B[GEMMS[name]] = ((64, nums),)
         elif name == "attn":
             paged_decode.pick_num_splits = lambda *a, ns=nums[0], **k: ns
-            paged_decode.DECODE_TILE = dict(block_n=nums[1], num_warps=nums[2], num_stages=nums[3],
-                                            pages_ahead=len(nums) > 4 and bool(nums[4]))
+            paged_decode.DECODE_TILE = dict(block_n=nums[1], num_warps=nums[2], num_stages=nums[3])
         else:
             raise SystemExit(f"unknown knob {knob!r}")
     recapture_graphs(eng)

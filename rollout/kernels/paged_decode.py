@@ -35,7 +35,7 @@ def _decode_split_kernel(
         s_qb, s_qh, s_kp, s_ks, s_kh, s_vp, s_vs, s_vh, s_bt, s_ob, s_oh,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
         BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr,
-        PDL: tl.constexpr, PAGES_AHEAD: tl.constexpr):
+        PDL: tl.constexpr):
     enter(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -63,20 +63,11 @@ def _decode_split_kernel(
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
-    # PAGES_AHEAD: each tile's page numbers are looked up one iteration early, so the K / V loads
-    # of a tile do not wait on a block-table load issued in the same iteration.
-    if PAGES_AHEAD:
-        pages = tile_pages(bt_ptr, b, s_bt, start, start + offs_n, end, PAGE_SIZE, BLOCK_N)
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + offs_n
         valid = (pos < end) & (pos >= lo)
-        if PAGES_AHEAD:
-            page = pages
-            pages = tile_pages(bt_ptr, b, s_bt, n0 + BLOCK_N, pos + BLOCK_N, end, PAGE_SIZE, BLOCK_N)
-        else:
-            page = tile_pages(bt_ptr, b, s_bt, n0, pos, end, PAGE_SIZE, BLOCK_N)
-        k, v = load_kv_pages(k_ptr, v_ptr, page, kvh, n0, pos, valid, s_kp, s_ks, s_kh, s_vp, s_vs, s_vh,
-                             HEAD_DIM, PAGE_SIZE, BLOCK_N)
+        k, v = load_kv_tile(k_ptr, v_ptr, bt_ptr, b, kvh, n0, pos, valid, s_kp, s_ks, s_kh, s_vp, s_vs, s_vh, s_bt,
+                            HEAD_DIM, PAGE_SIZE, BLOCK_N)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * sm_scale_log2
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -100,27 +91,17 @@ def _decode_split_kernel(
 
 
 @triton.jit
-def tile_pages(bt_ptr, seq, s_bt, n0, pos, end, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The pages (int64) of keys pos = n0 + arange(BLOCK_N) (n0 a BLOCK_N multiple) of sequence
-    `seq`: one number when the tile lies in one page (BLOCK_N <= PAGE_SIZE), else one per key.
-    Keys at or past `end` look nothing up (0): the table row may end there."""
-    if BLOCK_N <= PAGE_SIZE:
-        page = tl.load(bt_ptr + seq * s_bt + n0 // PAGE_SIZE, mask=n0 < end, other=0)
-    else:
-        page = tl.load(bt_ptr + seq * s_bt + pos // PAGE_SIZE, mask=pos < end, other=0)
-    return page.to(tl.int64)
-
-
-@triton.jit
-def load_kv_pages(k_ptr, v_ptr, page, kvh, n0, pos, valid, s_kp, s_ks, s_kh, s_vp, s_vs, s_vh,
-                  HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
-    """K and V [BLOCK_N, HEAD_DIM] of keys pos of KV head kvh from their pages (tile_pages); 0
-    where not `valid`."""
+def load_kv_tile(k_ptr, v_ptr, bt_ptr, seq, kvh, n0, pos, valid, s_kp, s_ks, s_kh, s_vp, s_vs, s_vh, s_bt,
+                 HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """K and V [BLOCK_N, HEAD_DIM] of keys pos = n0 + arange(BLOCK_N) (n0 a BLOCK_N multiple) of
+    sequence `seq`, KV head kvh, through the block table; 0 where not `valid`. A tile that lies in
+    one page (BLOCK_N <= PAGE_SIZE) takes one table lookup instead of one per key."""
     dims = tl.arange(0, HEAD_DIM)
     if BLOCK_N <= PAGE_SIZE:
+        page = tl.load(bt_ptr + seq * s_bt + n0 // PAGE_SIZE).to(tl.int64)
         slot = (n0 % PAGE_SIZE + tl.arange(0, BLOCK_N))[:, None]
     else:
-        page = page[:, None]
+        page = tl.load(bt_ptr + seq * s_bt + pos // PAGE_SIZE, mask=valid, other=0).to(tl.int64)[:, None]
         slot = (pos % PAGE_SIZE)[:, None]
     k = tl.load(k_ptr + page * s_kp + slot * s_ks + kvh * s_kh + dims[None, :], mask=valid[:, None], other=0.0)
     v = tl.load(v_ptr + page * s_vp + slot * s_vs + kvh * s_vh + dims[None, :], mask=valid[:, None], other=0.0)
@@ -163,13 +144,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                            sliding_window: Optional[int] = None, num_splits: int = 1, *,
                            out: Optional[torch.Tensor] = None, block_n: Optional[int] = None,
-                           num_warps: int = 4, num_stages: int = 2, pages_ahead: bool = False,
-                           use_pdl: bool = True) -> torch.Tensor:
+                           num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
     """q [B, Hq, D]; k_cache, v_cache [num_pages, page_size, Hkv, D]; block_tables [B, P] int32;
     seq_lens [B] int32 (context incl. the current token, already in the cache). -> [B, Hq, D]
-    in q's dtype. Shape-only host logic: safe to capture in a CUDA graph. pages_ahead: look each
-    key tile's pages up one tile early (same bits). use_pdl False: both kernels launch after the
-    previous kernel completes, whatever kernels/pdl.py says."""
+    in q's dtype. Shape-only host logic: safe to capture in a CUDA graph."""
     B, Hq, D = q.shape
     _, page_size, Hkv, Dk = k_cache.shape
     assert Dk == D and v_cache.shape == k_cache.shape and Hq % Hkv == 0, "shape mismatch"
@@ -193,7 +171,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         po = plse = out  # unused
     # fp32 inputs: ieee dot (default would be tf32, ~1e-3 error); bf16/fp16 ignore this.
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
-    pdl = pdl_for(q) if use_pdl else 0
+    pdl = pdl_for(q)
     _decode_split_kernel[(B, Hkv, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, po, plse,
         scale * LOG2E, int(sliding_window or 0),
@@ -202,7 +180,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         out.stride(0), out.stride(1),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=D, PAGE_SIZE=page_size,
         BLOCK_N=block_n, NUM_SPLITS=num_splits, USE_WINDOW=sliding_window is not None, DOT_PREC=prec,
-        PDL=pdl, PAGES_AHEAD=pages_ahead, num_warps=num_warps, num_stages=num_stages, launch_pdl=bool(pdl))
+        PDL=pdl, num_warps=num_warps, num_stages=num_stages, launch_pdl=bool(pdl))
     if num_splits > 1:
         _decode_merge_kernel[(B, Hq)](po, plse, out, out.stride(0), out.stride(1), HEAD_DIM=D,
                                       NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits),

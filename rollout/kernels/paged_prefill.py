@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from . import fix_interpreter
-from .paged_decode import load_kv_pages, tile_pages
+from .paged_decode import load_kv_tile
 from .pdl import enter, pdl_for
 
 fix_interpreter()
@@ -52,9 +52,8 @@ def _attend(q, k_ptr, v_ptr, bt_ptr, seq, kvh, q_pos, k_lo, k_hi, sm_scale_log2,
     for n0 in range(k_lo, k_hi, BLOCK_N):
         pos = n0 + offs_n
         kv_ok = pos < k_hi
-        page = tile_pages(bt_ptr, seq, s_bt, n0, pos, k_hi, PAGE_SIZE, BLOCK_N)
-        k, v = load_kv_pages(k_ptr, v_ptr, page, kvh, n0, pos, kv_ok, s_kp, s_ks, s_kh, s_vp, s_vs, s_vh,
-                             HEAD_DIM, PAGE_SIZE, BLOCK_N)
+        k, v = load_kv_tile(k_ptr, v_ptr, bt_ptr, seq, kvh, n0, pos, kv_ok, s_kp, s_ks, s_kh, s_vp, s_vs, s_vh, s_bt,
+                            HEAD_DIM, PAGE_SIZE, BLOCK_N)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * sm_scale_log2
         allowed = kv_ok[None, :] & (pos[None, :] <= q_pos[:, None])
         if USE_WINDOW:
