@@ -75,7 +75,7 @@ def _rotate(x_ptr, o_ptr, heads, h_ok, f, c, s, HALF: tl.constexpr, s_xh, s_oh):
     tl.store(o_ptr + heads[:, None] * s_oh + HALF + f[None, :], o2, mask=m)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_slots"])   # = the step's token count in eager steps: one kernel for all
 def _rope_kv_kernel(
         q_ptr, k_ptr, v_ptr, qo_ptr, pos_ptr, inv_freq_ptr, kc_ptr, vc_ptr, slot_ptr, n_slots,
         s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_qot, s_qoh, s_kcs, s_kch, s_vcs, s_vch,
