@@ -343,7 +343,8 @@ def test_default_splits_leave_few_compiled_variants(monkeypatch):
     """SPLITS / CHUNK are constexprs: every (splits, chunk) pair the engine can ask for is a
     kernel compiled on first use (~0.4 s each on the H200, inside a step). Over every row count
     up to 4096 at Qwen's and Llama's vocab on 132 SMs, powers of two leave at most 8 pairs per
-    kernel (the unrounded counts: 17), and the row count itself is not specialized on."""
+    kernel (the unrounded counts: 17), and the row count itself is not specialized on (nor the
+    RoPE kernel's token count)."""
     import rollout.kernels.fused_sampler as fs
     monkeypatch.setattr(fs, "_sm_count", lambda device: 132)     # the H200's SMs
     monkeypatch.setattr(ft, "_sm_count", lambda device: 132)
@@ -352,16 +353,15 @@ def test_default_splits_leave_few_compiled_variants(monkeypatch):
         assert len(pairs) <= 8, sorted(pairs)
         rows = {ft._row_chunks(V, ft.default_row_splits(R, V, "cpu"), 1024) for R in range(1, 4097)}
         assert len(rows) <= 3, sorted(rows)
+    def unspecialized(k):    # the decorator's list (an InterpretedFunction keeps it in kwargs)
+        return list(k.kwargs.get("do_not_specialize") if hasattr(k, "kwargs") else k.do_not_specialize)
     for k in (fs._sample_kernel, fs._merge_kernel, ft._trunc_kernel, ft._split_step_kernel,
               ft._split_final_kernel, ft._split_merge_kernel):
-        # the decorator's list (an InterpretedFunction here keeps it in kwargs; a JITFunction as an attribute)
-        spec = k.kwargs.get("do_not_specialize") if hasattr(k, "kwargs") else k.do_not_specialize
-        assert list(spec) == ["R"], k.fn.__name__
+        assert unspecialized(k) == ["R"], k.fn.__name__
     # The eager path's RoPE + KV write takes the step's token count too (P5's first run on a fresh
     # H200 compiled it inside its last prefill step: 508 ms).
     from rollout.kernels import rope_kv
-    k = rope_kv._rope_kv_kernel
-    assert list(k.kwargs.get("do_not_specialize") if hasattr(k, "kwargs") else k.do_not_specialize) == ["n_slots"]
+    assert unspecialized(rope_kv._rope_kv_kernel) == ["n_slots"]
 
 
 @functools.cache

@@ -156,7 +156,7 @@ def main(argv=None):
             except Exception as e:       # e.g. out of shared memory: report, go on
                 print(f"  ours {pages} {cfg}: {type(e).__name__}: {e}"[:200])
         if pages == args.pages[0]:
-            sums = torch.empty(8 * sms, dtype=torch.float32, device="cuda")
+            sums = torch.empty(max(args.read_grid) * sms, dtype=torch.float32, device="cuda")
             for per_sm in args.read_grid:
                 for st in args.read_stages:
                     def reads(per_sm=per_sm, st=st):
