@@ -11,8 +11,10 @@ over graph replays (median of --repeats):
 - `ours`: paged_decode_attention for each --config NS,BLOCK_N,WARPS,STAGES, with the block
   tables' pages shuffled (a fragmented pool, as after hours of serving) and in order;
 - `read`: a Triton kernel that only reads the same bytes (K then V of the layer, each program a
-  contiguous share, summed in fp32) for each --read-grid (programs per SM) and --read-stages:
-  the ceiling for a kernel that reads those bytes once, with no attention math;
+  contiguous share, summed in fp32) for each --read-grid (programs per SM) and --read-stages,
+  launched with PDL like ours: the ceiling for a kernel that reads those bytes once, with no
+  attention math. At small contexts (32 x 256: 34 MB, o_proj's weight size) it also shows what
+  a kernel boundary costs a kernel that does nothing but stream;
 - `sdpa_cudnn`: torch SDPA on a dense equal-length cache [B, Hkv, ctx, D] with the cuDNN back-end
   (where torch has it), the dense-cache reference of performance.md.
 Outputs are checked against the fp32 torch reference before timing (ours and SDPA). ROLLOUT_PDL=0
@@ -28,6 +30,7 @@ import triton
 import triton.language as tl
 
 from ..kernels import fix_interpreter, pdl
+from ..kernels.pdl import enter, pdl_for
 from .__main__ import run_meta, write_json
 from .kernels import copy_bandwidth
 
@@ -35,8 +38,11 @@ fix_interpreter()
 
 
 @triton.jit
-def _read_kernel(k_ptr, v_ptr, out_ptr, n_per_prog, n_total, BLOCK: tl.constexpr, STAGES: tl.constexpr):
-    """Program p sums elements [p * n_per_prog, (p + 1) * n_per_prog) of k and then of v."""
+def _read_kernel(k_ptr, v_ptr, out_ptr, n_per_prog, n_total, BLOCK: tl.constexpr, STAGES: tl.constexpr,
+                 PDL: tl.constexpr):
+    """Program p sums elements [p * n_per_prog, (p + 1) * n_per_prog) of k and then of v. With PDL
+    it waits for the kernel before, as a dependent layer would (its out buffer is reused)."""
+    enter(PDL)
     pid = tl.program_id(0)
     lo = pid.to(tl.int64) * n_per_prog
     acc = tl.zeros([BLOCK], tl.float32)
@@ -54,7 +60,9 @@ def read_bytes(k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, programs: in
                block: int = 4096) -> torch.Tensor:
     n = k.numel()
     per = triton.cdiv(triton.cdiv(n, programs), block) * block
-    _read_kernel[(programs,)](k, v, out, per, n, BLOCK=block, STAGES=stages, num_warps=4)
+    pdl = pdl_for(k)
+    _read_kernel[(programs,)](k, v, out, per, n, BLOCK=block, STAGES=stages, PDL=pdl, num_warps=4,
+                              launch_pdl=bool(pdl))
     return out
 
 
