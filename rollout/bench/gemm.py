@@ -37,8 +37,9 @@ def linear_shapes(cfg) -> dict[str, tuple[int, int, int]]:
             "down": (cfg.hidden_size, cfg.intermediate_size, L), "lm_head": (cfg.vocab_size, cfg.hidden_size, 1)}
 
 
-def graph_time_us(fn_per_copy, copies: int, reps: int = 20) -> float:
-    """Median over `reps` replays of a graph that calls fn(i) for each weight copy i."""
+def graph_time_us(fn_per_copy, copies: int, reps: int = 20, replays: int = 1) -> float:
+    """Median over `reps` timings (each of `replays` back-to-back replays) of a graph that calls
+    fn(i) for each weight copy i, per copy."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -54,10 +55,11 @@ def graph_time_us(fn_per_copy, copies: int, reps: int = 20) -> float:
     for _ in range(reps):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        g.replay()
+        for _ in range(replays):
+            g.replay()
         b.record()
         b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / copies)
+        times.append(a.elapsed_time(b) * 1e3 / (replays * copies))
     return sorted(times)[len(times) // 2]
 
 
