@@ -32,7 +32,6 @@ import triton.language as tl
 from ..kernels import fix_interpreter, pdl
 from ..kernels.pdl import enter, pdl_for
 from .__main__ import run_meta, write_json
-from .gemm import graph_time_us
 from .kernels import copy_bandwidth
 
 fix_interpreter()
@@ -68,8 +67,27 @@ def read_bytes(k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, programs: in
 
 
 def graph_us(chain, layers: int, replays: int, repeats: int) -> float:
-    """Per-layer time of a graph of chain(): gemm.graph_time_us over `repeats` windows of `replays`."""
-    return graph_time_us(lambda i: chain(), 1, reps=repeats, replays=replays) / layers
+    """Median over `repeats` of the per-layer time of `replays` replays of a graph of chain()."""
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        chain()                                        # compile + warm up
+        chain()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=s):
+        chain()
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(replays):
+            g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / (replays * layers))
+    return sorted(times)[len(times) // 2]
 
 
 def make_layers(B: int, ctx: int, L: int, ps: int, Hkv: int, D: int, ordered: bool, seed: int = 0):

@@ -37,9 +37,8 @@ def linear_shapes(cfg) -> dict[str, tuple[int, int, int]]:
             "down": (cfg.hidden_size, cfg.intermediate_size, L), "lm_head": (cfg.vocab_size, cfg.hidden_size, 1)}
 
 
-def graph_time_us(fn_per_copy, copies: int, reps: int = 20, replays: int = 1) -> float:
-    """Median over `reps` timings (each of `replays` back-to-back replays) of a graph that calls
-    fn(i) for each weight copy i, per copy."""
+def graph_time_us(fn_per_copy, copies: int, reps: int = 20) -> float:
+    """Median over `reps` replays of a graph that calls fn(i) for each weight copy i."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -55,11 +54,10 @@ def graph_time_us(fn_per_copy, copies: int, reps: int = 20, replays: int = 1) ->
     for _ in range(reps):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        for _ in range(replays):
-            g.replay()
+        g.replay()
         b.record()
         b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / (replays * copies))
+        times.append(a.elapsed_time(b) * 1e3 / copies)
     return sorted(times)[len(times) // 2]
 
 
