@@ -425,6 +425,8 @@ def test_compiles_for_sm90(tmp_path):
                 assert wait < first("st.global"), fn.__name__ + ": a store before the wait"
                 if not early_loads:
                     assert wait < first("ld.global", "cp.async"), fn.__name__ + ": a load before the wait"
+                if pdl == 3:     # set_late's timing bound: the main loop's loads come before the wait
+                    assert first("ld.global", "cp.async") < wait, fn.__name__ + ": mode 3 waits at the start"
         common = dict(HEAD_DIM=128, PAGE_SIZE=16, BLOCK_N=64, DOT_PREC="tf32")
         compile_(pd._decode_split_kernel, GROUP=4, GROUP_PAD=16, NUM_SPLITS=2, USE_WINDOW=True, **common)
         compile_(pd._decode_merge_kernel, HEAD_DIM=128, NUM_SPLITS=3, SPLITS_PAD=4)
@@ -462,6 +464,13 @@ def test_compiles_for_sm90(tmp_path):
                      PARTIALS=False, SILU_MUL=False)
             compile_(sg._skinny_gemm_kernel, pdl, early_loads=True, BLOCK_M=32, BLOCK_N=128, BLOCK_K=128,   # gate_up
                      EVEN_N=True, HAS_BIAS=False, SPLIT_K=1, PARTIALS=False, SILU_MUL=True)    # + SiLU epilogue
+        # Mode 3 (pdl.set_late, a timing bound): the kernels that pass late_ok wait only before storing.
+        compile_(pd._decode_split_kernel, 3, early_loads=True, GROUP=4, GROUP_PAD=16, NUM_SPLITS=2,
+                 USE_WINDOW=False, **common)
+        compile_(rk._qkv_rope_kernel, 3, early_loads=True, HQ=32, HKV=8, HALF=64, BLOCK_M=32, BLOCK_N=64,
+                 BLOCK_K=128, SPLIT_K=1, PRECISE=True, ptrs={"ws_ptr": "*bf16", "cnt_ptr": "*bf16"})
+        compile_(sg._skinny_gemm_kernel, 3, early_loads=True, BLOCK_M=32, BLOCK_N=64, BLOCK_K=128,
+                 EVEN_N=True, HAS_BIAS=False, SPLIT_K=2, PARTIALS=True, SILU_MUL=False, ptrs={"cnt_ptr": "*bf16"})
         print("ok")
     """)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

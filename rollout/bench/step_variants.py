@@ -21,6 +21,13 @@ ends with the baseline to show the drift. A variant is knobs joined by "+", on t
                     no_silu_gate_up: the SiLU kernel)
   rope_in_qkv       RoPE + the K/V write in the QKV GEMM's epilogue, no RoPE kernel (the default;
                     no_rope_in_qkv: the RoPE kernel)
+Two knobs are timing bounds, not modes to run (their tokens are wrong):
+  late_wait[=K,..]  kernels of kinds K (gemm: o_proj, gate_up, down, lm_head; qkv; attn; default
+                    all three) wait for the kernel before only ahead of their first store
+                    (kernels/pdl.py set_late): what overlapping each main loop with the previous
+                    kernel's tail could gain at most
+  skip_norms        the layers' residual add + RMSNorm kernels are not launched (the next GEMM
+                    reads the residual as is): what the 64 norm kernels a step cost
 """
 from __future__ import annotations
 
@@ -28,6 +35,7 @@ import argparse
 
 import torch
 
+from ..models import decoder
 from .__main__ import run_meta, write_json
 from .profile import decoding_engine, recapture_graphs, step_until_decoding
 from .roofline import model_sizes, step_time_s
@@ -38,9 +46,23 @@ GEMMS = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down
          "lm_head": (128256, 4096)}     # llama3-8b weight shapes (N, K)
 
 
+def _linear_without_norm(lin, x, residual, norm, linear, splitk_into_norm=False):
+    """skip_norms: add_norm_of_linear's GEMM (its partials where it leaves them to the norm), no
+    norm kernel; the residual stands in for both outputs."""
+    cfg = decoder._fusable_config(lin, x, linear, split_k=True) if splitk_into_norm else None
+    if cfg is not None:
+        from ..kernels.skinny_gemm import skinny_gemm
+        skinny_gemm(x, lin.weight, *cfg, partials=True)
+    else:
+        linear(lin, x)
+    return residual, residual
+
+
 def apply(eng, variant: str, defaults: dict) -> None:
     from ..kernels import paged_decode, pdl, rope_kv, skinny_gemm
     pdl.set_enabled(True, launch_first=True)
+    pdl.set_late(())
+    decoder.add_norm_of_linear = defaults["add_norm"]
     rope_kv.Q_HEADS_PER_PROGRAM = defaults["rope"]
     skinny_gemm._LLAMA3_8B = dict(defaults["table"])
     paged_decode.DECODE_TILE = dict(defaults["tile"])
@@ -50,13 +72,17 @@ def apply(eng, variant: str, defaults: dict) -> None:
     eng.model.rope_in_qkv = defaults["rope_in_qkv"]
     for knob in variant.split("+"):
         name, _, val = knob.partition("=")
-        nums = tuple(int(v) for v in val.split(",")) if val and val != "cublas" else None
+        nums = tuple(int(v) for v in val.split(",")) if val and val != "cublas" and name != "late_wait" else None
         if knob == "base":
             pass
         elif knob == "no_pdl":
             pdl.set_enabled(False)
         elif knob == "wait_first":
             pdl.set_enabled(True, launch_first=False)
+        elif name == "late_wait":
+            pdl.set_late(val.split(",") if val else ("gemm", "qkv", "attn"))
+        elif knob == "skip_norms":
+            decoder.add_norm_of_linear = _linear_without_norm
         elif knob in ("splitk_norm", "no_splitk_norm"):
             eng.model.splitk_into_norm = knob == "splitk_norm"
         elif knob in ("rope_in_qkv", "no_rope_in_qkv"):
@@ -111,7 +137,7 @@ def main(argv=None):
     defaults = dict(rope=rope_kv.Q_HEADS_PER_PROGRAM, table=dict(skinny_gemm._LLAMA3_8B),
                     tile=dict(paged_decode.DECODE_TILE), splits=paged_decode.pick_num_splits,
                     splitk_norm=eng.model.splitk_into_norm, silu_gate_up=eng.model.silu_in_gate_up,
-                    rope_in_qkv=eng.model.rope_in_qkv)
+                    rope_in_qkv=eng.model.rope_in_qkv, add_norm=decoder.add_norm_of_linear)
     rows = []
     for v in args.variants:
         try:

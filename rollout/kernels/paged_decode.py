@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from . import fix_interpreter
-from .pdl import enter, pdl_for
+from .pdl import before_store, enter, pdl_for
 
 fix_interpreter()
 
@@ -80,6 +80,7 @@ def _decode_split_kernel(
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)       # empty split / padding row -> acc 0, output 0
     o = acc / l_safe[:, None]
+    before_store(PDL)
     if NUM_SPLITS == 1:
         tl.store(out_ptr + b * s_ob + heads[:, None] * s_oh + dims[None, :], o.to(out_ptr.dtype.element_ty),
                  mask=row_ok[:, None])
@@ -171,7 +172,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         po = plse = out  # unused
     # fp32 inputs: ieee dot (default would be tf32, ~1e-3 error); bf16/fp16 ignore this.
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
-    pdl = pdl_for(q)
+    pdl = pdl_for(q, late="attn")
     _decode_split_kernel[(B, Hkv, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, po, plse,
         scale * LOG2E, int(sliding_window or 0),
@@ -182,6 +183,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         BLOCK_N=block_n, NUM_SPLITS=num_splits, USE_WINDOW=sliding_window is not None, DOT_PREC=prec,
         PDL=pdl, num_warps=num_warps, num_stages=num_stages, launch_pdl=bool(pdl))
     if num_splits > 1:
+        pdl = pdl_for(q)
         _decode_merge_kernel[(B, Hq)](po, plse, out, out.stride(0), out.stride(1), HEAD_DIM=D,
                                       NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits),
                                       PDL=pdl, num_warps=1 if D <= 64 else 2, launch_pdl=bool(pdl))

@@ -20,6 +20,13 @@ for this grid to complete, and this grid's CTAs were all scheduled before they c
 
 ROLLOUT_PDL=0 (or `set_enabled(False)` before an engine captures its graphs) turns it off;
 ROLLOUT_PDL=1 waits before letting dependents launch.
+
+`set_late(kinds)` is a timing experiment, not a mode to run: the big decode kernels of those
+kinds ("gemm": the skinny GEMM, "qkv": the QKV GEMM with RoPE, "attn": decode attention; the
+kind their wrapper passes as `late`) then wait only before their first store (mode 3,
+`before_store`), so their main loops read the previous kernel's output before it exists. Their
+results are wrong; the step time says what any overlap of a kernel's main loop with the
+previous kernel's tail could gain (bench.step_variants' `late_wait`).
 """
 from __future__ import annotations
 
@@ -33,6 +40,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 _enabled = os.environ.get("ROLLOUT_PDL", "2") != "0"
 _launch_first = os.environ.get("ROLLOUT_PDL", "2") != "1"
+_late: frozenset = frozenset()
 
 
 def set_enabled(on: bool, launch_first: bool | None = None) -> None:
@@ -44,6 +52,13 @@ def set_enabled(on: bool, launch_first: bool | None = None) -> None:
         _launch_first = bool(launch_first)
 
 
+def set_late(kinds=()) -> None:
+    """The timing experiment of the module docstring (wrong results): kernels of these kinds
+    launched from now on wait only before their first store. () turns it off."""
+    global _late
+    _late = frozenset(kinds)
+
+
 def enabled() -> bool:
     return _enabled
 
@@ -53,11 +68,15 @@ def _sm90_or_later(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
-def pdl_for(t: torch.Tensor) -> int:
+def pdl_for(t: torch.Tensor, late: str = "") -> int:
     """The PDL mode of kernels on t's device: 0 off (always under the CPU interpreter), 1 wait
-    then launch dependents, 2 launch dependents then wait. Truthy = launch with PDL."""
+    then launch dependents, 2 launch dependents then wait, 3 (only under `set_late`, for a kernel
+    of a `late` kind there, which calls `before_store`) launch dependents and wait before the
+    first store. Truthy = launch with PDL."""
     on = (_enabled and t.is_cuda and not triton.knobs.runtime.interpret
           and _sm90_or_later(t.device.index if t.device.index is not None else torch.cuda.current_device()))
+    if on and late in _late:
+        return 3
     return (2 if _launch_first else 1) if on else 0
 
 
@@ -65,9 +84,18 @@ def pdl_for(t: torch.Tensor) -> int:
 def enter(PDL: tl.constexpr):
     """Wait for the previous grid (its writes visible) and let the next grid launch (PDL: the
     mode from pdl_for, in its order)."""
-    if PDL == 2:
+    if PDL == 3:
+        gdc_launch_dependents()
+    elif PDL == 2:
         gdc_launch_dependents()
         gdc_wait()
     elif PDL:
         gdc_wait()
         gdc_launch_dependents()
+
+
+@triton.jit
+def before_store(PDL: tl.constexpr):
+    """Mode 3 (`set_late`) waits here, before the kernel's first store; other modes waited in `enter`."""
+    if PDL == 3:
+        gdc_wait()

@@ -31,7 +31,7 @@ import triton.language as tl
 
 from . import fix_interpreter
 from .fused_ops import silu_times
-from .pdl import enter, pdl_for
+from .pdl import before_store, enter, pdl_for
 
 fix_interpreter()
 
@@ -54,6 +54,7 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, s_
     kt0 = tl.program_id(1) * per
     acc = weight_rows_times_x(x_ptr, w_ptr, w_rows, rn, rm, M, N, s_xm, s_wn, kt0, tl.minimum(kt0 + per, k_tiles),
                               BLOCK_M, BLOCK_N, BLOCK_K, EVEN_N, PDL)
+    before_store(PDL)
     if SPLIT_K > 1:
         if PARTIALS:   # the consumer kernel adds them (in split order)
             tl.store(ws_ptr + (tl.program_id(1) * BLOCK_M + rm[None, :]) * N + rn[:, None], acc, mask=rn[:, None] < N)
@@ -228,7 +229,7 @@ def skinny_gemm(x: torch.Tensor, w: torch.Tensor, block_n: int, block_k: int, nu
     bm, tiles = block_m or pick_block_m(M), triton.cdiv(N, cols_per_tile)
     ws = torch.empty((split_k, bm, N), dtype=torch.float32, device=x.device) if split_k > 1 else out
     if M:
-        pdl = pdl_for(x)
+        pdl = pdl_for(x, late="gemm")
         cnt = split_counters(x.device, tiles) if split_k > 1 and not partials else out   # else unused
         _skinny_gemm_kernel[(tiles, split_k, triton.cdiv(M, bm))](
             x, w, bias if bias is not None else w, out, ws, cnt, M, N, K, x.stride(0), w.stride(0), out.stride(0),
