@@ -469,8 +469,9 @@ def test_compiles_for_sm90(tmp_path):
                  USE_WINDOW=False, **common)
         compile_(rk._qkv_rope_kernel, 3, early_loads=True, HQ=32, HKV=8, HALF=64, BLOCK_M=32, BLOCK_N=64,
                  BLOCK_K=128, SPLIT_K=1, PRECISE=True, ptrs={"ws_ptr": "*bf16", "cnt_ptr": "*bf16"})
-        compile_(sg._skinny_gemm_kernel, 3, early_loads=True, BLOCK_M=32, BLOCK_N=64, BLOCK_K=128,
-                 EVEN_N=True, HAS_BIAS=False, SPLIT_K=2, PARTIALS=True, SILU_MUL=False, ptrs={"cnt_ptr": "*bf16"})
+        for mode in (3, 4):   # 4: split 0's programs late, the others wait in enter
+            compile_(sg._skinny_gemm_kernel, mode, early_loads=True, BLOCK_M=32, BLOCK_N=64, BLOCK_K=128,
+                     EVEN_N=True, HAS_BIAS=False, SPLIT_K=2, PARTIALS=True, SILU_MUL=False, ptrs={"cnt_ptr": "*bf16"})
         print("ok")
     """)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

@@ -22,8 +22,9 @@ ends with the baseline to show the drift. A variant is knobs joined by "+", on t
   rope_in_qkv       RoPE + the K/V write in the QKV GEMM's epilogue, no RoPE kernel (the default;
                     no_rope_in_qkv: the RoPE kernel)
 Two knobs are timing bounds, not modes to run (their tokens are wrong):
-  late_wait[=K,..]  kernels of kinds K (gemm: o_proj, gate_up, down, lm_head; qkv; attn; default
-                    all three) wait for the kernel before only ahead of their first store
+  late_wait[=K,..]  kernels of kinds K (gemm: o_proj, gate_up, down, lm_head; qkv; attn; one of
+                    o, gate_up, down, lm_head; down0: down's split-0 programs; default the first
+                    three) wait for the kernel before only ahead of their first store
                     (kernels/pdl.py set_late): what overlapping each main loop with the previous
                     kernel's tail could gain at most
   skip_norms        the layers' residual add + RMSNorm kernels are not launched (the next GEMM
@@ -80,7 +81,9 @@ def apply(eng, variant: str, defaults: dict) -> None:
         elif knob == "wait_first":
             pdl.set_enabled(True, launch_first=False)
         elif name == "late_wait":
-            pdl.set_late(val.split(",") if val else ("gemm", "qkv", "attn"))
+            kinds = val.split(",") if val else ("gemm", "qkv", "attn")
+            pdl.set_late([f"gemm:{GEMMS[k][0]},{GEMMS[k][1]}" if k in GEMMS else
+                          f"split0:{GEMMS['down'][0]},{GEMMS['down'][1]}" if k == "down0" else k for k in kinds])
         elif knob == "skip_norms":
             decoder.add_norm_of_linear = _linear_without_norm
         elif knob in ("splitk_norm", "no_splitk_norm"):

@@ -22,8 +22,9 @@ ROLLOUT_PDL=0 (or `set_enabled(False)` before an engine captures its graphs) tur
 ROLLOUT_PDL=1 waits before letting dependents launch.
 
 `set_late(kinds)` is a timing experiment, not a mode to run: the big decode kernels of those
-kinds ("gemm": the skinny GEMM, "qkv": the QKV GEMM with RoPE, "attn": decode attention; the
-kind their wrapper passes as `late`) then wait only before their first store (mode 3,
+kinds ("gemm": the skinny GEMM, "gemm:N,K" one weight shape of it, "split0:N,K" its split-0
+programs only; "qkv": the QKV GEMM with RoPE; "attn": decode attention; the kinds their
+wrapper passes as `late`) then wait only before their first store (modes 3 and 4,
 `before_store`), so their main loops read the previous kernel's output before it exists. Their
 results are wrong; the step time says what any overlap of a kernel's main loop with the
 previous kernel's tail could gain (bench.step_variants' `late_wait`).
@@ -68,15 +69,17 @@ def _sm90_or_later(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
-def pdl_for(t: torch.Tensor, late: str = "") -> int:
+def pdl_for(t: torch.Tensor, late: tuple = ()) -> int:
     """The PDL mode of kernels on t's device: 0 off (always under the CPU interpreter), 1 wait
-    then launch dependents, 2 launch dependents then wait, 3 (only under `set_late`, for a kernel
-    of a `late` kind there, which calls `before_store`) launch dependents and wait before the
-    first store. Truthy = launch with PDL."""
+    then launch dependents, 2 launch dependents then wait. Under `set_late`, for a kernel that
+    calls `before_store` and names a kind in `late` that is set: 3, launch dependents and wait
+    before the first store, or 4 for a "split0:..." kind, the same for programs of split 0
+    (program_id(1) == 0) only. Truthy = launch with PDL."""
     on = (_enabled and t.is_cuda and not triton.knobs.runtime.interpret
           and _sm90_or_later(t.device.index if t.device.index is not None else torch.cuda.current_device()))
-    if on and late in _late:
-        return 3
+    for kind in late if on else ():
+        if kind in _late:
+            return 4 if kind.startswith("split0:") else 3
     return (2 if _launch_first else 1) if on else 0
 
 
@@ -84,8 +87,10 @@ def pdl_for(t: torch.Tensor, late: str = "") -> int:
 def enter(PDL: tl.constexpr):
     """Wait for the previous grid (its writes visible) and let the next grid launch (PDL: the
     mode from pdl_for, in its order)."""
-    if PDL == 3:
+    if PDL >= 3:
         gdc_launch_dependents()
+        if PDL == 4 and tl.program_id(1) != 0:
+            gdc_wait()
     elif PDL == 2:
         gdc_launch_dependents()
         gdc_wait()
@@ -96,6 +101,8 @@ def enter(PDL: tl.constexpr):
 
 @triton.jit
 def before_store(PDL: tl.constexpr):
-    """Mode 3 (`set_late`) waits here, before the kernel's first store; other modes waited in `enter`."""
+    """Modes 3 and 4 (`set_late`) wait here, before the kernel's first store, where `enter` did not."""
     if PDL == 3:
+        gdc_wait()
+    elif PDL == 4 and tl.program_id(1) == 0:
         gdc_wait()

@@ -210,7 +210,7 @@ def qkv_rope_and_write_kv(x: torch.Tensor, w: torch.Tensor, num_heads: int, posi
     out_q = torch.empty((T, num_heads, D), dtype=x.dtype, device=x.device)
     if T == 0:
         return out_q
-    pdl = pdl_for(x, late="qkv")
+    pdl = pdl_for(x, late=("qkv",))
     tiles, bm = (num_heads + 2 * Hkv) * (half // pairs), max(16, triton.next_power_of_2(T))
     if split_k > 1:   # fp32 partials [split, row tile, N]; torch.empty is graph-safe
         ws = torch.empty((split_k, bm, w.shape[0]), dtype=torch.float32, device=x.device)
