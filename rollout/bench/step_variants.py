@@ -27,12 +27,14 @@ Two knobs are timing bounds, not modes to run (their tokens are wrong):
                     three) wait for the kernel before only ahead of their first store
                     (kernels/pdl.py set_late): what overlapping each main loop with the previous
                     kernel's tail could gain at most
-  skip_norms        the layers' residual add + RMSNorm kernels are not launched (the next GEMM
-                    reads the residual as is): what the 64 norm kernels a step cost
+  skip_norms[=pre|post]  the layers' residual add + RMSNorm kernels (pre: before QKV, post:
+                    before gate_up; default both) are not launched (the next GEMM reads the
+                    residual as is): what the 64 norm kernels a step cost
 """
 from __future__ import annotations
 
 import argparse
+import functools
 
 import torch
 
@@ -47,9 +49,15 @@ GEMMS = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down
          "lm_head": (128256, 4096)}     # llama3-8b weight shapes (N, K)
 
 
-def _linear_without_norm(lin, x, residual, norm, linear, splitk_into_norm=False):
+_ADD_NORM = decoder.add_norm_of_linear
+
+
+def _linear_without_norm(lin, x, residual, norm, linear, splitk_into_norm=False, skip=("pre", "post")):
     """skip_norms: add_norm_of_linear's GEMM (its partials where it leaves them to the norm), no
-    norm kernel; the residual stands in for both outputs."""
+    norm kernel; the residual stands in for both outputs. `skip`: which norms (pre: the one after
+    down_proj, before the next QKV; post: after o_proj); the others run as usual."""
+    if ("post" if lin.weight.shape[0] == lin.weight.shape[1] else "pre") not in skip:
+        return _ADD_NORM(lin, x, residual, norm, linear, splitk_into_norm)
     cfg = decoder._fusable_config(lin, x, linear, split_k=True) if splitk_into_norm else None
     if cfg is not None:
         from ..kernels.skinny_gemm import skinny_gemm
@@ -84,8 +92,8 @@ def apply(eng, variant: str, defaults: dict) -> None:
             kinds = val.split(",") if val else ("gemm", "qkv", "attn")
             pdl.set_late([f"gemm:{GEMMS[k][0]},{GEMMS[k][1]}" if k in GEMMS else
                           f"split0:{GEMMS['down'][0]},{GEMMS['down'][1]}" if k == "down0" else k for k in kinds])
-        elif knob == "skip_norms":
-            decoder.add_norm_of_linear = _linear_without_norm
+        elif name == "skip_norms":
+            decoder.add_norm_of_linear = functools.partial(_linear_without_norm, skip=val or ("pre", "post"))
         elif knob in ("splitk_norm", "no_splitk_norm"):
             eng.model.splitk_into_norm = knob == "splitk_norm"
         elif knob in ("rope_in_qkv", "no_rope_in_qkv"):

@@ -229,7 +229,7 @@ def skinny_gemm(x: torch.Tensor, w: torch.Tensor, block_n: int, block_k: int, nu
     bm, tiles = block_m or pick_block_m(M), triton.cdiv(N, cols_per_tile)
     ws = torch.empty((split_k, bm, N), dtype=torch.float32, device=x.device) if split_k > 1 else out
     if M:
-        pdl = pdl_for(x, late=("gemm", f"gemm:{N},{K}", f"split0:{N},{K}"))
+        pdl = pdl_for(x, late=("gemm", f"gemm:{w.shape[0]},{K}", f"split0:{w.shape[0]},{K}"))
         cnt = split_counters(x.device, tiles) if split_k > 1 and not partials else out   # else unused
         _skinny_gemm_kernel[(tiles, split_k, triton.cdiv(M, bm))](
             x, w, bias if bias is not None else w, out, ws, cnt, M, N, K, x.stride(0), w.stride(0), out.stride(0),
