@@ -205,3 +205,63 @@ def test_qkv_rope_epilogue_same_bits_at_8b_shape_and_in_the_engine():
     outs = generate_per_setting(model, cfg, {on: lambda on=on: setattr(model, "rope_in_qkv", on)
                                              for on in (False, True)}, prompt_lens=(3, 40), seed=6)
     assert_same_tokens_and_logprobs(outs[False], outs[True])
+
+
+def test_gemm_add_norm_epilogue_at_8b_shapes_in_graphs_and_in_the_engine():
+    """o_proj and down_proj at M = 1, 16 and 32 with the table's configs: skinny_gemm_add_norm in
+    one launch (its tiles meet at a grid barrier) gives the bits of its two-launch form (the same
+    sums in the same order), eagerly and over CUDA-graph replays with PDL; its new residual has
+    the bits of the GEMM then add_rmsnorm, and its normed values are within one bf16 rounding of
+    that path's; the barrier's counters end at zero with no timed-out wait. Then a two-layer
+    8B-shape model through the engine's decode graphs with it on and off."""
+    from engine_ab import generate_per_setting, llama8b_model
+    from rollout.kernels import skinny_gemm as sk
+    from rollout.kernels.fused_ops import add_rmsnorm
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for N, K in ((4096, 4096), (4096, 14336)):
+        w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02
+        nw = 1 + 0.1 * torch.randn(N, device="cuda", dtype=torch.bfloat16, generator=g)
+        for M in (1, 16, 32):
+            cfg = sk.pick_config(N, K, M)
+            assert sk.add_norm_fits(w, N, cfg[0], cfg[4] if len(cfg) > 4 else 1), (N, K, M, cfg)
+            x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, generator=g)
+            res = torch.randn(M, N, device="cuda", dtype=torch.bfloat16, generator=g)
+            two = sk.skinny_gemm_add_norm(x, w, res, nw, 1e-5, *cfg, one_launch=False)
+            one = sk.skinny_gemm_add_norm(x, w, res, nw, 1e-5, *cfg)
+            assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1]), (N, K, M)
+            want_h, want_r = add_rmsnorm(res, nw, 1e-5, delta=sk.skinny_gemm(x, w, *cfg))
+            assert torch.equal(one[1], want_r), (N, K, M)
+            # One bf16 rounding (2^-8 relative) of a normed value apart at most: the row's 1/rms
+            # may differ in its last fp32 bits (sum of squares by tiles), moving a rounding.
+            assert ((one[0].float() - want_h.float()).abs() <= want_h.float().abs() * 2.0 ** -7).all()
+            s = torch.cuda.Stream()
+            with torch.cuda.stream(s):
+                sk.skinny_gemm_add_norm(x, w, res, nw, 1e-5, *cfg)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=s):
+                outs = [sk.skinny_gemm_add_norm(x, w, res, nw, 1e-5, *cfg) for _ in range(4)]
+            for _ in range(5):
+                for o in outs:
+                    o[0].fill_(float("nan"))
+                graph.replay()
+                torch.cuda.synchronize()
+                assert all(torch.equal(o[0], two[0]) and torch.equal(o[1], two[1]) for o in outs), (N, K, M)
+            assert sk._BARRIERS[w.device].tolist() == [0, 0, 0, 0]
+    model, cfg = llama8b_model(2)
+    outs = generate_per_setting(model, cfg, {on: lambda on=on: setattr(model, "norm_in_gemm", on)
+                                             for on in (False, True)}, prompt_lens=(3, 40), seed=7)
+    model.norm_in_gemm = False
+    same = total = 0
+    for a, b in zip(outs[False], outs[True], strict=True):
+        ta, tb = a.completions[0].token_ids, b.completions[0].token_ids
+        assert ta[0] == tb[0]                     # the first token comes from the prefill (no fusion)
+        total += len(ta)
+        for i, (u, v) in enumerate(zip(ta, tb)):
+            if u != v:
+                break
+            same += 1
+            # Logits of magnitude ~2-4 have a bf16 spacing of 2^-7 to 2^-6: four spacings bound
+            # what a last-bit change in the normed activations moves a logprob.
+            assert abs(a.completions[0].logprobs[i] - b.completions[0].logprobs[i]) < 4 * 2.0 ** -6
+    assert same >= 0.9 * total, (same, total)     # near-ties diverge; the rest must not
