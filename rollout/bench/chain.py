@@ -30,7 +30,6 @@ import triton
 import triton.language as tl
 
 from ..kernels import fix_interpreter
-from ..kernels.skinny_gemm import wait_at_least
 from .__main__ import run_meta, write_json
 
 fix_interpreter()
@@ -47,6 +46,18 @@ def prefetch_l2(ptr, nbytes):
             "{ .reg .pred p; .reg .b32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
             "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
             "=r,l,r", [ptr + off, tl.minimum(nbytes - off, 32768)], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def wait_at_least(ptr, target, err_ptr, SPIN: tl.constexpr):
+    """Poll the counter at ptr until it reaches target (or SPIN polls: then count it in err), then
+    an acquire, so what the counting programs wrote before their release is visible."""
+    polls = 0
+    while (tl.load(ptr, volatile=True) < target) & (polls < SPIN):
+        polls += 1
+    if polls >= SPIN:
+        tl.atomic_add(err_ptr, 1)
+    tl.atomic_add(ptr, 0, sem="acquire")
 
 
 @triton.jit

@@ -21,8 +21,6 @@ ends with the baseline to show the drift. A variant is knobs joined by "+", on t
                     no_silu_gate_up: the SiLU kernel)
   rope_in_qkv       RoPE + the K/V write in the QKV GEMM's epilogue, no RoPE kernel (the default;
                     no_rope_in_qkv: the RoPE kernel)
-  norm_in_gemm      the residual add + RMSNorm in o_proj's and down_proj's epilogues, behind a
-                    grid barrier (no_norm_in_gemm: the norm kernels)
 Two knobs are timing bounds, not modes to run (their tokens are wrong):
   late_wait[=K,..]  kernels of kinds K (gemm: o_proj, gate_up, down, lm_head; qkv; attn; one of
                     o, gate_up, down, lm_head; down0: down's split-0 programs; default the first
@@ -54,13 +52,12 @@ GEMMS = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down
 _ADD_NORM = decoder.add_norm_of_linear
 
 
-def _linear_without_norm(lin, x, residual, norm, linear, splitk_into_norm=False, norm_in_gemm=False,
-                         skip=("pre", "post")):
+def _linear_without_norm(lin, x, residual, norm, linear, splitk_into_norm=False, skip=("pre", "post")):
     """skip_norms: add_norm_of_linear's GEMM (its partials where it leaves them to the norm), no
     norm kernel; the residual stands in for both outputs. `skip`: which norms (pre: the one after
     down_proj, before the next QKV; post: after o_proj); the others run as usual."""
     if ("post" if lin.weight.shape[0] == lin.weight.shape[1] else "pre") not in skip:
-        return _ADD_NORM(lin, x, residual, norm, linear, splitk_into_norm, norm_in_gemm)
+        return _ADD_NORM(lin, x, residual, norm, linear, splitk_into_norm)
     cfg = decoder._fusable_config(lin, x, linear, split_k=True) if splitk_into_norm else None
     if cfg is not None:
         from ..kernels.skinny_gemm import skinny_gemm
@@ -82,10 +79,9 @@ def apply(eng, variant: str, defaults: dict) -> None:
     eng.model.splitk_into_norm = defaults["splitk_norm"]
     eng.model.silu_in_gate_up = defaults["silu_gate_up"]
     eng.model.rope_in_qkv = defaults["rope_in_qkv"]
-    eng.model.norm_in_gemm = defaults["norm_in_gemm"]
     for knob in variant.split("+"):
         name, _, val = knob.partition("=")
-        nums = tuple(int(v) for v in val.split(",")) if (name in GEMMS or name == "attn") and val != "cublas" else None
+        nums = tuple(int(v) for v in val.split(",")) if val and val != "cublas" and name != "late_wait" else None
         if knob == "base":
             pass
         elif knob == "no_pdl":
@@ -94,14 +90,12 @@ def apply(eng, variant: str, defaults: dict) -> None:
             pdl.set_enabled(True, launch_first=False)
         elif name == "late_wait":
             kinds = val.split(",") if val else ("gemm", "qkv", "attn")
-            pdl.set_late([f"gemm:{GEMMS[k][0]},{GEMMS[k][1]}" if k in GEMMS and k != "qkv" else
+            pdl.set_late([f"gemm:{GEMMS[k][0]},{GEMMS[k][1]}" if k in GEMMS else
                           f"split0:{GEMMS['down'][0]},{GEMMS['down'][1]}" if k == "down0" else k for k in kinds])
         elif name == "skip_norms":
             decoder.add_norm_of_linear = functools.partial(_linear_without_norm, skip=val or ("pre", "post"))
         elif knob in ("splitk_norm", "no_splitk_norm"):
             eng.model.splitk_into_norm = knob == "splitk_norm"
-        elif knob in ("norm_in_gemm", "no_norm_in_gemm"):
-            eng.model.norm_in_gemm = knob == "norm_in_gemm"
         elif knob in ("rope_in_qkv", "no_rope_in_qkv"):
             eng.model.rope_in_qkv = knob == "rope_in_qkv"
         elif knob in ("silu_gate_up", "no_silu_gate_up"):
@@ -154,8 +148,7 @@ def main(argv=None):
     defaults = dict(rope=rope_kv.Q_HEADS_PER_PROGRAM, table=dict(skinny_gemm._LLAMA3_8B),
                     tile=dict(paged_decode.DECODE_TILE), splits=paged_decode.pick_num_splits,
                     splitk_norm=eng.model.splitk_into_norm, silu_gate_up=eng.model.silu_in_gate_up,
-                    rope_in_qkv=eng.model.rope_in_qkv, norm_in_gemm=eng.model.norm_in_gemm,
-                    add_norm=decoder.add_norm_of_linear)
+                    rope_in_qkv=eng.model.rope_in_qkv, add_norm=decoder.add_norm_of_linear)
     rows = []
     for v in args.variants:
         try:

@@ -40,9 +40,7 @@ fix_interpreter()
 def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, s_xm, s_wn, s_ym,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         EVEN_N: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
-                        PARTIALS: tl.constexpr, SILU_MUL: tl.constexpr, PDL: tl.constexpr,
-                        res_ptr, rout_ptr, g_ptr, ss_ptr, bar_ptr, eps,
-                        NORM: tl.constexpr, TILES_PAD: tl.constexpr, SPIN: tl.constexpr):
+                        PARTIALS: tl.constexpr, SILU_MUL: tl.constexpr, PDL: tl.constexpr):
     pid = tl.program_id(0)
     if SILU_MUL:
         rn, w_rows = gate_up_rows(pid, N, BLOCK_N)               # N: the intermediate size
@@ -63,14 +61,7 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, s_
         else:          # if/else, not an early return: Triton compiles the code after a return too
             acc, last = splitk_fixup(acc, ws_ptr, cnt_ptr, pid, rn, rm, N, BLOCK_M, SPLIT_K)
             if last:
-                if NORM:
-                    _add_norm_epilogue(acc, res_ptr, rout_ptr, y_ptr, g_ptr, ss_ptr, bar_ptr, pid, rm, rn, M, N,
-                                       s_ym, eps, NORM, BLOCK_M, TILES_PAD, SPIN)
-                else:
-                    _epilogue(acc, b_ptr, y_ptr, rm, rn, M, N, s_ym, HAS_BIAS)
-    elif NORM:
-        _add_norm_epilogue(acc, res_ptr, rout_ptr, y_ptr, g_ptr, ss_ptr, bar_ptr, pid, rm, rn, M, N, s_ym, eps,
-                           NORM, BLOCK_M, TILES_PAD, SPIN)
+                _epilogue(acc, b_ptr, y_ptr, rm, rn, M, N, s_ym, HAS_BIAS)
     elif SILU_MUL:
         silu_epilogue(acc, y_ptr, pid, rm, M, N, s_ym, BLOCK_M, BLOCK_N)
     else:
@@ -160,81 +151,6 @@ def _epilogue(acc, b_ptr, y_ptr, rm, rn, M, N, s_ym, HAS_BIAS: tl.constexpr):
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(rm[None, :] < M) & (rn[:, None] < N))
 
 
-@triton.jit
-def _add_norm_epilogue(acc, res_ptr, rout_ptr, h_ptr, g_ptr, ss_ptr, bar_ptr, tile, rm, rn, M, N, s, eps,
-                       NORM: tl.constexpr, BLOCK_M: tl.constexpr, TILES_PAD: tl.constexpr, SPIN: tl.constexpr):
-    """The residual add + RMSNorm after this GEMM, in its epilogue (`skinny_gemm_add_norm`): the
-    tile's new residual r + bf16(acc) is stored with its per-row sum of squares; then (NORM 1) a
-    barrier over the grid's tiles, and each tile normalises its own columns with every tile's
-    sums; or (NORM 2, two launches) `_norm_tail_kernel` does that after this kernel."""
-    dt = h_ptr.dtype.element_ty
-    ok = (rm[None, :] < M) & (rn[:, None] < N)
-    offs = rm.to(tl.int64)[None, :] * s + rn[:, None]
-    r = tl.load(res_ptr + offs, mask=ok, other=0.0)
-    xn = (r.to(tl.float32) + acc.to(dt).to(tl.float32)).to(dt)      # HF: the residual add in bf16
-    tl.store(rout_ptr + offs, xn, mask=ok)
-    xf = xn.to(tl.float32)
-    tl.store(ss_ptr + tile * BLOCK_M + rm, tl.sum(xf * xf, axis=0))
-    if NORM == 1:
-        grid_barrier(bar_ptr, tl.num_programs(0), bar_ptr + 2, SPIN)
-        norm_columns(xf, h_ptr, g_ptr, ss_ptr, rm, rn, offs, ok, tl.num_programs(0), N, eps, BLOCK_M, TILES_PAD)
-
-
-@triton.jit
-def norm_columns(xf, h_ptr, g_ptr, ss_ptr, rm, rn, offs, ok, tiles, N, eps, BLOCK_M: tl.constexpr,
-                 TILES_PAD: tl.constexpr):
-    """h[rm, rn] = rmsnorm(x) * g for x [rn, rm] (fp32 of the rounded residual), with each row's sum
-    of squares summed from the `tiles` tile sums at ss_ptr [tiles, BLOCK_M] (from L2: other SMs
-    wrote them); rounded as fused_ops.rmsnorm_store rounds."""
-    dt = h_ptr.dtype.element_ty
-    t = tl.arange(0, TILES_PAD)
-    ss = tl.load(ss_ptr + t[:, None] * BLOCK_M + rm[None, :], mask=t[:, None] < tiles, other=0.0,
-                 cache_modifier=".cg")
-    inv = 1.0 / tl.sqrt_rn(tl.sum(ss, axis=0) / N + eps)
-    y = (xf * inv[None, :]).to(dt)
-    g = tl.load(g_ptr + rn, mask=rn < N, other=0.0)
-    tl.store(h_ptr + offs, (g.to(tl.float32)[:, None] * y.to(tl.float32)).to(dt), mask=ok)
-
-
-@triton.jit
-def _norm_tail_kernel(rout_ptr, h_ptr, g_ptr, ss_ptr, M, N, s, eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      TILES_PAD: tl.constexpr):
-    """NORM 2's second launch: tile pid's columns of h from the stored residual and tile sums."""
-    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rm = tl.arange(0, BLOCK_M)
-    ok = (rm[None, :] < M) & (rn[:, None] < N)
-    offs = rm.to(tl.int64)[None, :] * s + rn[:, None]
-    xf = tl.load(rout_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-    norm_columns(xf, h_ptr, g_ptr, ss_ptr, rm, rn, offs, ok, tl.num_programs(0), N, eps, BLOCK_M, TILES_PAD)
-
-
-@triton.jit
-def wait_at_least(ptr, target, err_ptr, SPIN: tl.constexpr):
-    """Poll the counter at ptr until it reaches target (or SPIN polls: then count it in err), then
-    an acquire, so what the counting programs wrote before their release is visible."""
-    polls = 0
-    while (tl.load(ptr, volatile=True) < target) & (polls < SPIN):
-        polls += 1
-    if polls >= SPIN:
-        tl.atomic_add(err_ptr, 1)
-    tl.atomic_add(ptr, 0, sem="acquire")
-
-
-@triton.jit
-def grid_barrier(bar_ptr, n, err_ptr, SPIN: tl.constexpr):
-    """Every one of n programs waits here until all n have arrived; what each stored before is then
-    visible to all. The n programs must be able to be resident at once (the caller's grid fits the
-    SMs). bar_ptr[0] counts arrivals and bar_ptr[1] departures; the last to leave zeroes both for
-    the next call. A wait of SPIN polls is counted in err_ptr and goes on: wrong bits, never a hang."""
-    tl.debug_barrier()                          # every thread's stores before the release
-    tl.atomic_add(bar_ptr, 1, sem="release")
-    wait_at_least(bar_ptr, n, err_ptr, SPIN)
-    tl.debug_barrier()
-    if tl.atomic_add(bar_ptr + 1, 1, sem="relaxed") == n - 1:
-        tl.atomic_xchg(bar_ptr, 0)
-        tl.atomic_xchg(bar_ptr + 1, 0)
-
-
 MAX_M = 64
 
 # (N, K) -> ((largest M, (BLOCK_N, BLOCK_K, num_warps, num_stages[, split_k]) or None for cuBLAS), ...),
@@ -287,7 +203,7 @@ def split_counters(device: torch.device, tiles: int) -> torch.Tensor:
 def skinny_gemm(x: torch.Tensor, w: torch.Tensor, block_n: int, block_k: int, num_warps: int = 4,
                 num_stages: int = 4, split_k: int = 1, out: Optional[torch.Tensor] = None,
                 bias: Optional[torch.Tensor] = None, block_m: Optional[int] = None,
-                partials: bool = False, silu_mul: bool = False, _norm: Optional[dict] = None) -> torch.Tensor:
+                partials: bool = False, silu_mul: bool = False) -> torch.Tensor:
     """x [M, K] (unit stride in K), w [N, K] contiguous, bias [N] or None -> y [M, N] in x's dtype.
     split_k > 1: each output tile's K is shared by split_k programs (more programs for a small N
     than SMs would otherwise get); K / block_k must be a multiple of split_k.
@@ -312,71 +228,15 @@ def skinny_gemm(x: torch.Tensor, w: torch.Tensor, block_n: int, block_k: int, nu
     cols_per_tile = block_n // 2 if silu_mul else block_n
     bm, tiles = block_m or pick_block_m(M), triton.cdiv(N, cols_per_tile)
     ws = torch.empty((split_k, bm, N), dtype=torch.float32, device=x.device) if split_k > 1 else out
-    nm = _norm or dict(res=out, rout=out, g=out, ss=out, bar=out, eps=0.0, mode=0)   # NORM 0: unused
     if M:
         pdl = pdl_for(x, late=("gemm", f"gemm:{w.shape[0]},{K}", f"split0:{w.shape[0]},{K}"))
         cnt = split_counters(x.device, tiles) if split_k > 1 and not partials else out   # else unused
         _skinny_gemm_kernel[(tiles, split_k, triton.cdiv(M, bm))](
             x, w, bias if bias is not None else w, out, ws, cnt, M, N, K, x.stride(0), w.stride(0), out.stride(0),
             BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_N=N % cols_per_tile == 0, HAS_BIAS=bias is not None,
-            SPLIT_K=split_k, PARTIALS=partials, SILU_MUL=silu_mul, PDL=pdl,
-            res_ptr=nm["res"], rout_ptr=nm["rout"], g_ptr=nm["g"], ss_ptr=nm["ss"], bar_ptr=nm["bar"], eps=nm["eps"],
-            NORM=nm["mode"], TILES_PAD=triton.next_power_of_2(tiles), SPIN=SPIN_LIMIT,
-            num_warps=num_warps, num_stages=num_stages, launch_pdl=bool(pdl))
+            SPLIT_K=split_k, PARTIALS=partials, SILU_MUL=silu_mul, PDL=pdl, num_warps=num_warps,
+            num_stages=num_stages, launch_pdl=bool(pdl))
     return ws[:, :M] if partials else out
-
-
-SPIN_LIMIT = 1 << 22      # polls before a barrier wait gives up (counted, never a hang): seconds, not us
-_BARRIERS: dict = {}      # device -> int32 [arrivals, departures, timeouts] of grid_barrier
-
-
-def barrier_counters(device: torch.device) -> torch.Tensor:
-    """The grid barrier's counters on this device (zero between calls; [2] counts timed-out waits).
-    Made on the first (eager) call, like split_counters."""
-    buf = _BARRIERS.get(device)
-    if buf is None:
-        if torch.cuda.is_available() and device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("grid barrier: run this shape once eagerly before capturing a CUDA graph")
-        buf = _BARRIERS[device] = torch.zeros(4, dtype=torch.int32, device=device)
-    return buf
-
-
-def add_norm_fits(x: torch.Tensor, n: int, block_n: int, split_k: int = 1) -> bool:
-    """Whether `skinny_gemm_add_norm` can take this GEMM in one launch: its grid barrier needs every
-    program resident at once, so the grid (tiles x splits) must not exceed the SMs (one program an
-    SM always fits; programs of other kernels on them finish without waiting on this one)."""
-    if not x.is_cuda:
-        return False
-    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-    return triton.cdiv(n, block_n) * split_k <= sms
-
-
-def skinny_gemm_add_norm(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
-                         eps: float, block_n: int, block_k: int, num_warps: int = 4, num_stages: int = 4,
-                         split_k: int = 1, one_launch: Optional[bool] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """fused_ops.add_rmsnorm(residual, norm_weight, eps, delta=x @ w.T) in the GEMM's epilogue:
-    returns (normed, new residual). The new residual has the bits of that path (the same split-K
-    sums and roundings); normed differs only where each row's sum of squares, summed tile by tile
-    here, rounds differently. one_launch (default: on the GPU where `add_norm_fits`): the tiles
-    meet at a grid barrier and each normalises its own columns; else a second small launch does
-    that (the interpreter runs programs one after another, so it cannot wait at a barrier)."""
-    M, N = x.shape[0], w.shape[0]
-    assert residual.shape == (M, N) and residual.stride(1) == 1 and norm_weight.numel() == N
-    if one_launch is None:
-        one_launch = add_norm_fits(x, N, block_n, split_k)
-    assert not one_launch or add_norm_fits(x, N, block_n, split_k), "the grid barrier needs the grid on the SMs"
-    out, rout = torch.empty_like(residual), torch.empty_like(residual)
-    bm, tiles = pick_block_m(M), triton.cdiv(N, block_n)
-    assert M <= MAX_M and residual.stride(0) == N, "one row tile; a contiguous residual (out's strides)"
-    ss = torch.empty((tiles, bm), dtype=torch.float32, device=x.device)
-    bar = barrier_counters(x.device) if one_launch else ss
-    skinny_gemm(x, w, block_n, block_k, num_warps, num_stages, split_k, out=out,
-                _norm=dict(res=residual, rout=rout, g=norm_weight, ss=ss, bar=bar, eps=float(eps),
-                           mode=1 if one_launch else 2))
-    if M and not one_launch:
-        _norm_tail_kernel[(tiles,)](rout, out, norm_weight, ss, M, N, N, float(eps), BLOCK_M=bm, BLOCK_N=block_n,
-                                    TILES_PAD=triton.next_power_of_2(tiles), num_warps=4)
-    return out, rout
 
 
 # Batch-invariant mode: one tile shape per weight whatever the row count, so a row's result is the

@@ -105,19 +105,11 @@ def invariant_linear(lin: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 def add_norm_of_linear(lin: nn.Module, x: torch.Tensor, residual: torch.Tensor, norm: nn.Module, linear,
-                       splitk_into_norm: bool = False, norm_in_gemm: bool = False):
-    """add_rmsnorm(residual, delta=lin(x)) -> (normed, new residual). With `norm_in_gemm`, where the
-    skinny GEMM takes this shape in one wave, the GEMM's epilogue does the add and the norm (a grid
-    barrier between them; the residual's bits, the normed ones up to the order of the sum of
-    squares). Else with `splitk_into_norm`, where the skinny GEMM splits K for this shape, the norm
-    kernel sums the GEMM's fp32 partials itself (the same bits; the GEMM skips its fix-up tail)."""
+                       splitk_into_norm: bool = False):
+    """add_rmsnorm(residual, delta=lin(x)) -> (normed, new residual). With `splitk_into_norm`, where
+    the skinny GEMM splits K for this shape, the norm kernel sums the GEMM's fp32 partials itself
+    (the same bits; the GEMM skips its fix-up tail)."""
     from ..kernels.fused_ops import add_rmsnorm
-    if norm_in_gemm:
-        cfg = _fusable_config(lin, x, linear, split_k=None)
-        if cfg is not None:
-            from ..kernels.skinny_gemm import add_norm_fits, skinny_gemm_add_norm
-            if add_norm_fits(x, lin.weight.shape[0], cfg[0], cfg[4] if len(cfg) > 4 else 1):
-                return skinny_gemm_add_norm(x, lin.weight, residual, norm.weight, norm.eps, *cfg)
     cfg = _fusable_config(lin, x, linear, split_k=True) if splitk_into_norm else None
     if cfg is not None:
         from ..kernels.skinny_gemm import skinny_gemm
@@ -296,9 +288,6 @@ class DecoderLM(nn.Module):
         self.silu_in_gate_up = _env_on("ROLLOUT_SILU_GATE_UP")
         # RoPE + the K/V write in the QKV GEMM's epilogue (no qk-norm, no bias): +0.2-0.3%.
         self.rope_in_qkv = _env_on("ROLLOUT_ROPE_QKV")
-        # The residual add + RMSNorm in the epilogue of the GEMM before it (o_proj, down_proj), with a
-        # grid barrier: 64 kernels fewer a step. Off until timed (ROLLOUT_NORM_GEMM=1 turns it on).
-        self.norm_in_gemm = os.environ.get("ROLLOUT_NORM_GEMM", "0") != "0"
         self.batch_invariant = False  # set by the engine: every GEMM through invariant_linear
 
     def _linear(self):
@@ -335,10 +324,10 @@ class DecoderLM(nn.Module):
         for i, (layer, kv) in enumerate(zip(self.layers, kv_caches)):
             a = layer.self_attn.attend_fused(h, positions, self.inv_freq, kv, meta, linear, self.rope_in_qkv)
             h, residual = add_norm_of_linear(layer.self_attn.o_proj, a, residual, layer.post_attention_layernorm,
-                                             linear, self.splitk_into_norm, self.norm_in_gemm)
+                                             linear, self.splitk_into_norm)
             act = silu_of_gate_up(layer.mlp.gate_up_proj, h, linear, self.silu_in_gate_up)
             h, residual = add_norm_of_linear(layer.mlp.down_proj, act, residual, norms[i + 1], linear,
-                                             self.splitk_into_norm, self.norm_in_gemm)
+                                             self.splitk_into_norm)
         return h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
