@@ -1,8 +1,13 @@
 """The step_variants bench's comparison with its neighbouring baseline rows (CPU: the bench itself
 needs CUDA, its bookkeeping does not)."""
+import types
+
 import pytest
 
+from rollout.bench import step_variants
 from rollout.bench.step_variants import vs_base
+from rollout.kernels import paged_decode, pdl, rope_kv, skinny_gemm
+from rollout.models import decoder
 
 
 def test_vs_base_compares_each_variant_with_the_mean_of_its_neighbouring_baselines():
@@ -22,3 +27,35 @@ def test_vs_base_without_a_baseline_leaves_rows_alone():
     rows = [dict(variant="a", fraction=0.8), dict(variant="b", fraction=0.81)]
     vs_base(rows)
     assert all("vs_base" not in r for r in rows)
+
+
+def test_apply_parses_the_timing_bound_knobs_and_base_undoes_them(monkeypatch):
+    """late_wait / skip_norms values are kinds, not the numbers of a GEMM config (a run of the
+    GPU bench failed on exactly that; "qkv" names the QKV + RoPE kernel, not a skinny GEMM
+    shape), and every variant starts from the defaults."""
+    monkeypatch.setattr(step_variants, "recapture_graphs", lambda eng: None)
+    monkeypatch.setattr(paged_decode, "pick_num_splits", paged_decode.pick_num_splits)
+    monkeypatch.setattr(paged_decode, "DECODE_TILE", dict(paged_decode.DECODE_TILE))
+    monkeypatch.setattr(skinny_gemm, "_LLAMA3_8B", dict(skinny_gemm._LLAMA3_8B))
+    monkeypatch.setattr(rope_kv, "Q_HEADS_PER_PROGRAM", rope_kv.Q_HEADS_PER_PROGRAM)
+    eng = types.SimpleNamespace(model=types.SimpleNamespace(splitk_into_norm=True, silu_in_gate_up=True,
+                                                            rope_in_qkv=True))
+    defaults = dict(rope=rope_kv.Q_HEADS_PER_PROGRAM, table=dict(skinny_gemm._LLAMA3_8B),
+                    tile=dict(paged_decode.DECODE_TILE), splits=paged_decode.pick_num_splits,
+                    splitk_norm=True, silu_gate_up=True, rope_in_qkv=True, add_norm=decoder.add_norm_of_linear)
+    try:
+        step_variants.apply(eng, "late_wait=o,gate_up,down0+skip_norms=post+qkv=32,256,4,5", defaults)
+        assert pdl._late == {"gemm:4096,4096", "gemm:28672,4096", "split0:4096,14336"}
+        assert decoder.add_norm_of_linear.keywords == {"skip": "post"}
+        assert skinny_gemm._LLAMA3_8B[(6144, 4096)] == ((64, (32, 256, 4, 5)),)
+        step_variants.apply(eng, "late_wait+skip_norms", defaults)
+        assert pdl._late == {"gemm", "qkv", "attn"}
+        assert decoder.add_norm_of_linear.keywords == {"skip": ("pre", "post")}
+        step_variants.apply(eng, "base", defaults)
+        assert pdl._late == frozenset() and decoder.add_norm_of_linear is defaults["add_norm"]
+        assert skinny_gemm._LLAMA3_8B == defaults["table"]
+        with pytest.raises(SystemExit, match="unknown knob"):
+            step_variants.apply(eng, "late_wiat", defaults)
+    finally:
+        pdl.set_late(())
+        decoder.add_norm_of_linear = defaults["add_norm"]

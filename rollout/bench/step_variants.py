@@ -81,7 +81,7 @@ def apply(eng, variant: str, defaults: dict) -> None:
     eng.model.rope_in_qkv = defaults["rope_in_qkv"]
     for knob in variant.split("+"):
         name, _, val = knob.partition("=")
-        nums = tuple(int(v) for v in val.split(",")) if val and val != "cublas" and name != "late_wait" else None
+        nums = tuple(int(v) for v in val.split(",")) if (name in GEMMS or name == "attn") and val != "cublas" else None
         if knob == "base":
             pass
         elif knob == "no_pdl":
@@ -90,7 +90,7 @@ def apply(eng, variant: str, defaults: dict) -> None:
             pdl.set_enabled(True, launch_first=False)
         elif name == "late_wait":
             kinds = val.split(",") if val else ("gemm", "qkv", "attn")
-            pdl.set_late([f"gemm:{GEMMS[k][0]},{GEMMS[k][1]}" if k in GEMMS else
+            pdl.set_late([f"gemm:{GEMMS[k][0]},{GEMMS[k][1]}" if k in GEMMS and k != "qkv" else
                           f"split0:{GEMMS['down'][0]},{GEMMS['down'][1]}" if k == "down0" else k for k in kinds])
         elif name == "skip_norms":
             decoder.add_norm_of_linear = functools.partial(_linear_without_norm, skip=val or ("pre", "post"))
