@@ -231,42 +231,6 @@ def test_split_k_partials_summed_by_the_norm_give_the_fixup_bits(split_k):
 
 
 
-@pytest.mark.parametrize("M,o_block_n,k_block", [(5, 32, 64), (16, 16, 128), (3, 64, 64)])
-def test_norm_flow_o_proj_into_gate_up(M, o_block_n, k_block):
-    """The o_proj -> gate_up flow (DecoderLM.norm_flow): the producer's residual has the bits of the
-    GEMM then add_rmsnorm; the consumer, which folds the RMSNorm in (1/rms applied to its
-    accumulator at the end), agrees with the norm kernel then the SiLU GEMM within fp16 rounding
-    and with an fp32 reference, and leaves the flags at zero. Under the interpreter the producer
-    has finished before the consumer starts; the GPU test runs them overlapped."""
-    from rollout.kernels import skinny_gemm as sg
-    from rollout.kernels.fused_ops import add_rmsnorm, silu_mul
-    g = torch.Generator().manual_seed(M + o_block_n)
-    H, inter = 256, 96
-    a = torch.randn(M, H, generator=g).half()
-    w_o = (torch.randn(H, H, generator=g) / 16).half()
-    w_gu = (torch.randn(2 * inter, H, generator=g) / 16).half()
-    res, nw = torch.randn(M, H, generator=g).half(), (1 + 0.1 * torch.randn(H, generator=g)).half()
-    co, cg = (o_block_n, 64, 4, 2), (32, k_block, 4, 2)
-    flags = sg.flow_flags(a.device, 2)
-    r = sg.gemm_plus_residual_flagged(a, w_o, res, co, flags, cg[1])
-    assert flags[:H // k_block].tolist() == [k_block // o_block_n] * (H // k_block)
-    act = sg.gate_up_of_flowing_norm(r, w_gu, nw, 1e-5, cg, flags, k_block // o_block_n)
-    assert int(flags.abs().sum()) == 0
-    h, want_r = add_rmsnorm(res, nw, 1e-5, delta=sg.skinny_gemm(a, w_o, *co))
-    assert torch.equal(r, want_r)
-    want = silu_mul(sg.skinny_gemm(h, w_gu, *cg))
-    rf = r.float()
-    hf = rf * torch.rsqrt(rf.pow(2).mean(-1, keepdim=True) + 1e-5) * nw.float()
-    gu = hf @ w_gu.float().T
-    torch.testing.assert_close(act.float(), want.float(), **FP16_TOL)
-    torch.testing.assert_close(act.float(), F.silu(gu[:, :inter]) * gu[:, inter:], **FP16_TOL)
-    nw2 = nw.clone()
-    nw2[5] = 0.0                                  # the norm weight is applied (a zeroed column is seen)
-    sg.gemm_plus_residual_flagged(a, w_o, res, co, flags, cg[1])
-    act2 = sg.gate_up_of_flowing_norm(r, w_gu, nw2, 1e-5, cg, flags, k_block // o_block_n)
-    assert not torch.equal(act2, act)
-
-
 @pytest.mark.parametrize("block_n,M", [(64, 5), (128, 16), (32, 33)])
 def test_gate_up_gemm_with_silu_epilogue_gives_the_two_kernel_bits(block_n, M):
     """skinny_gemm(silu_mul=True) on a fused gate_up weight (gate rows, then up rows): each program
@@ -441,12 +405,9 @@ def test_compiles_for_sm90(tmp_path):
                "kc_ptr": "*bf16", "vc_ptr": "*bf16", "po_ptr": "*fp32", "plse_ptr": "*fp32", "bt_ptr": "*i32",
                "lens_ptr": "*i32", "qsl_ptr": "*i32", "pos_ptr": "*i64", "inv_freq_ptr": "*fp32", "slot_ptr": "*i64",
                "x_ptr": "*bf16", "d_ptr": "*bf16", "w_ptr": "*bf16", "res_ptr": "*bf16", "gu_ptr": "*bf16",
-               "b_ptr": "*bf16", "y_ptr": "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "wml_ptr": "*fp32",
-               "aux_ptr": "*bf16", "flag_ptr": "*i32"}
+               "b_ptr": "*bf16", "y_ptr": "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "wml_ptr": "*fp32"}
         def compile_(fn, pdl=False, early_loads=False, ptrs=None, **const):
             const = dict(const, PDL=pdl) if "PDL" in fn.arg_names else const
-            if fn is sg._skinny_gemm_kernel:     # the o_proj -> gate_up flow off unless asked for
-                const = dict(dict(FLOW=0, FLOW_CHUNK=1, ASM_WAIT=False), **const)
             sig, attrs = {}, {}
             for i, name in enumerate(fn.arg_names):
                 scalar = "fp32" if name in ("sm_scale_log2", "eps") else "i32"
@@ -503,12 +464,6 @@ def test_compiles_for_sm90(tmp_path):
                      PARTIALS=False, SILU_MUL=False)
             compile_(sg._skinny_gemm_kernel, pdl, early_loads=True, BLOCK_M=32, BLOCK_N=128, BLOCK_K=128,   # gate_up
                      EVEN_N=True, HAS_BIAS=False, SPLIT_K=1, PARTIALS=False, SILU_MUL=True)    # + SiLU epilogue
-        for pdl in (0, 2):   # the norm flow: o_proj's flagged residual epilogue; gate_up waiting on flags (PDL mode 3)
-            compile_(sg._skinny_gemm_kernel, pdl, early_loads=True, BLOCK_M=32, BLOCK_N=32, BLOCK_K=256, EVEN_N=True,
-                     HAS_BIAS=False, SPLIT_K=1, PARTIALS=False, SILU_MUL=False, FLOW=1, FLOW_CHUNK=128, ASM_WAIT=True)
-            compile_(sg._skinny_gemm_kernel, 3 if pdl else 0, early_loads=True, BLOCK_M=32, BLOCK_N=128, BLOCK_K=128,
-                     EVEN_N=True, HAS_BIAS=False, SPLIT_K=1, PARTIALS=False, SILU_MUL=True, FLOW=2, FLOW_CHUNK=1,
-                     ASM_WAIT=True)
         # Mode 3 (pdl.set_late, a timing bound): the kernels that pass late_ok wait only before storing.
         compile_(pd._decode_split_kernel, 3, early_loads=True, GROUP=4, GROUP_PAD=16, NUM_SPLITS=2,
                  USE_WINDOW=False, **common)

@@ -21,8 +21,6 @@ ends with the baseline to show the drift. A variant is knobs joined by "+", on t
                     no_silu_gate_up: the SiLU kernel)
   rope_in_qkv       RoPE + the K/V write in the QKV GEMM's epilogue, no RoPE kernel (the default;
                     no_rope_in_qkv: the RoPE kernel)
-  norm_flow         o_proj's tiles feed gate_up as they finish, the norm folded into gate_up
-                    (DecoderLM.norm_flow)
 Two knobs are timing bounds, not modes to run (their tokens are wrong):
   late_wait[=K,..]  kernels of kinds K (gemm: o_proj, gate_up, down, lm_head; qkv; attn; one of
                     o, gate_up, down, lm_head; down0: down's split-0 programs; default the first
@@ -81,7 +79,6 @@ def apply(eng, variant: str, defaults: dict) -> None:
     eng.model.splitk_into_norm = defaults["splitk_norm"]
     eng.model.silu_in_gate_up = defaults["silu_gate_up"]
     eng.model.rope_in_qkv = defaults["rope_in_qkv"]
-    eng.model.norm_flow = defaults["norm_flow"]
     for knob in variant.split("+"):
         name, _, val = knob.partition("=")
         nums = tuple(int(v) for v in val.split(",")) if (name in GEMMS or name == "attn") and val != "cublas" else None
@@ -99,8 +96,6 @@ def apply(eng, variant: str, defaults: dict) -> None:
             decoder.add_norm_of_linear = functools.partial(_linear_without_norm, skip=val or ("pre", "post"))
         elif knob in ("splitk_norm", "no_splitk_norm"):
             eng.model.splitk_into_norm = knob == "splitk_norm"
-        elif knob in ("norm_flow", "no_norm_flow"):
-            eng.model.norm_flow = knob == "norm_flow"
         elif knob in ("rope_in_qkv", "no_rope_in_qkv"):
             eng.model.rope_in_qkv = knob == "rope_in_qkv"
         elif knob in ("silu_gate_up", "no_silu_gate_up"):
@@ -153,8 +148,7 @@ def main(argv=None):
     defaults = dict(rope=rope_kv.Q_HEADS_PER_PROGRAM, table=dict(skinny_gemm._LLAMA3_8B),
                     tile=dict(paged_decode.DECODE_TILE), splits=paged_decode.pick_num_splits,
                     splitk_norm=eng.model.splitk_into_norm, silu_gate_up=eng.model.silu_in_gate_up,
-                    rope_in_qkv=eng.model.rope_in_qkv, norm_flow=eng.model.norm_flow,
-                    add_norm=decoder.add_norm_of_linear)
+                    rope_in_qkv=eng.model.rope_in_qkv, add_norm=decoder.add_norm_of_linear)
     rows = []
     for v in args.variants:
         try:

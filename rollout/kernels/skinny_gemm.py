@@ -40,9 +40,7 @@ fix_interpreter()
 def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, s_xm, s_wn, s_ym,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         EVEN_N: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
-                        PARTIALS: tl.constexpr, SILU_MUL: tl.constexpr, PDL: tl.constexpr,
-                        aux_ptr, flag_ptr, target, eps, FLOW: tl.constexpr, FLOW_CHUNK: tl.constexpr,
-                        ASM_WAIT: tl.constexpr):
+                        PARTIALS: tl.constexpr, SILU_MUL: tl.constexpr, PDL: tl.constexpr):
     pid = tl.program_id(0)
     if SILU_MUL:
         rn, w_rows = gate_up_rows(pid, N, BLOCK_N)               # N: the intermediate size
@@ -54,18 +52,9 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, s_
     k_tiles = K // BLOCK_K                       # K % BLOCK_K == 0 (checked by the wrapper)
     per = tl.cdiv(k_tiles, SPLIT_K)
     kt0 = tl.program_id(1) * per
-    if FLOW == 2:     # x arrives tile by tile (flags); the RMSNorm of x folded in (aux: its weight)
-        acc = weight_rows_times_normed_x(x_ptr, aux_ptr, flag_ptr, target, w_ptr, w_rows, rn, rm, M, N, K, s_xm,
-                                         s_wn, eps, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_N, PDL, ASM_WAIT)
-    else:
-        acc = weight_rows_times_x(x_ptr, w_ptr, w_rows, rn, rm, M, N, s_xm, s_wn, kt0,
-                                  tl.minimum(kt0 + per, k_tiles), BLOCK_M, BLOCK_N, BLOCK_K, EVEN_N, PDL)
+    acc = weight_rows_times_x(x_ptr, w_ptr, w_rows, rn, rm, M, N, s_xm, s_wn, kt0, tl.minimum(kt0 + per, k_tiles),
+                              BLOCK_M, BLOCK_N, BLOCK_K, EVEN_N, PDL)
     before_store(PDL)
-    if FLOW == 2:     # the last program to finish zeroes the flags for the next call
-        tl.debug_barrier()
-        if tl.atomic_add(flag_ptr + FLAG_SLOTS - 1, 1, sem="acq_rel") == tl.num_programs(0) - 1:
-            slots = tl.arange(0, FLAG_SLOTS)
-            tl.store(flag_ptr + slots, tl.zeros_like(slots), mask=(slots < k_tiles) | (slots == FLAG_SLOTS - 1))
     if SPLIT_K > 1:
         if PARTIALS:   # the consumer kernel adds them (in split order)
             tl.store(ws_ptr + (tl.program_id(1) * BLOCK_M + rm[None, :]) * N + rn[:, None], acc, mask=rn[:, None] < N)
@@ -75,70 +64,8 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, s_
                 _epilogue(acc, b_ptr, y_ptr, rm, rn, M, N, s_ym, HAS_BIAS)
     elif SILU_MUL:
         silu_epilogue(acc, y_ptr, pid, rm, M, N, s_ym, BLOCK_M, BLOCK_N)
-    elif FLOW == 1:   # y = residual (aux) + x @ w.T, rounded as add_rmsnorm adds; then this tile's flag
-        ok = (rm[None, :] < M) & (rn[:, None] < N)
-        offs = rm.to(tl.int64)[None, :] * s_ym + rn[:, None]
-        r = tl.load(aux_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-        tl.store(y_ptr + offs, (r + acc.to(y_ptr.dtype.element_ty).to(tl.float32)).to(y_ptr.dtype.element_ty), mask=ok)
-        tl.debug_barrier()                        # every thread's stores before the release
-        tl.atomic_add(flag_ptr + (pid * BLOCK_N) // FLOW_CHUNK, 1, sem="release")
     else:
         _epilogue(acc, b_ptr, y_ptr, rm, rn, M, N, s_ym, HAS_BIAS)
-
-
-FLAG_SLOTS = tl.constexpr(64)      # flow flags of one layer: one per x tile of the consumer, the last its done count
-
-
-@triton.jit
-def wait_until(ptr, target, ASM: tl.constexpr):
-    """Block until the int32 at ptr reaches target (acquire: what was stored before its release is
-    then visible); returns 0, to be added to an address so the load it feeds stays after the wait.
-    ASM: the spin is one inline-PTX block, so the compiler sees no loop (a loop in the K loop
-    stops Triton from pipelining its weight loads); else a plain loop (the interpreter, where a
-    producer kernel has finished before its consumer starts)."""
-    if ASM:
-        z = tl.inline_asm_elementwise(
-            "{ .reg .pred p; .reg .b32 v; WAIT_${:uid}: ld.acquire.gpu.global.b32 v, [$1]; "
-            "setp.lt.s32 p, v, $2; @p bra WAIT_${:uid}; mov.b32 $0, 0; }",
-            "=r,l,r", [ptr, target], dtype=tl.int32, is_pure=False, pack=1)
-    else:
-        while tl.atomic_add(ptr, 0, sem="acquire") < target:
-            pass
-        z = target * 0
-    return z
-
-
-@triton.jit
-def weight_rows_times_normed_x(x_ptr, g_ptr, flag_ptr, target, w_ptr, w_rows, rn, rm, M, N, K, s_xm, s_wn, eps,
-                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                               EVEN_N: tl.constexpr, PDL: tl.constexpr, ASM_WAIT: tl.constexpr):
-    """acc [BLOCK_N, BLOCK_M] = w[w_rows] @ (rmsnorm(x) * g).T while x is still being written: x's
-    K tile kt is read once flag_ptr[kt] reaches target (the producer's tiles of it), one tile
-    ahead of its use (x from L2, not pipelined: its address waits on the flag); the weight tiles
-    stream from the start. The MMA takes x * g (rounded), and each row's 1/rms, from the sum of
-    squares over all of K, scales acc at the end: HF rounds x * 1/rms first, so the bits differ.
-    PDL (mode 3): dependents launch now; the wait on the previous grid comes before the store."""
-    rk = tl.arange(0, BLOCK_K)
-    w_ptrs = w_ptr + w_rows.to(tl.int64)[:, None] * s_wn + rk[None, :]
-    x_ptrs = x_ptr + rm.to(tl.int64)[:, None] * s_xm + rk[None, :]
-    m_ok = rm[:, None] < M
-    k_tiles = K // BLOCK_K
-    enter(PDL)
-    z = wait_until(flag_ptr, target, ASM_WAIT)
-    x_next = tl.load(x_ptrs + z, mask=m_ok, other=0.0, cache_modifier=".cg")
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    ss = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    for kt in range(0, k_tiles):
-        w = _load_w(w_ptrs + kt * BLOCK_K, rn, N, EVEN_N)
-        x = x_next.to(tl.float32)
-        kn = tl.minimum(kt + 1, k_tiles - 1)
-        z = wait_until(flag_ptr + kn, target, ASM_WAIT)
-        x_next = tl.load(x_ptrs + kn * BLOCK_K + z, mask=m_ok, other=0.0, cache_modifier=".cg")
-        ss += tl.sum(x * x, axis=1)
-        g = tl.load(g_ptr + kt * BLOCK_K + rk).to(tl.float32)
-        acc = tl.dot(w, tl.trans((x * g[None, :]).to(w_ptr.dtype.element_ty)), acc)
-    inv = 1.0 / tl.sqrt_rn(ss / K + eps)
-    return acc * inv[None, :]
 
 
 @triton.jit
@@ -276,7 +203,7 @@ def split_counters(device: torch.device, tiles: int) -> torch.Tensor:
 def skinny_gemm(x: torch.Tensor, w: torch.Tensor, block_n: int, block_k: int, num_warps: int = 4,
                 num_stages: int = 4, split_k: int = 1, out: Optional[torch.Tensor] = None,
                 bias: Optional[torch.Tensor] = None, block_m: Optional[int] = None,
-                partials: bool = False, silu_mul: bool = False, _flow: Optional[dict] = None) -> torch.Tensor:
+                partials: bool = False, silu_mul: bool = False) -> torch.Tensor:
     """x [M, K] (unit stride in K), w [N, K] contiguous, bias [N] or None -> y [M, N] in x's dtype.
     split_k > 1: each output tile's K is shared by split_k programs (more programs for a small N
     than SMs would otherwise get); K / block_k must be a multiple of split_k.
@@ -301,64 +228,15 @@ def skinny_gemm(x: torch.Tensor, w: torch.Tensor, block_n: int, block_k: int, nu
     cols_per_tile = block_n // 2 if silu_mul else block_n
     bm, tiles = block_m or pick_block_m(M), triton.cdiv(N, cols_per_tile)
     ws = torch.empty((split_k, bm, N), dtype=torch.float32, device=x.device) if split_k > 1 else out
-    fl = _flow or dict(mode=0, aux=out, flags=out, target=0, eps=0.0, chunk=1)     # FLOW 0: unused
     if M:
         pdl = pdl_for(x, late=("gemm", f"gemm:{w.shape[0]},{K}", f"split0:{w.shape[0]},{K}"))
-        if fl["mode"] == 2 and pdl:
-            pdl = 3       # the flow consumer waits on flags, and on the previous grid only before storing
         cnt = split_counters(x.device, tiles) if split_k > 1 and not partials else out   # else unused
         _skinny_gemm_kernel[(tiles, split_k, triton.cdiv(M, bm))](
             x, w, bias if bias is not None else w, out, ws, cnt, M, N, K, x.stride(0), w.stride(0), out.stride(0),
             BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_N=N % cols_per_tile == 0, HAS_BIAS=bias is not None,
-            SPLIT_K=split_k, PARTIALS=partials, SILU_MUL=silu_mul, PDL=pdl, aux_ptr=fl["aux"], flag_ptr=fl["flags"],
-            target=fl["target"], eps=fl["eps"], FLOW=fl["mode"], FLOW_CHUNK=fl["chunk"],
-            ASM_WAIT=not triton.knobs.runtime.interpret, num_warps=num_warps, num_stages=num_stages,
-            launch_pdl=bool(pdl))
+            SPLIT_K=split_k, PARTIALS=partials, SILU_MUL=silu_mul, PDL=pdl, num_warps=num_warps,
+            num_stages=num_stages, launch_pdl=bool(pdl))
     return ws[:, :M] if partials else out
-
-
-_FLAGS: dict = {}     # device -> int32 [layers, FLAG_SLOTS] flow flags (zero between calls)
-
-
-def flow_flags(device: torch.device, layer: int) -> torch.Tensor:
-    """The o_proj -> gate_up flow's flags of one layer on this device, zeroed by the consumer's last
-    program. One set per layer: with PDL a consumer's programs may start before the previous
-    layer's consumer has finished (and zeroed its flags), but not a whole step early. Made on
-    the first (eager) call, like split_counters."""
-    buf = _FLAGS.get(device)
-    if buf is None or buf.shape[0] <= layer:
-        if torch.cuda.is_available() and device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("flow flags: run this shape once eagerly before capturing a CUDA graph")
-        grown = torch.zeros((layer + 1, FLAG_SLOTS.value), dtype=torch.int32, device=device)
-        if buf is not None:
-            grown[:buf.shape[0]] = buf
-        buf = _FLAGS[device] = grown
-    return buf[layer]
-
-
-def gemm_plus_residual_flagged(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor, cfg: tuple,
-                               flags: torch.Tensor, chunk: int) -> torch.Tensor:
-    """y = residual + x @ w.T (add_rmsnorm's residual bits: the GEMM's rounding, then the add in
-    the activation dtype), each finished output tile adding 1 to flags[its first column // chunk]:
-    the producer of `gate_up_of_flowing_norm`. An unsplit config whose tiles divide chunk."""
-    assert len(cfg) < 5 or cfg[4] == 1, "the flow producer takes no split-K"
-    assert chunk % cfg[0] == 0 and residual.shape == (x.shape[0], w.shape[0]) and residual.is_contiguous()
-    out = torch.empty_like(residual)
-    return skinny_gemm(x, w, *cfg[:4], out=out, _flow=dict(mode=1, aux=residual, flags=flags, target=0, eps=0.0,
-                                                           chunk=chunk))
-
-
-def gate_up_of_flowing_norm(x: torch.Tensor, w: torch.Tensor, norm_weight: torch.Tensor, eps: float, cfg: tuple,
-                            flags: torch.Tensor, target: int) -> torch.Tensor:
-    """silu(gate) * up of (rmsnorm(x) * norm_weight) @ w.T (w the fused gate_up weight), where x's K
-    tile kt (cfg's BLOCK_K columns) may be read once flags[kt] reaches target: it starts while the
-    producer (`gemm_plus_residual_flagged`) still runs. The norm's 1/rms scales the accumulator
-    at the end (`weight_rows_times_normed_x`), so the bits differ from add_rmsnorm then the GEMM
-    by rounding order. Zeroes the flags when done."""
-    assert len(cfg) < 5 or cfg[4] == 1, "the SiLU epilogue takes no split-K"
-    assert x.shape[1] // cfg[1] < FLAG_SLOTS.value and x.is_contiguous() and norm_weight.is_contiguous()
-    return skinny_gemm(x, w, *cfg[:4], silu_mul=True, _flow=dict(mode=2, aux=norm_weight, flags=flags,
-                                                                 target=target, eps=float(eps), chunk=1))
 
 
 # Batch-invariant mode: one tile shape per weight whatever the row count, so a row's result is the

@@ -129,17 +129,6 @@ def silu_of_gate_up(lin: nn.Module, x: torch.Tensor, linear, in_epilogue: bool =
     return silu_mul(linear(lin, x))
 
 
-def flow_configs(attn, mlp, a: torch.Tensor, linear):
-    """(o_proj config, gate_up config) where o_proj's tiles can feed gate_up with the RMSNorm between
-    them folded in (`DecoderLM.norm_flow`): both on the skinny GEMM without split-K, no bias, and
-    gate_up's K tile a multiple of o_proj's N tile. Else None."""
-    co = _fusable_config(attn.o_proj, a, linear, split_k=False)
-    cg = _fusable_config(mlp.gate_up_proj, a, linear, split_k=False)
-    if co is None or cg is None or cg[1] % co[0]:
-        return None
-    return co, cg
-
-
 def _fusable_config(lin: nn.Module, x: torch.Tensor, linear, split_k: Optional[bool]):
     """The skinny-GEMM config of lin(x) when a fused path may take it: the skinny GEMM is in use
     for this shape, lin has no bias, and the config splits K (split_k True) or does not (False;
@@ -299,10 +288,6 @@ class DecoderLM(nn.Module):
         self.silu_in_gate_up = _env_on("ROLLOUT_SILU_GATE_UP")
         # RoPE + the K/V write in the QKV GEMM's epilogue (no qk-norm, no bias): +0.2-0.3%.
         self.rope_in_qkv = _env_on("ROLLOUT_ROPE_QKV")
-        # o_proj's output tiles feed gate_up as they finish (flags), with the residual add in o_proj's
-        # epilogue and the RMSNorm folded into gate_up (its 1/rms applied at the end: other bits
-        # than HF's order). Off until timed; ROLLOUT_NORM_FLOW=1 turns it on.
-        self.norm_flow = os.environ.get("ROLLOUT_NORM_FLOW", "0") != "0"
         self.batch_invariant = False  # set by the engine: every GEMM through invariant_linear
 
     def _linear(self):
@@ -338,17 +323,9 @@ class DecoderLM(nn.Module):
         h, _ = add_rmsnorm(residual, norms[0].weight, norms[0].eps)
         for i, (layer, kv) in enumerate(zip(self.layers, kv_caches)):
             a = layer.self_attn.attend_fused(h, positions, self.inv_freq, kv, meta, linear, self.rope_in_qkv)
-            flow = flow_configs(layer.self_attn, layer.mlp, a, linear) if self.norm_flow else None
-            if flow:
-                from ..kernels import skinny_gemm as sk
-                (co, cg), flags, post = flow, sk.flow_flags(a.device, i), layer.post_attention_layernorm
-                residual = sk.gemm_plus_residual_flagged(a, layer.self_attn.o_proj.weight, residual, co, flags, cg[1])
-                act = sk.gate_up_of_flowing_norm(residual, layer.mlp.gate_up_proj.weight, post.weight, post.eps, cg,
-                                                 flags, cg[1] // co[0])
-            else:
-                h, residual = add_norm_of_linear(layer.self_attn.o_proj, a, residual,
-                                                 layer.post_attention_layernorm, linear, self.splitk_into_norm)
-                act = silu_of_gate_up(layer.mlp.gate_up_proj, h, linear, self.silu_in_gate_up)
+            h, residual = add_norm_of_linear(layer.self_attn.o_proj, a, residual, layer.post_attention_layernorm,
+                                             linear, self.splitk_into_norm)
+            act = silu_of_gate_up(layer.mlp.gate_up_proj, h, linear, self.silu_in_gate_up)
             h, residual = add_norm_of_linear(layer.mlp.down_proj, act, residual, norms[i + 1], linear,
                                              self.splitk_into_norm)
         return h
