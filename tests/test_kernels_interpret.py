@@ -464,7 +464,7 @@ def test_compiles_for_sm90(tmp_path):
                      PARTIALS=False, SILU_MUL=False)
             compile_(sg._skinny_gemm_kernel, pdl, early_loads=True, BLOCK_M=32, BLOCK_N=128, BLOCK_K=128,   # gate_up
                      EVEN_N=True, HAS_BIAS=False, SPLIT_K=1, PARTIALS=False, SILU_MUL=True)    # + SiLU epilogue
-        # Mode 3 (pdl.set_late, a timing bound): the kernels that pass late_ok wait only before storing.
+        # Mode 3 (pdl.set_late, a timing bound): the kernels that name a `late` kind wait only before storing.
         compile_(pd._decode_split_kernel, 3, early_loads=True, GROUP=4, GROUP_PAD=16, NUM_SPLITS=2,
                  USE_WINDOW=False, **common)
         compile_(rk._qkv_rope_kernel, 3, early_loads=True, HQ=32, HKV=8, HALF=64, BLOCK_M=32, BLOCK_N=64,

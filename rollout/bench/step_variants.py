@@ -55,7 +55,8 @@ _ADD_NORM = decoder.add_norm_of_linear
 def _linear_without_norm(lin, x, residual, norm, linear, splitk_into_norm=False, skip=("pre", "post")):
     """skip_norms: add_norm_of_linear's GEMM (its partials where it leaves them to the norm), no
     norm kernel; the residual stands in for both outputs. `skip`: which norms (pre: the one after
-    down_proj, before the next QKV; post: after o_proj); the others run as usual."""
+    down_proj, before the next QKV; post: after o_proj, told by its square weight as in the
+    shapes this bench runs); the others run as usual."""
     if ("post" if lin.weight.shape[0] == lin.weight.shape[1] else "pre") not in skip:
         return _ADD_NORM(lin, x, residual, norm, linear, splitk_into_norm)
     cfg = decoder._fusable_config(lin, x, linear, split_k=True) if splitk_into_norm else None
