@@ -205,3 +205,61 @@ def test_qkv_rope_epilogue_same_bits_at_8b_shape_and_in_the_engine():
     outs = generate_per_setting(model, cfg, {on: lambda on=on: setattr(model, "rope_in_qkv", on)
                                              for on in (False, True)}, prompt_lens=(3, 40), seed=6)
     assert_same_tokens_and_logprobs(outs[False], outs[True])
+
+
+def test_tma_main_loop_same_bits_at_8b_shapes_and_in_the_engine():
+    """skinny_gemm.TMA (x and weight tiles through TMA descriptors) at the 8B shapes and the
+    table's configs for M = 1, 17, 32, and a split-K fix-up: the pointer loop's bits for the plain
+    GEMM, its split-K partials, gate_up with the SiLU epilogue and QKV with the RoPE epilogue (q
+    and the caches). Then one 8B-shape layer through the engine's decode graphs: the same greedy
+    tokens and logprobs with it on and off."""
+    from engine_ab import assert_same_tokens_and_logprobs, generate_per_setting, llama8b_model
+    import rollout.kernels.skinny_gemm as sk
+    from rollout.kernels.rope_kv import qkv_rope_and_write_kv
+    D, ps = 128, 16
+    g = torch.Generator(device="cuda").manual_seed(0)
+    inv_freq = (1.0 / (500000.0 ** (torch.arange(0, D, 2).float() / D))).cuda()
+
+    def both(fn):
+        sk.TMA = False
+        want = fn()
+        sk.TMA = True
+        try:
+            return fn(), want
+        finally:
+            sk.TMA = False
+    for N, K in sk._LLAMA3_8B:
+        w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02
+        for M in (1, 17, 32):
+            cfg = sk.pick_config(N, K, M)
+            x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, generator=g)
+            kinds = {"plain": {}}
+            if len(cfg) > 4 and cfg[4] > 1:
+                kinds["partials"] = dict(partials=True)
+            if N == 28672:
+                kinds["silu"] = dict(silu_mul=True)
+            for kind, kw in kinds.items():
+                got, want = both(lambda: sk.skinny_gemm(x, w, *cfg, **kw).clone())
+                assert not got.isnan().any() and torch.equal(got, want), (N, K, M, kind)
+            if N == 6144:
+                positions = torch.randint(0, 16384, (M,), device="cuda", generator=g)
+                slots = torch.randperm(64 * ps, device="cuda", generator=g)[:M]
+
+                def qkv():
+                    caches = [torch.full((64, ps, 8, D), float("nan"), device="cuda", dtype=torch.bfloat16)
+                              for _ in range(2)]
+                    q = qkv_rope_and_write_kv(x, w, 32, positions, inv_freq, *caches, slots, *cfg)
+                    return torch.cat([q.flatten()] + [c.nan_to_num(7.0).flatten() for c in caches])
+                got, want = both(qkv)
+                assert torch.equal(got, want), ("qkv", M)
+    x = torch.randn(32, 4096, device="cuda", dtype=torch.bfloat16, generator=g)
+    w = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02
+    got, want = both(lambda: sk.skinny_gemm(x, w, 64, 128, 4, 5, 2))      # the serial fix-up
+    assert torch.equal(got, want)
+    model, cfg = llama8b_model(1)
+    try:
+        outs = generate_per_setting(model, cfg, {on: lambda on=on: setattr(sk, "TMA", on) for on in (False, True)},
+                                    prompt_lens=(3, 40), seed=7)
+    finally:
+        sk.TMA = False
+    assert_same_tokens_and_logprobs(outs[False], outs[True])
