@@ -90,12 +90,6 @@ for s in $sections; do
       mv $OUT/gpu_tests_files.log $OUT/gpu_tests_compile_stalls.log
       TAG=${TAG:-_nocompile} bash $0 p3
       TEST_FILES=tests/gpu/test_fused_sampler_cuda.py bash $0 tests_files ;;
-    tma) # x and weight tiles of the skinny GEMMs (and QKV + RoPE) through TMA descriptors (skinny_gemm.TMA): the
-      # GPU bit test against the pointer loop, then the decode step alternated with base, and TMA with other tiles
-      timeout 300 python3 -m pytest -q -p no:cacheprovider --noconftest -s tests/gpu/test_skinny_gemm_cuda.py -k tma \
-        > $OUT/gpu_tests_tma.log 2>&1; grep -E "passed|failed|FAILED|Error" $OUT/gpu_tests_tma.log | tail -20
-      VARIANTS=${VARIANTS:-"base tma base tma base tma+qkv=128,128,8,4 tma+gate_up=128,128,8,5 base
-        tma+gate_up=128,128,4,4 tma+o=64,128,4,5,2 base tma+down=64,128,4,6,2 tma+qkv=64,128,4,7 base"} bash $0 variants ;;
     x_traffic) # the small decode GEMMs re-read x [32, K] from L2 once per output tile: M / BLOCK_N of their
       # weight bytes (o_proj's 32-row tiles: 100%). Wider tiles with split-K (o_proj / down partials go to the
       # add + RMSNorm; QKV's last split program does the RoPE epilogue) cut that at the same program count;

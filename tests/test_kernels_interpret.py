@@ -278,48 +278,6 @@ def test_decoder_splitk_into_norm_takes_the_partials_path_with_the_same_bits(mon
 
 
 
-@pytest.mark.parametrize("case", ["plain", "split2", "partials", "silu", "invariant", "qkv", "qkv_split2"])
-def test_tma_main_loop_gives_the_pointer_loop_bits(monkeypatch, case):
-    """skinny_gemm.TMA: x and the weight tiles come through TMA descriptors (two runs of rows for
-    gate/up and for a head's two halves, each its own MMA chain) and give the pointer loop's bits:
-    a tail tile (N = 96, I = 96) past the weight's end, split-K with its fix-up or its partials,
-    several M tiles, the QKV kernel's RoPE epilogue. fp16 (the interpreter's bf16 dot is broken).
-    A weight with its two runs swapped is caught."""
-    from rollout.kernels import skinny_gemm as sg
-    from rollout.kernels.rope_kv import qkv_rope_and_write_kv
-    g = torch.Generator().manual_seed(len(case))
-    x = torch.randn(70 if case == "invariant" else 5, 256, generator=g).half()
-    if case.startswith("qkv"):
-        Hq, Hkv, D = 4, 2, 32
-        w = (torch.randn((Hq + 2 * Hkv) * D, 256, generator=g) / 8).half()
-        inv_freq = 1.0 / (10000.0 ** (torch.arange(0, D, 2).float() / D))
-        pos, slots = torch.randint(0, 3000, (5,), generator=g), torch.tensor([3, -1, 40, 8])
-
-        def run(weight):
-            caches = [torch.full((4, 16, Hkv, D), float("nan"), dtype=torch.float16) for _ in range(2)]
-            q = qkv_rope_and_write_kv(x, weight, Hq, pos, inv_freq, *caches, slots, 32, 64, 4, 2,
-                                      2 if case == "qkv_split2" else 1)
-            return torch.cat([q.flatten()] + [c.nan_to_num(7.0).flatten() for c in caches])
-        swapped = w.view(Hq + 2 * Hkv, 2, D // 2, 256).flip(1).reshape(w.shape)
-    else:
-        silu = case == "silu"
-        w = (torch.randn(2 * 96 if silu else 96, 256, generator=g) / 8).half()
-        kw = dict(split_k=2 if case in ("split2", "partials") else 1, partials=case == "partials", silu_mul=silu,
-                  block_m=32 if case == "invariant" else None)
-
-        def run(weight):
-            return sg.skinny_gemm(x, weight, 64, 64, 4, 2, **kw)
-        swapped = torch.cat([w[96:], w[:96]]) if silu else w.flip(0)
-    want = run(w)
-    monkeypatch.setattr(sg, "TMA", True)
-    calls = []
-    inner = sg.tma_descriptors
-    monkeypatch.setattr(sg, "tma_descriptors", lambda *a: (calls.append(a[2:]), inner(*a))[1])
-    got = run(w)
-    assert calls and torch.equal(got, want)
-    assert not torch.equal(run(swapped), want)
-
-
 @pytest.mark.parametrize("qkv_split", [1, 2])
 def test_engine_fused_gemm_paths_give_the_same_bits(monkeypatch, qkv_split):
     """The tiny model through the engine on the Triton backend (fp32, interpreter), with configs
@@ -450,7 +408,6 @@ def test_compiles_for_sm90(tmp_path):
                "b_ptr": "*bf16", "y_ptr": "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "wml_ptr": "*fp32"}
         def compile_(fn, pdl=False, early_loads=False, ptrs=None, **const):
             const = dict(const, PDL=pdl) if "PDL" in fn.arg_names else const
-            const = dict(dict(TMA=False) if "TMA" in fn.arg_names else {}, **const)   # its default
             sig, attrs = {}, {}
             for i, name in enumerate(fn.arg_names):
                 scalar = "fp32" if name in ("sm_scale_log2", "eps") else "i32"
@@ -470,8 +427,6 @@ def test_compiles_for_sm90(tmp_path):
                     assert wait < first("ld.global", "cp.async"), fn.__name__ + ": a load before the wait"
                 if pdl == 3:     # set_late's timing bound: the main loop's loads come before the wait
                     assert first("ld.global", "cp.async") < wait, fn.__name__ + ": mode 3 waits at the start"
-            if any(t.startswith("tensordesc") for t in sig.values()):    # skinny_gemm.TMA: bulk tensor copies
-                assert "cp.async.bulk.tensor" in k.asm["ptx"], fn.__name__ + ": no TMA loads"
         common = dict(HEAD_DIM=128, PAGE_SIZE=16, BLOCK_N=64, DOT_PREC="tf32")
         compile_(pd._decode_split_kernel, GROUP=4, GROUP_PAD=16, NUM_SPLITS=2, USE_WINDOW=True, **common)
         compile_(pd._decode_merge_kernel, HEAD_DIM=128, NUM_SPLITS=3, SPLITS_PAD=4)
@@ -517,18 +472,6 @@ def test_compiles_for_sm90(tmp_path):
         for mode in (3, 4):   # 4: split 0's programs late, the others wait in enter
             compile_(sg._skinny_gemm_kernel, mode, early_loads=True, BLOCK_M=32, BLOCK_N=64, BLOCK_K=128,
                      EVEN_N=True, HAS_BIAS=False, SPLIT_K=2, PARTIALS=True, SILU_MUL=False, ptrs={"cnt_ptr": "*bf16"})
-        # skinny_gemm.TMA: x and weight tiles through descriptors (runs of BLOCK_N, or BLOCK_N / 2 for SiLU, QKV)
-        def descs(rows):
-            return {"x_ptr": "tensordesc<bf16[32,128]>", "w_ptr": f"tensordesc<bf16[{rows},128]>"}
-        for pdl in (0, 2, 3):
-            compile_(sg._skinny_gemm_kernel, pdl, early_loads=True, ptrs=dict(descs(64), cnt_ptr="*bf16"), BLOCK_M=32,
-                     BLOCK_N=64, BLOCK_K=128, EVEN_N=True, HAS_BIAS=False, SPLIT_K=2, PARTIALS=True, SILU_MUL=False,
-                     TMA=True)
-            compile_(sg._skinny_gemm_kernel, pdl, early_loads=True, ptrs=descs(64), BLOCK_M=32, BLOCK_N=128,
-                     BLOCK_K=128, EVEN_N=True, HAS_BIAS=False, SPLIT_K=1, PARTIALS=False, SILU_MUL=True, TMA=True)
-            compile_(rk._qkv_rope_kernel, pdl, early_loads=True, HQ=32, HKV=8, HALF=64, BLOCK_M=32, BLOCK_N=64,
-                     BLOCK_K=128, SPLIT_K=1, PRECISE=True, TMA=True,
-                     ptrs=dict(descs(32), ws_ptr="*bf16", cnt_ptr="*bf16"))
         print("ok")
     """)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

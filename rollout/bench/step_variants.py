@@ -21,8 +21,6 @@ ends with the baseline to show the drift. A variant is knobs joined by "+", on t
                     no_silu_gate_up: the SiLU kernel)
   rope_in_qkv       RoPE + the K/V write in the QKV GEMM's epilogue, no RoPE kernel (the default;
                     no_rope_in_qkv: the RoPE kernel)
-  tma               the skinny GEMMs (and QKV + RoPE) load x and weight tiles through TMA
-                    descriptors (kernels/skinny_gemm.py TMA; no_tma: per-thread loads)
 Two knobs are timing bounds, not modes to run (their tokens are wrong):
   late_wait[=K,..]  kernels of kinds K (gemm: o_proj, gate_up, down, lm_head; qkv; attn; one of
                     o, gate_up, down, lm_head; down0: down's split-0 programs; default the first
@@ -82,7 +80,6 @@ def apply(eng, variant: str, defaults: dict) -> None:
     eng.model.splitk_into_norm = defaults["splitk_norm"]
     eng.model.silu_in_gate_up = defaults["silu_gate_up"]
     eng.model.rope_in_qkv = defaults["rope_in_qkv"]
-    skinny_gemm.TMA = defaults["tma"]
     for knob in variant.split("+"):
         name, _, val = knob.partition("=")
         nums = tuple(int(v) for v in val.split(",")) if (name in GEMMS or name == "attn") and val != "cublas" else None
@@ -104,8 +101,6 @@ def apply(eng, variant: str, defaults: dict) -> None:
             eng.model.rope_in_qkv = knob == "rope_in_qkv"
         elif knob in ("silu_gate_up", "no_silu_gate_up"):
             eng.model.silu_in_gate_up = knob == "silu_gate_up"
-        elif knob in ("tma", "no_tma"):
-            skinny_gemm.TMA = knob == "tma"
         elif knob == "rope_token":
             rope_kv.Q_HEADS_PER_PROGRAM = 0
         elif name in GEMMS:
@@ -154,7 +149,7 @@ def main(argv=None):
     defaults = dict(rope=rope_kv.Q_HEADS_PER_PROGRAM, table=dict(skinny_gemm._LLAMA3_8B),
                     tile=dict(paged_decode.DECODE_TILE), splits=paged_decode.pick_num_splits,
                     splitk_norm=eng.model.splitk_into_norm, silu_gate_up=eng.model.silu_in_gate_up,
-                    rope_in_qkv=eng.model.rope_in_qkv, add_norm=decoder.add_norm_of_linear, tma=skinny_gemm.TMA)
+                    rope_in_qkv=eng.model.rope_in_qkv, add_norm=decoder.add_norm_of_linear)
     rows = []
     for v in args.variants:
         try:

@@ -23,7 +23,6 @@ entry (cuBLAS was faster, or the shape was not swept) the model calls F.linear.
 """
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
@@ -36,17 +35,12 @@ from .pdl import before_store, enter, pdl_for
 
 fix_interpreter()
 
-# Weight and x tiles through TMA descriptors (sm_90's bulk tensor copies) instead of per-thread
-# loads. Off until the in-graph A/B (bench.step_variants' `tma` knob) says it pays.
-TMA = os.environ.get("ROLLOUT_TMA", "0") == "1"
-
 
 @triton.jit
 def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, s_xm, s_wn, s_ym,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         EVEN_N: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
-                        PARTIALS: tl.constexpr, SILU_MUL: tl.constexpr, PDL: tl.constexpr,
-                        TMA: tl.constexpr = False):
+                        PARTIALS: tl.constexpr, SILU_MUL: tl.constexpr, PDL: tl.constexpr):
     pid = tl.program_id(0)
     if SILU_MUL:
         rn, w_rows = gate_up_rows(pid, N, BLOCK_N)               # N: the intermediate size
@@ -58,13 +52,8 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, s_
     k_tiles = K // BLOCK_K                       # K % BLOCK_K == 0 (checked by the wrapper)
     per = tl.cdiv(k_tiles, SPLIT_K)
     kt0 = tl.program_id(1) * per
-    if TMA:      # x_ptr, w_ptr are descriptors; SiLU: gate rows from pid * BLOCK_N / 2, up rows from N + that
-        row_a = pid * BLOCK_N // 2 if SILU_MUL else pid * BLOCK_N
-        acc = weight_runs_times_x(x_ptr, w_ptr, row_a, row_a + N, tl.program_id(2) * BLOCK_M, kt0,
-                                  tl.minimum(kt0 + per, k_tiles), BLOCK_M, BLOCK_N, BLOCK_K, SILU_MUL, PDL)
-    else:
-        acc = weight_rows_times_x(x_ptr, w_ptr, w_rows, rn, rm, M, N, s_xm, s_wn, kt0,
-                                  tl.minimum(kt0 + per, k_tiles), BLOCK_M, BLOCK_N, BLOCK_K, EVEN_N, PDL)
+    acc = weight_rows_times_x(x_ptr, w_ptr, w_rows, rn, rm, M, N, s_xm, s_wn, kt0, tl.minimum(kt0 + per, k_tiles),
+                              BLOCK_M, BLOCK_N, BLOCK_K, EVEN_N, PDL)
     before_store(PDL)
     if SPLIT_K > 1:
         if PARTIALS:   # the consumer kernel adds them (in split order)
@@ -145,52 +134,6 @@ def weight_rows_times_x(x_ptr, w_ptr, w_rows, rn, rm, M, N, s_xm, s_wn, kt0, kt1
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     return acc
-
-
-@triton.jit
-def weight_runs_times_x(x_desc, w_desc, row_a, row_b, m0, kt0, kt1, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, TWO_RUNS: tl.constexpr, PDL: tl.constexpr):
-    """weight_rows_times_x through TMA descriptors (x_desc blocks [BLOCK_M, BLOCK_K] from row m0,
-    w_desc blocks of the run length by BLOCK_K): the weight rows are [row_a, row_a + BLOCK_N), or
-    with TWO_RUNS BLOCK_N / 2 rows from row_a then BLOCK_N / 2 from row_b (gate and up rows, a
-    head's two halves), one MMA chain per run. Each element still sums its K tiles in order in
-    fp32. Rows past a descriptor's end load as zeros, as the masked loads do."""
-    R: tl.constexpr = BLOCK_N // 2 if TWO_RUNS else BLOCK_N
-    acc_a = tl.zeros((R, BLOCK_M), dtype=tl.float32)
-    acc_b = tl.zeros((R, BLOCK_M), dtype=tl.float32)
-    if PDL:          # the first weight tile(s) before the wait, as weight_rows_times_x
-        k = kt0 * BLOCK_K
-        w_a = w_desc.load([row_a, k])
-        if TWO_RUNS:
-            w_b = w_desc.load([row_b, k])
-            enter(PDL)
-            xt = tl.trans(x_desc.load([m0, k]))
-            acc_a = tl.dot(w_a, xt, acc_a)
-            acc_b = tl.dot(w_b, xt, acc_b)
-        else:
-            enter(PDL)
-            acc_a = tl.dot(w_a, tl.trans(x_desc.load([m0, k])), acc_a)
-        kt0 += 1
-    for kt in range(kt0, kt1):
-        k = kt * BLOCK_K
-        xt = tl.trans(x_desc.load([m0, k]))
-        acc_a = tl.dot(w_desc.load([row_a, k]), xt, acc_a)
-        if TWO_RUNS:
-            acc_b = tl.dot(w_desc.load([row_b, k]), xt, acc_b)
-    if TWO_RUNS:     # [R, BLOCK_M] x 2 -> [BLOCK_N, BLOCK_M], run a's rows first
-        acc = tl.reshape(tl.permute(tl.join(acc_a, acc_b), (2, 0, 1)), (BLOCK_N, BLOCK_M))
-    else:            # one return: triton checks every return's type, even in a pruned branch
-        acc = acc_a
-    return acc
-
-
-def tma_descriptors(x: torch.Tensor, w: torch.Tensor, block_m: int, w_rows: int, block_k: int):
-    """Host-side TMA descriptors for weight_runs_times_x: x in [block_m, block_k] blocks, w in
-    [w_rows, block_k] blocks. TMA needs 16-byte aligned bases and row strides."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-    for t in (x, w):
-        assert t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0, "TMA: 16-byte alignment"
-    return TensorDescriptor.from_tensor(x, [block_m, block_k]), TensorDescriptor.from_tensor(w, [w_rows, block_k])
 
 
 @triton.jit
@@ -288,11 +231,10 @@ def skinny_gemm(x: torch.Tensor, w: torch.Tensor, block_n: int, block_k: int, nu
     if M:
         pdl = pdl_for(x, late=("gemm", f"gemm:{w.shape[0]},{K}", f"split0:{w.shape[0]},{K}"))
         cnt = split_counters(x.device, tiles) if split_k > 1 and not partials else out   # else unused
-        xa, wa = tma_descriptors(x, w, bm, cols_per_tile, block_k) if TMA else (x, w)
         _skinny_gemm_kernel[(tiles, split_k, triton.cdiv(M, bm))](
-            xa, wa, bias if bias is not None else w, out, ws, cnt, M, N, K, x.stride(0), w.stride(0), out.stride(0),
+            x, w, bias if bias is not None else w, out, ws, cnt, M, N, K, x.stride(0), w.stride(0), out.stride(0),
             BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_N=N % cols_per_tile == 0, HAS_BIAS=bias is not None,
-            SPLIT_K=split_k, PARTIALS=partials, SILU_MUL=silu_mul, PDL=pdl, TMA=TMA, num_warps=num_warps,
+            SPLIT_K=split_k, PARTIALS=partials, SILU_MUL=silu_mul, PDL=pdl, num_warps=num_warps,
             num_stages=num_stages, launch_pdl=bool(pdl))
     return ws[:, :M] if partials else out
 
