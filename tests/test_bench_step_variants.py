@@ -36,7 +36,6 @@ def test_apply_parses_the_timing_bound_knobs_and_base_undoes_them(monkeypatch):
     monkeypatch.setattr(step_variants, "recapture_graphs", lambda eng: None)
     monkeypatch.setattr(paged_decode, "pick_num_splits", paged_decode.pick_num_splits)
     monkeypatch.setattr(paged_decode, "DECODE_TILE", dict(paged_decode.DECODE_TILE))
-    monkeypatch.setattr(paged_decode, "PREFETCH_NEXT", 0)
     monkeypatch.setattr(skinny_gemm, "_LLAMA3_8B", dict(skinny_gemm._LLAMA3_8B))
     monkeypatch.setattr(rope_kv, "Q_HEADS_PER_PROGRAM", rope_kv.Q_HEADS_PER_PROGRAM)
     eng = types.SimpleNamespace(model=types.SimpleNamespace(splitk_into_norm=True, silu_in_gate_up=True,
@@ -49,14 +48,12 @@ def test_apply_parses_the_timing_bound_knobs_and_base_undoes_them(monkeypatch):
         assert pdl._late == {"gemm:4096,4096", "gemm:28672,4096", "split0:4096,14336"}
         assert decoder.add_norm_of_linear.keywords == {"skip": "post"}
         assert skinny_gemm._LLAMA3_8B[(6144, 4096)] == ((64, (32, 256, 4, 5)),)
-        assert paged_decode.PREFETCH_NEXT == 0
-        step_variants.apply(eng, "late_wait+skip_norms+attn_prefetch_o=2", defaults)
+        step_variants.apply(eng, "late_wait+skip_norms", defaults)
         assert pdl._late == {"gemm", "qkv", "attn"}
-        assert paged_decode.PREFETCH_NEXT == 2
         assert decoder.add_norm_of_linear.keywords == {"skip": ("pre", "post")}
         step_variants.apply(eng, "base", defaults)
         assert pdl._late == frozenset() and decoder.add_norm_of_linear is defaults["add_norm"]
-        assert skinny_gemm._LLAMA3_8B == defaults["table"] and paged_decode.PREFETCH_NEXT == 0
+        assert skinny_gemm._LLAMA3_8B == defaults["table"]
         with pytest.raises(SystemExit, match="unknown knob"):
             step_variants.apply(eng, "late_wiat", defaults)
     finally:

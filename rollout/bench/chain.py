@@ -30,12 +30,22 @@ import triton
 import triton.language as tl
 
 from ..kernels import fix_interpreter
-from ..kernels.paged_decode import prefetch_l2
 from .__main__ import run_meta, write_json
 
 fix_interpreter()
 
 SPIN_LIMIT = 1 << 20    # barrier polls before a program gives up (and flags it): no hang if not co-resident
+
+
+@triton.jit
+def prefetch_l2(ptr, nbytes):
+    """Ask L2 for nbytes (a multiple of 16) from ptr: bulk prefetches (sm_90) of 32 KB pieces,
+    issued by thread 0 only. Nothing is held while the bytes arrive."""
+    for off in range(0, nbytes, 32768):
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; .reg .b32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
+            "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+            "=r,l,r", [ptr + off, tl.minimum(nbytes - off, 32768)], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit

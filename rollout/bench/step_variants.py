@@ -21,8 +21,6 @@ ends with the baseline to show the drift. A variant is knobs joined by "+", on t
                     no_silu_gate_up: the SiLU kernel)
   rope_in_qkv       RoPE + the K/V write in the QKV GEMM's epilogue, no RoPE kernel (the default;
                     no_rope_in_qkv: the RoPE kernel)
-  attn_prefetch_o[=2]  each decode attention program, done with its keys, asks L2 for its share of
-                    o_proj's weight (=2: with an evict-last policy); paged_decode.PREFETCH_NEXT
 Two knobs are timing bounds, not modes to run (their tokens are wrong):
   late_wait[=K,..]  kernels of kinds K (gemm: o_proj, gate_up, down, lm_head; qkv; attn; one of
                     o, gate_up, down, lm_head; down0: down's split-0 programs; default the first
@@ -79,7 +77,6 @@ def apply(eng, variant: str, defaults: dict) -> None:
     skinny_gemm._LLAMA3_8B = dict(defaults["table"])
     paged_decode.DECODE_TILE = dict(defaults["tile"])
     paged_decode.pick_num_splits = defaults["splits"]
-    paged_decode.PREFETCH_NEXT = 0
     eng.model.splitk_into_norm = defaults["splitk_norm"]
     eng.model.silu_in_gate_up = defaults["silu_gate_up"]
     eng.model.rope_in_qkv = defaults["rope_in_qkv"]
@@ -104,8 +101,6 @@ def apply(eng, variant: str, defaults: dict) -> None:
             eng.model.rope_in_qkv = knob == "rope_in_qkv"
         elif knob in ("silu_gate_up", "no_silu_gate_up"):
             eng.model.silu_in_gate_up = knob == "silu_gate_up"
-        elif name == "attn_prefetch_o":
-            paged_decode.PREFETCH_NEXT = int(val or 1)
         elif knob == "rope_token":
             rope_kv.Q_HEADS_PER_PROGRAM = 0
         elif name in GEMMS:

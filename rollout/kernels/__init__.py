@@ -54,14 +54,13 @@ def __getattr__(name):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def paged_attention(q, k_cache, v_cache, meta, scale, sliding_window=None, prefetch=None):
+def paged_attention(q, k_cache, v_cache, meta, scale, sliding_window=None):
     """Drop-in for `attention.paged_attention_ref` (same arguments; K/V already written).
     Decode-only batches (one query per sequence) take the split-KV decode kernel with a split
     count from the batch size alone (graph-safe); anything with a longer chunk takes the varlen
     prefill kernel, which is correct for mixed batches too. Batch-invariant mode takes the varlen
     kernel for every batch, with KV splits at fixed positions (a decode row then gets the same
-    bits in a mixed step, a pure one or a re-prefill, and decode still gets split parallelism).
-    prefetch: the weight the caller reads next (paged_decode.PREFETCH_NEXT, an experiment)."""
+    bits in a mixed step, a pure one or a re-prefill, and decode still gets split parallelism)."""
     from .paged_decode import DECODE_TILE, paged_decode_attention, pick_num_splits
     from .paged_prefill import INVARIANT_SPLIT_LEN, INVARIANT_TILE, paged_prefill_attention
     if meta.batch_invariant:
@@ -70,8 +69,7 @@ def paged_attention(q, k_cache, v_cache, meta, scale, sliding_window=None, prefe
                                        decode_rows=meta.decode_only, **INVARIANT_TILE)
     if meta.decode_only:
         return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,
-                                      sliding_window, pick_num_splits(q.shape[0], k_cache.shape[2]), **DECODE_TILE,
-                                      prefetch=prefetch)
+                                      sliding_window, pick_num_splits(q.shape[0], k_cache.shape[2]), **DECODE_TILE)
     return paged_prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
                                    meta.seq_lens, scale, sliding_window)
 

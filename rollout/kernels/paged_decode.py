@@ -35,7 +35,7 @@ def _decode_split_kernel(
         s_qb, s_qh, s_kp, s_ks, s_kh, s_vp, s_vs, s_vh, s_bt, s_ob, s_oh,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
         BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr,
-        PDL: tl.constexpr, pf_ptr=None, pf_chunk=0, pf_bytes=0, PREFETCH: tl.constexpr = 0):
+        PDL: tl.constexpr):
     enter(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -78,10 +78,6 @@ def _decode_split_kernel(
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PREC)
         m_i = m_new
 
-    if PREFETCH:     # this program's share of the next kernel's weight into L2, as HBM frees up
-        lin = (split * tl.num_programs(1) + kvh) * tl.num_programs(0) + b
-        prefetch_l2(pf_ptr.to(tl.pointer_type(tl.int8)) + lin.to(tl.int64) * pf_chunk,
-                    tl.minimum(pf_chunk, pf_bytes - lin.to(tl.int64) * pf_chunk), PREFETCH == 2)
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)       # empty split / padding row -> acc 0, output 0
     o = acc / l_safe[:, None]
     before_store(PDL)
@@ -114,25 +110,6 @@ def load_kv_tile(k_ptr, v_ptr, bt_ptr, seq, kvh, n0, pos, valid, s_kp, s_ks, s_k
 
 
 @triton.jit
-def prefetch_l2(ptr, nbytes, EVICT_LAST: tl.constexpr = False):
-    """Ask L2 for nbytes (a multiple of 16; none if <= 0) from ptr: bulk prefetches (sm_90) of
-    32 KB pieces, issued by thread 0 only. Nothing is held while the bytes arrive. EVICT_LAST:
-    with an evict-last L2 policy, so that streamed lines leave L2 before them."""
-    for off in range(0, nbytes, 32768):
-        if EVICT_LAST:
-            tl.inline_asm_elementwise(
-                "{ .reg .pred p; .reg .b32 t; .reg .b64 pol; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
-                "createpolicy.fractional.L2::evict_last.b64 pol, 1.0; "
-                "@p cp.async.bulk.prefetch.L2.global.L2::cache_hint [$1], $2, pol; mov.u32 $0, 0; }",
-                "=r,l,r", [ptr + off, tl.minimum(nbytes - off, 32768)], dtype=tl.int32, is_pure=False, pack=1)
-        else:
-            tl.inline_asm_elementwise(
-                "{ .reg .pred p; .reg .b32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
-                "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-                "=r,l,r", [ptr + off, tl.minimum(nbytes - off, 32768)], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def _decode_merge_kernel(po_ptr, plse_ptr, out_ptr, s_ob, s_oh,
                          HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
                          PDL: tl.constexpr):
@@ -156,12 +133,6 @@ def _decode_merge_kernel(po_ptr, plse_ptr, out_ptr, s_ob, s_oh,
 # The decode tile (H200 sweeps, bench/results/*_kernels_micro.json and *_attn_layout_*.json):
 # 64-key tiles, 4 warps, 2 stages; `bench.step_variants` tries others inside the decode graphs.
 DECODE_TILE = dict(block_n=None, num_warps=4, num_stages=2)   # block_n None: 64 (16 in fp32)
-# An experiment (bench.step_variants' attn_prefetch_o), off: with PREFETCH_NEXT 1 / 2 each program,
-# once its keys are done, asks L2 for its share of the weight passed as `prefetch` (the o_proj that
-# reads this output; 33.5 MB at the 8B shape, less than L2), 2 with an evict-last policy, so the
-# GEMM after the merge finds it there. (An evict-first hint on the K/V loads would protect it, but
-# triton drops eviction hints on the cp.async copies these loads become.)
-PREFETCH_NEXT = 0
 
 
 def pick_num_splits(batch: int, num_kv_heads: int, num_sms: int = 132, max_splits: int = 16) -> int:
@@ -174,8 +145,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                            sliding_window: Optional[int] = None, num_splits: int = 1, *,
                            out: Optional[torch.Tensor] = None, block_n: Optional[int] = None,
-                           num_warps: int = 4, num_stages: int = 2,
-                           prefetch: Optional[torch.Tensor] = None) -> torch.Tensor:
+                           num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
     """q [B, Hq, D]; k_cache, v_cache [num_pages, page_size, Hkv, D]; block_tables [B, P] int32;
     seq_lens [B] int32 (context incl. the current token, already in the cache). -> [B, Hq, D]
     in q's dtype. Shape-only host logic: safe to capture in a CUDA graph."""
@@ -203,12 +173,6 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     # fp32 inputs: ieee dot (default would be tf32, ~1e-3 error); bf16/fp16 ignore this.
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
     pdl = pdl_for(q, late=("attn",))
-    pf = dict(PREFETCH=PREFETCH_NEXT)
-    if PREFETCH_NEXT and prefetch is not None and q.is_cuda:    # bulk prefetch: 16-byte pieces
-        nbytes = prefetch.numel() * prefetch.element_size() // 16 * 16
-        pf.update(pf_ptr=prefetch, pf_bytes=nbytes, pf_chunk=triton.cdiv(nbytes, B * Hkv * num_splits * 16) * 16)
-    else:
-        pf["PREFETCH"] = 0
     _decode_split_kernel[(B, Hkv, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, po, plse,
         scale * LOG2E, int(sliding_window or 0),
@@ -217,7 +181,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         out.stride(0), out.stride(1),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=D, PAGE_SIZE=page_size,
         BLOCK_N=block_n, NUM_SPLITS=num_splits, USE_WINDOW=sliding_window is not None, DOT_PREC=prec,
-        PDL=pdl, num_warps=num_warps, num_stages=num_stages, launch_pdl=bool(pdl), **pf)
+        PDL=pdl, num_warps=num_warps, num_stages=num_stages, launch_pdl=bool(pdl))
     if num_splits > 1:
         pdl = pdl_for(q)
         _decode_merge_kernel[(B, Hq)](po, plse, out, out.stride(0), out.stride(1), HEAD_DIM=D,

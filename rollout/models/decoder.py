@@ -223,8 +223,7 @@ class Attention(nn.Module):
             from ..kernels.rope_kv import qkv_rope_and_write_kv
             q = qkv_rope_and_write_kv(x, self.qkv_proj.weight, self.num_heads, positions, inv_freq, k_cache,
                                       v_cache, meta.slot_mapping, *cfg)
-            o = paged_attention(q, k_cache, v_cache, meta, self.scale, self.sliding_window,
-                                prefetch=self.o_proj.weight)
+            o = paged_attention(q, k_cache, v_cache, meta, self.scale, self.sliding_window)
         else:
             q, k, v = self._qkv(x, linear)
             o = rope_and_attend(q, k, v, positions, inv_freq, k_cache, v_cache, meta, self.scale,

@@ -113,31 +113,6 @@ def test_decode_cuda_graph(num_splits):
         check(out, reference(q, clean, meta_for(lens, [1] * B, bt, ps), D ** -0.5, None), torch.bfloat16)
 
 
-@pytest.mark.parametrize("prefetch", [1, 2])
-def test_decode_l2_prefetch_of_the_next_weight_changes_no_bits(monkeypatch, prefetch):
-    """paged_decode.PREFETCH_NEXT (an experiment): each program's L2 prefetch of its share of a
-    weight (an odd size: the last share is short, some programs get none) leaves the output's
-    bits and the weight alone, eagerly and in a graph."""
-    import rollout.kernels.paged_decode as pd
-    Hq, Hkv, D, ps, B = 32, 8, 128, 16, 6
-    lens = [2000, 0, 301, 1, 777, 4096]
-    (kc, vc), _, bt = make_paged(lens, Hkv, D, ps, torch.bfloat16, seed=12)
-    q = torch.randn(B, Hq, D, device=DEV, dtype=torch.bfloat16)
-    seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEV)
-    w = torch.randn(4096 * 1000 + 24, device=DEV, dtype=torch.bfloat16)
-    w0 = w.clone()
-    want = paged_decode_attention(q, kc, vc, bt, seq_lens, D ** -0.5, None, 2)
-    monkeypatch.setattr(pd, "PREFETCH_NEXT", prefetch)
-    got = paged_decode_attention(q, kc, vc, bt, seq_lens, D ** -0.5, None, 2, prefetch=w)
-    out = torch.empty_like(q)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        paged_decode_attention(q, kc, vc, bt, seq_lens, D ** -0.5, None, 2, out=out, prefetch=w)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(got, want) and torch.equal(out, want) and torch.equal(w, w0)
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_rope_kv(dtype):
     T, Hq, Hkv, D, ps, pages = 300, 32, 8, 128, 16, 32
