@@ -386,6 +386,19 @@ def test_batch_invariant_attention_rows_are_the_same_bits_in_every_batch(monkeyp
     torch.testing.assert_close(res.float(), reference(qc, caches, chunk, 0.125, window), **tol)
 
 
+def test_decode_split_count_fills_the_gpu_once():
+    """pick_num_splits: the most splits whose grid fits on the GPU at once (PROGRAMS_PER_SM per
+    SM): the old ~2-waves rule gave B = 8 five splits and B = 16 three (320 and 384 programs), and
+    the H200's decode graphs were 4 and 2 points of roofline faster at 8 and 4 (512 programs);
+    no grid above one resident wave unless one split is already too many."""
+    from rollout.kernels.paged_decode import PROGRAMS_PER_SM, pick_num_splits
+    got = {B: pick_num_splits(B, 8, num_sms=132) for B in (1, 2, 4, 8, 16, 24, 32, 64, 512)}
+    assert got == {1: 16, 2: 16, 4: 16, 8: 8, 16: 4, 24: 2, 32: 2, 64: 1, 512: 1}
+    for B, ns in got.items():
+        assert ns == 1 or B * 8 * ns <= PROGRAMS_PER_SM * 132
+    assert pick_num_splits(64, 2, num_sms=132) == 4 and pick_num_splits(8, 8, num_sms=66) == 4
+
+
 def test_compiles_for_sm90(tmp_path):
     """The interpreter runs kernels as Python: it misses compile-time errors (loop-carried
     constexprs, layout/shape rules of tl.dot). Compile each kernel ahead of time for sm_90 with

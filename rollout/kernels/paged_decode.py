@@ -14,6 +14,7 @@ padding) run no tile and write zeros. The wrapper does no host syncs.
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -135,10 +136,29 @@ def _decode_merge_kernel(po_ptr, plse_ptr, out_ptr, s_ob, s_oh,
 DECODE_TILE = dict(block_n=None, num_warps=4, num_stages=2)   # block_n None: 64 (16 in fp32)
 
 
-def pick_num_splits(batch: int, num_kv_heads: int, num_sms: int = 132, max_splits: int = 16) -> int:
-    """Enough programs for ~2 waves over the SMs (H200: 132). A starting point to tune:
-    section 5 of docs/performance.md measured NS = 1-2 best for B >= 32 at Hkv = 8."""
-    return max(1, min(max_splits, -(-2 * num_sms // max(1, batch * num_kv_heads))))
+# Programs of the default decode tile that fit on one SM together (sm_90a: 103 registers x 128
+# threads and 38 KB of shared memory each, from ptxas -v): 4.
+PROGRAMS_PER_SM = 4
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: Optional[int]) -> int:
+    if not torch.cuda.is_available():
+        return 132                                  # the H200's count (CPU / interpreter runs)
+    return torch.cuda.get_device_properties(device_index or 0).multi_processor_count
+
+
+def pick_num_splits(batch: int, num_kv_heads: int, num_sms: Optional[int] = None, max_splits: int = 16) -> int:
+    """The most KV splits whose grid (batch x KV heads x splits programs) still fits on the GPU at
+    once, PROGRAMS_PER_SM on each SM. With PDL this grid is launched while the QKV GEMM still runs
+    on most SMs, and the block scheduler fills the idle SMs to their limit first: a grid much
+    smaller than the GPU's capacity leaves those SMs with more than their share of the keys, one
+    larger than it runs a partial second wave. In the decode graphs (Llama-3-8B shape, context
+    4,352) B = 8 went from 5 splits to 8: +3.7 / +4.0 points of roofline; B = 16 from 3 to 4: +1.7
+    / +2.0; B = 32 keeps 2 (bench/results/README.md, fourteenth session). A function of the batch
+    size only, so one CUDA graph per batch bucket serves every context."""
+    sms = num_sms or _num_sms(torch.cuda.current_device() if torch.cuda.is_available() else None)
+    return max(1, min(max_splits, PROGRAMS_PER_SM * sms // max(1, batch * num_kv_heads)))
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
