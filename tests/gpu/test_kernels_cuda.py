@@ -52,7 +52,8 @@ def check(out, ref, dtype):
 
 # (Hq, Hkv, D, page_size, num_splits, window): Llama-3-8B GQA 4, MHA, Qwen2.5-0.5B GQA 7 / d64.
 DECODE_CASES = [(32, 8, 128, 16, 1, None), (32, 8, 128, 16, 3, None), (32, 8, 128, 64, 2, 1000),
-                (8, 8, 64, 16, 4, None), (14, 2, 64, 32, 1, 100), (14, 2, 64, 32, 3, None)]
+                (8, 8, 64, 16, 4, None), (14, 2, 64, 32, 1, 100), (14, 2, 64, 32, 3, None),
+                (32, 8, 128, 16, 8, None), (32, 8, 128, 16, 16, 300)]     # pick_num_splits at B = 8 / 4
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
