@@ -151,9 +151,10 @@ def _num_sms(device_index: Optional[int]) -> int:
 def pick_num_splits(batch: int, num_kv_heads: int, num_sms: Optional[int] = None, max_splits: int = 16) -> int:
     """The most KV splits whose grid (batch x KV heads x splits programs) still fits on the GPU at
     once, PROGRAMS_PER_SM on each SM. With PDL this grid is launched while the QKV GEMM still runs
-    on most SMs, and the block scheduler fills the idle SMs to their limit first: a grid much
-    smaller than the GPU's capacity leaves those SMs with more than their share of the keys, one
-    larger than it runs a partial second wave. In the decode graphs (Llama-3-8B shape, context
+    on most SMs; what the H200 rows show fits the block scheduler filling the idle SMs to their
+    limit first, so a grid much smaller than the GPU's capacity leaves those SMs with more than
+    their share of the keys (one split at B = 32: -15 points), and one larger than it runs a
+    partial second wave. In the decode graphs (Llama-3-8B shape, context
     4,352) B = 8 went from 5 splits to 8: +3.7 / +4.0 points of roofline; B = 16 from 3 to 4: +1.7
     / +2.0; B = 32 keeps 2 (bench/results/README.md, fourteenth session). A function of the batch
     size only, so one CUDA graph per batch bucket serves every context."""
