@@ -154,10 +154,10 @@ def pick_num_splits(batch: int, num_kv_heads: int, num_sms: Optional[int] = None
     on most SMs; what the H200 rows show fits the block scheduler filling the idle SMs to their
     limit first, so a grid much smaller than the GPU's capacity leaves those SMs with more than
     their share of the keys (one split at B = 32: -15 points), and one larger than it runs a
-    partial second wave. In the decode graphs (Llama-3-8B shape, context
-    4,352) B = 8 went from 5 splits to 8: +3.7 / +4.0 points of roofline; B = 16 from 3 to 4: +1.7
-    / +2.0; B = 32 keeps 2 (bench/results/README.md, fourteenth session). A function of the batch
-    size only, so one CUDA graph per batch bucket serves every context."""
+    partial second wave. In the decode graphs (Llama-3-8B shape, context 4,352) B = 8 went from 5
+    splits to 8: +3.7 / +4.0 points of roofline; B = 16 from 3 to 4: +1.7 / +2.0; B = 32 keeps 2
+    (bench/results/README.md, fourteenth session). A function of the batch size only, so one CUDA
+    graph per batch bucket serves every context."""
     sms = num_sms or _num_sms(torch.cuda.current_device() if torch.cuda.is_available() else None)
     return max(1, min(max_splits, PROGRAMS_PER_SM * sms // max(1, batch * num_kv_heads)))
 
