@@ -68,8 +68,11 @@ def paged_attention(q, k_cache, v_cache, meta, scale, sliding_window=None):
                                        meta.seq_lens, scale, sliding_window, split_len=INVARIANT_SPLIT_LEN,
                                        decode_rows=meta.decode_only, **INVARIANT_TILE)
     if meta.decode_only:
+        from .fused_sampler import _sm_count
+        sms = {"num_sms": _sm_count(q.device)} if q.is_cuda else {}    # CPU runs: the default (the H200's)
+        splits = pick_num_splits(q.shape[0], k_cache.shape[2], **sms)
         return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,
-                                      sliding_window, pick_num_splits(q.shape[0], k_cache.shape[2]), **DECODE_TILE)
+                                      sliding_window, splits, **DECODE_TILE)
     return paged_prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
                                    meta.seq_lens, scale, sliding_window)
 

@@ -14,7 +14,6 @@ padding) run no tile and write zeros. The wrapper does no host syncs.
 """
 from __future__ import annotations
 
-import functools
 from typing import Optional
 
 import torch
@@ -141,14 +140,7 @@ DECODE_TILE = dict(block_n=None, num_warps=4, num_stages=2)   # block_n None: 64
 PROGRAMS_PER_SM = 4
 
 
-@functools.lru_cache(maxsize=None)
-def _num_sms(device_index: Optional[int]) -> int:
-    if not torch.cuda.is_available():
-        return 132                                  # the H200's count (CPU / interpreter runs)
-    return torch.cuda.get_device_properties(device_index or 0).multi_processor_count
-
-
-def pick_num_splits(batch: int, num_kv_heads: int, num_sms: Optional[int] = None, max_splits: int = 16) -> int:
+def pick_num_splits(batch: int, num_kv_heads: int, num_sms: int = 132, max_splits: int = 16) -> int:
     """The most KV splits whose grid (batch x KV heads x splits programs) still fits on the GPU at
     once, PROGRAMS_PER_SM on each SM. With PDL this grid is launched while the QKV GEMM still runs
     on most SMs; what the H200 rows show fits the block scheduler filling the idle SMs to their
@@ -157,9 +149,8 @@ def pick_num_splits(batch: int, num_kv_heads: int, num_sms: Optional[int] = None
     partial second wave. In the decode graphs (Llama-3-8B shape, context 4,352) B = 8 went from 5
     splits to 8: +3.7 / +4.0 points of roofline; B = 16 from 3 to 4: +1.7 / +2.0; B = 32 keeps 2
     (bench/results/README.md, fourteenth session). A function of the batch size only, so one CUDA
-    graph per batch bucket serves every context."""
-    sms = num_sms or _num_sms(torch.cuda.current_device() if torch.cuda.is_available() else None)
-    return max(1, min(max_splits, PROGRAMS_PER_SM * sms // max(1, batch * num_kv_heads)))
+    graph per batch bucket serves every context. num_sms: the device's (132: the H200's)."""
+    return max(1, min(max_splits, PROGRAMS_PER_SM * num_sms // max(1, batch * num_kv_heads)))
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
