@@ -110,6 +110,11 @@ for s in $sections; do
       # kernel with a grid barrier between layers (bits compared first)
       timeout 240 python3 -m rollout.bench.chain --layers 32 --n 4096 --m 32 --out $OUT/chain_l8b_o.json 2>&1 \
         | grep -E "^NVIDIA|^[0-9]+,|Error" ;;
+    chain_order) # the chain above under both PDL orders, with tiles that fit 2-3 programs on an SM: does
+      # wait-then-launch (ROLLOUT_PDL=1, one grid ahead) let the next GEMM's programs sit beside the running one?
+      for mode in 2 1; do ROLLOUT_PDL=$mode timeout 200 python3 -m rollout.bench.chain --layers 32 --n 4096 --m 32 \
+        --configs 32,256,4,5 32,256,4,3 32,128,4,6 32,128,4,4 64,128,4,3 --out $OUT/chain_l8b_o_pdl$mode.json 2>&1 \
+        | grep -E "^NVIDIA|^[0-9]+,|Error" | sed "s/^/pdl$mode /"; done ;;
     p3_ab) # P3's step (Qwen2.5-1.5B, 512 rows, mean context 2304) under PDL off / wait-first / the old RoPE grid:
       # P3 read 73.6% at 4a16869 against 78.0% at 3901d6d, with 4.7% more GPU time; every GEMM there is cuBLAS
       timeout 300 python3 -m rollout.bench.step_variants --shape qwen2.5-1.5b --batch 512 --context 2304 --steps 40 \
