@@ -499,6 +499,8 @@ def test_compiles_for_sm90(tmp_path):
                "ssq_ptr": "*fp32", "nw_ptr": "*bf16"}
         def compile_(fn, pdl=False, early_loads=False, ptrs=None, **const):
             const = dict(const, PDL=pdl) if "PDL" in fn.arg_names else const
+            if "X_LEFT" in fn.arg_names:     # x as the MMA's right operand unless a case says otherwise
+                const.setdefault("X_LEFT", False)
             sig, attrs = {}, {}
             for i, name in enumerate(fn.arg_names):
                 scalar = "fp32" if name in ("sm_scale_log2", "eps") else "i32"
@@ -565,9 +567,11 @@ def test_compiles_for_sm90(tmp_path):
                          RESIDUAL=True, NORM_PARTS=0)
             compile_(sg._skinny_gemm_kernel, pdl, early_loads=True, BLOCK_M=32, BLOCK_N=128, BLOCK_K=128,
                      EVEN_N=True, HAS_BIAS=False, SPLIT_K=1, PARTIALS=False, SILU_MUL=True, RESIDUAL=False,
-                     NORM_PARTS=64)
-            compile_(rk._qkv_rope_kernel, pdl, early_loads=True, HQ=32, HKV=8, HALF=64, BLOCK_M=32, BLOCK_N=64,
-                     BLOCK_K=128, SPLIT_K=1, NORM_PARTS=128, PRECISE=True, ptrs={"ws_ptr": "*bf16", "cnt_ptr": "*bf16"})
+                     NORM_PARTS=64, X_LEFT=True)
+            for left in (False, True):
+                compile_(rk._qkv_rope_kernel, pdl, early_loads=True, HQ=32, HKV=8, HALF=64, BLOCK_M=32, BLOCK_N=64,
+                         BLOCK_K=128, SPLIT_K=1, NORM_PARTS=128, X_LEFT=left, PRECISE=True,
+                         ptrs={"ws_ptr": "*bf16", "cnt_ptr": "*bf16"})
         # Mode 3 (pdl.set_late, a timing bound): the kernels that name a `late` kind wait only before storing.
         compile_(pd._decode_split_kernel, 3, early_loads=True, GROUP=4, GROUP_PAD=16, NUM_SPLITS=2,
                  USE_WINDOW=False, **common)

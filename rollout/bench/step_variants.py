@@ -23,6 +23,8 @@ ends with the baseline to show the drift. A variant is knobs joined by "+", on t
                     no_rope_in_qkv: the RoPE kernel)
   norm_fold         the RMSNorms folded into the QKV / gate_up GEMMs, the residual adds into o_proj /
                     down (DecoderLM.norm_in_gemm; no_norm_fold: the add + RMSNorm kernels)
+  x_left / x_right  every skinny GEMM's x as the MMA's left operand (mma.sync) / right one (wgmma where
+                    the tile allows); default: left only where the norm is folded in (skinny_gemm.X_LEFT)
   norm_warps=W      the add + RMSNorm kernels with W warps per row's program (fused_ops.NORM_WARPS)
   norm_no_pdl       the add + RMSNorm kernels launched without PDL (fused_ops.NORM_PDL)
 Two knobs are timing bounds, not modes to run (their tokens are wrong):
@@ -76,6 +78,7 @@ def apply(eng, variant: str, defaults: dict) -> None:
     from ..kernels import fused_ops, paged_decode, pdl, rope_kv, skinny_gemm
     pdl.set_enabled(True, launch_first=True)
     fused_ops.NORM_WARPS, fused_ops.NORM_PDL = None, True
+    skinny_gemm.X_LEFT = None
     pdl.set_late(())
     decoder.add_norm_of_linear = defaults["add_norm"]
     rope_kv.Q_HEADS_PER_PROGRAM = defaults["rope"]
@@ -109,6 +112,8 @@ def apply(eng, variant: str, defaults: dict) -> None:
             eng.model.silu_in_gate_up = knob == "silu_gate_up"
         elif knob in ("norm_fold", "no_norm_fold"):
             eng.model.norm_in_gemm = knob == "norm_fold"
+        elif knob in ("x_left", "x_right"):
+            skinny_gemm.X_LEFT = knob == "x_left"
         elif name == "norm_warps":
             fused_ops.NORM_WARPS = int(val)
         elif knob == "norm_no_pdl":

@@ -41,7 +41,7 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, ssq_ptr, nw
                         eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         EVEN_N: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
                         PARTIALS: tl.constexpr, SILU_MUL: tl.constexpr, RESIDUAL: tl.constexpr,
-                        NORM_PARTS: tl.constexpr, PDL: tl.constexpr):
+                        NORM_PARTS: tl.constexpr, X_LEFT: tl.constexpr, PDL: tl.constexpr):
     pid = tl.program_id(0)
     if SILU_MUL:
         rn, w_rows = gate_up_rows(pid, N, BLOCK_N)               # N: the intermediate size
@@ -54,7 +54,7 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, ssq_ptr, nw
     per = tl.cdiv(k_tiles, SPLIT_K)
     kt0 = tl.program_id(1) * per
     acc = weight_rows_times_x(x_ptr, w_ptr, w_rows, rn, rm, M, N, s_xm, s_wn, kt0, tl.minimum(kt0 + per, k_tiles),
-                              BLOCK_M, BLOCK_N, BLOCK_K, EVEN_N, PDL, ssq_ptr, nw_ptr, K, eps, NORM_PARTS)
+                              BLOCK_M, BLOCK_N, BLOCK_K, EVEN_N, PDL, ssq_ptr, nw_ptr, K, eps, NORM_PARTS, X_LEFT)
     before_store(PDL)
     if SPLIT_K > 1:
         if PARTIALS:   # the consumer kernel adds them (in split order)
@@ -157,24 +157,30 @@ def splitk_fixup(acc, ws_ptr, cnt_ptr, tile, cols, rm, N, BLOCK_M: tl.constexpr,
 @triton.jit
 def weight_rows_times_x(x_ptr, w_ptr, w_rows, rn, rm, M, N, s_xm, s_wn, kt0, kt1, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, PDL: tl.constexpr,
-                        ssq_ptr, nw_ptr, hidden, eps, NORM_PARTS: tl.constexpr):
+                        ssq_ptr, nw_ptr, hidden, eps, NORM_PARTS: tl.constexpr, X_LEFT: tl.constexpr):
     """acc [BLOCK_N, BLOCK_M] = w[w_rows] @ x[rm].T over K tiles [kt0, kt1), fp32 in K order (the
     weight tile is the MMA's left operand). rn < N masks weight rows unless EVEN_N. With PDL the
     first weight tile is loaded before the wait on the previous kernel (weights are not its
     output; two tiles measured no faster inside the decode graphs, bench/results/README.md).
     NORM_PARTS > 0: x rows are RMSNorm'd on the fly (`load_x`; weight nw [hidden], 1 / rms from
-    the producer's NORM_PARTS partial sums of squares at ssq_ptr)."""
+    the producer's NORM_PARTS partial sums of squares at ssq_ptr).
+    X_LEFT: x is the MMA's left operand instead (acc.T = x @ w.T; at 16-32 rows that is mma.sync,
+    whose operands come through registers, where the folded norm transforms x for free; the
+    wgmma form must write a transformed x back to shared memory and wait on it every tile)."""
     rk = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + w_rows.to(tl.int64)[:, None] * s_wn + (kt0 * BLOCK_K + rk)[None, :]
     x_ptrs = x_ptr + rm.to(tl.int64)[:, None] * s_xm + (kt0 * BLOCK_K + rk)[None, :]
     nw_ptrs = nw_ptr + kt0 * BLOCK_K + rk
     m_ok = rm[:, None] < M
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    if X_LEFT:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     if PDL:
         w = _load_w(w_ptrs, rn, N, EVEN_N)
         enter(PDL)
         inv = rms_inverse(ssq_ptr, rm, M, hidden, eps, NORM_PARTS)
-        acc = tl.dot(w, tl.trans(load_x(x_ptrs, m_ok, inv, nw_ptrs, NORM_PARTS)), acc)
+        acc = _mma(w, load_x(x_ptrs, m_ok, inv, nw_ptrs, NORM_PARTS), acc, X_LEFT)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
         nw_ptrs += BLOCK_K
@@ -183,11 +189,22 @@ def weight_rows_times_x(x_ptr, w_ptr, w_rows, rn, rm, M, N, s_xm, s_wn, kt0, kt1
         inv = rms_inverse(ssq_ptr, rm, M, hidden, eps, NORM_PARTS)
     for _ in range(kt0, kt1):
         w = _load_w(w_ptrs, rn, N, EVEN_N)
-        x = load_x(x_ptrs, m_ok, inv, nw_ptrs, NORM_PARTS)
-        acc = tl.dot(w, tl.trans(x), acc)
+        acc = _mma(w, load_x(x_ptrs, m_ok, inv, nw_ptrs, NORM_PARTS), acc, X_LEFT)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
         nw_ptrs += BLOCK_K
+    if X_LEFT:
+        acc = tl.trans(acc)
+    return acc
+
+
+@triton.jit
+def _mma(w, x, acc, X_LEFT: tl.constexpr):
+    """acc [BLOCK_N, BLOCK_M] += w @ x.T, or with X_LEFT acc [BLOCK_M, BLOCK_N] += x @ w.T."""
+    if X_LEFT:
+        acc = tl.dot(x, tl.trans(w), acc)
+    else:
+        acc = tl.dot(w, tl.trans(x), acc)
     return acc
 
 
@@ -304,11 +321,22 @@ def skinny_gemm(x: torch.Tensor, w: torch.Tensor, block_n: int, block_k: int, nu
             x, w, bias if bias is not None else w, out, ws, cnt, ssq, nw, M, N, K, x.stride(0), w.stride(0),
             out.stride(0), eps, BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_N=N % cols_per_tile == 0,
             HAS_BIAS=bias is not None, SPLIT_K=split_k, PARTIALS=partials, SILU_MUL=silu_mul,
-            RESIDUAL=residual is not None, NORM_PARTS=ssq_in.shape[0] if norm is not None else 0, PDL=pdl,
+            RESIDUAL=residual is not None, NORM_PARTS=ssq_in.shape[0] if norm is not None else 0,
+            X_LEFT=x_left(norm is not None, bm), PDL=pdl,
             num_warps=num_warps, num_stages=num_stages, launch_pdl=bool(pdl))
     if residual is not None:
         return residual, ssq
     return ws[:, :M] if partials else out
+
+
+# Which MMA operand x is (weight_rows_times_x's X_LEFT): None = the left one where the norm is
+# folded in, else the right (wgmma); True / False: every call (bench.step_variants' x_left / x_right).
+X_LEFT: Optional[bool] = None
+
+
+def x_left(normed: bool, block_m: int) -> bool:
+    """X_LEFT for a call; x on the left needs a row tile of at most 32 (an mma.sync tile)."""
+    return (normed if X_LEFT is None else X_LEFT) and block_m <= 32
 
 
 def norm_operands(norm: tuple, x: torch.Tensor) -> tuple:
