@@ -98,13 +98,6 @@ for s in $sections; do
         > $OUT/gpu_tests_kernels.log 2>&1; grep -E "passed|failed|FAILED|Error" $OUT/gpu_tests_kernels.log | tail -20
       VARIANTS="base norm_warps=16 norm_warps=32 base norm_no_pdl norm_warps=32+norm_no_pdl base norm_warps=32
         norm_no_pdl base" bash $0 variants ;;
-    norm_fold) # the fifteenth session's RMSNorm folded into QKV / gate_up and the residual adds into o_proj / down
-      # (DecoderLM.norm_in_gemm, 2 kernels fewer per layer): its GPU tests, then the in-graph A/B (bound from
-      # skip_norms: +1.3-1.4 points). First timed with x as wgmma's right operand: -6 points (the normed x tile
-      # goes back to shared memory and the MMA waits every tile); now x is mma.sync's left operand there
-      timeout 300 python3 -m pytest -q -p no:cacheprovider --noconftest -s tests/gpu/test_skinny_gemm_cuda.py \
-        > $OUT/gpu_tests_skinny_gemm.log 2>&1; grep -E "norm fold:|passed|failed|FAILED|Error" $OUT/gpu_tests_skinny_gemm.log | tail -20
-      VARIANTS="${FOLD_VARIANTS:-base norm_fold base norm_fold+x_right base x_left base norm_fold base}" bash $0 variants ;;
     x_traffic) # the small decode GEMMs re-read x [32, K] from L2 once per output tile: M / BLOCK_N of their
       # weight bytes (o_proj's 32-row tiles: 100%). Wider tiles with split-K (o_proj / down partials go to the
       # add + RMSNorm; QKV's last split program does the RoPE epilogue) cut that at the same program count;

@@ -40,29 +40,25 @@ def test_apply_parses_the_timing_bound_knobs_and_base_undoes_them(monkeypatch):
     monkeypatch.setattr(rope_kv, "Q_HEADS_PER_PROGRAM", rope_kv.Q_HEADS_PER_PROGRAM)
     monkeypatch.setattr(fused_ops, "NORM_WARPS", None)
     monkeypatch.setattr(fused_ops, "NORM_PDL", True)
-    monkeypatch.setattr(skinny_gemm, "X_LEFT", None)
     eng = types.SimpleNamespace(model=types.SimpleNamespace(splitk_into_norm=True, silu_in_gate_up=True,
-                                                            rope_in_qkv=True, norm_in_gemm=False))
+                                                            rope_in_qkv=True))
     defaults = dict(rope=rope_kv.Q_HEADS_PER_PROGRAM, table=dict(skinny_gemm._LLAMA3_8B),
                     tile=dict(paged_decode.DECODE_TILE), splits=paged_decode.pick_num_splits,
-                    splitk_norm=True, silu_gate_up=True, rope_in_qkv=True, norm_fold=False,
-                    add_norm=decoder.add_norm_of_linear)
+                    splitk_norm=True, silu_gate_up=True, rope_in_qkv=True, add_norm=decoder.add_norm_of_linear)
     try:
         step_variants.apply(eng, "late_wait=o,gate_up,down0+skip_norms=post+qkv=32,256,4,5", defaults)
         assert pdl._late == {"gemm:4096,4096", "gemm:28672,4096", "split0:4096,14336"}
         assert decoder.add_norm_of_linear.keywords == {"skip": "post"}
         assert skinny_gemm._LLAMA3_8B[(6144, 4096)] == ((64, (32, 256, 4, 5)),)
         assert fused_ops.NORM_WARPS is None and fused_ops.NORM_PDL
-        assert not eng.model.norm_in_gemm
-        step_variants.apply(eng, "late_wait+skip_norms+norm_warps=32+norm_no_pdl+norm_fold+x_right", defaults)
-        assert pdl._late == {"gemm", "qkv", "attn"} and eng.model.norm_in_gemm and skinny_gemm.X_LEFT is False
+        step_variants.apply(eng, "late_wait+skip_norms+norm_warps=32+norm_no_pdl", defaults)
+        assert pdl._late == {"gemm", "qkv", "attn"}
         assert fused_ops.NORM_WARPS == 32 and not fused_ops.NORM_PDL
         assert decoder.add_norm_of_linear.keywords == {"skip": ("pre", "post")}
         step_variants.apply(eng, "base", defaults)
         assert pdl._late == frozenset() and decoder.add_norm_of_linear is defaults["add_norm"]
         assert skinny_gemm._LLAMA3_8B == defaults["table"]
-        assert fused_ops.NORM_WARPS is None and fused_ops.NORM_PDL and not eng.model.norm_in_gemm
-        assert skinny_gemm.X_LEFT is None
+        assert fused_ops.NORM_WARPS is None and fused_ops.NORM_PDL
         with pytest.raises(SystemExit, match="unknown knob"):
             step_variants.apply(eng, "late_wiat", defaults)
     finally:

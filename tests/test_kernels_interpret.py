@@ -316,82 +316,6 @@ def test_engine_fused_gemm_paths_give_the_same_bits(monkeypatch, qkv_split):
         assert a.completions[0].logprobs == b.completions[0].logprobs
 
 
-@pytest.mark.parametrize("split_k,M", [(1, 5), (2, 16), (1, 1)])
-def test_residual_add_in_the_gemm_and_the_norm_folded_into_the_next(split_k, M):
-    """skinny_gemm(residual=r): r += x @ w.T in place with add_rmsnorm's residual bits (after the
-    split-K fix-up where the config splits), and each tile's per-row sum of squares. The next GEMM
-    with norm=(ssq, weight, eps) reads the un-normed residual: within one fp16 rounding of the
-    norm kernel then the plain GEMM (only 1 / rms's fp32 sum order differs), for a plain, a SiLU
-    and a QKV + RoPE epilogue. Wrong sums of squares, or no norm weight, are caught. fp16 (the
-    interpreter's bf16 dot is broken)."""
-    from rollout.kernels import skinny_gemm as sg
-    from rollout.kernels.fused_ops import add_rmsnorm
-    from rollout.kernels.rope_kv import qkv_rope_and_write_kv
-    g = torch.Generator().manual_seed(split_k + M)
-    K, N = 256, 256
-    x = torch.randn(M, K, generator=g).half()
-    w = (torch.randn(N, K, generator=g) / 16).half()
-    r0 = torch.randn(M, N, generator=g).half()
-    nw = (torch.rand(N, generator=g) + 0.5).half()
-    r, ssq = sg.skinny_gemm(x, w, 64, 64, 4, 2, split_k, residual=r0.clone())
-    normed, want_r = add_rmsnorm(r0, nw, 1e-5, delta=sg.skinny_gemm(x, w, 64, 64, 4, 2, split_k))
-    assert torch.equal(r, want_r) and ssq.shape == (N // 64, M)
-    # fp32 sums of 64 squares each: their total is the row's sum of squares to fp32 summation noise
-    torch.testing.assert_close(ssq.sum(0), r.float().pow(2).sum(1), rtol=1e-5, atol=0)
-
-    def close(got, want):   # one fp16 rounding (2^-11 relative) of either side, a floor near zero
-        return bool(((got.float() - want.float()).abs() <= want.float().abs() * 2.0 ** -10 + 1e-3).all())
-
-    w2 = (torch.randn(96, N, generator=g) / 16).half()
-    assert close(sg.skinny_gemm(r, w2, 32, 64, 4, 2, norm=(ssq, nw, 1e-5)), sg.skinny_gemm(normed, w2, 32, 64, 4, 2))
-    assert not close(sg.skinny_gemm(r, w2, 32, 64, 4, 2, norm=(ssq * 1.5, nw, 1e-5)),
-                     sg.skinny_gemm(normed, w2, 32, 64, 4, 2))
-    assert not close(sg.skinny_gemm(r, w2, 32, 64, 4, 2, norm=(ssq, torch.ones_like(nw), 1e-5)),
-                     sg.skinny_gemm(normed, w2, 32, 64, 4, 2))
-    w3 = (torch.randn(2 * 96, N, generator=g) / 16).half()
-    assert close(sg.skinny_gemm(r, w3, 64, 64, 4, 2, silu_mul=True, norm=(ssq, nw, 1e-5)),
-                 sg.skinny_gemm(normed, w3, 64, 64, 4, 2, silu_mul=True))
-    Hq, Hkv, D, ps = 4, 2, 32, 16
-    wq = (torch.randn((Hq + 2 * Hkv) * D, N, generator=g) / 16).half()
-    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, D, 2).float() / D))
-    pos, slots = torch.randint(0, 3000, (M,), generator=g), torch.randperm(4 * ps, generator=g)[:M]
-    caches = [[torch.zeros(4, ps, Hkv, D, dtype=torch.float16) for _ in range(2)] for _ in range(2)]
-    q = qkv_rope_and_write_kv(r, wq, Hq, pos, inv_freq, *caches[0], slots, 32, 64, 4, 2, norm=(ssq, nw, 1e-5))
-    q_want = qkv_rope_and_write_kv(normed, wq, Hq, pos, inv_freq, *caches[1], slots, 32, 64, 4, 2)
-    assert close(q, q_want) and all(close(a, b) for a, b in zip(*caches))
-    with pytest.raises(AssertionError, match="power of two"):
-        sg.skinny_gemm(r, w2, 32, 64, 4, 2, norm=(torch.zeros(3, M), nw, 1e-5))
-
-
-def test_engine_norm_folded_into_the_gemms_matches_the_norm_kernels(monkeypatch):
-    """DecoderLM.norm_in_gemm on the tiny model through the engine (Triton backend, fp32,
-    interpreter; configs stand in for the GPU-only skinny table): decode steps take the folded path
-    (o_proj and down_proj add into the residual, QKV and gate_up get the norm) and give the norm
-    kernels' tokens, with logprobs within fp32 summation-order noise (1 / rms sums in another
-    order; prefill, 15 rows > the stand-in table's 8, keeps the norm kernels)."""
-    from engine_ab import TINY_PROMPTS, tiny_params, tiny_triton_engine
-    from rollout.kernels import skinny_gemm as sg
-    from rollout.models import decoder
-    monkeypatch.setattr(decoder, "_skinny_config",
-                        lambda w, x: None if x.shape[0] > 8 or w.shape[1] % 128 else
-                        (64, 64, 4, 2, 1) if w.shape[0] == 2 * 768 else
-                        (32, 64, 4, 2, 1) if w.shape[0] == (8 + 2 * 2) * 32 else (64, 64, 4, 2, 2))
-    calls = []
-    inner = sg.skinny_gemm
-    monkeypatch.setattr(sg, "skinny_gemm", lambda *a, **k: (calls.append(k), inner(*a, **k))[1])
-    outs = {}
-    for on in (False, True):
-        eng = tiny_triton_engine()
-        eng.model.norm_in_gemm = on
-        calls.clear()
-        outs[on] = eng.generate(TINY_PROMPTS, tiny_params(), use_tqdm=False)
-        assert any(k.get("residual") is not None for k in calls) == on
-        assert any(k.get("norm") is not None and k.get("silu_mul") for k in calls) == on
-    for a, b in zip(outs[False], outs[True]):
-        assert a.completions[0].token_ids == b.completions[0].token_ids
-        assert a.completions[0].logprobs == pytest.approx(b.completions[0].logprobs, abs=1e-5)
-
-
 def test_batch_invariant_gemm_rows_do_not_depend_on_their_batch():
     """Batch-invariant mode's GEMM (fixed weight tiles; 16- to 64-row x tiles): each row of x gives the same bits
     alone, in any subset and in the full 150-row product (3 M tiles, a masked tail), and matches
@@ -495,12 +419,9 @@ def test_compiles_for_sm90(tmp_path):
                "kc_ptr": "*bf16", "vc_ptr": "*bf16", "po_ptr": "*fp32", "plse_ptr": "*fp32", "bt_ptr": "*i32",
                "lens_ptr": "*i32", "qsl_ptr": "*i32", "pos_ptr": "*i64", "inv_freq_ptr": "*fp32", "slot_ptr": "*i64",
                "x_ptr": "*bf16", "d_ptr": "*bf16", "w_ptr": "*bf16", "res_ptr": "*bf16", "gu_ptr": "*bf16",
-               "b_ptr": "*bf16", "y_ptr": "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "wml_ptr": "*fp32",
-               "ssq_ptr": "*fp32", "nw_ptr": "*bf16"}
+               "b_ptr": "*bf16", "y_ptr": "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "wml_ptr": "*fp32"}
         def compile_(fn, pdl=False, early_loads=False, ptrs=None, **const):
             const = dict(const, PDL=pdl) if "PDL" in fn.arg_names else const
-            if "X_LEFT" in fn.arg_names:     # x as the MMA's right operand unless a case says otherwise
-                const.setdefault("X_LEFT", False)
             sig, attrs = {}, {}
             for i, name in enumerate(fn.arg_names):
                 scalar = "fp32" if name in ("sm_scale_log2", "eps") else "i32"
@@ -542,45 +463,29 @@ def test_compiles_for_sm90(tmp_path):
                                  BLOCK_N=32, BLOCK_K=256, SPIN=1 << 20, PREFETCH=prefetch)
             for split in (1, 2):     # QKV GEMM + RoPE + K/V write epilogue (after the split-K fix-up)
                 compile_(rk._qkv_rope_kernel, pdl, early_loads=True, HQ=32, HKV=8, HALF=64, BLOCK_M=32,
-                         BLOCK_N=64 * split, BLOCK_K=128, SPLIT_K=split, NORM_PARTS=0, PRECISE=True,
+                         BLOCK_N=64 * split, BLOCK_K=128, SPLIT_K=split, PRECISE=True,
                          ptrs=None if split > 1 else {"ws_ptr": "*bf16", "cnt_ptr": "*bf16"})   # as passed
             compile_(fo._add_rmsnorm_kernel, pdl, HAS_DELTA=True, DELTA_PARTIALS=2 if pdl else 0, BLOCK=4096)
             compile_(fo._silu_mul_kernel, pdl, BLOCK=1024)
             for split in (1, 2):
                 compile_(sg._skinny_gemm_kernel, pdl, early_loads=True, BLOCK_M=32, BLOCK_N=64, BLOCK_K=128,
-                         EVEN_N=split == 1, HAS_BIAS=split == 2, SPLIT_K=split, PARTIALS=False, SILU_MUL=False,
-                         RESIDUAL=False, NORM_PARTS=0)
+                         EVEN_N=split == 1, HAS_BIAS=split == 2, SPLIT_K=split, PARTIALS=False, SILU_MUL=False)
             compile_(sg._skinny_gemm_kernel, pdl, early_loads=True, BLOCK_M=32, BLOCK_N=64, BLOCK_K=128,
-                     EVEN_N=True, HAS_BIAS=False, SPLIT_K=2, PARTIALS=True, SILU_MUL=False, RESIDUAL=False,
-                     NORM_PARTS=0, ptrs={"cnt_ptr": "*bf16"})   # as skinny_gemm passes it (unused): no fix-up atomics built
+                     EVEN_N=True, HAS_BIAS=False, SPLIT_K=2, PARTIALS=True, SILU_MUL=False,
+                     ptrs={"cnt_ptr": "*bf16"})   # as skinny_gemm passes it (unused): no fix-up atomics built
             compile_(sg._skinny_gemm_kernel, pdl, early_loads=True, BLOCK_M=sg.INVARIANT_BLOCK_M,   # batch-invariant
                      BLOCK_N=sg.invariant_block_n(4096), BLOCK_K=128, EVEN_N=True, HAS_BIAS=False, SPLIT_K=1,
-                     PARTIALS=False, SILU_MUL=False, RESIDUAL=False, NORM_PARTS=0)
+                     PARTIALS=False, SILU_MUL=False)
             compile_(sg._skinny_gemm_kernel, pdl, early_loads=True, BLOCK_M=32, BLOCK_N=128, BLOCK_K=128,   # gate_up
-                     EVEN_N=True, HAS_BIAS=False, SPLIT_K=1, PARTIALS=False, SILU_MUL=True,   # + SiLU epilogue
-                     RESIDUAL=False, NORM_PARTS=0)
-            # The folded RMSNorm (DecoderLM._forward_norm_folded): residual adds in o_proj / down (after the
-            # split-K fix-up), the norm applied to QKV's and gate_up's x tiles.
-            for split, bn, bk in ((1, 32, 256), (2, 64, 128)):
-                compile_(sg._skinny_gemm_kernel, pdl, early_loads=True, BLOCK_M=32, BLOCK_N=bn, BLOCK_K=bk,
-                         EVEN_N=True, HAS_BIAS=False, SPLIT_K=split, PARTIALS=False, SILU_MUL=False,
-                         RESIDUAL=True, NORM_PARTS=0)
-            compile_(sg._skinny_gemm_kernel, pdl, early_loads=True, BLOCK_M=32, BLOCK_N=128, BLOCK_K=128,
-                     EVEN_N=True, HAS_BIAS=False, SPLIT_K=1, PARTIALS=False, SILU_MUL=True, RESIDUAL=False,
-                     NORM_PARTS=64, X_LEFT=True)
-            for left in (False, True):
-                compile_(rk._qkv_rope_kernel, pdl, early_loads=True, HQ=32, HKV=8, HALF=64, BLOCK_M=32, BLOCK_N=64,
-                         BLOCK_K=128, SPLIT_K=1, NORM_PARTS=128, X_LEFT=left, PRECISE=True,
-                         ptrs={"ws_ptr": "*bf16", "cnt_ptr": "*bf16"})
+                     EVEN_N=True, HAS_BIAS=False, SPLIT_K=1, PARTIALS=False, SILU_MUL=True)    # + SiLU epilogue
         # Mode 3 (pdl.set_late, a timing bound): the kernels that name a `late` kind wait only before storing.
         compile_(pd._decode_split_kernel, 3, early_loads=True, GROUP=4, GROUP_PAD=16, NUM_SPLITS=2,
                  USE_WINDOW=False, **common)
         compile_(rk._qkv_rope_kernel, 3, early_loads=True, HQ=32, HKV=8, HALF=64, BLOCK_M=32, BLOCK_N=64,
-                 BLOCK_K=128, SPLIT_K=1, NORM_PARTS=0, PRECISE=True, ptrs={"ws_ptr": "*bf16", "cnt_ptr": "*bf16"})
+                 BLOCK_K=128, SPLIT_K=1, PRECISE=True, ptrs={"ws_ptr": "*bf16", "cnt_ptr": "*bf16"})
         for mode in (3, 4):   # 4: split 0's programs late, the others wait in enter
             compile_(sg._skinny_gemm_kernel, mode, early_loads=True, BLOCK_M=32, BLOCK_N=64, BLOCK_K=128,
-                     EVEN_N=True, HAS_BIAS=False, SPLIT_K=2, PARTIALS=True, SILU_MUL=False, RESIDUAL=False,
-                     NORM_PARTS=0, ptrs={"cnt_ptr": "*bf16"})
+                     EVEN_N=True, HAS_BIAS=False, SPLIT_K=2, PARTIALS=True, SILU_MUL=False, ptrs={"cnt_ptr": "*bf16"})
         print("ok")
     """)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

@@ -21,10 +21,6 @@ ends with the baseline to show the drift. A variant is knobs joined by "+", on t
                     no_silu_gate_up: the SiLU kernel)
   rope_in_qkv       RoPE + the K/V write in the QKV GEMM's epilogue, no RoPE kernel (the default;
                     no_rope_in_qkv: the RoPE kernel)
-  norm_fold         the RMSNorms folded into the QKV / gate_up GEMMs, the residual adds into o_proj /
-                    down (DecoderLM.norm_in_gemm; no_norm_fold: the add + RMSNorm kernels)
-  x_left / x_right  every skinny GEMM's x as the MMA's left operand (mma.sync) / right one (wgmma where
-                    the tile allows); default: left only where the norm is folded in (skinny_gemm.X_LEFT)
   norm_warps=W      the add + RMSNorm kernels with W warps per row's program (fused_ops.NORM_WARPS)
   norm_no_pdl       the add + RMSNorm kernels launched without PDL (fused_ops.NORM_PDL)
 Two knobs are timing bounds, not modes to run (their tokens are wrong):
@@ -78,7 +74,6 @@ def apply(eng, variant: str, defaults: dict) -> None:
     from ..kernels import fused_ops, paged_decode, pdl, rope_kv, skinny_gemm
     pdl.set_enabled(True, launch_first=True)
     fused_ops.NORM_WARPS, fused_ops.NORM_PDL = None, True
-    skinny_gemm.X_LEFT = None
     pdl.set_late(())
     decoder.add_norm_of_linear = defaults["add_norm"]
     rope_kv.Q_HEADS_PER_PROGRAM = defaults["rope"]
@@ -88,7 +83,6 @@ def apply(eng, variant: str, defaults: dict) -> None:
     eng.model.splitk_into_norm = defaults["splitk_norm"]
     eng.model.silu_in_gate_up = defaults["silu_gate_up"]
     eng.model.rope_in_qkv = defaults["rope_in_qkv"]
-    eng.model.norm_in_gemm = defaults["norm_fold"]
     for knob in variant.split("+"):
         name, _, val = knob.partition("=")
         nums = tuple(int(v) for v in val.split(",")) if (name in GEMMS or name == "attn") and val != "cublas" else None
@@ -110,10 +104,6 @@ def apply(eng, variant: str, defaults: dict) -> None:
             eng.model.rope_in_qkv = knob == "rope_in_qkv"
         elif knob in ("silu_gate_up", "no_silu_gate_up"):
             eng.model.silu_in_gate_up = knob == "silu_gate_up"
-        elif knob in ("norm_fold", "no_norm_fold"):
-            eng.model.norm_in_gemm = knob == "norm_fold"
-        elif knob in ("x_left", "x_right"):
-            skinny_gemm.X_LEFT = knob == "x_left"
         elif name == "norm_warps":
             fused_ops.NORM_WARPS = int(val)
         elif knob == "norm_no_pdl":
@@ -166,7 +156,7 @@ def main(argv=None):
     defaults = dict(rope=rope_kv.Q_HEADS_PER_PROGRAM, table=dict(skinny_gemm._LLAMA3_8B),
                     tile=dict(paged_decode.DECODE_TILE), splits=paged_decode.pick_num_splits,
                     splitk_norm=eng.model.splitk_into_norm, silu_gate_up=eng.model.silu_in_gate_up,
-                    rope_in_qkv=eng.model.rope_in_qkv, norm_fold=eng.model.norm_in_gemm, add_norm=decoder.add_norm_of_linear)
+                    rope_in_qkv=eng.model.rope_in_qkv, add_norm=decoder.add_norm_of_linear)
     rows = []
     for v in args.variants:
         try:

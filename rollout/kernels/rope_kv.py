@@ -29,7 +29,7 @@ from triton.language.extra import libdevice
 
 from . import fix_interpreter
 from .pdl import before_store, enter, pdl_for
-from .skinny_gemm import norm_operands, split_counters, splitk_fixup, weight_rows_times_x, x_left
+from .skinny_gemm import split_counters, splitk_fixup, weight_rows_times_x
 
 fix_interpreter()
 
@@ -137,11 +137,10 @@ def rope_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positio
 
 @triton.jit
 def _qkv_rope_kernel(
-        x_ptr, w_ptr, qo_ptr, pos_ptr, inv_freq_ptr, kc_ptr, vc_ptr, slot_ptr, ws_ptr, cnt_ptr, ssq_ptr, nw_ptr,
-        n_slots, M, K, s_xm, s_wn, s_qot, s_qoh, s_kcs, s_kch, s_vcs, s_vch, eps,
+        x_ptr, w_ptr, qo_ptr, pos_ptr, inv_freq_ptr, kc_ptr, vc_ptr, slot_ptr, ws_ptr, cnt_ptr, n_slots, M, K,
+        s_xm, s_wn, s_qot, s_qoh, s_kcs, s_kch, s_vcs, s_vch,
         HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, NORM_PARTS: tl.constexpr, X_LEFT: tl.constexpr,
-        PRECISE: tl.constexpr, PDL: tl.constexpr):
+        BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PRECISE: tl.constexpr, PDL: tl.constexpr):
     P: tl.constexpr = BLOCK_N // 2              # frequency pairs per program
     pid = tl.program_id(0)
     head = pid // (HALF // P)                    # q heads, then k heads, then v heads
@@ -153,8 +152,7 @@ def _qkv_rope_kernel(
     per = tl.cdiv(K // BLOCK_K, SPLIT_K)         # this program's K tiles, as in the skinny GEMM
     kt0 = tl.program_id(1) * per
     acc = weight_rows_times_x(x_ptr, w_ptr, w_rows, w_rows, rm, M, N, s_xm, s_wn,
-                              kt0, tl.minimum(kt0 + per, K // BLOCK_K), BLOCK_M, BLOCK_N, BLOCK_K, True, PDL,
-                              ssq_ptr, nw_ptr, K, eps, NORM_PARTS, X_LEFT)
+                              kt0, tl.minimum(kt0 + per, K // BLOCK_K), BLOCK_M, BLOCK_N, BLOCK_K, True, PDL)
     before_store(PDL)
     last = True
     if SPLIT_K > 1:   # the tile's last split program sums the partials (skinny_gemm's order) and goes on
@@ -196,11 +194,10 @@ def _rope_epilogue(acc, qo_ptr, pos_ptr, inv_freq_ptr, kc_ptr, vc_ptr, slot_ptr,
 def qkv_rope_and_write_kv(x: torch.Tensor, w: torch.Tensor, num_heads: int, positions: torch.Tensor,
                           inv_freq: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           slot_mapping: torch.Tensor, block_n: int, block_k: int, num_warps: int = 4,
-                          num_stages: int = 4, split_k: int = 1, norm: Optional[tuple] = None) -> torch.Tensor:
+                          num_stages: int = 4, split_k: int = 1) -> torch.Tensor:
     """The fused QKV projection x [T, K] @ w.T (w [(Hq + 2 Hkv) D, K], no bias; q, k, v heads in
     order), RoPE on q and k, and the K/V write: the result of skinny_gemm (with the same split_k)
-    then rope_and_write_kv, in one kernel. T <= 64 (one row tile). Returns RoPE'd q [T, Hq, D].
-    norm (ssq, weight, eps): x is the un-normed residual, normed on the fly (skinny_gemm's `norm`)."""
+    then rope_and_write_kv, in one kernel. T <= 64 (one row tile). Returns RoPE'd q [T, Hq, D]."""
     T, K = x.shape
     Hkv, D = k_cache.shape[2], k_cache.shape[3]
     half, pairs = D // 2, block_n // 2
@@ -210,7 +207,6 @@ def qkv_rope_and_write_kv(x: torch.Tensor, w: torch.Tensor, num_heads: int, posi
     assert k_cache.stride(0) == k_cache.shape[1] * k_cache.stride(1) and v_cache.shape == k_cache.shape
     assert v_cache.stride(0) == v_cache.shape[1] * v_cache.stride(1) and k_cache.stride(3) == v_cache.stride(3) == 1
     assert slot_mapping.dtype == torch.int64 and slot_mapping.numel() <= T
-    ssq, nw, eps = norm_operands(norm, x) if norm is not None else (x, x, 0.0)
     out_q = torch.empty((T, num_heads, D), dtype=x.dtype, device=x.device)
     if T == 0:
         return out_q
@@ -222,13 +218,11 @@ def qkv_rope_and_write_kv(x: torch.Tensor, w: torch.Tensor, num_heads: int, posi
     else:
         ws, cnt = out_q, out_q   # unused
     _qkv_rope_kernel[(tiles, split_k)](
-        x, w, out_q, positions, inv_freq.float().contiguous(), k_cache, v_cache, slot_mapping, ws, cnt, ssq, nw,
+        x, w, out_q, positions, inv_freq.float().contiguous(), k_cache, v_cache, slot_mapping, ws, cnt,
         slot_mapping.numel(),
         T, K, x.stride(0), w.stride(0), out_q.stride(0), out_q.stride(1), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(1), v_cache.stride(2), eps, HQ=num_heads, HKV=Hkv, HALF=half,
-        BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
-        NORM_PARTS=ssq.shape[0] if norm is not None else 0, X_LEFT=x_left(norm is not None, bm), PRECISE=PRECISE,
-        PDL=pdl,
+        v_cache.stride(1), v_cache.stride(2), HQ=num_heads, HKV=Hkv, HALF=half,
+        BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, PRECISE=PRECISE, PDL=pdl,
         num_warps=num_warps, num_stages=num_stages, launch_pdl=bool(pdl),
         enable_fp_fusion=False)   # the rotation rounds each product, as rope_and_write_kv (the MMA is unaffected)
     return out_q

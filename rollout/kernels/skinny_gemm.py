@@ -37,11 +37,10 @@ fix_interpreter()
 
 
 @triton.jit
-def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, ssq_ptr, nw_ptr, M, N, K, s_xm, s_wn, s_ym,
-                        eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, s_xm, s_wn, s_ym,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         EVEN_N: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
-                        PARTIALS: tl.constexpr, SILU_MUL: tl.constexpr, RESIDUAL: tl.constexpr,
-                        NORM_PARTS: tl.constexpr, X_LEFT: tl.constexpr, PDL: tl.constexpr):
+                        PARTIALS: tl.constexpr, SILU_MUL: tl.constexpr, PDL: tl.constexpr):
     pid = tl.program_id(0)
     if SILU_MUL:
         rn, w_rows = gate_up_rows(pid, N, BLOCK_N)               # N: the intermediate size
@@ -54,7 +53,7 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, ssq_ptr, nw
     per = tl.cdiv(k_tiles, SPLIT_K)
     kt0 = tl.program_id(1) * per
     acc = weight_rows_times_x(x_ptr, w_ptr, w_rows, rn, rm, M, N, s_xm, s_wn, kt0, tl.minimum(kt0 + per, k_tiles),
-                              BLOCK_M, BLOCK_N, BLOCK_K, EVEN_N, PDL, ssq_ptr, nw_ptr, K, eps, NORM_PARTS, X_LEFT)
+                              BLOCK_M, BLOCK_N, BLOCK_K, EVEN_N, PDL)
     before_store(PDL)
     if SPLIT_K > 1:
         if PARTIALS:   # the consumer kernel adds them (in split order)
@@ -62,56 +61,11 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, ssq_ptr, nw
         else:          # if/else, not an early return: Triton compiles the code after a return too
             acc, last = splitk_fixup(acc, ws_ptr, cnt_ptr, pid, rn, rm, N, BLOCK_M, SPLIT_K)
             if last:
-                if RESIDUAL:
-                    residual_epilogue(acc, y_ptr, ssq_ptr, pid, rm, rn, M, N, s_ym)
-                else:
-                    _epilogue(acc, b_ptr, y_ptr, rm, rn, M, N, s_ym, HAS_BIAS)
+                _epilogue(acc, b_ptr, y_ptr, rm, rn, M, N, s_ym, HAS_BIAS)
     elif SILU_MUL:
         silu_epilogue(acc, y_ptr, pid, rm, M, N, s_ym, BLOCK_M, BLOCK_N)
-    elif RESIDUAL:
-        residual_epilogue(acc, y_ptr, ssq_ptr, pid, rm, rn, M, N, s_ym)
     else:
         _epilogue(acc, b_ptr, y_ptr, rm, rn, M, N, s_ym, HAS_BIAS)
-
-
-@triton.jit
-def residual_epilogue(acc, r_ptr, ssq_ptr, tile, rm, rn, M, N, s_r):
-    """The residual add of a layer's output projection (residual=True): r[rm, rn] += acc, acc rounded
-    as the GEMM would store it and the sum rounded as add_rmsnorm rounds it (the same bits), in
-    place; then the per-row sum of squares of the tile's new r (fp32) at ssq[tile, rm], the part of
-    the next RMSNorm a consumer GEMM folds in (norm=...)."""
-    dt = r_ptr.dtype.element_ty
-    ok = (rm[None, :] < M) & (rn[:, None] < N)
-    ptrs = r_ptr + rm.to(tl.int64)[None, :] * s_r + rn[:, None]
-    r = (tl.load(ptrs, mask=ok, other=0.0).to(tl.float32) + acc.to(dt).to(tl.float32)).to(dt)
-    tl.store(ptrs, r, mask=ok)
-    rf = r.to(tl.float32)
-    tl.store(ssq_ptr + tile * M + rm, tl.sum(rf * rf, axis=0), mask=rm < M)
-
-
-@triton.jit
-def rms_inverse(ssq_ptr, rm, M, hidden, eps, PARTS: tl.constexpr):
-    """1 / rms of rows rm from the PARTS per-tile sums of squares ssq [PARTS, M] that the producer's
-    residual_epilogue stored (fp32, summed here in a fixed tree order). PARTS 0: unused ones."""
-    if PARTS:
-        p = tl.arange(0, PARTS)
-        s = tl.load(ssq_ptr + p[:, None] * M + rm[None, :], mask=rm[None, :] < M, other=0.0)
-        inv = 1.0 / tl.sqrt_rn(tl.sum(s, axis=0) / hidden + eps)
-    else:
-        inv = tl.full(rm.shape, 1.0, tl.float32)
-    return inv
-
-
-@triton.jit
-def load_x(x_ptrs, m_ok, inv, nw_ptrs, NORM_PARTS: tl.constexpr):
-    """An x tile [BLOCK_M, BLOCK_K]; with NORM_PARTS x is the un-normed residual, and the tile is
-    RMSNorm'd here as add_rmsnorm rounds it (times 1 / rms, cast; times the norm weight, cast)."""
-    x = tl.load(x_ptrs, mask=m_ok, other=0.0)
-    if NORM_PARTS:
-        dt = x.dtype
-        y = (x.to(tl.float32) * inv[:, None]).to(dt)
-        x = (tl.load(nw_ptrs).to(tl.float32)[None, :] * y.to(tl.float32)).to(dt)
-    return x
 
 
 @triton.jit
@@ -156,55 +110,29 @@ def splitk_fixup(acc, ws_ptr, cnt_ptr, tile, cols, rm, N, BLOCK_M: tl.constexpr,
 
 @triton.jit
 def weight_rows_times_x(x_ptr, w_ptr, w_rows, rn, rm, M, N, s_xm, s_wn, kt0, kt1, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, PDL: tl.constexpr,
-                        ssq_ptr, nw_ptr, hidden, eps, NORM_PARTS: tl.constexpr, X_LEFT: tl.constexpr):
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, PDL: tl.constexpr):
     """acc [BLOCK_N, BLOCK_M] = w[w_rows] @ x[rm].T over K tiles [kt0, kt1), fp32 in K order (the
     weight tile is the MMA's left operand). rn < N masks weight rows unless EVEN_N. With PDL the
     first weight tile is loaded before the wait on the previous kernel (weights are not its
-    output; two tiles measured no faster inside the decode graphs, bench/results/README.md).
-    NORM_PARTS > 0: x rows are RMSNorm'd on the fly (`load_x`; weight nw [hidden], 1 / rms from
-    the producer's NORM_PARTS partial sums of squares at ssq_ptr).
-    X_LEFT: x is the MMA's left operand instead (acc.T = x @ w.T; at 16-32 rows that is mma.sync,
-    whose operands come through registers, where the folded norm transforms x for free; the
-    wgmma form must write a transformed x back to shared memory and wait on it every tile)."""
+    output; two tiles measured no faster inside the decode graphs, bench/results/README.md)."""
     rk = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + w_rows.to(tl.int64)[:, None] * s_wn + (kt0 * BLOCK_K + rk)[None, :]
     x_ptrs = x_ptr + rm.to(tl.int64)[:, None] * s_xm + (kt0 * BLOCK_K + rk)[None, :]
-    nw_ptrs = nw_ptr + kt0 * BLOCK_K + rk
     m_ok = rm[:, None] < M
-    if X_LEFT:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    else:
-        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     if PDL:
         w = _load_w(w_ptrs, rn, N, EVEN_N)
         enter(PDL)
-        inv = rms_inverse(ssq_ptr, rm, M, hidden, eps, NORM_PARTS)
-        acc = _mma(w, load_x(x_ptrs, m_ok, inv, nw_ptrs, NORM_PARTS), acc, X_LEFT)
+        acc = tl.dot(w, tl.trans(tl.load(x_ptrs, mask=m_ok, other=0.0)), acc)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
-        nw_ptrs += BLOCK_K
         kt0 += 1
-    else:
-        inv = rms_inverse(ssq_ptr, rm, M, hidden, eps, NORM_PARTS)
     for _ in range(kt0, kt1):
         w = _load_w(w_ptrs, rn, N, EVEN_N)
-        acc = _mma(w, load_x(x_ptrs, m_ok, inv, nw_ptrs, NORM_PARTS), acc, X_LEFT)
+        x = tl.load(x_ptrs, mask=m_ok, other=0.0)
+        acc = tl.dot(w, tl.trans(x), acc)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
-        nw_ptrs += BLOCK_K
-    if X_LEFT:
-        acc = tl.trans(acc)
-    return acc
-
-
-@triton.jit
-def _mma(w, x, acc, X_LEFT: tl.constexpr):
-    """acc [BLOCK_N, BLOCK_M] += w @ x.T, or with X_LEFT acc [BLOCK_M, BLOCK_N] += x @ w.T."""
-    if X_LEFT:
-        acc = tl.dot(x, tl.trans(w), acc)
-    else:
-        acc = tl.dot(w, tl.trans(x), acc)
     return acc
 
 
@@ -275,8 +203,7 @@ def split_counters(device: torch.device, tiles: int) -> torch.Tensor:
 def skinny_gemm(x: torch.Tensor, w: torch.Tensor, block_n: int, block_k: int, num_warps: int = 4,
                 num_stages: int = 4, split_k: int = 1, out: Optional[torch.Tensor] = None,
                 bias: Optional[torch.Tensor] = None, block_m: Optional[int] = None,
-                partials: bool = False, silu_mul: bool = False, residual: Optional[torch.Tensor] = None,
-                norm: Optional[tuple] = None):
+                partials: bool = False, silu_mul: bool = False) -> torch.Tensor:
     """x [M, K] (unit stride in K), w [N, K] contiguous, bias [N] or None -> y [M, N] in x's dtype.
     split_k > 1: each output tile's K is shared by split_k programs (more programs for a small N
     than SMs would otherwise get); K / block_k must be a multiple of split_k.
@@ -286,67 +213,30 @@ def skinny_gemm(x: torch.Tensor, w: torch.Tensor, block_n: int, block_k: int, nu
     same bits as y, and the GEMM skips its fix-up (barrier, counter, reload, store).
     silu_mul: w is the fused gate_up weight [2I, K] (gate rows, then up rows); returns
     silu(gate) * up [M, I], the bits of fused_ops.silu_mul(skinny_gemm(x, w, ...)). No split-K,
-    no bias.
-    residual [M, N]: add the product into it in place (the residual stream; the bits of
-    add_rmsnorm's residual) and return (residual, ssq): ssq [tiles, M] fp32, each output tile's
-    per-row sum of squares of the new residual. No bias, silu_mul or partials.
-    norm (ssq, weight, eps): x is that un-normed residual; the GEMM takes rmsnorm(x) * weight,
-    rounded as add_rmsnorm rounds it, from ssq (another call's `residual` output; tiles a power of
-    two) instead of reading a normed copy: the norm kernel between two GEMMs goes away."""
+    no bias."""
     M, K = x.shape
     N = w.shape[0] // 2 if silu_mul else w.shape[0]
     assert not silu_mul or (split_k == 1 and bias is None and not partials and w.shape[0] % 2 == 0
                             and block_n >= 2), "silu_mul: no split-K, bias or partials; an even weight"
     assert not partials or (split_k > 1 and bias is None and out is None), "partials: split-K, no bias, no out"
-    assert residual is None or (bias is None and not silu_mul and not partials and out is None
-                                and residual.shape == (M, N) and residual.stride(1) == 1), "residual"
-    ssq_in, nw, eps = norm_operands(norm, x) if norm is not None else (x, x, 0.0)
     assert (M <= MAX_M or block_m) and w.shape[1] == K and x.stride(1) == 1 and w.is_contiguous()
     assert split_k == 1 or triton.cdiv(M, block_m or MAX_M) == 1, "split-K takes one M tile"
     assert K % block_k == 0, f"K={K} is not a multiple of BLOCK_K={block_k}"
     assert split_k >= 1 and (K // block_k) % split_k == 0, f"{K // block_k} K tiles do not split {split_k} ways"
-    if residual is not None:
-        out = residual
-    elif out is None:
+    if out is None:
         out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     cols_per_tile = block_n // 2 if silu_mul else block_n
     bm, tiles = block_m or pick_block_m(M), triton.cdiv(N, cols_per_tile)
-    assert residual is None or triton.cdiv(M, bm) == 1, "residual: one M tile"
     ws = torch.empty((split_k, bm, N), dtype=torch.float32, device=x.device) if split_k > 1 else out
-    ssq = torch.empty((tiles, M), dtype=torch.float32, device=x.device) if residual is not None else ssq_in
     if M:
         pdl = pdl_for(x, late=("gemm", f"gemm:{w.shape[0]},{K}", f"split0:{w.shape[0]},{K}"))
         cnt = split_counters(x.device, tiles) if split_k > 1 and not partials else out   # else unused
         _skinny_gemm_kernel[(tiles, split_k, triton.cdiv(M, bm))](
-            x, w, bias if bias is not None else w, out, ws, cnt, ssq, nw, M, N, K, x.stride(0), w.stride(0),
-            out.stride(0), eps, BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_N=N % cols_per_tile == 0,
-            HAS_BIAS=bias is not None, SPLIT_K=split_k, PARTIALS=partials, SILU_MUL=silu_mul,
-            RESIDUAL=residual is not None, NORM_PARTS=ssq_in.shape[0] if norm is not None else 0,
-            X_LEFT=x_left(norm is not None, bm), PDL=pdl,
-            num_warps=num_warps, num_stages=num_stages, launch_pdl=bool(pdl))
-    if residual is not None:
-        return residual, ssq
+            x, w, bias if bias is not None else w, out, ws, cnt, M, N, K, x.stride(0), w.stride(0), out.stride(0),
+            BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_N=N % cols_per_tile == 0, HAS_BIAS=bias is not None,
+            SPLIT_K=split_k, PARTIALS=partials, SILU_MUL=silu_mul, PDL=pdl, num_warps=num_warps,
+            num_stages=num_stages, launch_pdl=bool(pdl))
     return ws[:, :M] if partials else out
-
-
-# Which MMA operand x is (weight_rows_times_x's X_LEFT): None = the left one where the norm is
-# folded in, else the right (wgmma); True / False: every call (bench.step_variants' x_left / x_right).
-X_LEFT: Optional[bool] = None
-
-
-def x_left(normed: bool, block_m: int) -> bool:
-    """X_LEFT for a call; x on the left needs a row tile of at most 32 (an mma.sync tile)."""
-    return (normed if X_LEFT is None else X_LEFT) and block_m <= 32
-
-
-def norm_operands(norm: tuple, x: torch.Tensor) -> tuple:
-    """Check a `norm=(ssq, weight, eps)` argument against x [M, K]: (ssq, weight, eps)."""
-    ssq, weight, eps = norm
-    parts = ssq.shape[0]
-    assert ssq.dtype == torch.float32 and ssq.shape == (parts, x.shape[0]) and ssq.is_contiguous(), "ssq [parts, M]"
-    assert parts & (parts - 1) == 0, f"{parts} sum-of-squares parts: a power of two"
-    assert weight.shape == (x.shape[1],) and weight.is_contiguous(), "norm weight [K]"
-    return ssq, weight, float(eps)
 
 
 # Batch-invariant mode: one tile shape per weight whatever the row count, so a row's result is the

@@ -211,25 +211,18 @@ class Attention(nn.Module):
         o = attend(q, k_cache, v_cache, meta, self.scale, self.sliding_window)
         return self.o_proj(o.reshape(x.shape[0], self.q_size))
 
-    def qkv_rope_config(self, x, linear):
-        """The skinny-GEMM config with which the QKV GEMM's epilogue can do RoPE + the K/V write, or None."""
-        cfg = None if self.qk_norm else _fusable_config(self.qkv_proj, x, linear, split_k=None)
-        return cfg if cfg is not None and (self.head_dim // 2) % (cfg[0] // 2) == 0 else None
-
     def attend_fused(self, x, positions, inv_freq, kv_cache, meta: AttentionMetadata, linear=plain_linear,
-                     rope_in_qkv=False, norm=None):
+                     rope_in_qkv=False):
         """The Triton path up to o_proj: RoPE and the K/V write in one kernel (with `rope_in_qkv`,
         where the skinny GEMM takes this shape, in the QKV GEMM's epilogue, after its split-K
-        fix-up if the config splits), then paged attention. Returns the attention output [T, q_size].
-        norm: (ssq, weight, eps) when x is the un-normed residual (DecoderLM._forward_norm_folded)."""
+        fix-up if the config splits), then paged attention. Returns the attention output [T, q_size]."""
         from ..kernels import paged_attention, rope_and_attend
         k_cache, v_cache = kv_cache
-        cfg = self.qkv_rope_config(x, linear) if rope_in_qkv or norm is not None else None
-        assert norm is None or cfg is not None, "a norm folded into QKV needs its skinny config"
-        if cfg is not None:
+        cfg = _fusable_config(self.qkv_proj, x, linear, split_k=None) if rope_in_qkv and not self.qk_norm else None
+        if cfg is not None and (self.head_dim // 2) % (cfg[0] // 2) == 0:
             from ..kernels.rope_kv import qkv_rope_and_write_kv
             q = qkv_rope_and_write_kv(x, self.qkv_proj.weight, self.num_heads, positions, inv_freq, k_cache,
-                                      v_cache, meta.slot_mapping, *cfg, norm=norm)
+                                      v_cache, meta.slot_mapping, *cfg)
             o = paged_attention(q, k_cache, v_cache, meta, self.scale, self.sliding_window)
         else:
             q, k, v = self._qkv(x, linear)
@@ -295,9 +288,6 @@ class DecoderLM(nn.Module):
         self.silu_in_gate_up = _env_on("ROLLOUT_SILU_GATE_UP")
         # RoPE + the K/V write in the QKV GEMM's epilogue (no qk-norm, no bias): +0.2-0.3%.
         self.rope_in_qkv = _env_on("ROLLOUT_ROPE_QKV")
-        # The RMSNorms folded into the GEMMs after them, the residual adds into the GEMMs before them
-        # (_forward_norm_folded): 2 kernels fewer per layer. Off until measured (ROLLOUT_NORM_FOLD=1).
-        self.norm_in_gemm = os.environ.get("ROLLOUT_NORM_FOLD", "0") != "0"
         self.batch_invariant = False  # set by the engine: every GEMM through invariant_linear
 
     def _linear(self):
@@ -331,9 +321,6 @@ class DecoderLM(nn.Module):
         norms = [layer.input_layernorm for layer in self.layers] + [self.norm]
         residual = self.embed_tokens(input_ids)
         h, _ = add_rmsnorm(residual, norms[0].weight, norms[0].eps)
-        plan = self._norm_fold_plan(residual, linear)
-        if plan is not None:
-            return self._forward_norm_folded(h, residual, positions, kv_caches, meta, norms, plan)
         for i, (layer, kv) in enumerate(zip(self.layers, kv_caches)):
             a = layer.self_attn.attend_fused(h, positions, self.inv_freq, kv, meta, linear, self.rope_in_qkv)
             h, residual = add_norm_of_linear(layer.self_attn.o_proj, a, residual, layer.post_attention_layernorm,
@@ -342,46 +329,6 @@ class DecoderLM(nn.Module):
             h, residual = add_norm_of_linear(layer.mlp.down_proj, act, residual, norms[i + 1], linear,
                                              self.splitk_into_norm)
         return h
-
-    def _norm_fold_plan(self, x: torch.Tensor, linear):
-        """(o_proj, gate_up, down) skinny configs when every decode GEMM of a layer can take part in
-        `_forward_norm_folded` for x's row count (norm_in_gemm on, RoPE and SiLU in the QKV / gate_up
-        epilogues, swept configs for all four shapes, the output projections' tile counts powers of
-        two), else None. The same for every layer (one shape each)."""
-        if not (self.norm_in_gemm and self.rope_in_qkv and self.silu_in_gate_up):
-            return None
-        attn, mlp = self.layers[0].self_attn, self.layers[0].mlp
-        cfgs = (_fusable_config(attn.o_proj, x, linear, split_k=None),
-                _fusable_config(mlp.gate_up_proj, x, linear, split_k=False),
-                _fusable_config(mlp.down_proj, x, linear, split_k=None))
-        if attn.qkv_rope_config(x, linear) is None or None in cfgs:
-            return None
-        for lin, cfg in ((attn.o_proj, cfgs[0]), (mlp.down_proj, cfgs[2])):
-            tiles, rest = divmod(lin.weight.shape[0], cfg[0])
-            if rest or tiles & (tiles - 1):
-                return None
-        return cfgs
-
-    def _forward_norm_folded(self, h, residual, positions, kv_caches, meta, norms, plan):
-        """`_forward_fused` with 5 kernels per layer instead of 7: o_proj and down_proj add their
-        product into the residual in place and leave each tile's sum of squares (skinny_gemm's
-        `residual`); QKV and gate_up read the residual and apply the RMSNorm to their x tiles
-        (`norm`), rounded as add_rmsnorm rounds. Only 1 / rms moves (its fp32 sum runs in another
-        order). h: layer 0's normed input (one norm kernel); the final norm is a kernel too."""
-        from ..kernels.fused_ops import add_rmsnorm
-        from ..kernels.skinny_gemm import skinny_gemm
-        o_cfg, gate_up_cfg, down_cfg = plan
-        linear, norm = self._linear(), None
-        for i, (layer, kv) in enumerate(zip(self.layers, kv_caches)):
-            attn, mlp, post = layer.self_attn, layer.mlp, layer.post_attention_layernorm
-            a = attn.attend_fused(h if norm is None else residual, positions, self.inv_freq, kv, meta, linear,
-                                  rope_in_qkv=True, norm=norm)
-            residual, ssq = skinny_gemm(a, attn.o_proj.weight, *o_cfg, residual=residual)
-            act = skinny_gemm(residual, mlp.gate_up_proj.weight, *gate_up_cfg, silu_mul=True,
-                              norm=(ssq, post.weight, post.eps))
-            residual, ssq = skinny_gemm(act, mlp.down_proj.weight, *down_cfg, residual=residual)
-            norm = (ssq, norms[i + 1].weight, norms[i + 1].eps)
-        return add_rmsnorm(residual, norms[-1].weight, norms[-1].eps)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         head = self.embed_tokens if self.tie_word_embeddings else self.lm_head
