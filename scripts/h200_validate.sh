@@ -90,14 +90,6 @@ for s in $sections; do
       mv $OUT/gpu_tests_files.log $OUT/gpu_tests_compile_stalls.log
       TAG=${TAG:-_nocompile} bash $0 p3
       TEST_FILES=tests/gpu/test_fused_sampler_cuda.py bash $0 tests_files ;;
-    norm_placement) # the fourteenth session's prepared experiment: the add + RMSNorm grid (one program per row, 32
-      # at P1, 8 warps) is launched while the GEMM before it holds 128 of 132 SMs; if idle SMs fill first, all 32
-      # rows run on 4 SMs. More warps per program cap programs per SM; no PDL places the grid after the GEMM.
-      # First the GPU kernel tests (the new 8 / 16-split decode cases, fused ops under these launches).
-      timeout 300 python3 -m pytest -q -p no:cacheprovider --noconftest -s tests/gpu/test_kernels_cuda.py \
-        > $OUT/gpu_tests_kernels.log 2>&1; grep -E "passed|failed|FAILED|Error" $OUT/gpu_tests_kernels.log | tail -20
-      VARIANTS="base norm_warps=16 norm_warps=32 base norm_no_pdl norm_warps=32+norm_no_pdl base norm_warps=32
-        norm_no_pdl base" bash $0 variants ;;
     x_traffic) # the small decode GEMMs re-read x [32, K] from L2 once per output tile: M / BLOCK_N of their
       # weight bytes (o_proj's 32-row tiles: 100%). Wider tiles with split-K (o_proj / down partials go to the
       # add + RMSNorm; QKV's last split program does the RoPE epilogue) cut that at the same program count;

@@ -6,7 +6,7 @@ import pytest
 
 from rollout.bench import step_variants
 from rollout.bench.step_variants import vs_base
-from rollout.kernels import fused_ops, paged_decode, pdl, rope_kv, skinny_gemm
+from rollout.kernels import paged_decode, pdl, rope_kv, skinny_gemm
 from rollout.models import decoder
 
 
@@ -38,8 +38,6 @@ def test_apply_parses_the_timing_bound_knobs_and_base_undoes_them(monkeypatch):
     monkeypatch.setattr(paged_decode, "DECODE_TILE", dict(paged_decode.DECODE_TILE))
     monkeypatch.setattr(skinny_gemm, "_LLAMA3_8B", dict(skinny_gemm._LLAMA3_8B))
     monkeypatch.setattr(rope_kv, "Q_HEADS_PER_PROGRAM", rope_kv.Q_HEADS_PER_PROGRAM)
-    monkeypatch.setattr(fused_ops, "NORM_WARPS", None)
-    monkeypatch.setattr(fused_ops, "NORM_PDL", True)
     eng = types.SimpleNamespace(model=types.SimpleNamespace(splitk_into_norm=True, silu_in_gate_up=True,
                                                             rope_in_qkv=True))
     defaults = dict(rope=rope_kv.Q_HEADS_PER_PROGRAM, table=dict(skinny_gemm._LLAMA3_8B),
@@ -50,15 +48,12 @@ def test_apply_parses_the_timing_bound_knobs_and_base_undoes_them(monkeypatch):
         assert pdl._late == {"gemm:4096,4096", "gemm:28672,4096", "split0:4096,14336"}
         assert decoder.add_norm_of_linear.keywords == {"skip": "post"}
         assert skinny_gemm._LLAMA3_8B[(6144, 4096)] == ((64, (32, 256, 4, 5)),)
-        assert fused_ops.NORM_WARPS is None and fused_ops.NORM_PDL
-        step_variants.apply(eng, "late_wait+skip_norms+norm_warps=32+norm_no_pdl", defaults)
+        step_variants.apply(eng, "late_wait+skip_norms", defaults)
         assert pdl._late == {"gemm", "qkv", "attn"}
-        assert fused_ops.NORM_WARPS == 32 and not fused_ops.NORM_PDL
         assert decoder.add_norm_of_linear.keywords == {"skip": ("pre", "post")}
         step_variants.apply(eng, "base", defaults)
         assert pdl._late == frozenset() and decoder.add_norm_of_linear is defaults["add_norm"]
         assert skinny_gemm._LLAMA3_8B == defaults["table"]
-        assert fused_ops.NORM_WARPS is None and fused_ops.NORM_PDL
         with pytest.raises(SystemExit, match="unknown knob"):
             step_variants.apply(eng, "late_wiat", defaults)
     finally:

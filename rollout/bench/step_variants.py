@@ -21,8 +21,6 @@ ends with the baseline to show the drift. A variant is knobs joined by "+", on t
                     no_silu_gate_up: the SiLU kernel)
   rope_in_qkv       RoPE + the K/V write in the QKV GEMM's epilogue, no RoPE kernel (the default;
                     no_rope_in_qkv: the RoPE kernel)
-  norm_warps=W      the add + RMSNorm kernels with W warps per row's program (fused_ops.NORM_WARPS)
-  norm_no_pdl       the add + RMSNorm kernels launched without PDL (fused_ops.NORM_PDL)
 Two knobs are timing bounds, not modes to run (their tokens are wrong):
   late_wait[=K,..]  kernels of kinds K (gemm: o_proj, gate_up, down, lm_head; qkv; attn; one of
                     o, gate_up, down, lm_head; down0: down's split-0 programs; default the first
@@ -71,9 +69,8 @@ def _linear_without_norm(lin, x, residual, norm, linear, splitk_into_norm=False,
 
 
 def apply(eng, variant: str, defaults: dict) -> None:
-    from ..kernels import fused_ops, paged_decode, pdl, rope_kv, skinny_gemm
+    from ..kernels import paged_decode, pdl, rope_kv, skinny_gemm
     pdl.set_enabled(True, launch_first=True)
-    fused_ops.NORM_WARPS, fused_ops.NORM_PDL = None, True
     pdl.set_late(())
     decoder.add_norm_of_linear = defaults["add_norm"]
     rope_kv.Q_HEADS_PER_PROGRAM = defaults["rope"]
@@ -104,10 +101,6 @@ def apply(eng, variant: str, defaults: dict) -> None:
             eng.model.rope_in_qkv = knob == "rope_in_qkv"
         elif knob in ("silu_gate_up", "no_silu_gate_up"):
             eng.model.silu_in_gate_up = knob == "silu_gate_up"
-        elif name == "norm_warps":
-            fused_ops.NORM_WARPS = int(val)
-        elif knob == "norm_no_pdl":
-            fused_ops.NORM_PDL = False
         elif knob == "rope_token":
             rope_kv.Q_HEADS_PER_PROGRAM = 0
         elif name in GEMMS:

@@ -53,17 +53,6 @@ def rmsnorm_store(x, w_ptr, out_row_ptr, cols, m, N, eps):
     tl.store(out_row_ptr + cols, (w.to(tl.float32) * y.to(tl.float32)).to(out_row_ptr.dtype.element_ty), mask=m)
 
 
-# Experiments for bench.step_variants (the defaults are today's launch): NORM_WARPS, the warps of
-# each row's program (None: 8 for rows of 4096+ elements, else 4); NORM_PDL False launches the
-# kernel without programmatic dependent launch. At decode the grid is one program per row (32 at
-# P1), launched while the GEMM before it holds 128 of the 132 SMs: if idle SMs fill to their limit
-# first (what decode attention's split rows showed, bench/results/README.md, fourteenth session),
-# all 32 rows may run on the 4 idle SMs. More warps per program cap programs per SM; no PDL places
-# the grid after the GEMM has left.
-NORM_WARPS: Optional[int] = None
-NORM_PDL = True
-
-
 def add_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, delta: Optional[torch.Tensor] = None,
                 out: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x, delta [T, N] -> (rmsnorm(r) * weight, r) with r = x + delta (r = x without delta).
@@ -83,12 +72,11 @@ def add_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, delta: Option
     if T:
         block = triton.next_power_of_2(N)
         d = delta if delta is not None else x
-        pdl = pdl_for(x) if NORM_PDL else 0
         _add_rmsnorm_kernel[(T,)](x, d, weight, out, res, N, eps, x.stride(0), d.stride(-2),
                                   d.stride(0) if parts else 0, out.stride(0), res.stride(0),
                                   HAS_DELTA=delta is not None, DELTA_PARTIALS=delta.shape[0] if parts else 0,
-                                  BLOCK=block, PDL=pdl, num_warps=NORM_WARPS or (8 if block >= 4096 else 4),
-                                  launch_pdl=bool(pdl))
+                                  BLOCK=block, PDL=pdl_for(x), num_warps=8 if block >= 4096 else 4,
+                                  launch_pdl=bool(pdl_for(x)))
     return out, res
 
 

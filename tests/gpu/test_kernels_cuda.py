@@ -145,13 +145,8 @@ def test_rope_kv(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("norm_launch", [(None, True), (32, False)], ids=["default", "32warps-nopdl"])
-def test_fused_ops_cuda(dtype, norm_launch, monkeypatch):
-    """norm_launch: fused_ops.NORM_WARPS / NORM_PDL, the step_variants experiment's launches."""
+def test_fused_ops_cuda(dtype):
     from fused_cases import fused_ops_cases
-    from rollout.kernels import fused_ops
-    monkeypatch.setattr(fused_ops, "NORM_WARPS", norm_launch[0])
-    monkeypatch.setattr(fused_ops, "NORM_PDL", norm_launch[1])
     for name, got, want in fused_ops_cases(DEV, dtype):
         # fp32: summation order only. bf16: round-to-nearest at the same points as torch's
         # eager ops, so at most one bf16 ulp (2**-7 relative at worst) where fp32 sums differ.
