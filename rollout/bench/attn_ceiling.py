@@ -23,6 +23,7 @@ launches ours without programmatic dependent launch (kernels/pdl.py).
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 
 import torch
@@ -39,15 +40,20 @@ fix_interpreter()
 
 @triton.jit
 def _read_kernel(k_ptr, v_ptr, out_ptr, n_per_prog, n_total, BLOCK: tl.constexpr, STAGES: tl.constexpr,
-                 PDL: tl.constexpr):
+                 PRE: tl.constexpr, PDL: tl.constexpr):
     """Program p sums elements [p * n_per_prog, (p + 1) * n_per_prog) of k and then of v. With PDL
-    it waits for the kernel before, as a dependent layer would (its out buffer is reused)."""
-    enter(PDL)
+    it waits for the kernel before, as a dependent layer would (its out buffer is reused). PRE
+    blocks of k are loaded before that wait, as a GEMM may load weights that are not the previous
+    kernel's output: what reads in flight across the boundary save (n_per_prog >= PRE * BLOCK)."""
     pid = tl.program_id(0)
     lo = pid.to(tl.int64) * n_per_prog
     acc = tl.zeros([BLOCK], tl.float32)
     offs = tl.arange(0, BLOCK)
-    for i in tl.range(0, n_per_prog, BLOCK, num_stages=STAGES):
+    for j in tl.static_range(PRE):
+        idx = lo + j * BLOCK + offs
+        acc += tl.load(k_ptr + idx, mask=idx < n_total, other=0.0).to(tl.float32)
+    enter(PDL)
+    for i in tl.range(PRE * BLOCK, n_per_prog, BLOCK, num_stages=STAGES):
         idx = lo + i + offs
         acc += tl.load(k_ptr + idx, mask=idx < n_total, other=0.0).to(tl.float32)
     for i in tl.range(0, n_per_prog, BLOCK, num_stages=STAGES):
@@ -57,11 +63,12 @@ def _read_kernel(k_ptr, v_ptr, out_ptr, n_per_prog, n_total, BLOCK: tl.constexpr
 
 
 def read_bytes(k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, programs: int, stages: int,
-               block: int = 4096) -> torch.Tensor:
+               block: int = 4096, pre: int = 0) -> torch.Tensor:
     n = k.numel()
     per = triton.cdiv(triton.cdiv(n, programs), block) * block
+    assert per >= pre * block, f"{pre} blocks before the wait: more than a program's {per // block}"
     pdl = pdl_for(k)
-    _read_kernel[(programs,)](k, v, out, per, n, BLOCK=block, STAGES=stages, PDL=pdl, num_warps=4,
+    _read_kernel[(programs,)](k, v, out, per, n, BLOCK=block, STAGES=stages, PRE=pre, PDL=pdl, num_warps=4,
                               launch_pdl=bool(pdl))
     return out
 
@@ -116,6 +123,9 @@ def main(argv=None):
     ap.add_argument("--pages", nargs="+", choices=["shuffled", "ordered"], default=["shuffled", "ordered"])
     ap.add_argument("--read-grid", nargs="+", type=int, default=[2, 4, 8], help="read kernel programs per SM")
     ap.add_argument("--read-stages", nargs="+", type=int, default=[2, 4])
+    ap.add_argument("--read-pre", nargs="+", type=int, default=[0],
+                    help="blocks of k each read program loads before its PDL wait")
+    ap.add_argument("--read-block", nargs="+", type=int, default=[4096], help="elements a read program loads at once")
     ap.add_argument("--no-sdpa", dest="sdpa", action="store_false")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
@@ -165,13 +175,17 @@ def main(argv=None):
                 print(f"  ours {pages} {cfg}: {type(e).__name__}: {e}"[:200])
         if pages == args.pages[0]:
             sums = torch.empty(max(args.read_grid) * sms, dtype=torch.float32, device="cuda")
-            for per_sm in args.read_grid:
-                for st in args.read_stages:
-                    def reads(per_sm=per_sm, st=st):
-                        for kc, vc in caches:
-                            read_bytes(kc, vc, sums, per_sm * sms, st)
-                    report(f"read {per_sm} programs/SM, {st} stages", graph_us(reads, L, args.replays, args.repeats),
-                           programs=per_sm * sms, stages=st)
+            for per_sm, st, blk, pre in itertools.product(args.read_grid, args.read_stages, args.read_block,
+                                                          args.read_pre):
+                def reads(per_sm=per_sm, st=st, blk=blk, pre=pre):
+                    for kc, vc in caches:
+                        read_bytes(kc, vc, sums, per_sm * sms, st, block=blk, pre=pre)
+                try:
+                    report(f"read {per_sm} programs/SM, {st} stages, {blk} a block, {pre} before the wait",
+                           graph_us(reads, L, args.replays, args.repeats), programs=per_sm * sms, stages=st,
+                           block=blk, pre=pre)
+                except AssertionError as e:   # more blocks before the wait than a program reads
+                    print(f"  read {per_sm}/SM pre={pre}: {e}")
         caches.clear()                  # free this page order's caches before the next
         torch.cuda.empty_cache()
 
