@@ -422,8 +422,6 @@ def test_compiles_for_sm90(tmp_path):
                "b_ptr": "*bf16", "y_ptr": "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "wml_ptr": "*fp32"}
         def compile_(fn, pdl=False, early_loads=False, ptrs=None, **const):
             const = dict(const, PDL=pdl) if "PDL" in fn.arg_names else const
-            if "PREWAIT" in fn.arg_names:    # weight tiles before the PDL wait (bench.chain's experiment)
-                const.setdefault("PREWAIT", 1)
             sig, attrs = {}, {}
             for i, name in enumerate(fn.arg_names):
                 scalar = "fp32" if name in ("sm_scale_log2", "eps") else "i32"
@@ -478,8 +476,6 @@ def test_compiles_for_sm90(tmp_path):
             compile_(sg._skinny_gemm_kernel, pdl, early_loads=True, BLOCK_M=sg.INVARIANT_BLOCK_M,   # batch-invariant
                      BLOCK_N=sg.invariant_block_n(4096), BLOCK_K=128, EVEN_N=True, HAS_BIAS=False, SPLIT_K=1,
                      PARTIALS=False, SILU_MUL=False)
-            compile_(sg._skinny_gemm_kernel, pdl, early_loads=True, BLOCK_M=32, BLOCK_N=32, BLOCK_K=128,   # 4 tiles
-                     EVEN_N=True, HAS_BIAS=False, SPLIT_K=1, PARTIALS=False, SILU_MUL=False, PREWAIT=4)
             compile_(sg._skinny_gemm_kernel, pdl, early_loads=True, BLOCK_M=32, BLOCK_N=128, BLOCK_K=128,   # gate_up
                      EVEN_N=True, HAS_BIAS=False, SPLIT_K=1, PARTIALS=False, SILU_MUL=True)    # + SiLU epilogue
         # Mode 3 (pdl.set_late, a timing bound): the kernels that name a `late` kind wait only before storing.

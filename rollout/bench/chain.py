@@ -190,13 +190,12 @@ def main(argv=None):
     ap.add_argument("--n", type=int, default=4096, help="weights are N x N (o_proj of the 8B shape: 4096)")
     ap.add_argument("--m", type=int, default=32, help="rows (the decode batch)")
     ap.add_argument("--configs", nargs="+", default=["32,256,4,5", "64,128,4,5", "64,128,4,3"],
-                    help="BLOCK_N,BLOCK_K,num_warps,num_stages[,weight tiles before the PDL wait (1, 2, 4)], "
-                         "each timed every way")
+                    help="BLOCK_N,BLOCK_K,num_warps,num_stages, each timed both ways")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("rollout.bench.chain needs a CUDA GPU")
-    from ..kernels import pdl, skinny_gemm
+    from ..kernels import pdl
     from .gemm import graph_time_us
     from .kernels import copy_bandwidth
     copy_gbps = copy_bandwidth()
@@ -213,8 +212,7 @@ def main(argv=None):
     rows = []
     pdl.set_enabled(True)
     for cfg in args.configs:
-        bn, bk, nw, ns, *pre = (int(v) for v in cfg.split(","))
-        skinny_gemm.PREWAIT_TILES = pre[0] if pre else 1     # weight tiles before the PDL wait
+        bn, bk, nw, ns = (int(v) for v in cfg.split(","))
         xs = {k: torch.zeros(L + 1, M, N, device="cuda", dtype=torch.bfloat16) for k in ("launches", "persistent")}
         for x in xs.values():
             x[0] = torch.randn(M, N, device="cuda", generator=g.manual_seed(1)).bfloat16()

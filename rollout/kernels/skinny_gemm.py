@@ -40,7 +40,7 @@ fix_interpreter()
 def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, s_xm, s_wn, s_ym,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         EVEN_N: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
-                        PARTIALS: tl.constexpr, SILU_MUL: tl.constexpr, PDL: tl.constexpr, PREWAIT: tl.constexpr):
+                        PARTIALS: tl.constexpr, SILU_MUL: tl.constexpr, PDL: tl.constexpr):
     pid = tl.program_id(0)
     if SILU_MUL:
         rn, w_rows = gate_up_rows(pid, N, BLOCK_N)               # N: the intermediate size
@@ -53,7 +53,7 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, s_
     per = tl.cdiv(k_tiles, SPLIT_K)
     kt0 = tl.program_id(1) * per
     acc = weight_rows_times_x(x_ptr, w_ptr, w_rows, rn, rm, M, N, s_xm, s_wn, kt0, tl.minimum(kt0 + per, k_tiles),
-                              BLOCK_M, BLOCK_N, BLOCK_K, EVEN_N, PDL, PREWAIT)
+                              BLOCK_M, BLOCK_N, BLOCK_K, EVEN_N, PDL)
     before_store(PDL)
     if SPLIT_K > 1:
         if PARTIALS:   # the consumer kernel adds them (in split order)
@@ -110,14 +110,11 @@ def splitk_fixup(acc, ws_ptr, cnt_ptr, tile, cols, rm, N, BLOCK_M: tl.constexpr,
 
 @triton.jit
 def weight_rows_times_x(x_ptr, w_ptr, w_rows, rn, rm, M, N, s_xm, s_wn, kt0, kt1, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, PDL: tl.constexpr,
-                        PREWAIT: tl.constexpr = 1):
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, PDL: tl.constexpr):
     """acc [BLOCK_N, BLOCK_M] = w[w_rows] @ x[rm].T over K tiles [kt0, kt1), fp32 in K order (the
     weight tile is the MMA's left operand). rn < N masks weight rows unless EVEN_N. With PDL the
     first weight tile is loaded before the wait on the previous kernel (weights are not its
-    output; two tiles measured no faster inside the decode graphs, bench/results/README.md).
-    PREWAIT 2 or 4: that many weight tiles before the wait, held in registers (an experiment of
-    bench.chain: `PREWAIT_TILES`; kt1 - kt0 >= PREWAIT)."""
+    output; two tiles measured no faster inside the decode graphs, bench/results/README.md)."""
     rk = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + w_rows.to(tl.int64)[:, None] * s_wn + (kt0 * BLOCK_K + rk)[None, :]
     x_ptrs = x_ptr + rm.to(tl.int64)[:, None] * s_xm + (kt0 * BLOCK_K + rk)[None, :]
@@ -125,21 +122,11 @@ def weight_rows_times_x(x_ptr, w_ptr, w_rows, rn, rm, M, N, s_xm, s_wn, kt0, kt1
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     if PDL:
         w = _load_w(w_ptrs, rn, N, EVEN_N)
-        if PREWAIT >= 2:
-            w1 = _load_w(w_ptrs + BLOCK_K, rn, N, EVEN_N)
-        if PREWAIT >= 4:
-            w2 = _load_w(w_ptrs + 2 * BLOCK_K, rn, N, EVEN_N)
-            w3 = _load_w(w_ptrs + 3 * BLOCK_K, rn, N, EVEN_N)
         enter(PDL)
         acc = tl.dot(w, tl.trans(tl.load(x_ptrs, mask=m_ok, other=0.0)), acc)
-        if PREWAIT >= 2:
-            acc = tl.dot(w1, tl.trans(tl.load(x_ptrs + BLOCK_K, mask=m_ok, other=0.0)), acc)
-        if PREWAIT >= 4:
-            acc = tl.dot(w2, tl.trans(tl.load(x_ptrs + 2 * BLOCK_K, mask=m_ok, other=0.0)), acc)
-            acc = tl.dot(w3, tl.trans(tl.load(x_ptrs + 3 * BLOCK_K, mask=m_ok, other=0.0)), acc)
-        w_ptrs += PREWAIT * BLOCK_K
-        x_ptrs += PREWAIT * BLOCK_K
-        kt0 += PREWAIT
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+        kt0 += 1
     for _ in range(kt0, kt1):
         w = _load_w(w_ptrs, rn, N, EVEN_N)
         x = tl.load(x_ptrs, mask=m_ok, other=0.0)
@@ -183,11 +170,6 @@ _LLAMA3_8B = {
 }
 
 
-def prewait_tiles(k_tiles: int) -> int:
-    """PREWAIT_TILES, or fewer where a program has fewer K tiles."""
-    return max(t for t in (1, 2, 4) if t <= max(1, min(PREWAIT_TILES, k_tiles)))
-
-
 def pick_config(N: int, K: int, M: int) -> Optional[tuple[int, ...]]:
     """The swept config for this weight shape and row count, or None: use cuBLAS."""
     for max_m, cfg in _LLAMA3_8B.get((N, K), ()):
@@ -202,10 +184,6 @@ def pick_block_m(M: int) -> int:
 
 
 _COUNTERS: dict = {}     # device -> int32 arrival counters (zero between calls)
-
-
-# Weight tiles the skinny GEMM loads before its PDL wait: 1, 2 or 4 (a bench.chain experiment).
-PREWAIT_TILES = 1
 
 
 def split_counters(device: torch.device, tiles: int) -> torch.Tensor:
@@ -256,8 +234,7 @@ def skinny_gemm(x: torch.Tensor, w: torch.Tensor, block_n: int, block_k: int, nu
         _skinny_gemm_kernel[(tiles, split_k, triton.cdiv(M, bm))](
             x, w, bias if bias is not None else w, out, ws, cnt, M, N, K, x.stride(0), w.stride(0), out.stride(0),
             BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_N=N % cols_per_tile == 0, HAS_BIAS=bias is not None,
-            SPLIT_K=split_k, PARTIALS=partials, SILU_MUL=silu_mul, PDL=pdl,
-            PREWAIT=prewait_tiles(K // block_k // split_k), num_warps=num_warps,
+            SPLIT_K=split_k, PARTIALS=partials, SILU_MUL=silu_mul, PDL=pdl, num_warps=num_warps,
             num_stages=num_stages, launch_pdl=bool(pdl))
     return ws[:, :M] if partials else out
 
