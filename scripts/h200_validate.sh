@@ -113,11 +113,6 @@ for s in $sections; do
         --batch 32 --context $c --layers 8 --configs 2,64,4,2 --pages shuffled --no-sdpa --read-grid 1 2 \
         --read-stages 2 --read-block 2048 4096 --read-pre 0 2 4 8 --out $OUT/attn_ceiling_read_pre_C${c}_pdl$mode.json \
         2>&1 | grep -E "^NVIDIA|read|Error" | sed "s/^/pdl$mode C$c /"; done; done ;;
-    chain_gluon) # bench.gluon_gemm's GEMM (every weight stage in flight before the PDL wait; Gluon, cp.async ring,
-      # mma.sync on 32-row tiles) as the o_proj chain, against the table's skinny GEMM in the same run
-      timeout 300 python3 -m rollout.bench.chain --layers 32 --n 4096 --m 32 --configs 32,256,4,5 32,128,4,4 \
-        --gluon 128,4 128,6 128,4,1 128,6,1 256,3 64,8 --out $OUT/chain_gluon_l8b_o.json 2>&1 \
-        | grep -E "^NVIDIA|^[0-9]+,|^gluon|Error" | sed -E "s/ \| (persistent|prefetch|queue|queue_prefetch) [^|]*//g" ;;
     p3_ab) # P3's step (Qwen2.5-1.5B, 512 rows, mean context 2304) under PDL off / wait-first / the old RoPE grid:
       # P3 read 73.6% at 4a16869 against 78.0% at 3901d6d, with 4.7% more GPU time; every GEMM there is cuBLAS
       timeout 300 python3 -m rollout.bench.step_variants --shape qwen2.5-1.5b --batch 512 --context 2304 --steps 40 \
