@@ -112,7 +112,12 @@ for s in $sections; do
       for mode in 2 1; do for c in 256 896; do ROLLOUT_PDL=$mode timeout 150 python3 -m rollout.bench.attn_ceiling \
         --batch 32 --context $c --layers 8 --configs 2,64,4,2 --pages shuffled --no-sdpa --read-grid 1 2 \
         --read-stages 2 --read-block 2048 4096 --read-pre 0 2 4 8 --out $OUT/attn_ceiling_read_pre_C${c}_pdl$mode.json \
-        2>&1 | grep -E "^NVIDIA|read|Error" | sed "s/^/pdl$mode C$c /"; done; done ;;
+        2>&1 | grep -E "^NVIDIA|read|Error" | sed "s/^/pdl$mode C$c /"; done; done
+      # the same at 4 / 8 programs per SM, where the read kernel streams well (the fifteenth session's _wide_ files)
+      for c in 256 896; do timeout 200 python3 -m rollout.bench.attn_ceiling --batch 32 --context $c --layers 8 \
+        --configs 2,64,4,2 --pages shuffled --no-sdpa --read-grid 4 8 --read-stages 2 --read-block 1024 2048 \
+        --read-pre 0 2 4 8 --out $OUT/attn_ceiling_read_pre_wide_C${c}_pdl2.json 2>&1 | grep -E "^NVIDIA|read|Error" \
+        | sed "s/^/C$c /"; done ;;
     p3_ab) # P3's step (Qwen2.5-1.5B, 512 rows, mean context 2304) under PDL off / wait-first / the old RoPE grid:
       # P3 read 73.6% at 4a16869 against 78.0% at 3901d6d, with 4.7% more GPU time; every GEMM there is cuBLAS
       timeout 300 python3 -m rollout.bench.step_variants --shape qwen2.5-1.5b --batch 512 --context 2304 --steps 40 \
