@@ -126,16 +126,6 @@ for s in $sections; do
         128,6,1,$mode 256,2,1,$mode --out $OUT/chain_gluon_l8b_o_pdl$mode.json 2>&1 \
         | grep -E "^NVIDIA|^[0-9]+,|^gluon|Error" | sed -E "s/ \| (persistent|prefetch|queue|queue_prefetch) [^|]*//g" \
         | sed "s/^/pdl$mode /"; done ;;
-    gluon) # the Gluon GEMM (kernels/gluon_gemm.py): GPU tests, the o_proj chain beside Triton's tile, then in the
-      # decode graphs for o_proj / down / gate_up with the ring's weight tiles before (gluon=) or after (gluon_late=)
-      # the PDL wait; down=32,256,4,5 is Triton at the Gluon tile without split-K
-      timeout 300 python3 -m pytest -q -x tests/gpu/test_gluon_gemm_cuda.py 2>&1 | tail -3
-      timeout 120 python3 -m rollout.bench.chain --layers 32 --n 4096 --m 32 --configs 32,256,4,5 \
-        --gluon 256,4,0 256,4,1 256,3,1 128,6,1 --out $OUT/chain_gluon2_l8b_o.json 2>&1 \
-        | grep -E "^NVIDIA|^[0-9]+,|^gluon|Error" | sed -E "s/ \| (launches_no_pdl|persistent|prefetch|queue|queue_prefetch) [^|]*//g"
-      timeout 400 python3 -m rollout.bench.step_variants --shape llama3-8b --batch 32 --context 4352 --steps 40 \
-        --variants ${VARIANTS:-base gluon=o gluon_late=o base gluon=o,down,gate_up gluon_late=o,down,gate_up base \
-        down=32,256,4,5 gluon=down base} --out $OUT/step_variants_gluon_l8b_B32_C4352.json 2>&1 | grep -A16 "^| variant" ;;
     p3_ab) # P3's step (Qwen2.5-1.5B, 512 rows, mean context 2304) under PDL off / wait-first / the old RoPE grid:
       # P3 read 73.6% at 4a16869 against 78.0% at 3901d6d, with 4.7% more GPU time; every GEMM there is cuBLAS
       timeout 300 python3 -m rollout.bench.step_variants --shape qwen2.5-1.5b --batch 512 --context 2304 --steps 40 \

@@ -191,7 +191,7 @@ def gluon_row(cfg: str, w: torch.Tensor, g: torch.Generator, copy_gbps: float) -
     difference relative to the output)."""
     from ..kernels.skinny_gemm import skinny_gemm
     from .gemm import graph_time_us
-    from ..kernels.gluon_gemm import prewait_gemm
+    from .gluon_gemm import prewait_gemm
     bk, slots, early, *mode = (int(v) for v in cfg.split(","))
     pdl_mode = mode[0] if mode else 2
     L, N = w.shape[0], w.shape[1]

@@ -21,11 +21,6 @@ ends with the baseline to show the drift. A variant is knobs joined by "+", on t
                     no_silu_gate_up: the SiLU kernel)
   rope_in_qkv       RoPE + the K/V write in the QKV GEMM's epilogue, no RoPE kernel (the default;
                     no_rope_in_qkv: the RoPE kernel)
-  gluon=G,..        the Gluon GEMM (kernels/gluon_gemm.py: its ring's weight tiles before the PDL
-                    wait) for weights G (o, down, gate_up) at its tile (GLUON_TILES), which also
-                    becomes their table config (down: no split-K; G:S for S ring slots);
-                    gluon_late=G,..: the same kernel with those tiles after the wait, as Triton
-                    orders them
 Two knobs are timing bounds, not modes to run (their tokens are wrong):
   late_wait[=K,..]  kernels of kinds K (gemm: o_proj, gate_up, down, lm_head; qkv; attn; one of
                     o, gate_up, down, lm_head; down0: down's split-0 programs; default the first
@@ -54,10 +49,6 @@ GEMMS = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down
          "lm_head": (128256, 4096)}     # llama3-8b weight shapes (N, K)
 
 
-# Gluon tiles: (BLOCK_N, BLOCK_K, ring slots, warps), and the Triton config of the same tile.
-GLUON_TILES = {"o": ((32, 256, 4, 4), (32, 256, 4, 5)), "down": ((32, 256, 4, 4), (32, 256, 4, 5)),
-               "gate_up": ((128, 128, 4, 8), (128, 128, 8, 5))}
-
 _ADD_NORM = decoder.add_norm_of_linear
 
 
@@ -84,7 +75,6 @@ def apply(eng, variant: str, defaults: dict) -> None:
     decoder.add_norm_of_linear = defaults["add_norm"]
     rope_kv.Q_HEADS_PER_PROGRAM = defaults["rope"]
     skinny_gemm._LLAMA3_8B = dict(defaults["table"])
-    skinny_gemm.GLUON = {}
     paged_decode.DECODE_TILE = dict(defaults["tile"])
     paged_decode.pick_num_splits = defaults["splits"]
     eng.model.splitk_into_norm = defaults["splitk_norm"]
@@ -113,13 +103,6 @@ def apply(eng, variant: str, defaults: dict) -> None:
             eng.model.silu_in_gate_up = knob == "silu_gate_up"
         elif knob == "rope_token":
             rope_kv.Q_HEADS_PER_PROGRAM = 0
-        elif name in ("gluon", "gluon_late"):
-            for item in val.split(","):
-                g, _, slots = item.partition(":")
-                tile, triton_cfg = GLUON_TILES[g]
-                tile = (*tile[:2], int(slots), tile[3]) if slots else tile
-                skinny_gemm._LLAMA3_8B[GEMMS[g]] = ((64, triton_cfg),)    # no split-K: the norm gets a tensor
-                skinny_gemm.GLUON[GEMMS[g]] = (*tile, name == "gluon")
         elif name in GEMMS:
             skinny_gemm._LLAMA3_8B[GEMMS[name]] = ((64, nums),)
         elif name == "attn":

@@ -170,12 +170,6 @@ _LLAMA3_8B = {
 }
 
 
-# (N, K) -> (BLOCK_N, BLOCK_K, ring slots, num_warps, early) of kernels/gluon_gemm.py, which then
-# takes this weight shape where M <= 32, no bias, split-K or partials (an experiment for issue 4,
-# set by bench.step_variants' `gluon` knob; empty: the Triton kernel everywhere).
-GLUON: dict = {}
-
-
 def pick_config(N: int, K: int, M: int) -> Optional[tuple[int, ...]]:
     """The swept config for this weight shape and row count, or None: use cuBLAS."""
     for max_m, cfg in _LLAMA3_8B.get((N, K), ()):
@@ -231,11 +225,6 @@ def skinny_gemm(x: torch.Tensor, w: torch.Tensor, block_n: int, block_k: int, nu
     assert split_k >= 1 and (K // block_k) % split_k == 0, f"{K // block_k} K tiles do not split {split_k} ways"
     if out is None:
         out = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    gluon_cfg = GLUON.get((w.shape[0], K))
-    if gluon_cfg and 0 < M <= 32 and split_k == 1 and bias is None and block_m is None and x.dtype == torch.bfloat16:
-        from .gluon_gemm import prewait_gemm
-        bn, bk, slots, warps, early = gluon_cfg
-        return prewait_gemm(x, w, out, bn, bk, slots, warps, early, silu_mul, pdl_for(x))
     cols_per_tile = block_n // 2 if silu_mul else block_n
     bm, tiles = block_m or pick_block_m(M), triton.cdiv(N, cols_per_tile)
     ws = torch.empty((split_k, bm, N), dtype=torch.float32, device=x.device) if split_k > 1 else out
