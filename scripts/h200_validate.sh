@@ -118,14 +118,6 @@ for s in $sections; do
         --configs 2,64,4,2 --pages shuffled --no-sdpa --read-grid 4 8 --read-stages 2 --read-block 1024 2048 \
         --read-pre 0 2 4 8 --out $OUT/attn_ceiling_read_pre_wide_C${c}_pdl2.json 2>&1 | grep -E "^NVIDIA|read|Error" \
         | sed "s/^/C$c /"; done ;;
-    chain_gluon) # bench.gluon_gemm's GEMM (Triton's o_proj kernel rebuilt in Gluon: mma.sync 2 x 2 warps, ldmatrix,
-      # cp.async ring) as the o_proj chain, its ring's weight tiles before (EARLY 1) or after the PDL wait, beside the
-      # table's skinny GEMM in the same run; both PDL orders
-      for mode in 2 1; do ROLLOUT_PDL=$mode timeout 250 python3 -m rollout.bench.chain --layers 32 --n 4096 --m 32 \
-        --configs 32,256,4,5 32,128,4,4 --gluon 256,4,0,$mode 256,4,1,$mode 256,3,1,$mode 128,4,0,$mode 128,4,1,$mode \
-        128,6,1,$mode 256,2,1,$mode --out $OUT/chain_gluon_l8b_o_pdl$mode.json 2>&1 \
-        | grep -E "^NVIDIA|^[0-9]+,|^gluon|Error" | sed -E "s/ \| (persistent|prefetch|queue|queue_prefetch) [^|]*//g" \
-        | sed "s/^/pdl$mode /"; done ;;
     p3_ab) # P3's step (Qwen2.5-1.5B, 512 rows, mean context 2304) under PDL off / wait-first / the old RoPE grid:
       # P3 read 73.6% at 4a16869 against 78.0% at 3901d6d, with 4.7% more GPU time; every GEMM there is cuBLAS
       timeout 300 python3 -m rollout.bench.step_variants --shape qwen2.5-1.5b --batch 512 --context 2304 --steps 40 \

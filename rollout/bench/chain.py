@@ -184,49 +184,6 @@ def chain_launches(x: torch.Tensor, w: torch.Tensor, block_n: int, block_k: int,
         skinny_gemm(x[i], w[i], block_n, block_k, num_warps, num_stages, out=x[i + 1])
 
 
-def gluon_row(cfg: str, w: torch.Tensor, g: torch.Generator, copy_gbps: float) -> dict:
-    """The chain as launches of bench.gluon_gemm's GEMM (cfg "BLOCK_K,SLOTS,EARLY[,PDL]": 32-row
-    weight tiles, a ring of SLOTS, EARLY 1 = the ring's weight tiles before the PDL wait); its
-    result against the skinny GEMM's chain with the same tile and depth (bits, then the largest
-    difference relative to the output)."""
-    from ..kernels.skinny_gemm import skinny_gemm
-    from .gemm import graph_time_us
-    from .gluon_gemm import prewait_gemm
-    bk, slots, early, *mode = (int(v) for v in cfg.split(","))
-    pdl_mode = mode[0] if mode else 2
-    L, N = w.shape[0], w.shape[1]
-    xs = {k: torch.zeros(L + 1, 32, N, device="cuda", dtype=torch.bfloat16) for k in ("gluon", "skinny")}
-    for x in xs.values():
-        x[0] = torch.randn(32, N, device="cuda", generator=g.manual_seed(1)).bfloat16()
-    row = dict(config=f"gluon {cfg}", weight_bytes=w.numel() * 2)
-
-    def gluon_chain():
-        for i in range(L):
-            prewait_gemm(xs["gluon"][i], w[i], xs["gluon"][i + 1], block_k=bk, slots=slots, early=bool(early),
-                         pdl=pdl_mode)
-    try:
-        gluon_chain()
-        for i in range(L):
-            skinny_gemm(xs["skinny"][i], w[i], 32, bk, 4, slots + 1, out=xs["skinny"][i + 1])
-        torch.cuda.synchronize()
-    except Exception as e:
-        row["error"] = f"{type(e).__name__}: {e}"[:300]
-        print(f"gluon {cfg}: failed: {row['error']}", flush=True)
-        return row
-    row["same_bits"] = bool(torch.equal(xs["gluon"], xs["skinny"]))
-    row["same_bits_layer1"] = bool(torch.equal(xs["gluon"][1], xs["skinny"][1]))
-    ref = xs["skinny"].float()
-    row["max_rel_diff"] = ((xs["gluon"].float() - ref).abs().max() / ref.abs().max()).item()
-    ms = graph_time_us(lambda i: gluon_chain(), 1) / 1e3
-    row["launches_ms"], row["launches_GBps"] = ms, row["weight_bytes"] / ms / 1e6
-    row["launches_us_per_boundary"] = (ms - row["weight_bytes"] / copy_gbps / 1e6) * 1e3 / L
-    print(f"gluon {cfg}: launches {ms:.3f} ms {row['launches_GBps']:5.0f} GB/s "
-          f"({row['launches_us_per_boundary']:.1f} us/layer over copy) | same bits as the skinny GEMM "
-          f"{row['same_bits']} (layer 1: {row['same_bits_layer1']}), max diff {row['max_rel_diff']:.2e} "
-          "of the largest output", flush=True)
-    return row
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=32)
@@ -234,9 +191,6 @@ def main(argv=None):
     ap.add_argument("--m", type=int, default=32, help="rows (the decode batch)")
     ap.add_argument("--configs", nargs="+", default=["32,256,4,5", "64,128,4,5", "64,128,4,3"],
                     help="BLOCK_N,BLOCK_K,num_warps,num_stages, each timed both ways")
-    ap.add_argument("--gluon", nargs="*", default=[],
-                    help="BLOCK_K,SLOTS,EARLY[,PDL] of bench.gluon_gemm's GEMM (32-row weight tiles; EARLY 1: the ring's "
-                         "weight tiles loaded before the PDL wait), each timed as the chain of launches")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -307,8 +261,6 @@ def main(argv=None):
               + f"; wait timeouts {row['barrier_timeouts_after_timing']}, counters {int(bar.item())} "
               f"{int(cnt.abs().sum().item())}", flush=True)
         rows.append(row)
-    for cfg in args.gluon:
-        rows.append(gluon_row(cfg, w, g, copy_gbps))
     write_json(dict(layers=L, n=N, m=M, copy_GBps=copy_gbps, sms=sms, rows=rows,
                     meta=run_meta("rollout.bench.chain", argv)), args.out)
 
