@@ -119,7 +119,7 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--configs", nargs="+", default=["2,64,4,2", "4,64,4,2", "2,64,4,3", "2,128,8,2"],
-                    help="NS,BLOCK_N,WARPS,STAGES")
+                    help="NS,BLOCK_N,WARPS,STAGES; gNS,BLOCK_N,STAGES: the Gluon split kernel (kernels/gluon_decode.py)")
     ap.add_argument("--pages", nargs="+", choices=["shuffled", "ordered"], default=["shuffled", "ordered"])
     ap.add_argument("--read-grid", nargs="+", type=int, default=[2, 4, 8], help="read kernel programs per SM")
     ap.add_argument("--read-stages", nargs="+", type=int, default=[2, 4])
@@ -132,6 +132,7 @@ def main(argv=None):
     if not torch.cuda.is_available():
         sys.exit("rollout.bench.attn_ceiling needs a CUDA GPU")
     from ..attention import AttentionMetadata, paged_attention_ref
+    from ..kernels import paged_decode
     from ..kernels.paged_decode import paged_decode_attention
 
     B, ctx, L, ps, Hq, Hkv, D = args.batch, args.context, args.layers, args.page_size, 32, 8, 128
@@ -157,8 +158,14 @@ def main(argv=None):
                                  seq_lens_host=[ctx] * B, query_start_host=list(range(B + 1)), page_size=ps)
         ref = paged_attention_ref(q0.float(), caches[0][0].float(), caches[0][1].float(), meta, scale)
         for cfg in args.configs:
-            ns, bn, w, st = (int(x) for x in cfg.split(","))
-            kw = dict(block_n=bn, num_warps=w, num_stages=st)
+            gluon = cfg.startswith("g")          # gNS,BLOCK_N,STAGES: kernels/gluon_decode.py's split kernel
+            if gluon:
+                ns, bn, st = (int(x) for x in cfg[1:].split(","))
+                w, kw = 4, {}
+            else:
+                ns, bn, w, st = (int(x) for x in cfg.split(","))
+                kw = dict(block_n=bn, num_warps=w, num_stages=st)
+            paged_decode.GLUON_TILE = (bn, st) if gluon else None
             outs = [torch.empty_like(q0) for _ in range(L)]
 
             def chain(ns=ns, kw=kw, outs=outs):
@@ -168,11 +175,13 @@ def main(argv=None):
             try:
                 out0 = paged_decode_attention(q0, *caches[0], bt, lens, scale, None, ns, **kw)
                 err = (out0.float() - ref).abs().max()
-                report(f"ours {pages} ns={ns} bn={bn} w={w} st={st}",
+                report(f"ours{' gluon' if gluon else ''} {pages} ns={ns} bn={bn} w={w} st={st}",
                        graph_us(chain, L, args.replays, args.repeats),
                        pages=pages, config=cfg, max_err=err.item())
             except Exception as e:       # e.g. out of shared memory: report, go on
                 print(f"  ours {pages} {cfg}: {type(e).__name__}: {e}"[:200])
+            finally:
+                paged_decode.GLUON_TILE = None
         if pages == args.pages[0]:
             sums = torch.empty(max(args.read_grid) * sms, dtype=torch.float32, device="cuda")
             for per_sm, st, blk, pre in itertools.product(args.read_grid, args.read_stages, args.read_block,

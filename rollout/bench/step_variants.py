@@ -15,6 +15,7 @@ ends with the baseline to show the drift. A variant is knobs joined by "+", on t
   qkv=BN,BK,W,S[,SK]  a skinny GEMM config for one weight at every M (also o, gate_up, down, lm_head;
                     "cublas" for F.linear)
   attn=NS,BN,W,S    decode attention: splits, key tile, warps, stages
+  gattn=BN,S        decode attention's split kernel in Gluon (kernels/gluon_decode.py): key tile, ring stages
   splitk_norm       split-K GEMMs (o_proj, down) leave their partials to the next add + RMSNorm
                     (the default; no_splitk_norm: the GEMM's own fix-up)
   silu_gate_up      SiLU * up in the gate_up GEMM's epilogue, no SiLU kernel (the default;
@@ -76,6 +77,7 @@ def apply(eng, variant: str, defaults: dict) -> None:
     rope_kv.Q_HEADS_PER_PROGRAM = defaults["rope"]
     skinny_gemm._LLAMA3_8B = dict(defaults["table"])
     paged_decode.DECODE_TILE = dict(defaults["tile"])
+    paged_decode.GLUON_TILE = None
     paged_decode.pick_num_splits = defaults["splits"]
     eng.model.splitk_into_norm = defaults["splitk_norm"]
     eng.model.silu_in_gate_up = defaults["silu_gate_up"]
@@ -105,6 +107,8 @@ def apply(eng, variant: str, defaults: dict) -> None:
             rope_kv.Q_HEADS_PER_PROGRAM = 0
         elif name in GEMMS:
             skinny_gemm._LLAMA3_8B[GEMMS[name]] = ((64, nums),)
+        elif name == "gattn":
+            paged_decode.GLUON_TILE = tuple(int(v) for v in val.split(","))
         elif name == "attn":
             paged_decode.pick_num_splits = lambda *a, ns=nums[0], **k: ns
             paged_decode.DECODE_TILE = dict(block_n=nums[1], num_warps=nums[2], num_stages=nums[3])
