@@ -127,6 +127,16 @@ for s in $sections; do
       timeout 400 python3 -m rollout.bench.step_variants --shape llama3-8b --batch 32 --context 4352 --steps 40 \
         --variants ${VARIANTS:-base gattn=32,3 gattn=32,2 base gattn=32,4 gattn=64,2 base} \
         --out $OUT/step_variants_gattn_l8b_B32_C4352.json 2>&1 | grep -A12 "^| variant" ;;
+    gattn_layout) # the Gluon split kernel and Triton's against a pure read with pages stored head-major ([Hkv, page, D]:
+      # a KV head's keys of a page contiguous) or token-major (the engine's), page 16 and 64; then gate_up tiles that fit
+      # two CTAs on an SM (224 programs in one wave), in the decode graphs
+      for ps in 16 64; do for hm in "" --head-major; do timeout 150 python3 -m rollout.bench.attn_ceiling --batch 32 \
+        --context 4352 --layers 8 --pages shuffled --no-sdpa --page-size $ps $hm --configs 2,64,4,2 g2,32,3 g2,32,2 \
+        g2,64,2 --read-grid 4 --read-stages 4 --out $OUT/attn_ceiling_gluon_ps${ps}${hm:+_head_major}_B32_C4352.json \
+        2>&1 | grep -E "ours|read|Error" | sed "s/^/ps$ps ${hm:-token-major} /"; done; done
+      timeout 300 python3 -m rollout.bench.step_variants --shape llama3-8b --batch 32 --context 4352 --steps 40 \
+        --variants ${VARIANTS:-base gate_up=128,128,8,2 gate_up=128,128,8,3 base gate_up=128,64,8,4 gate_up=128,64,8,3 base} \
+        --out $OUT/step_variants_gate_up_one_wave_l8b_B32_C4352.json 2>&1 | grep -A12 "^| variant" ;;
     p3_ab) # P3's step (Qwen2.5-1.5B, 512 rows, mean context 2304) under PDL off / wait-first / the old RoPE grid:
       # P3 read 73.6% at 4a16869 against 78.0% at 3901d6d, with 4.7% more GPU time; every GEMM there is cuBLAS
       timeout 300 python3 -m rollout.bench.step_variants --shape qwen2.5-1.5b --batch 512 --context 2304 --steps 40 \

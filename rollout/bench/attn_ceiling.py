@@ -97,16 +97,20 @@ def graph_us(chain, layers: int, replays: int, repeats: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def make_layers(B: int, ctx: int, L: int, ps: int, Hkv: int, D: int, ordered: bool, seed: int = 0):
+def make_layers(B: int, ctx: int, L: int, ps: int, Hkv: int, D: int, ordered: bool, seed: int = 0,
+                head_major: bool = False):
     """L (k_cache, v_cache) pairs and one block table [B, ctx / ps] (the same for every layer,
-    as in the engine: one table, a cache per layer)."""
+    as in the engine: one table, a cache per layer). head_major: each page stored [Hkv, ps, D]
+    (a KV head's keys of a page contiguous), passed as the [pages, ps, Hkv, D] view the kernels take."""
     g = torch.Generator().manual_seed(seed)
     per_seq = -(-ctx // ps)
     pages = B * per_seq + 1
     order = torch.arange(1, pages) if ordered else torch.randperm(pages - 1, generator=g) + 1
     bt = order.view(B, per_seq).int().cuda()
-    caches = [tuple(torch.randn(pages, ps, Hkv, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-              for _ in range(L)]
+    shape = (pages, Hkv, ps, D) if head_major else (pages, ps, Hkv, D)
+    caches = [tuple(torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(2)) for _ in range(L)]
+    if head_major:
+        caches = [(k.transpose(1, 2), v.transpose(1, 2)) for k, v in caches]
     return caches, bt
 
 
@@ -126,6 +130,7 @@ def main(argv=None):
     ap.add_argument("--read-pre", nargs="+", type=int, default=[0],
                     help="blocks of k each read program loads before its PDL wait")
     ap.add_argument("--read-block", nargs="+", type=int, default=[4096], help="elements a read program loads at once")
+    ap.add_argument("--head-major", action="store_true", help="pages stored [Hkv, page, D] (see make_layers)")
     ap.add_argument("--no-sdpa", dest="sdpa", action="store_false")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
@@ -152,7 +157,7 @@ def main(argv=None):
     q0 = torch.randn(B, Hq, D, device="cuda", dtype=torch.bfloat16)
     lens = torch.full((B,), ctx, dtype=torch.int32, device="cuda")
     for pages in args.pages:
-        caches, bt = make_layers(B, ctx, L, ps, Hkv, D, pages == "ordered")
+        caches, bt = make_layers(B, ctx, L, ps, Hkv, D, pages == "ordered", head_major=args.head_major)
         meta = AttentionMetadata(slot_mapping=None, block_tables=bt, seq_lens=lens,
                                  query_start_loc=torch.arange(B + 1, dtype=torch.int32, device="cuda"),
                                  seq_lens_host=[ctx] * B, query_start_host=list(range(B + 1)), page_size=ps)
@@ -219,7 +224,8 @@ def main(argv=None):
                    max_err=(o.float() - r).abs().max().item())
         except Exception as e:
             print(f"  sdpa cudnn: {type(e).__name__}: {e}"[:300])
-    write_json(dict(batch=B, context=ctx, layers=L, page_size=ps, kv_bytes_per_layer=kv_bytes, copy_GBps=copy,
+    write_json(dict(batch=B, context=ctx, layers=L, page_size=ps, head_major=args.head_major,
+                    kv_bytes_per_layer=kv_bytes, copy_GBps=copy,
                     pdl=pdl.enabled(),
                     rows=rows, meta=run_meta("rollout.bench.attn_ceiling", argv)), args.out)
 
