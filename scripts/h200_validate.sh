@@ -137,6 +137,11 @@ for s in $sections; do
       timeout 300 python3 -m rollout.bench.step_variants --shape llama3-8b --batch 32 --context 4352 --steps 40 \
         --variants ${VARIANTS:-base gate_up=128,128,8,2 gate_up=128,128,8,3 base gate_up=128,64,8,4 gate_up=128,64,8,3 base} \
         --out $OUT/step_variants_gate_up_one_wave_l8b_B32_C4352.json 2>&1 | grep -A12 "^| variant" ;;
+    rms_x) # what folding the layers' RMSNorms into the QKV / gate_up GEMMs could gain: the norm kernels left out
+      # (split-K fix-up in the GEMM instead), with and without the GEMMs doing the norm's work (sum of squares, 1 / rms)
+      timeout 300 python3 -m rollout.bench.step_variants --shape llama3-8b --batch 32 --context 4352 --steps 40 \
+        --variants ${VARIANTS:-base skip_norms+no_splitk_norm rms_x base rms_x skip_norms+no_splitk_norm base} \
+        --out $OUT/step_variants_rms_x_l8b_B32_C4352.json 2>&1 | grep -A12 "^| variant" ;;
     p3_ab) # P3's step (Qwen2.5-1.5B, 512 rows, mean context 2304) under PDL off / wait-first / the old RoPE grid:
       # P3 read 73.6% at 4a16869 against 78.0% at 3901d6d, with 4.7% more GPU time; every GEMM there is cuBLAS
       timeout 300 python3 -m rollout.bench.step_variants --shape qwen2.5-1.5b --batch 512 --context 2304 --steps 40 \
