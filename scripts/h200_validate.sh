@@ -118,30 +118,6 @@ for s in $sections; do
         --configs 2,64,4,2 --pages shuffled --no-sdpa --read-grid 4 8 --read-stages 2 --read-block 1024 2048 \
         --read-pre 0 2 4 8 --out $OUT/attn_ceiling_read_pre_wide_C${c}_pdl2.json 2>&1 | grep -E "^NVIDIA|read|Error" \
         | sed "s/^/C$c /"; done ;;
-    gattn) # decode attention's split kernel in Gluon (kernels/gluon_decode.py: a cp.async ring of K / V tiles, pages
-      # looked up a tile early): GPU tests, the layer chain against Triton's tile and a pure read, then the decode graphs
-      timeout 300 python3 -m pytest -q -x tests/gpu/test_gluon_decode_cuda.py 2>&1 | tail -3
-      timeout 200 python3 -m rollout.bench.attn_ceiling --batch 32 --context 4352 --layers 8 --pages shuffled --no-sdpa \
-        --configs 2,64,4,2 g2,32,3 g2,32,2 g2,32,4 g2,64,2 g3,32,2 --read-grid 4 --read-stages 2 \
-        --out $OUT/attn_ceiling_gluon_B32_C4352.json 2>&1 | grep -E "^NVIDIA|ours|read|Error"
-      timeout 400 python3 -m rollout.bench.step_variants --shape llama3-8b --batch 32 --context 4352 --steps 40 \
-        --variants ${VARIANTS:-base gattn=32,3 gattn=32,2 base gattn=32,4 gattn=64,2 base} \
-        --out $OUT/step_variants_gattn_l8b_B32_C4352.json 2>&1 | grep -A12 "^| variant" ;;
-    gattn_layout) # the Gluon split kernel and Triton's against a pure read with pages stored head-major ([Hkv, page, D]:
-      # a KV head's keys of a page contiguous) or token-major (the engine's), page 16 and 64; then gate_up tiles that fit
-      # two CTAs on an SM (224 programs in one wave), in the decode graphs
-      for ps in 16 64; do for hm in "" --head-major; do timeout 150 python3 -m rollout.bench.attn_ceiling --batch 32 \
-        --context 4352 --layers 8 --pages shuffled --no-sdpa --page-size $ps $hm --configs 2,64,4,2 g2,32,3 g2,32,2 \
-        g2,64,2 --read-grid 4 --read-stages 4 --out $OUT/attn_ceiling_gluon_ps${ps}${hm:+_head_major}_B32_C4352.json \
-        2>&1 | grep -E "ours|read|Error" | sed "s/^/ps$ps ${hm:-token-major} /"; done; done
-      timeout 300 python3 -m rollout.bench.step_variants --shape llama3-8b --batch 32 --context 4352 --steps 40 \
-        --variants ${VARIANTS:-base gate_up=128,128,8,2 gate_up=128,128,8,3 base gate_up=128,64,8,4 gate_up=128,64,8,3 base} \
-        --out $OUT/step_variants_gate_up_one_wave_l8b_B32_C4352.json 2>&1 | grep -A12 "^| variant" ;;
-    rms_x) # what folding the layers' RMSNorms into the QKV / gate_up GEMMs could gain: the norm kernels left out
-      # (split-K fix-up in the GEMM instead), with and without the GEMMs doing the norm's work (sum of squares, 1 / rms)
-      timeout 300 python3 -m rollout.bench.step_variants --shape llama3-8b --batch 32 --context 4352 --steps 40 \
-        --variants ${VARIANTS:-base skip_norms+no_splitk_norm rms_x base rms_x skip_norms+no_splitk_norm base} \
-        --out $OUT/step_variants_rms_x_l8b_B32_C4352.json 2>&1 | grep -A12 "^| variant" ;;
     p3_ab) # P3's step (Qwen2.5-1.5B, 512 rows, mean context 2304) under PDL off / wait-first / the old RoPE grid:
       # P3 read 73.6% at 4a16869 against 78.0% at 3901d6d, with 4.7% more GPU time; every GEMM there is cuBLAS
       timeout 300 python3 -m rollout.bench.step_variants --shape qwen2.5-1.5b --batch 512 --context 2304 --steps 40 \

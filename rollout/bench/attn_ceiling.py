@@ -97,20 +97,16 @@ def graph_us(chain, layers: int, replays: int, repeats: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def make_layers(B: int, ctx: int, L: int, ps: int, Hkv: int, D: int, ordered: bool, seed: int = 0,
-                head_major: bool = False):
+def make_layers(B: int, ctx: int, L: int, ps: int, Hkv: int, D: int, ordered: bool, seed: int = 0):
     """L (k_cache, v_cache) pairs and one block table [B, ctx / ps] (the same for every layer,
-    as in the engine: one table, a cache per layer). head_major: each page stored [Hkv, ps, D]
-    (a KV head's keys of a page contiguous), passed as the [pages, ps, Hkv, D] view the kernels take."""
+    as in the engine: one table, a cache per layer)."""
     g = torch.Generator().manual_seed(seed)
     per_seq = -(-ctx // ps)
     pages = B * per_seq + 1
     order = torch.arange(1, pages) if ordered else torch.randperm(pages - 1, generator=g) + 1
     bt = order.view(B, per_seq).int().cuda()
-    shape = (pages, Hkv, ps, D) if head_major else (pages, ps, Hkv, D)
-    caches = [tuple(torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(2)) for _ in range(L)]
-    if head_major:
-        caches = [(k.transpose(1, 2), v.transpose(1, 2)) for k, v in caches]
+    caches = [tuple(torch.randn(pages, ps, Hkv, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+              for _ in range(L)]
     return caches, bt
 
 
@@ -123,21 +119,19 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--configs", nargs="+", default=["2,64,4,2", "4,64,4,2", "2,64,4,3", "2,128,8,2"],
-                    help="NS,BLOCK_N,WARPS,STAGES; gNS,BLOCK_N,STAGES: the Gluon split kernel (kernels/gluon_decode.py)")
+                    help="NS,BLOCK_N,WARPS,STAGES")
     ap.add_argument("--pages", nargs="+", choices=["shuffled", "ordered"], default=["shuffled", "ordered"])
     ap.add_argument("--read-grid", nargs="+", type=int, default=[2, 4, 8], help="read kernel programs per SM")
     ap.add_argument("--read-stages", nargs="+", type=int, default=[2, 4])
     ap.add_argument("--read-pre", nargs="+", type=int, default=[0],
                     help="blocks of k each read program loads before its PDL wait")
     ap.add_argument("--read-block", nargs="+", type=int, default=[4096], help="elements a read program loads at once")
-    ap.add_argument("--head-major", action="store_true", help="pages stored [Hkv, page, D] (see make_layers)")
     ap.add_argument("--no-sdpa", dest="sdpa", action="store_false")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("rollout.bench.attn_ceiling needs a CUDA GPU")
     from ..attention import AttentionMetadata, paged_attention_ref
-    from ..kernels import paged_decode
     from ..kernels.paged_decode import paged_decode_attention
 
     B, ctx, L, ps, Hq, Hkv, D = args.batch, args.context, args.layers, args.page_size, 32, 8, 128
@@ -157,20 +151,14 @@ def main(argv=None):
     q0 = torch.randn(B, Hq, D, device="cuda", dtype=torch.bfloat16)
     lens = torch.full((B,), ctx, dtype=torch.int32, device="cuda")
     for pages in args.pages:
-        caches, bt = make_layers(B, ctx, L, ps, Hkv, D, pages == "ordered", head_major=args.head_major)
+        caches, bt = make_layers(B, ctx, L, ps, Hkv, D, pages == "ordered")
         meta = AttentionMetadata(slot_mapping=None, block_tables=bt, seq_lens=lens,
                                  query_start_loc=torch.arange(B + 1, dtype=torch.int32, device="cuda"),
                                  seq_lens_host=[ctx] * B, query_start_host=list(range(B + 1)), page_size=ps)
         ref = paged_attention_ref(q0.float(), caches[0][0].float(), caches[0][1].float(), meta, scale)
         for cfg in args.configs:
-            gluon = cfg.startswith("g")          # gNS,BLOCK_N,STAGES: kernels/gluon_decode.py's split kernel
-            if gluon:
-                ns, bn, st = (int(x) for x in cfg[1:].split(","))
-                w, kw = 4, {}
-            else:
-                ns, bn, w, st = (int(x) for x in cfg.split(","))
-                kw = dict(block_n=bn, num_warps=w, num_stages=st)
-            paged_decode.GLUON_TILE = (bn, st) if gluon else None
+            ns, bn, w, st = (int(x) for x in cfg.split(","))
+            kw = dict(block_n=bn, num_warps=w, num_stages=st)
             outs = [torch.empty_like(q0) for _ in range(L)]
 
             def chain(ns=ns, kw=kw, outs=outs):
@@ -180,13 +168,11 @@ def main(argv=None):
             try:
                 out0 = paged_decode_attention(q0, *caches[0], bt, lens, scale, None, ns, **kw)
                 err = (out0.float() - ref).abs().max()
-                report(f"ours{' gluon' if gluon else ''} {pages} ns={ns} bn={bn} w={w} st={st}",
+                report(f"ours {pages} ns={ns} bn={bn} w={w} st={st}",
                        graph_us(chain, L, args.replays, args.repeats),
                        pages=pages, config=cfg, max_err=err.item())
             except Exception as e:       # e.g. out of shared memory: report, go on
                 print(f"  ours {pages} {cfg}: {type(e).__name__}: {e}"[:200])
-            finally:
-                paged_decode.GLUON_TILE = None
         if pages == args.pages[0]:
             sums = torch.empty(max(args.read_grid) * sms, dtype=torch.float32, device="cuda")
             for per_sm, st, blk, pre in itertools.product(args.read_grid, args.read_stages, args.read_block,
@@ -224,8 +210,7 @@ def main(argv=None):
                    max_err=(o.float() - r).abs().max().item())
         except Exception as e:
             print(f"  sdpa cudnn: {type(e).__name__}: {e}"[:300])
-    write_json(dict(batch=B, context=ctx, layers=L, page_size=ps, head_major=args.head_major,
-                    kv_bytes_per_layer=kv_bytes, copy_GBps=copy,
+    write_json(dict(batch=B, context=ctx, layers=L, page_size=ps, kv_bytes_per_layer=kv_bytes, copy_GBps=copy,
                     pdl=pdl.enabled(),
                     rows=rows, meta=run_meta("rollout.bench.attn_ceiling", argv)), args.out)
 

@@ -15,7 +15,6 @@ ends with the baseline to show the drift. A variant is knobs joined by "+", on t
   qkv=BN,BK,W,S[,SK]  a skinny GEMM config for one weight at every M (also o, gate_up, down, lm_head;
                     "cublas" for F.linear)
   attn=NS,BN,W,S    decode attention: splits, key tile, warps, stages
-  gattn=BN,S        decode attention's split kernel in Gluon (kernels/gluon_decode.py): key tile, ring stages
   splitk_norm       split-K GEMMs (o_proj, down) leave their partials to the next add + RMSNorm
                     (the default; no_splitk_norm: the GEMM's own fix-up)
   silu_gate_up      SiLU * up in the gate_up GEMM's epilogue, no SiLU kernel (the default;
@@ -31,9 +30,6 @@ Two knobs are timing bounds, not modes to run (their tokens are wrong):
   skip_norms[=pre|post]  the layers' residual add + RMSNorm kernels (pre: before QKV, post:
                     before gate_up; default both) are not launched (the next GEMM reads the
                     residual as is): what the 64 norm kernels a step cost
-  rms_x             skip_norms + no_splitk_norm, and the QKV and gate_up GEMMs do the work of
-                    the RMSNorm folded into them (sum of x's squares, 1 / rms on the output;
-                    skinny_gemm.RMS_X_TIMING): what folding the norms could gain, less its cost
 """
 from __future__ import annotations
 
@@ -79,9 +75,7 @@ def apply(eng, variant: str, defaults: dict) -> None:
     decoder.add_norm_of_linear = defaults["add_norm"]
     rope_kv.Q_HEADS_PER_PROGRAM = defaults["rope"]
     skinny_gemm._LLAMA3_8B = dict(defaults["table"])
-    skinny_gemm.RMS_X_TIMING = set()
     paged_decode.DECODE_TILE = dict(defaults["tile"])
-    paged_decode.GLUON_TILE = None
     paged_decode.pick_num_splits = defaults["splits"]
     eng.model.splitk_into_norm = defaults["splitk_norm"]
     eng.model.silu_in_gate_up = defaults["silu_gate_up"]
@@ -101,10 +95,6 @@ def apply(eng, variant: str, defaults: dict) -> None:
                           f"split0:{GEMMS['down'][0]},{GEMMS['down'][1]}" if k == "down0" else k for k in kinds])
         elif name == "skip_norms":
             decoder.add_norm_of_linear = functools.partial(_linear_without_norm, skip=val or ("pre", "post"))
-        elif knob == "rms_x":
-            decoder.add_norm_of_linear = functools.partial(_linear_without_norm, skip=("pre", "post"))
-            eng.model.splitk_into_norm = False
-            skinny_gemm.RMS_X_TIMING = {GEMMS["qkv"], GEMMS["gate_up"]}
         elif knob in ("splitk_norm", "no_splitk_norm"):
             eng.model.splitk_into_norm = knob == "splitk_norm"
         elif knob in ("rope_in_qkv", "no_rope_in_qkv"):
@@ -115,8 +105,6 @@ def apply(eng, variant: str, defaults: dict) -> None:
             rope_kv.Q_HEADS_PER_PROGRAM = 0
         elif name in GEMMS:
             skinny_gemm._LLAMA3_8B[GEMMS[name]] = ((64, nums),)
-        elif name == "gattn":
-            paged_decode.GLUON_TILE = tuple(int(v) for v in val.split(","))
         elif name == "attn":
             paged_decode.pick_num_splits = lambda *a, ns=nums[0], **k: ns
             paged_decode.DECODE_TILE = dict(block_n=nums[1], num_warps=nums[2], num_stages=nums[3])

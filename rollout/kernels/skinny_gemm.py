@@ -40,7 +40,7 @@ fix_interpreter()
 def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, s_xm, s_wn, s_ym,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         EVEN_N: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
-                        PARTIALS: tl.constexpr, SILU_MUL: tl.constexpr, PDL: tl.constexpr, RMS_X: tl.constexpr):
+                        PARTIALS: tl.constexpr, SILU_MUL: tl.constexpr, PDL: tl.constexpr):
     pid = tl.program_id(0)
     if SILU_MUL:
         rn, w_rows = gate_up_rows(pid, N, BLOCK_N)               # N: the intermediate size
@@ -53,7 +53,7 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, s_
     per = tl.cdiv(k_tiles, SPLIT_K)
     kt0 = tl.program_id(1) * per
     acc = weight_rows_times_x(x_ptr, w_ptr, w_rows, rn, rm, M, N, s_xm, s_wn, kt0, tl.minimum(kt0 + per, k_tiles),
-                              BLOCK_M, BLOCK_N, BLOCK_K, EVEN_N, PDL, RMS_X)
+                              BLOCK_M, BLOCK_N, BLOCK_K, EVEN_N, PDL)
     before_store(PDL)
     if SPLIT_K > 1:
         if PARTIALS:   # the consumer kernel adds them (in split order)
@@ -110,29 +110,20 @@ def splitk_fixup(acc, ws_ptr, cnt_ptr, tile, cols, rm, N, BLOCK_M: tl.constexpr,
 
 @triton.jit
 def weight_rows_times_x(x_ptr, w_ptr, w_rows, rn, rm, M, N, s_xm, s_wn, kt0, kt1, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, PDL: tl.constexpr,
-                        RMS_X: tl.constexpr):
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, PDL: tl.constexpr):
     """acc [BLOCK_N, BLOCK_M] = w[w_rows] @ x[rm].T over K tiles [kt0, kt1), fp32 in K order (the
     weight tile is the MMA's left operand). rn < N masks weight rows unless EVEN_N. With PDL the
     first weight tile is loaded before the wait on the previous kernel (weights are not its
-    output; two tiles measured no faster inside the decode graphs, bench/results/README.md).
-    RMS_X (a timing experiment, `RMS_X_TIMING`): also sum x's squares over the K range and scale
-    each column of acc by 1 / rms, the work of an RMSNorm folded into the GEMM (the norm's weight
-    would be folded into w; here it is not, so the result is not the layer's)."""
+    output; two tiles measured no faster inside the decode graphs, bench/results/README.md)."""
     rk = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + w_rows.to(tl.int64)[:, None] * s_wn + (kt0 * BLOCK_K + rk)[None, :]
     x_ptrs = x_ptr + rm.to(tl.int64)[:, None] * s_xm + (kt0 * BLOCK_K + rk)[None, :]
     m_ok = rm[:, None] < M
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    ss = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    n_k = (kt1 - kt0) * BLOCK_K
     if PDL:
         w = _load_w(w_ptrs, rn, N, EVEN_N)
         enter(PDL)
-        x = tl.load(x_ptrs, mask=m_ok, other=0.0)
-        acc = tl.dot(w, tl.trans(x), acc)
-        if RMS_X:
-            ss += tl.sum(x.to(tl.float32) * x.to(tl.float32), 1)
+        acc = tl.dot(w, tl.trans(tl.load(x_ptrs, mask=m_ok, other=0.0)), acc)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
         kt0 += 1
@@ -140,12 +131,8 @@ def weight_rows_times_x(x_ptr, w_ptr, w_rows, rn, rm, M, N, s_xm, s_wn, kt0, kt1
         w = _load_w(w_ptrs, rn, N, EVEN_N)
         x = tl.load(x_ptrs, mask=m_ok, other=0.0)
         acc = tl.dot(w, tl.trans(x), acc)
-        if RMS_X:
-            ss += tl.sum(x.to(tl.float32) * x.to(tl.float32), 1)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
-    if RMS_X:
-        acc = acc * tl.rsqrt(ss / n_k + 1e-5)[None, :]
     return acc
 
 
@@ -181,12 +168,6 @@ _LLAMA3_8B = {
     (4096, 14336): ((16, (32, 256, 4, 5)), (32, (64, 128, 4, 5, 2))),              # down_proj
     (128256, 4096): ((64, (64, 128, 4, 3)),),                                      # lm_head
 }
-
-
-# Weight shapes (N, K) whose GEMM (here and in rope_kv's QKV kernel) also does the work of an
-# RMSNorm folded into it (weight_rows_times_x's RMS_X): a timing experiment for issue 4, set by
-# bench.step_variants' `rms_x`; the results are then not the layer's.
-RMS_X_TIMING: set = set()
 
 
 def pick_config(N: int, K: int, M: int) -> Optional[tuple[int, ...]]:
@@ -253,8 +234,7 @@ def skinny_gemm(x: torch.Tensor, w: torch.Tensor, block_n: int, block_k: int, nu
         _skinny_gemm_kernel[(tiles, split_k, triton.cdiv(M, bm))](
             x, w, bias if bias is not None else w, out, ws, cnt, M, N, K, x.stride(0), w.stride(0), out.stride(0),
             BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_N=N % cols_per_tile == 0, HAS_BIAS=bias is not None,
-            SPLIT_K=split_k, PARTIALS=partials, SILU_MUL=silu_mul, PDL=pdl,
-            RMS_X=(w.shape[0], K) in RMS_X_TIMING, num_warps=num_warps,
+            SPLIT_K=split_k, PARTIALS=partials, SILU_MUL=silu_mul, PDL=pdl, num_warps=num_warps,
             num_stages=num_stages, launch_pdl=bool(pdl))
     return ws[:, :M] if partials else out
 
