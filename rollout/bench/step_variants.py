@@ -30,10 +30,6 @@ Two knobs are timing bounds, not modes to run (their tokens are wrong):
   skip_norms[=pre|post]  the layers' residual add + RMSNorm kernels (pre: before QKV, post:
                     before gate_up; default both) are not launched (the next GEMM reads the
                     residual as is): what the 64 norm kernels a step cost
-  ss_epi            skip_norms + no_splitk_norm, and the norms' work moved into the GEMMs: o_proj's
-                    and down's epilogues add the residual and write per-row partial sums of
-                    squares, QKV and gate_up load them after their wait and scale by 1 / rms
-                    (skinny_gemm.SS_TIMING): what that fold could gain, less its cost
 """
 from __future__ import annotations
 
@@ -79,7 +75,6 @@ def apply(eng, variant: str, defaults: dict) -> None:
     decoder.add_norm_of_linear = defaults["add_norm"]
     rope_kv.Q_HEADS_PER_PROGRAM = defaults["rope"]
     skinny_gemm._LLAMA3_8B = dict(defaults["table"])
-    skinny_gemm.SS_TIMING = {}
     paged_decode.DECODE_TILE = dict(defaults["tile"])
     paged_decode.pick_num_splits = defaults["splits"]
     eng.model.splitk_into_norm = defaults["splitk_norm"]
@@ -100,12 +95,6 @@ def apply(eng, variant: str, defaults: dict) -> None:
                           f"split0:{GEMMS['down'][0]},{GEMMS['down'][1]}" if k == "down0" else k for k in kinds])
         elif name == "skip_norms":
             decoder.add_norm_of_linear = functools.partial(_linear_without_norm, skip=val or ("pre", "post"))
-        elif knob == "ss_epi":      # producers: o_proj 32 x 256 (128 tiles), down 64 x 128 split 2 (64 tiles)
-            decoder.add_norm_of_linear = functools.partial(_linear_without_norm, skip=("pre", "post"))
-            eng.model.splitk_into_norm = False
-            bufs = [torch.zeros(128 * 32, dtype=torch.float32, device="cuda") for _ in range(2)]
-            skinny_gemm.SS_TIMING = {GEMMS["o"]: ("out", bufs[0]), GEMMS["gate_up"]: ("in", bufs[0], 128),
-                                     GEMMS["down"]: ("out", bufs[1]), GEMMS["qkv"]: ("in", bufs[1], 64)}
         elif knob in ("splitk_norm", "no_splitk_norm"):
             eng.model.splitk_into_norm = knob == "splitk_norm"
         elif knob in ("rope_in_qkv", "no_rope_in_qkv"):

@@ -37,11 +37,10 @@ fix_interpreter()
 
 
 @triton.jit
-def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, ss_ptr, M, N, K, s_xm, s_wn, s_ym,
+def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, s_xm, s_wn, s_ym,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         EVEN_N: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
-                        PARTIALS: tl.constexpr, SILU_MUL: tl.constexpr, PDL: tl.constexpr,
-                        SS_OUT: tl.constexpr, SS_IN: tl.constexpr):
+                        PARTIALS: tl.constexpr, SILU_MUL: tl.constexpr, PDL: tl.constexpr):
     pid = tl.program_id(0)
     if SILU_MUL:
         rn, w_rows = gate_up_rows(pid, N, BLOCK_N)               # N: the intermediate size
@@ -54,7 +53,7 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, ss_ptr, M, 
     per = tl.cdiv(k_tiles, SPLIT_K)
     kt0 = tl.program_id(1) * per
     acc = weight_rows_times_x(x_ptr, w_ptr, w_rows, rn, rm, M, N, s_xm, s_wn, kt0, tl.minimum(kt0 + per, k_tiles),
-                              BLOCK_M, BLOCK_N, BLOCK_K, EVEN_N, PDL, ss_ptr, K, SS_IN)
+                              BLOCK_M, BLOCK_N, BLOCK_K, EVEN_N, PDL)
     before_store(PDL)
     if SPLIT_K > 1:
         if PARTIALS:   # the consumer kernel adds them (in split order)
@@ -62,14 +61,9 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, ss_ptr, M, 
         else:          # if/else, not an early return: Triton compiles the code after a return too
             acc, last = splitk_fixup(acc, ws_ptr, cnt_ptr, pid, rn, rm, N, BLOCK_M, SPLIT_K)
             if last:
-                if SS_OUT:
-                    _residual_ss_epilogue(acc, y_ptr, ss_ptr, pid, rm, rn, M, N, s_ym, BLOCK_M)
-                else:
-                    _epilogue(acc, b_ptr, y_ptr, rm, rn, M, N, s_ym, HAS_BIAS)
+                _epilogue(acc, b_ptr, y_ptr, rm, rn, M, N, s_ym, HAS_BIAS)
     elif SILU_MUL:
         silu_epilogue(acc, y_ptr, pid, rm, M, N, s_ym, BLOCK_M, BLOCK_N)
-    elif SS_OUT:
-        _residual_ss_epilogue(acc, y_ptr, ss_ptr, pid, rm, rn, M, N, s_ym, BLOCK_M)
     else:
         _epilogue(acc, b_ptr, y_ptr, rm, rn, M, N, s_ym, HAS_BIAS)
 
@@ -116,15 +110,11 @@ def splitk_fixup(acc, ws_ptr, cnt_ptr, tile, cols, rm, N, BLOCK_M: tl.constexpr,
 
 @triton.jit
 def weight_rows_times_x(x_ptr, w_ptr, w_rows, rn, rm, M, N, s_xm, s_wn, kt0, kt1, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, PDL: tl.constexpr,
-                        ss_ptr, K, SS_IN: tl.constexpr):
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, PDL: tl.constexpr):
     """acc [BLOCK_N, BLOCK_M] = w[w_rows] @ x[rm].T over K tiles [kt0, kt1), fp32 in K order (the
     weight tile is the MMA's left operand). rn < N masks weight rows unless EVEN_N. With PDL the
     first weight tile is loaded before the wait on the previous kernel (weights are not its
-    output; two tiles measured no faster inside the decode graphs, bench/results/README.md).
-    SS_IN > 0 (a timing experiment, `SS_TIMING`): after the wait, load SS_IN producer programs'
-    per-row sums of squares from ss_ptr and scale acc's columns by 1 / rms at the end: the work
-    of an RMSNorm whose sums come from the GEMM before (its weight would be folded into w)."""
+    output; two tiles measured no faster inside the decode graphs, bench/results/README.md)."""
     rk = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + w_rows.to(tl.int64)[:, None] * s_wn + (kt0 * BLOCK_K + rk)[None, :]
     x_ptrs = x_ptr + rm.to(tl.int64)[:, None] * s_xm + (kt0 * BLOCK_K + rk)[None, :]
@@ -137,16 +127,12 @@ def weight_rows_times_x(x_ptr, w_ptr, w_rows, rn, rm, M, N, s_xm, s_wn, kt0, kt1
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
         kt0 += 1
-    if SS_IN > 0:
-        ssp = tl.load(ss_ptr + tl.arange(0, SS_IN)[:, None] * BLOCK_M + rm[None, :])
     for _ in range(kt0, kt1):
         w = _load_w(w_ptrs, rn, N, EVEN_N)
         x = tl.load(x_ptrs, mask=m_ok, other=0.0)
         acc = tl.dot(w, tl.trans(x), acc)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
-    if SS_IN > 0:
-        acc = acc * tl.rsqrt(tl.sum(ssp, 0) / K + 1e-5)[None, :]
     return acc
 
 
@@ -155,19 +141,6 @@ def _load_w(w_ptrs, rn, N, EVEN_N: tl.constexpr):
     if EVEN_N:
         return tl.load(w_ptrs)
     return tl.load(w_ptrs, mask=rn[:, None] < N, other=0.0)
-
-
-@triton.jit
-def _residual_ss_epilogue(acc, y_ptr, ss_ptr, tile, rm, rn, M, N, s_ym, BLOCK_M: tl.constexpr):
-    """SS_TIMING's producer side: y (standing in for the residual) + acc, stored as the new residual,
-    and this tile's per-row sum of squares of it at ss_ptr[tile, rm] for the next GEMM."""
-    y_ptrs = y_ptr + rm.to(tl.int64)[None, :] * s_ym + rn[:, None]
-    ok = (rm[None, :] < M) & (rn[:, None] < N)
-    dt = y_ptr.dtype.element_ty
-    h = (tl.load(y_ptrs, mask=ok, other=0.0).to(tl.float32) + acc.to(dt).to(tl.float32)).to(dt)
-    tl.store(y_ptrs, h, mask=ok)
-    hf = h.to(tl.float32)
-    tl.store(ss_ptr + tile * BLOCK_M + tl.arange(0, BLOCK_M), tl.sum(hf * hf, 0))
 
 
 @triton.jit
@@ -195,20 +168,6 @@ _LLAMA3_8B = {
     (4096, 14336): ((16, (32, 256, 4, 5)), (32, (64, 128, 4, 5, 2))),              # down_proj
     (128256, 4096): ((64, (64, 128, 4, 3)),),                                      # lm_head
 }
-
-
-# A timing experiment for issue 4 (bench.step_variants' `ss_epi`): (N, K) -> ("out", buf): the GEMM's
-# epilogue adds its output to the residual and writes per-row sums of squares of its tile to buf;
-# ("in", buf, programs): the GEMM scales its output by 1 / rms from those sums. Results are wrong.
-SS_TIMING: dict = {}
-
-
-def ss_args(w: torch.Tensor, K: int, dummy: torch.Tensor):
-    """(ss buffer, SS_OUT, SS_IN) of SS_TIMING for this weight."""
-    ss = SS_TIMING.get((w.shape[0], K))
-    if not ss:
-        return dummy, False, 0
-    return ss[1], ss[0] == "out", ss[2] if ss[0] == "in" else 0
 
 
 def pick_config(N: int, K: int, M: int) -> Optional[tuple[int, ...]]:
@@ -272,13 +231,10 @@ def skinny_gemm(x: torch.Tensor, w: torch.Tensor, block_n: int, block_k: int, nu
     if M:
         pdl = pdl_for(x, late=("gemm", f"gemm:{w.shape[0]},{K}", f"split0:{w.shape[0]},{K}"))
         cnt = split_counters(x.device, tiles) if split_k > 1 and not partials else out   # else unused
-        ss_buf, ss_out, ss_in = ss_args(w, K, out)
         _skinny_gemm_kernel[(tiles, split_k, triton.cdiv(M, bm))](
-            x, w, bias if bias is not None else w, out, ws, cnt, ss_buf, M, N, K, x.stride(0), w.stride(0),
-            out.stride(0),
+            x, w, bias if bias is not None else w, out, ws, cnt, M, N, K, x.stride(0), w.stride(0), out.stride(0),
             BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_N=N % cols_per_tile == 0, HAS_BIAS=bias is not None,
-            SPLIT_K=split_k, PARTIALS=partials, SILU_MUL=silu_mul, PDL=pdl, SS_OUT=ss_out, SS_IN=ss_in,
-            num_warps=num_warps,
+            SPLIT_K=split_k, PARTIALS=partials, SILU_MUL=silu_mul, PDL=pdl, num_warps=num_warps,
             num_stages=num_stages, launch_pdl=bool(pdl))
     return ws[:, :M] if partials else out
 
