@@ -28,5 +28,5 @@ def test_read_kernel_sums_every_element_once(programs, block, pre):
 
 def test_read_kernel_refuses_more_blocks_before_the_wait_than_a_program_reads():
     k = torch.zeros(4, 64).half()
-    with pytest.raises(AssertionError, match="before the wait"):
+    with pytest.raises(ValueError, match="before the wait"):
         read_bytes(k, k, torch.zeros(2), 2, stages=2, block=64, pre=3)

@@ -346,8 +346,8 @@ def test_default_splits_leave_few_compiled_variants(monkeypatch):
     kernel (the unrounded counts: 17), and the row count itself is not specialized on (nor the
     RoPE kernel's token count)."""
     import rollout.kernels.fused_sampler as fs
-    monkeypatch.setattr(fs, "_sm_count", lambda device: 132)     # the H200's SMs
-    monkeypatch.setattr(ft, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(fs, "sm_count", lambda device: 132)      # the H200's SMs
+    monkeypatch.setattr(ft, "sm_count", lambda device: 132)
     for V in (151_936, 128_256):
         pairs = {fs.split_chunks(V, fs.default_num_splits(R, V, "cpu"), 2048) for R in range(1, 4097)}
         assert len(pairs) <= 8, sorted(pairs)

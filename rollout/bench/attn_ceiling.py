@@ -66,7 +66,8 @@ def read_bytes(k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, programs: in
                block: int = 4096, pre: int = 0) -> torch.Tensor:
     n = k.numel()
     per = triton.cdiv(triton.cdiv(n, programs), block) * block
-    assert per >= pre * block, f"{pre} blocks before the wait: more than a program's {per // block}"
+    if per < pre * block:
+        raise ValueError(f"{pre} blocks before the wait: more than a program's {per // block}")
     pdl = pdl_for(k)
     _read_kernel[(programs,)](k, v, out, per, n, BLOCK=block, STAGES=stages, PRE=pre, PDL=pdl, num_warps=4,
                               launch_pdl=bool(pdl))
@@ -184,7 +185,7 @@ def main(argv=None):
                     report(f"read {per_sm} programs/SM, {st} stages, {blk} a block, {pre} before the wait",
                            graph_us(reads, L, args.replays, args.repeats), programs=per_sm * sms, stages=st,
                            block=blk, pre=pre)
-                except AssertionError as e:   # more blocks before the wait than a program reads
+                except ValueError as e:       # more blocks before the wait than a program reads
                     print(f"  read {per_sm}/SM pre={pre}: {e}")
         caches.clear()                  # free this page order's caches before the next
         torch.cuda.empty_cache()

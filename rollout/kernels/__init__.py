@@ -6,6 +6,7 @@ imported (triton reads it when it is imported and when kernels are decorated).
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 
@@ -18,8 +19,15 @@ _EXPORTS = {
     "silu_mul": "fused_ops",
 }
 
-__all__ = ["triton_available", "fix_interpreter", "paged_attention", "rope_and_attend", "paged_decode_attention",
+__all__ = ["triton_available", "fix_interpreter", "sm_count", "paged_attention", "rope_and_attend", "paged_decode_attention",
            "pick_num_splits", "paged_prefill_attention", "rope_and_write_kv", "add_rmsnorm", "silu_mul"]
+
+
+@functools.cache
+def sm_count(device) -> int:
+    """SMs of a torch device (it sizes grids: decode splits, sampler chunks); 4 off CUDA."""
+    import torch
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
 def triton_available() -> bool:
@@ -68,8 +76,7 @@ def paged_attention(q, k_cache, v_cache, meta, scale, sliding_window=None):
                                        meta.seq_lens, scale, sliding_window, split_len=INVARIANT_SPLIT_LEN,
                                        decode_rows=meta.decode_only, **INVARIANT_TILE)
     if meta.decode_only:
-        from .fused_sampler import _sm_count
-        sms = {"num_sms": _sm_count(q.device)} if q.is_cuda else {}    # CPU runs: the default (the H200's)
+        sms = {"num_sms": sm_count(q.device)} if q.is_cuda else {}    # CPU runs: the default (the H200's)
         splits = pick_num_splits(q.shape[0], k_cache.shape[2], **sms)
         return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,
                                       sliding_window, splits, **DECODE_TILE)

@@ -25,12 +25,12 @@ No host syncs; shapes depend only on (R, V, S) and static flags: CUDA-graph capt
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
+
+from . import sm_count
 
 
 # Read once, as triton.jit does at decoration time.
@@ -201,11 +201,6 @@ def _merge_kernel(logits_ptr, stride, temp_ptr, tok_ptr, lp_ptr, stats_ptr, pf_p
             stats_ptr + row, R, STATS)
 
 
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-
-
 def pow2_floor(n: int) -> int:
     """The largest power of two <= max(n, 1)."""
     return 1 << (max(n, 1).bit_length() - 1)
@@ -225,7 +220,7 @@ def default_num_splits(R: int, V: int, device, block_v: int = 2048) -> int:
     leave 8 classes on 132 SMs, which the decode graphs' buckets compile at capture. Depends only on
     (R, V, device): static under CUDA graphs. Logprobs vary in the last ulp with S (summation
     order); tokens never do. Pass a fixed num_splits for bit-level batch-size invariance."""
-    return max(1, min(pow2_floor(triton.cdiv(4 * _sm_count(torch.device(device)), max(R, 1))), triton.cdiv(V, block_v)))
+    return max(1, min(pow2_floor(triton.cdiv(4 * sm_count(torch.device(device)), max(R, 1))), triton.cdiv(V, block_v)))
 
 
 def fused_sample(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor,

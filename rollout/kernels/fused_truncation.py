@@ -30,8 +30,9 @@ import triton
 import triton.language as tl
 
 from ..sampler import SamplerOutput, SamplingTensors
+from . import sm_count
 from .fused_sampler import (_NEG_BIG, _finish, _gumbel_pruned, _log_precise, _merged_z,
-                            _row_keys, _row_temperature, _sample_kernel, _sm_count, fused_sample, pow2_floor,
+                            _row_keys, _row_temperature, _sample_kernel, fused_sample, pow2_floor,
                             split_chunks)
 
 
@@ -443,7 +444,7 @@ def default_row_splits(R: int, V: int, device, block: int = 1024) -> int:
     3 programs per SM alone would take 7 and 2. Rounded down to a power of two (8, 16, 32): the
     split kernels are compiled per chunk width, and few classes keep eager steps from compiling
     (`fused_sampler.default_num_splits`)."""
-    by_sms = pow2_floor(min(max(8, triton.cdiv(3 * _sm_count(torch.device(device)), max(R, 1))), _MAX_ROW_SPLITS))
+    by_sms = pow2_floor(min(max(8, triton.cdiv(3 * sm_count(torch.device(device)), max(R, 1))), _MAX_ROW_SPLITS))
     return max(1, min(by_sms, triton.cdiv(V, block)))
 
 
