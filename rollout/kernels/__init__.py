@@ -19,8 +19,9 @@ _EXPORTS = {
     "silu_mul": "fused_ops",
 }
 
-__all__ = ["triton_available", "fix_interpreter", "sm_count", "paged_attention", "rope_and_attend", "paged_decode_attention",
-           "pick_num_splits", "paged_prefill_attention", "rope_and_write_kv", "add_rmsnorm", "silu_mul"]
+__all__ = ["triton_available", "fix_interpreter", "sm_count", "paged_attention", "rope_and_attend",
+           "paged_decode_attention", "pick_num_splits", "paged_prefill_attention", "rope_and_write_kv", "add_rmsnorm",
+           "silu_mul"]
 
 
 @functools.cache
