@@ -152,7 +152,7 @@ def _qkv_rope_kernel(
     per = tl.cdiv(K // BLOCK_K, SPLIT_K)         # this program's K tiles, as in the skinny GEMM
     kt0 = tl.program_id(1) * per
     acc = weight_rows_times_x(x_ptr, w_ptr, w_rows, w_rows, rm, M, N, s_xm, s_wn,
-                              kt0, tl.minimum(kt0 + per, K // BLOCK_K), BLOCK_M, BLOCK_N, BLOCK_K, True, PDL)
+                              kt0, tl.minimum(kt0 + per, K // BLOCK_K), BLOCK_M, BLOCK_N, BLOCK_K, True, PDL, False)
     before_store(PDL)
     last = True
     if SPLIT_K > 1:   # the tile's last split program sums the partials (skinny_gemm's order) and goes on

@@ -40,8 +40,10 @@ fix_interpreter()
 def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, s_xm, s_wn, s_ym,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         EVEN_N: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
-                        PARTIALS: tl.constexpr, SILU_MUL: tl.constexpr, PDL: tl.constexpr):
+                        PARTIALS: tl.constexpr, SILU_MUL: tl.constexpr, PDL: tl.constexpr, TILED: tl.constexpr):
     pid = tl.program_id(0)
+    if TILED:     # w packed by pack_weight_tiles: this tile's K tiles are one contiguous run
+        w_ptr += pid.to(tl.int64) * BLOCK_N * K
     if SILU_MUL:
         rn, w_rows = gate_up_rows(pid, N, BLOCK_N)               # N: the intermediate size
     else:
@@ -53,7 +55,7 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, s_
     per = tl.cdiv(k_tiles, SPLIT_K)
     kt0 = tl.program_id(1) * per
     acc = weight_rows_times_x(x_ptr, w_ptr, w_rows, rn, rm, M, N, s_xm, s_wn, kt0, tl.minimum(kt0 + per, k_tiles),
-                              BLOCK_M, BLOCK_N, BLOCK_K, EVEN_N, PDL)
+                              BLOCK_M, BLOCK_N, BLOCK_K, EVEN_N, PDL, TILED)
     before_store(PDL)
     if SPLIT_K > 1:
         if PARTIALS:   # the consumer kernel adds them (in split order)
@@ -110,13 +112,21 @@ def splitk_fixup(acc, ws_ptr, cnt_ptr, tile, cols, rm, N, BLOCK_M: tl.constexpr,
 
 @triton.jit
 def weight_rows_times_x(x_ptr, w_ptr, w_rows, rn, rm, M, N, s_xm, s_wn, kt0, kt1, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, PDL: tl.constexpr):
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, PDL: tl.constexpr,
+                        TILED: tl.constexpr):
     """acc [BLOCK_N, BLOCK_M] = w[w_rows] @ x[rm].T over K tiles [kt0, kt1), fp32 in K order (the
     weight tile is the MMA's left operand). rn < N masks weight rows unless EVEN_N. With PDL the
     first weight tile is loaded before the wait on the previous kernel (weights are not its
-    output; two tiles measured no faster inside the decode graphs, bench/results/README.md)."""
+    output; two tiles measured no faster inside the decode graphs, bench/results/README.md).
+    TILED: w points at this tile's packed run [k_tiles, BLOCK_N, BLOCK_K] (pack_weight_tiles),
+    w_rows and s_wn are ignored."""
     rk = tl.arange(0, BLOCK_K)
-    w_ptrs = w_ptr + w_rows.to(tl.int64)[:, None] * s_wn + (kt0 * BLOCK_K + rk)[None, :]
+    if TILED:
+        W_KT: tl.constexpr = BLOCK_N * BLOCK_K
+        w_ptrs = w_ptr + kt0.to(tl.int64) * W_KT + tl.arange(0, BLOCK_N)[:, None] * BLOCK_K + rk[None, :]
+    else:
+        W_KT: tl.constexpr = BLOCK_K
+        w_ptrs = w_ptr + w_rows.to(tl.int64)[:, None] * s_wn + (kt0 * BLOCK_K + rk)[None, :]
     x_ptrs = x_ptr + rm.to(tl.int64)[:, None] * s_xm + (kt0 * BLOCK_K + rk)[None, :]
     m_ok = rm[:, None] < M
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
@@ -124,14 +134,14 @@ def weight_rows_times_x(x_ptr, w_ptr, w_rows, rn, rm, M, N, s_xm, s_wn, kt0, kt1
         w = _load_w(w_ptrs, rn, N, EVEN_N)
         enter(PDL)
         acc = tl.dot(w, tl.trans(tl.load(x_ptrs, mask=m_ok, other=0.0)), acc)
-        w_ptrs += BLOCK_K
+        w_ptrs += W_KT
         x_ptrs += BLOCK_K
         kt0 += 1
     for _ in range(kt0, kt1):
         w = _load_w(w_ptrs, rn, N, EVEN_N)
         x = tl.load(x_ptrs, mask=m_ok, other=0.0)
         acc = tl.dot(w, tl.trans(x), acc)
-        w_ptrs += BLOCK_K
+        w_ptrs += W_KT
         x_ptrs += BLOCK_K
     return acc
 
@@ -183,6 +193,22 @@ def pick_block_m(M: int) -> int:
     return max(16, triton.next_power_of_2(M))
 
 
+def pack_weight_tiles(w: torch.Tensor, block_n: int, block_k: int, silu_mul: bool = False) -> torch.Tensor:
+    """w [N, K] (silu_mul: the fused gate_up weight) -> [tiles, k_tiles, block_n, block_k], each
+    program's weight tiles in the order it reads them, one contiguous run per program (DRAM sees
+    one long stream per program instead of block_n rows of block_k * 2 bytes each)."""
+    N, K = w.shape
+    if silu_mul:   # tile t: gate rows [t h, (t + 1) h) then the same up rows (gate_up_rows)
+        h = block_n // 2
+        assert N % block_n == 0, f"{N // 2} columns do not make tiles of {h}"
+        rows = torch.cat((w[:N // 2].view(-1, h, K), w[N // 2:].view(-1, h, K)), dim=1)
+    else:
+        assert N % block_n == 0, f"N={N} is not a multiple of BLOCK_N={block_n}"
+        rows = w.view(-1, block_n, K)
+    assert K % block_k == 0, f"K={K} is not a multiple of BLOCK_K={block_k}"
+    return rows.view(rows.shape[0], block_n, K // block_k, block_k).permute(0, 2, 1, 3).contiguous()
+
+
 _COUNTERS: dict = {}     # device -> int32 arrival counters (zero between calls)
 
 
@@ -203,7 +229,7 @@ def split_counters(device: torch.device, tiles: int) -> torch.Tensor:
 def skinny_gemm(x: torch.Tensor, w: torch.Tensor, block_n: int, block_k: int, num_warps: int = 4,
                 num_stages: int = 4, split_k: int = 1, out: Optional[torch.Tensor] = None,
                 bias: Optional[torch.Tensor] = None, block_m: Optional[int] = None,
-                partials: bool = False, silu_mul: bool = False) -> torch.Tensor:
+                partials: bool = False, silu_mul: bool = False, tiled: bool = False) -> torch.Tensor:
     """x [M, K] (unit stride in K), w [N, K] contiguous, bias [N] or None -> y [M, N] in x's dtype.
     split_k > 1: each output tile's K is shared by split_k programs (more programs for a small N
     than SMs would otherwise get); K / block_k must be a multiple of split_k.
@@ -213,7 +239,14 @@ def skinny_gemm(x: torch.Tensor, w: torch.Tensor, block_n: int, block_k: int, nu
     same bits as y, and the GEMM skips its fix-up (barrier, counter, reload, store).
     silu_mul: w is the fused gate_up weight [2I, K] (gate rows, then up rows); returns
     silu(gate) * up [M, I], the bits of fused_ops.silu_mul(skinny_gemm(x, w, ...)). No split-K,
-    no bias."""
+    no bias.
+    tiled: w is pack_weight_tiles(weight, block_n, block_k, silu_mul) [tiles, k_tiles, block_n,
+    block_k]; the same bits as the plain weight."""
+    if tiled:
+        assert w.dim() == 4 and w.shape[2:] == (block_n, block_k) and w.is_contiguous() and block_m is None, \
+            "tiled: a pack_weight_tiles weight of this config"
+        w_rows = w.shape[0] * block_n
+        w = w.view(w_rows, -1)     # only shape[0] / shape[1] / stride(0) are read below; the kernel re-tiles
     M, K = x.shape
     N = w.shape[0] // 2 if silu_mul else w.shape[0]
     assert not silu_mul or (split_k == 1 and bias is None and not partials and w.shape[0] % 2 == 0
@@ -234,7 +267,7 @@ def skinny_gemm(x: torch.Tensor, w: torch.Tensor, block_n: int, block_k: int, nu
         _skinny_gemm_kernel[(tiles, split_k, triton.cdiv(M, bm))](
             x, w, bias if bias is not None else w, out, ws, cnt, M, N, K, x.stride(0), w.stride(0), out.stride(0),
             BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_N=N % cols_per_tile == 0, HAS_BIAS=bias is not None,
-            SPLIT_K=split_k, PARTIALS=partials, SILU_MUL=silu_mul, PDL=pdl, num_warps=num_warps,
+            SPLIT_K=split_k, PARTIALS=partials, SILU_MUL=silu_mul, PDL=pdl, TILED=tiled, num_warps=num_warps,
             num_stages=num_stages, launch_pdl=bool(pdl))
     return ws[:, :M] if partials else out
 
