@@ -177,6 +177,42 @@ def test_qkv_gemm_with_rope_epilogue_gives_the_two_kernel_bits(block_n, T, split
     assert not torch.equal(bad, want)
 
 
+@pytest.mark.parametrize("kind,cfg,M", [("rows", (32, 64, 4, 2, 1), 5), ("rows", (64, 64, 4, 2, 2), 16),
+                                        ("partials", (32, 64, 4, 2, 4), 3), ("silu", (64, 64, 4, 2, 1), 7),
+                                        ("rope", (32, 64, 4, 2, 1), 5), ("rope", (16, 64, 4, 2, 2), 3)])
+def test_packed_weight_tiles_give_the_plain_layout_bits(kind, cfg, M):
+    """pack_weight_tiles stores each program's weight tiles as one contiguous run; the skinny GEMM
+    (plain, split-K, its partials, the SiLU epilogue) and the QKV + RoPE kernel read it with
+    TILED and give the plain layout's bits. A pack with another program's row order does not.
+    fp16 (the interpreter's bf16 dot is broken)."""
+    from rollout.kernels import skinny_gemm as sg
+    from rollout.kernels.rope_kv import qkv_rope_and_write_kv, qkv_tile_rows
+    g = torch.Generator().manual_seed(M + cfg[0])
+    Hq, Hkv, D, K = 4, 2, 32, 256
+    N = (Hq + 2 * Hkv) * D
+    x = torch.randn(M, K, generator=g).half()
+    w = (torch.randn(N, K, generator=g) / 8).half()
+    if kind == "rope":
+        rows = qkv_tile_rows(Hq, Hkv, D, cfg[0])
+        assert sorted(rows.reshape(-1).tolist()) == list(range(N))      # every row once
+        inv_freq = 1.0 / (10000.0 ** (torch.arange(0, D, 2).float() / D))
+        positions, slots = torch.randint(0, 3000, (M,), generator=g), torch.arange(M) * 3
+
+        def run(weight, tiled):
+            caches = [torch.zeros((4, 16, Hkv, D), dtype=torch.float16) for _ in range(2)]
+            q = qkv_rope_and_write_kv(x, weight, Hq, positions, inv_freq, *caches, slots, *cfg, tiled=tiled)
+            return torch.cat([q.reshape(-1), caches[0].reshape(-1), caches[1].reshape(-1)])
+    else:
+        rows = sg.tile_rows(N, cfg[0], silu_mul=kind == "silu")
+
+        def run(weight, tiled):
+            return sg.skinny_gemm(x, weight, *cfg, tiled=tiled, partials=kind == "partials", silu_mul=kind == "silu")
+    want = run(w, False)
+    assert torch.equal(run(sg.pack_weight_tiles(w, cfg[1], rows), True), want)
+    other = rows.flip(0) if kind != "silu" else sg.tile_rows(N, cfg[0])
+    assert not torch.equal(run(sg.pack_weight_tiles(w, cfg[1], other), True), want)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_ops(dtype):
     for name, got, want in fused_ops_cases("cpu", dtype):
@@ -422,6 +458,8 @@ def test_compiles_for_sm90(tmp_path):
                "b_ptr": "*bf16", "y_ptr": "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "wml_ptr": "*fp32"}
         def compile_(fn, pdl=False, early_loads=False, ptrs=None, **const):
             const = dict(const, PDL=pdl) if "PDL" in fn.arg_names else const
+            if "TILED" in fn.arg_names:     # the plain weight layout unless a call says packed
+                const.setdefault("TILED", False)
             sig, attrs = {}, {}
             for i, name in enumerate(fn.arg_names):
                 scalar = "fp32" if name in ("sm_scale_log2", "eps") else "i32"
@@ -463,15 +501,16 @@ def test_compiles_for_sm90(tmp_path):
                                  BLOCK_N=32, BLOCK_K=256, SPIN=1 << 20, PREFETCH=prefetch)
             for split in (1, 2):     # QKV GEMM + RoPE + K/V write epilogue (after the split-K fix-up)
                 compile_(rk._qkv_rope_kernel, pdl, early_loads=True, HQ=32, HKV=8, HALF=64, BLOCK_M=32,
-                         BLOCK_N=64 * split, BLOCK_K=128, SPLIT_K=split, PRECISE=True,
+                         BLOCK_N=64 * split, BLOCK_K=128, SPLIT_K=split, PRECISE=True, TILED=split == 2,
                          ptrs=None if split > 1 else {"ws_ptr": "*bf16", "cnt_ptr": "*bf16"})   # as passed
             compile_(fo._add_rmsnorm_kernel, pdl, HAS_DELTA=True, DELTA_PARTIALS=2 if pdl else 0, BLOCK=4096)
             compile_(fo._silu_mul_kernel, pdl, BLOCK=1024)
             for split in (1, 2):
                 compile_(sg._skinny_gemm_kernel, pdl, early_loads=True, BLOCK_M=32, BLOCK_N=64, BLOCK_K=128,
-                         EVEN_N=split == 1, HAS_BIAS=split == 2, SPLIT_K=split, PARTIALS=False, SILU_MUL=False)
+                         EVEN_N=split == 1, HAS_BIAS=split == 2, SPLIT_K=split, PARTIALS=False, SILU_MUL=False,
+                         TILED=split == 1)
             compile_(sg._skinny_gemm_kernel, pdl, early_loads=True, BLOCK_M=32, BLOCK_N=64, BLOCK_K=128,
-                     EVEN_N=True, HAS_BIAS=False, SPLIT_K=2, PARTIALS=True, SILU_MUL=False,
+                     EVEN_N=True, HAS_BIAS=False, SPLIT_K=2, PARTIALS=True, SILU_MUL=False, TILED=False,
                      ptrs={"cnt_ptr": "*bf16"})   # as skinny_gemm passes it (unused): no fix-up atomics built
             compile_(sg._skinny_gemm_kernel, pdl, early_loads=True, BLOCK_M=sg.INVARIANT_BLOCK_M,   # batch-invariant
                      BLOCK_N=sg.invariant_block_n(4096), BLOCK_K=128, EVEN_N=True, HAS_BIAS=False, SPLIT_K=1,

@@ -21,6 +21,9 @@ ends with the baseline to show the drift. A variant is knobs joined by "+", on t
                     no_silu_gate_up: the SiLU kernel)
   rope_in_qkv       RoPE + the K/V write in the QKV GEMM's epilogue, no RoPE kernel (the default;
                     no_rope_in_qkv: the RoPE kernel)
+  packed            the decode GEMMs read copies of their weights packed one contiguous run per
+                    program (DecoderLM.pack_decode_weights, for the configs at --batch rows;
+                    a later knob's config with another tile shape reads the plain weight)
 Two knobs are timing bounds, not modes to run (their tokens are wrong):
   late_wait[=K,..]  kernels of kinds K (gemm: o_proj, gate_up, down, lm_head; qkv; attn; one of
                     o, gate_up, down, lm_head; down0: down's split-0 programs; default the first
@@ -80,6 +83,7 @@ def apply(eng, variant: str, defaults: dict) -> None:
     eng.model.splitk_into_norm = defaults["splitk_norm"]
     eng.model.silu_in_gate_up = defaults["silu_gate_up"]
     eng.model.rope_in_qkv = defaults["rope_in_qkv"]
+    packed = False
     for knob in variant.split("+"):
         name, _, val = knob.partition("=")
         nums = tuple(int(v) for v in val.split(",")) if (name in GEMMS or name == "attn") and val != "cublas" else None
@@ -105,11 +109,14 @@ def apply(eng, variant: str, defaults: dict) -> None:
             rope_kv.Q_HEADS_PER_PROGRAM = 0
         elif name in GEMMS:
             skinny_gemm._LLAMA3_8B[GEMMS[name]] = ((64, nums),)
+        elif knob == "packed":
+            packed = True
         elif name == "attn":
             paged_decode.pick_num_splits = lambda *a, ns=nums[0], **k: ns
             paged_decode.DECODE_TILE = dict(block_n=nums[1], num_warps=nums[2], num_stages=nums[3])
         else:
             raise SystemExit(f"unknown knob {knob!r}")
+    eng.model.pack_decode_weights(rows=defaults["batch"], on=packed)   # after the knobs: their configs
     recapture_graphs(eng)
 
 
@@ -149,7 +156,7 @@ def main(argv=None):
     defaults = dict(rope=rope_kv.Q_HEADS_PER_PROGRAM, table=dict(skinny_gemm._LLAMA3_8B),
                     tile=dict(paged_decode.DECODE_TILE), splits=paged_decode.pick_num_splits,
                     splitk_norm=eng.model.splitk_into_norm, silu_gate_up=eng.model.silu_in_gate_up,
-                    rope_in_qkv=eng.model.rope_in_qkv, add_norm=decoder.add_norm_of_linear)
+                    rope_in_qkv=eng.model.rope_in_qkv, add_norm=decoder.add_norm_of_linear, batch=B)
     rows = []
     for v in args.variants:
         try:

@@ -140,9 +140,12 @@ def _qkv_rope_kernel(
         x_ptr, w_ptr, qo_ptr, pos_ptr, inv_freq_ptr, kc_ptr, vc_ptr, slot_ptr, ws_ptr, cnt_ptr, n_slots, M, K,
         s_xm, s_wn, s_qot, s_qoh, s_kcs, s_kch, s_vcs, s_vch,
         HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PRECISE: tl.constexpr, PDL: tl.constexpr):
+        BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PRECISE: tl.constexpr, PDL: tl.constexpr,
+        TILED: tl.constexpr):
     P: tl.constexpr = BLOCK_N // 2              # frequency pairs per program
     pid = tl.program_id(0)
+    if TILED:     # w packed by pack_weight_tiles with qkv_tile_rows: this program's run
+        w_ptr += pid.to(tl.int64) * BLOCK_N * K
     head = pid // (HALF // P)                    # q heads, then k heads, then v heads
     f = (pid % (HALF // P)) * P + tl.arange(0, P)
     r = tl.arange(0, BLOCK_N)
@@ -152,7 +155,7 @@ def _qkv_rope_kernel(
     per = tl.cdiv(K // BLOCK_K, SPLIT_K)         # this program's K tiles, as in the skinny GEMM
     kt0 = tl.program_id(1) * per
     acc = weight_rows_times_x(x_ptr, w_ptr, w_rows, w_rows, rm, M, N, s_xm, s_wn,
-                              kt0, tl.minimum(kt0 + per, K // BLOCK_K), BLOCK_M, BLOCK_N, BLOCK_K, True, PDL, False)
+                              kt0, tl.minimum(kt0 + per, K // BLOCK_K), BLOCK_M, BLOCK_N, BLOCK_K, True, PDL, TILED)
     before_store(PDL)
     last = True
     if SPLIT_K > 1:   # the tile's last split program sums the partials (skinny_gemm's order) and goes on
@@ -191,16 +194,29 @@ def _rope_epilogue(acc, qo_ptr, pos_ptr, inv_freq_ptr, kc_ptr, vc_ptr, slot_ptr,
         tl.store(vp + HALF, x2.to(dt), mask=slot >= 0)
 
 
+def qkv_tile_rows(num_heads: int, num_kv_heads: int, head_dim: int, block_n: int) -> torch.Tensor:
+    """The fused QKV weight's rows of each _qkv_rope_kernel program [tiles, block_n]: block_n / 2
+    frequency pairs of one head, first halves then second halves (its w_rows)."""
+    half, pairs = head_dim // 2, block_n // 2
+    tiles = torch.arange((num_heads + 2 * num_kv_heads) * (half // pairs))[:, None]
+    r = torch.arange(block_n)[None, :]
+    return (tiles // (half // pairs)) * head_dim + (tiles % (half // pairs)) * pairs + r % pairs + (r >= pairs) * half
+
+
 def qkv_rope_and_write_kv(x: torch.Tensor, w: torch.Tensor, num_heads: int, positions: torch.Tensor,
                           inv_freq: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           slot_mapping: torch.Tensor, block_n: int, block_k: int, num_warps: int = 4,
-                          num_stages: int = 4, split_k: int = 1) -> torch.Tensor:
+                          num_stages: int = 4, split_k: int = 1, tiled: bool = False) -> torch.Tensor:
     """The fused QKV projection x [T, K] @ w.T (w [(Hq + 2 Hkv) D, K], no bias; q, k, v heads in
     order), RoPE on q and k, and the K/V write: the result of skinny_gemm (with the same split_k)
-    then rope_and_write_kv, in one kernel. T <= 64 (one row tile). Returns RoPE'd q [T, Hq, D]."""
+    then rope_and_write_kv, in one kernel. T <= 64 (one row tile). Returns RoPE'd q [T, Hq, D].
+    tiled: w is skinny_gemm.pack_weight_tiles(weight, block_k, qkv_tile_rows(...)) (same bits)."""
     T, K = x.shape
     Hkv, D = k_cache.shape[2], k_cache.shape[3]
     half, pairs = D // 2, block_n // 2
+    if tiled:
+        assert w.dim() == 4 and w.shape[2:] == (block_n, block_k) and w.is_contiguous(), "tiled: a packed weight"
+        w = w.view(w.shape[0] * block_n, -1)
     assert w.shape == ((num_heads + 2 * Hkv) * D, K) and w.is_contiguous() and x.stride(1) == 1 and T <= 64
     assert K % block_k == 0 and half % pairs == 0 and inv_freq.numel() == half, "tile / head_dim"
     assert split_k >= 1 and (K // block_k) % split_k == 0, f"{K // block_k} K tiles do not split {split_k} ways"
@@ -222,7 +238,7 @@ def qkv_rope_and_write_kv(x: torch.Tensor, w: torch.Tensor, num_heads: int, posi
         slot_mapping.numel(),
         T, K, x.stride(0), w.stride(0), out_q.stride(0), out_q.stride(1), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(1), v_cache.stride(2), HQ=num_heads, HKV=Hkv, HALF=half,
-        BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, PRECISE=PRECISE, PDL=pdl,
+        BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, PRECISE=PRECISE, PDL=pdl, TILED=tiled,
         num_warps=num_warps, num_stages=num_stages, launch_pdl=bool(pdl),
         enable_fp_fusion=False)   # the rotation rounds each product, as rope_and_write_kv (the MMA is unaffected)
     return out_q

@@ -193,20 +193,27 @@ def pick_block_m(M: int) -> int:
     return max(16, triton.next_power_of_2(M))
 
 
-def pack_weight_tiles(w: torch.Tensor, block_n: int, block_k: int, silu_mul: bool = False) -> torch.Tensor:
-    """w [N, K] (silu_mul: the fused gate_up weight) -> [tiles, k_tiles, block_n, block_k], each
-    program's weight tiles in the order it reads them, one contiguous run per program (DRAM sees
-    one long stream per program instead of block_n rows of block_k * 2 bytes each)."""
-    N, K = w.shape
-    if silu_mul:   # tile t: gate rows [t h, (t + 1) h) then the same up rows (gate_up_rows)
-        h = block_n // 2
-        assert N % block_n == 0, f"{N // 2} columns do not make tiles of {h}"
-        rows = torch.cat((w[:N // 2].view(-1, h, K), w[N // 2:].view(-1, h, K)), dim=1)
-    else:
-        assert N % block_n == 0, f"N={N} is not a multiple of BLOCK_N={block_n}"
-        rows = w.view(-1, block_n, K)
+def pack_weight_tiles(w: torch.Tensor, block_k: int, rows: torch.Tensor) -> torch.Tensor:
+    """w [N, K] -> [tiles, k_tiles, block_n, block_k]: tile t holds weight rows rows[t] (its
+    program's rows in the order it reads them, [tiles, block_n]), its K tiles one after another,
+    so each program streams one contiguous run instead of block_n rows of block_k * 2 bytes each
+    K * 2 bytes apart (bench.weight_tiles)."""
+    K = w.shape[1]
     assert K % block_k == 0, f"K={K} is not a multiple of BLOCK_K={block_k}"
-    return rows.view(rows.shape[0], block_n, K // block_k, block_k).permute(0, 2, 1, 3).contiguous()
+    t, bn = rows.shape
+    return w[rows.reshape(-1).to(w.device)].view(t, bn, K // block_k, block_k).permute(0, 2, 1, 3).contiguous()
+
+
+def tile_rows(n_rows: int, block_n: int, silu_mul: bool = False) -> torch.Tensor:
+    """The weight rows of each program of skinny_gemm [tiles, block_n]: consecutive rows, or with
+    silu_mul (the fused gate_up weight) gate rows then the matching up rows (gate_up_rows)."""
+    if not silu_mul:
+        assert n_rows % block_n == 0, f"N={n_rows} is not a multiple of BLOCK_N={block_n}"
+        return torch.arange(n_rows).view(-1, block_n)
+    h, inter = block_n // 2, n_rows // 2
+    assert inter % h == 0, f"{inter} columns do not make tiles of {h}"
+    gate = torch.arange(inter).view(-1, h)
+    return torch.cat((gate, gate + inter), dim=1)
 
 
 _COUNTERS: dict = {}     # device -> int32 arrival counters (zero between calls)
@@ -240,8 +247,8 @@ def skinny_gemm(x: torch.Tensor, w: torch.Tensor, block_n: int, block_k: int, nu
     silu_mul: w is the fused gate_up weight [2I, K] (gate rows, then up rows); returns
     silu(gate) * up [M, I], the bits of fused_ops.silu_mul(skinny_gemm(x, w, ...)). No split-K,
     no bias.
-    tiled: w is pack_weight_tiles(weight, block_n, block_k, silu_mul) [tiles, k_tiles, block_n,
-    block_k]; the same bits as the plain weight."""
+    tiled: w is pack_weight_tiles(weight, block_k, tile_rows(N, block_n, silu_mul)) [tiles,
+    k_tiles, block_n, block_k]; the same bits as the plain weight."""
     if tiled:
         assert w.dim() == 4 and w.shape[2:] == (block_n, block_k) and w.is_contiguous() and block_m is None, \
             "tiled: a pack_weight_tiles weight of this config"

@@ -113,7 +113,8 @@ def add_norm_of_linear(lin: nn.Module, x: torch.Tensor, residual: torch.Tensor, 
     cfg = _fusable_config(lin, x, linear, split_k=True) if splitk_into_norm else None
     if cfg is not None:
         from ..kernels.skinny_gemm import skinny_gemm
-        return add_rmsnorm(residual, norm.weight, norm.eps, delta=skinny_gemm(x, lin.weight, *cfg, partials=True))
+        w, tiled = weight_for(lin, cfg)
+        return add_rmsnorm(residual, norm.weight, norm.eps, delta=skinny_gemm(x, w, *cfg, partials=True, tiled=tiled))
     return add_rmsnorm(residual, norm.weight, norm.eps, delta=linear(lin, x))
 
 
@@ -125,7 +126,8 @@ def silu_of_gate_up(lin: nn.Module, x: torch.Tensor, linear, in_epilogue: bool =
     cfg = _fusable_config(lin, x, linear, split_k=False) if in_epilogue else None
     if cfg is not None:
         from ..kernels.skinny_gemm import skinny_gemm
-        return skinny_gemm(x, lin.weight, *cfg, silu_mul=True)
+        w, tiled = weight_for(lin, cfg, "silu")
+        return skinny_gemm(x, w, *cfg, silu_mul=True, tiled=tiled)
     return silu_mul(linear(lin, x))
 
 
@@ -157,8 +159,19 @@ def skinny_or_cublas(lin: nn.Module, x: torch.Tensor) -> torch.Tensor:
     cfg = _skinny_config(lin.weight, x)
     if cfg is not None:
         from ..kernels.skinny_gemm import skinny_gemm
-        return skinny_gemm(x, lin.weight, *cfg, bias=getattr(lin, "bias", None))
+        w, tiled = weight_for(lin, cfg)
+        return skinny_gemm(x, w, *cfg, bias=getattr(lin, "bias", None), tiled=tiled)
     return plain_linear(lin, x)
+
+
+def weight_for(lin: nn.Module, cfg, order: str = "rows") -> tuple[torch.Tensor, bool]:
+    """(weight, packed): lin's packed weight tiles (DecoderLM.pack_decode_weights) where they
+    were packed for this config's tile shape and this kernel's row order ("rows": skinny_gemm,
+    "silu": its silu_mul form, "rope": the QKV + RoPE kernel), else lin.weight."""
+    packed = getattr(lin, "weight_tiles", None)
+    if packed is not None and lin.weight_tiles_order == order and tuple(packed.shape[2:]) == tuple(cfg[:2]):
+        return packed, True
+    return lin.weight, False
 
 
 class Attention(nn.Module):
@@ -221,8 +234,9 @@ class Attention(nn.Module):
         cfg = _fusable_config(self.qkv_proj, x, linear, split_k=None) if rope_in_qkv and not self.qk_norm else None
         if cfg is not None and (self.head_dim // 2) % (cfg[0] // 2) == 0:
             from ..kernels.rope_kv import qkv_rope_and_write_kv
-            q = qkv_rope_and_write_kv(x, self.qkv_proj.weight, self.num_heads, positions, inv_freq, k_cache,
-                                      v_cache, meta.slot_mapping, *cfg)
+            w, tiled = weight_for(self.qkv_proj, cfg, "rope")
+            q = qkv_rope_and_write_kv(x, w, self.num_heads, positions, inv_freq, k_cache,
+                                      v_cache, meta.slot_mapping, *cfg, tiled=tiled)
             o = paged_attention(q, k_cache, v_cache, meta, self.scale, self.sliding_window)
         else:
             q, k, v = self._qkv(x, linear)
@@ -329,6 +343,32 @@ class DecoderLM(nn.Module):
             h, residual = add_norm_of_linear(layer.mlp.down_proj, act, residual, norms[i + 1], linear,
                                              self.splitk_into_norm)
         return h
+
+    def pack_decode_weights(self, rows: int = 32, on: bool = True) -> None:
+        """An experiment (bench.step_variants `packed`): beside each decode GEMM's weight, a copy
+        packed for the skinny config it takes at `rows` rows (skinny_gemm.pack_weight_tiles: one
+        contiguous run per program), which the decode kernels then read. Doubles the weights'
+        memory and is not refreshed by weight updates. on=False drops the copies."""
+        from ..kernels.rope_kv import qkv_tile_rows
+        from ..kernels.skinny_gemm import pack_weight_tiles, pick_config, tile_rows
+        attn = self.layers[0].self_attn
+        lins = [(layer.self_attn.qkv_proj, "rope" if self.rope_in_qkv and not attn.qk_norm else "rows")
+                for layer in self.layers]
+        lins += [(layer.self_attn.o_proj, "rows") for layer in self.layers]
+        lins += [(layer.mlp.gate_up_proj, "silu" if self.silu_in_gate_up else "rows") for layer in self.layers]
+        lins += [(layer.mlp.down_proj, "rows") for layer in self.layers]
+        lins.append((self.embed_tokens if self.tie_word_embeddings else self.lm_head, "rows"))
+        for lin, order in lins:
+            lin.weight_tiles = lin.weight_tiles_order = None
+            cfg = pick_config(lin.weight.shape[0], lin.weight.shape[1], rows) if on else None
+            if cfg is None:
+                continue
+            n, k = lin.weight.shape
+            idx = (qkv_tile_rows(attn.num_heads, attn.num_kv_heads, attn.head_dim, cfg[0]) if order == "rope"
+                   else tile_rows(n, cfg[0], silu_mul=order == "silu"))
+            with torch.no_grad():
+                lin.weight_tiles = pack_weight_tiles(lin.weight, cfg[1], idx)
+            lin.weight_tiles_order = order
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         head = self.embed_tokens if self.tie_word_embeddings else self.lm_head
