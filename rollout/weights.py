@@ -185,6 +185,7 @@ class WeightSync:
                 start.record()
                 for n in names:
                     self.targets[n].copy_(st.tensors[n], non_blocking=True)
+                self.engine.model.repack_decode_weights()    # packed copies the decode graphs read, if any
                 end.record()
                 landed = _checksums([self.targets[n] for n in names])
                 done = torch.cuda.Event()

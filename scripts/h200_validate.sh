@@ -147,8 +147,8 @@ for s in $sections; do
     seed)     # issue 3 / issue 4 P1: the seed workload, sync vs async vs HF generate_batch
       timeout 590 $B --shape llama3-8b --batch 32 --prompt-len 256 --gen-len 8192 --modes sync,async --check-seqs 2 \
         --check-gen-len 64 --hf generate_batch --hf-gen-len 512 --trace $OUT/timeline_seed --out $OUT/seed_l8b_B32_G8192.json 2>&1 | grep -A12 "^roofline" ;;
-    p1)       # issue 4 P1 alone (async): the seed workload with the current kernels
-      timeout 300 $B --shape llama3-8b --batch 32 --prompt-len 256 --gen-len 8192 --modes async --hf none \
+    p1)       # issue 4 P1 alone (async): the seed workload with the current kernels (P1_ARGS: e.g. --pack-decode-weights)
+      timeout 300 $B --shape llama3-8b --batch 32 --prompt-len 256 --gen-len 8192 --modes async --hf none ${P1_ARGS:-} \
         --out $OUT/p1_l8b_B32_G8192${TAG:-}.json 2>&1 | grep -A8 "^roofline" ;;
     p3)       timeout 400 $B --shape qwen2.5-1.5b --batch 64 --n 8 --prompt-len 256 --gen-len 4096 --modes async --hf none ${P3_ARGS:-} \
         --trace $OUT/timeline_p3 --out $OUT/p3_q15_64x8_G4096${TAG:-}.json 2>&1 | grep -A8 "^roofline"

@@ -180,6 +180,17 @@ def test_batch_invariant_needs_cuda_triton_and_half_precision(model_dir):
         _engine(model_dir("llama"), batch_invariant=True)
 
 
+def test_pack_decode_weights_needs_cuda_triton_and_leaves_the_model_alone(model_dir):
+    """pack_decode_weights=True packs weights for the Triton decode GEMMs: on CPU it is a clear
+    error before anything is packed or allocated. The GPU side (same bits as the plain weights,
+    kept in step by weight updates) is tests/gpu/test_skinny_gemm_cuda.py."""
+    from rollout.engine import RolloutEngine
+    eng = _engine(model_dir("llama"))
+    with pytest.raises(ValueError, match="pack_decode_weights=True needs the Triton decode kernels on a CUDA"):
+        RolloutEngine(eng.model, eng.hf_config, max_model_len=64, num_kv_pages=16, pack_decode_weights=True)
+    assert all(getattr(m, "weight_tiles", None) is None for m in eng.model.modules())
+
+
 def test_swapped_out_sequence_recomputed_on_request_and_abort_frees_host_slots(model_dir, tiny_tokenizer):
     """What the RL worker's stale_kv="recompute" policy does at a weight update: a sequence
     waiting with its KV in host slots drops it and re-prefills (same tokens: same weights

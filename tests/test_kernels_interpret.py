@@ -177,24 +177,41 @@ def test_qkv_gemm_with_rope_epilogue_gives_the_two_kernel_bits(block_n, T, split
     assert not torch.equal(bad, want)
 
 
-@pytest.mark.parametrize("kind,cfg,M", [("rows", (32, 64, 4, 2, 1), 5), ("rows", (64, 64, 4, 2, 2), 16),
-                                        ("partials", (32, 64, 4, 2, 4), 3), ("silu", (64, 64, 4, 2, 1), 7),
-                                        ("rope", (32, 64, 4, 2, 1), 5), ("rope", (16, 64, 4, 2, 2), 3)])
-def test_packed_weight_tiles_give_the_plain_layout_bits(kind, cfg, M):
-    """pack_weight_tiles stores each program's weight tiles as one contiguous run; the skinny GEMM
-    (plain, split-K, its partials, the SiLU epilogue) and the QKV + RoPE kernel read it with
-    TILED and give the plain layout's bits. A pack with another program's row order does not.
-    fp16 (the interpreter's bf16 dot is broken)."""
+def test_pack_weight_tiles_puts_each_programs_rows_in_reading_order():
+    """pack_weight_tiles' strided views against the rows each program reads, written out: tile t,
+    K tile j holds rows rows[t] and columns [j BK, (j + 1) BK). Packing into `out` keeps its storage."""
     from rollout.kernels import skinny_gemm as sg
-    from rollout.kernels.rope_kv import qkv_rope_and_write_kv, qkv_tile_rows
+    N, K, BN, BK, D = 96, 64, 16, 16, 32
+    w = torch.arange(N * K, dtype=torch.float32).view(N, K)
+    t, r = torch.arange(N // BN)[:, None], torch.arange(BN)[None, :]
+    half, pairs = D // 2, BN // 2
+    rows = {"rows": t * BN + r,
+            "silu": torch.where(r < BN // 2, t * (BN // 2) + r, N // 2 + t * (BN // 2) + r - BN // 2),
+            "rope": (t // (half // pairs)) * D + (t % (half // pairs)) * pairs + r % pairs + (r >= pairs) * half}
+    for order, idx in rows.items():
+        want = w[idx.reshape(-1)].view(N // BN, BN, K // BK, BK).permute(0, 2, 1, 3)
+        out = torch.empty(N // BN, K // BK, BN, BK)
+        got = sg.pack_weight_tiles(w, BN, BK, order, D, out=out)
+        assert got.data_ptr() == out.data_ptr() and torch.equal(got, want), order
+        assert sorted(idx.reshape(-1).tolist()) == list(range(N))      # every row once
+    with pytest.raises(ValueError, match="unknown packing order"):
+        sg.pack_weight_tiles(w, BN, BK, "cols")
+
+
+@pytest.mark.parametrize("order,cfg,M", [("rows", (32, 64, 4, 2, 1), 5), ("rows", (64, 64, 4, 2, 2), 16),
+                                         ("partials", (32, 64, 4, 2, 4), 3), ("silu", (64, 64, 4, 2, 1), 7),
+                                         ("rope", (32, 64, 4, 2, 1), 5), ("rope", (16, 64, 4, 2, 2), 3)])
+def test_packed_weight_tiles_give_the_plain_layout_bits(order, cfg, M):
+    """The skinny GEMM (plain, split-K, its partials, the SiLU epilogue) and the QKV + RoPE kernel
+    read a pack_weight_tiles weight with TILED and give the plain layout's bits; a weight packed
+    in another order does not. fp16 (the interpreter's bf16 dot is broken)."""
+    from rollout.kernels import skinny_gemm as sg
+    from rollout.kernels.rope_kv import qkv_rope_and_write_kv
     g = torch.Generator().manual_seed(M + cfg[0])
     Hq, Hkv, D, K = 4, 2, 32, 256
-    N = (Hq + 2 * Hkv) * D
     x = torch.randn(M, K, generator=g).half()
-    w = (torch.randn(N, K, generator=g) / 8).half()
-    if kind == "rope":
-        rows = qkv_tile_rows(Hq, Hkv, D, cfg[0])
-        assert sorted(rows.reshape(-1).tolist()) == list(range(N))      # every row once
+    w = (torch.randn((Hq + 2 * Hkv) * D, K, generator=g) / 8).half()
+    if order == "rope":
         inv_freq = 1.0 / (10000.0 ** (torch.arange(0, D, 2).float() / D))
         positions, slots = torch.randint(0, 3000, (M,), generator=g), torch.arange(M) * 3
 
@@ -203,14 +220,14 @@ def test_packed_weight_tiles_give_the_plain_layout_bits(kind, cfg, M):
             q = qkv_rope_and_write_kv(x, weight, Hq, positions, inv_freq, *caches, slots, *cfg, tiled=tiled)
             return torch.cat([q.reshape(-1), caches[0].reshape(-1), caches[1].reshape(-1)])
     else:
-        rows = sg.tile_rows(N, cfg[0], silu_mul=kind == "silu")
-
         def run(weight, tiled):
-            return sg.skinny_gemm(x, weight, *cfg, tiled=tiled, partials=kind == "partials", silu_mul=kind == "silu")
+            return sg.skinny_gemm(x, weight, *cfg, tiled=tiled, partials=order == "partials",
+                                  silu_mul=order == "silu")
+    kernel_order = "rows" if order == "partials" else order
     want = run(w, False)
-    assert torch.equal(run(sg.pack_weight_tiles(w, cfg[1], rows), True), want)
-    other = rows.flip(0) if kind != "silu" else sg.tile_rows(N, cfg[0])
-    assert not torch.equal(run(sg.pack_weight_tiles(w, cfg[1], other), True), want)
+    assert torch.equal(run(sg.pack_weight_tiles(w, cfg[0], cfg[1], kernel_order, D), True), want)
+    other = "rows" if kernel_order == "silu" else "silu"   # ("rope" with a whole head per tile is "rows")
+    assert not torch.equal(run(sg.pack_weight_tiles(w, cfg[0], cfg[1], other, D), True), want)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

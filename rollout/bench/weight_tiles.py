@@ -41,15 +41,14 @@ def _call(name, x, w, cfg, out, tiled):
 
 
 def bench_linear(name, N, K, M, copy_gbps, results, dtype=torch.bfloat16):
-    from ..kernels.skinny_gemm import pack_weight_tiles, tile_rows
+    from ..kernels.skinny_gemm import pack_weight_tiles
     wbytes = N * K * 2
     copies = max(2, -(-2 * L2_BYTES // wbytes))
     ws = [torch.randn(N, K, device="cuda", dtype=dtype) * 0.02 for _ in range(copies)]
     x = torch.randn(M, K, device="cuda", dtype=dtype)
     out = torch.empty(M, N // 2 if name == "gate_up" else N, device="cuda", dtype=dtype)
     for cfg in CONFIGS[name]:
-        rows = tile_rows(N, cfg[0], silu_mul=name == "gate_up")
-        packed = [pack_weight_tiles(w, cfg[1], rows) for w in ws]
+        packed = [pack_weight_tiles(w, cfg[0], cfg[1], "silu" if name == "gate_up" else "rows") for w in ws]
         same = torch.equal(_call(name, x, ws[0], cfg, None, False), _call(name, x, packed[0], cfg, None, True))
         row = dict(linear=name, N=N, K=K, M=M, config=list(cfg), weight_bytes=wbytes, bits_equal=same)
         for tiled, wl in ((False, ws), (True, packed)):
@@ -69,14 +68,14 @@ def bench_linear(name, N, K, M, copy_gbps, results, dtype=torch.bfloat16):
 def bench_layer(cfg_model, M, results, dtype=torch.bfloat16):
     """The engine's configs of QKV -> o_proj -> gate_up + SiLU -> down, each output the next input
     (QKV's first K columns feed o_proj), `copies` layers of distinct weights in one graph."""
-    from ..kernels.skinny_gemm import pack_weight_tiles, tile_rows
+    from ..kernels.skinny_gemm import pack_weight_tiles
     shapes = linear_shapes(cfg_model)
     order = ("qkv", "o_proj", "gate_up", "down")
     layer_bytes = sum(shapes[n][0] * shapes[n][1] * 2 for n in order)
     copies = max(2, -(-2 * L2_BYTES // layer_bytes))
     layers = [{n: torch.randn(shapes[n][0], shapes[n][1], device="cuda", dtype=dtype) * 0.02 for n in order}
               for _ in range(copies)]
-    packed = [{n: pack_weight_tiles(lw[n], CONFIGS[n][0][1], tile_rows(shapes[n][0], CONFIGS[n][0][0], n == "gate_up"))
+    packed = [{n: pack_weight_tiles(lw[n], *CONFIGS[n][0][:2], "silu" if n == "gate_up" else "rows")
                for n in order} for lw in layers]
     H = cfg_model.hidden_size
     x = torch.randn(M, H, device="cuda", dtype=dtype)

@@ -144,7 +144,7 @@ def _qkv_rope_kernel(
         TILED: tl.constexpr):
     P: tl.constexpr = BLOCK_N // 2              # frequency pairs per program
     pid = tl.program_id(0)
-    if TILED:     # w packed by pack_weight_tiles with qkv_tile_rows: this program's run
+    if TILED:     # w packed by pack_weight_tiles (order "rope"): this program's run
         w_ptr += pid.to(tl.int64) * BLOCK_N * K
     head = pid // (HALF // P)                    # q heads, then k heads, then v heads
     f = (pid % (HALF // P)) * P + tl.arange(0, P)
@@ -194,15 +194,6 @@ def _rope_epilogue(acc, qo_ptr, pos_ptr, inv_freq_ptr, kc_ptr, vc_ptr, slot_ptr,
         tl.store(vp + HALF, x2.to(dt), mask=slot >= 0)
 
 
-def qkv_tile_rows(num_heads: int, num_kv_heads: int, head_dim: int, block_n: int) -> torch.Tensor:
-    """The fused QKV weight's rows of each _qkv_rope_kernel program [tiles, block_n]: block_n / 2
-    frequency pairs of one head, first halves then second halves (its w_rows)."""
-    half, pairs = head_dim // 2, block_n // 2
-    tiles = torch.arange((num_heads + 2 * num_kv_heads) * (half // pairs))[:, None]
-    r = torch.arange(block_n)[None, :]
-    return (tiles // (half // pairs)) * head_dim + (tiles % (half // pairs)) * pairs + r % pairs + (r >= pairs) * half
-
-
 def qkv_rope_and_write_kv(x: torch.Tensor, w: torch.Tensor, num_heads: int, positions: torch.Tensor,
                           inv_freq: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           slot_mapping: torch.Tensor, block_n: int, block_k: int, num_warps: int = 4,
@@ -210,7 +201,7 @@ def qkv_rope_and_write_kv(x: torch.Tensor, w: torch.Tensor, num_heads: int, posi
     """The fused QKV projection x [T, K] @ w.T (w [(Hq + 2 Hkv) D, K], no bias; q, k, v heads in
     order), RoPE on q and k, and the K/V write: the result of skinny_gemm (with the same split_k)
     then rope_and_write_kv, in one kernel. T <= 64 (one row tile). Returns RoPE'd q [T, Hq, D].
-    tiled: w is skinny_gemm.pack_weight_tiles(weight, block_k, qkv_tile_rows(...)) (same bits)."""
+    tiled: w is skinny_gemm.pack_weight_tiles(weight, block_n, block_k, "rope", D) (same bits)."""
     T, K = x.shape
     Hkv, D = k_cache.shape[2], k_cache.shape[3]
     half, pairs = D // 2, block_n // 2

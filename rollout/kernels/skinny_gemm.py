@@ -193,27 +193,35 @@ def pick_block_m(M: int) -> int:
     return max(16, triton.next_power_of_2(M))
 
 
-def pack_weight_tiles(w: torch.Tensor, block_k: int, rows: torch.Tensor) -> torch.Tensor:
-    """w [N, K] -> [tiles, k_tiles, block_n, block_k]: tile t holds weight rows rows[t] (its
-    program's rows in the order it reads them, [tiles, block_n]), its K tiles one after another,
-    so each program streams one contiguous run instead of block_n rows of block_k * 2 bytes each
-    K * 2 bytes apart (bench.weight_tiles)."""
-    K = w.shape[1]
-    assert K % block_k == 0, f"K={K} is not a multiple of BLOCK_K={block_k}"
-    t, bn = rows.shape
-    return w[rows.reshape(-1).to(w.device)].view(t, bn, K // block_k, block_k).permute(0, 2, 1, 3).contiguous()
-
-
-def tile_rows(n_rows: int, block_n: int, silu_mul: bool = False) -> torch.Tensor:
-    """The weight rows of each program of skinny_gemm [tiles, block_n]: consecutive rows, or with
-    silu_mul (the fused gate_up weight) gate rows then the matching up rows (gate_up_rows)."""
-    if not silu_mul:
-        assert n_rows % block_n == 0, f"N={n_rows} is not a multiple of BLOCK_N={block_n}"
-        return torch.arange(n_rows).view(-1, block_n)
-    h, inter = block_n // 2, n_rows // 2
-    assert inter % h == 0, f"{inter} columns do not make tiles of {h}"
-    gate = torch.arange(inter).view(-1, h)
-    return torch.cat((gate, gate + inter), dim=1)
+def pack_weight_tiles(w: torch.Tensor, block_n: int, block_k: int, order: str = "rows", head_dim: int = 0,
+                      out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """w [N, K] -> [tiles, k_tiles, block_n, block_k] (into `out` if given, in place: CUDA graphs
+    keep its address): each program's weight tiles in the order it reads them, one contiguous run
+    per program, where the plain layout gives DRAM block_n rows of block_k * 2 bytes each K * 2
+    bytes apart (bench.weight_tiles: 0.3-2 us a GEMM at M = 32). The program's rows, by `order`:
+    "rows" consecutive rows (skinny_gemm); "silu" block_n / 2 gate rows then the same up rows of
+    the fused gate_up weight (silu_mul); "rope" block_n / 2 frequency pairs of one head of
+    `head_dim`, first halves then second halves (rope_kv's QKV kernel). Strided views, no copy
+    but the one into the result."""
+    N, K = w.shape
+    kt = K // block_k
+    assert K % block_k == 0 and N % block_n == 0, f"[{N}, {K}] does not make {block_n} x {block_k} tiles"
+    if out is None:
+        out = torch.empty((N // block_n, kt, block_n, block_k), dtype=w.dtype, device=w.device)
+    assert out.shape == (N // block_n, kt, block_n, block_k) and out.is_contiguous() and out.dtype == w.dtype
+    if order == "rows":
+        out.copy_(w.view(N // block_n, block_n, kt, block_k).permute(0, 2, 1, 3))
+    elif order == "silu":            # rows [gate (N / 2) | up (N / 2)]
+        h = block_n // 2
+        out.view(N // block_n, kt, 2, h, block_k).copy_(w.view(2, N // block_n, h, kt, block_k).permute(1, 3, 0, 2, 4))
+    elif order == "rope":            # row = head * D + half_index * D / 2 + pair_block * P + pair
+        pairs, half = block_n // 2, head_dim // 2
+        assert head_dim and half % pairs == 0 and N % head_dim == 0, "rope: tiles of whole pair blocks of a head"
+        shape = (N // head_dim, 2, half // pairs, pairs, kt, block_k)
+        out.view(N // head_dim, half // pairs, kt, 2, pairs, block_k).copy_(w.view(shape).permute(0, 2, 4, 1, 3, 5))
+    else:
+        raise ValueError(f"unknown packing order {order!r}")
+    return out
 
 
 _COUNTERS: dict = {}     # device -> int32 arrival counters (zero between calls)
@@ -247,7 +255,7 @@ def skinny_gemm(x: torch.Tensor, w: torch.Tensor, block_n: int, block_k: int, nu
     silu_mul: w is the fused gate_up weight [2I, K] (gate rows, then up rows); returns
     silu(gate) * up [M, I], the bits of fused_ops.silu_mul(skinny_gemm(x, w, ...)). No split-K,
     no bias.
-    tiled: w is pack_weight_tiles(weight, block_k, tile_rows(N, block_n, silu_mul)) [tiles,
+    tiled: w is pack_weight_tiles(weight, block_n, block_k, "silu" if silu_mul else "rows") [tiles,
     k_tiles, block_n, block_k]; the same bits as the plain weight."""
     if tiled:
         assert w.dim() == 4 and w.shape[2:] == (block_n, block_k) and w.is_contiguous() and block_m is None, \

@@ -344,31 +344,45 @@ class DecoderLM(nn.Module):
                                              self.splitk_into_norm)
         return h
 
-    def pack_decode_weights(self, rows: int = 32, on: bool = True) -> None:
-        """An experiment (bench.step_variants `packed`): beside each decode GEMM's weight, a copy
-        packed for the skinny config it takes at `rows` rows (skinny_gemm.pack_weight_tiles: one
-        contiguous run per program), which the decode kernels then read. Doubles the weights'
-        memory and is not refreshed by weight updates. on=False drops the copies."""
-        from ..kernels.rope_kv import qkv_tile_rows
-        from ..kernels.skinny_gemm import pack_weight_tiles, pick_config, tile_rows
-        attn = self.layers[0].self_attn
-        lins = [(layer.self_attn.qkv_proj, "rope" if self.rope_in_qkv and not attn.qk_norm else "rows")
-                for layer in self.layers]
-        lins += [(layer.self_attn.o_proj, "rows") for layer in self.layers]
-        lins += [(layer.mlp.gate_up_proj, "silu" if self.silu_in_gate_up else "rows") for layer in self.layers]
-        lins += [(layer.mlp.down_proj, "rows") for layer in self.layers]
-        lins.append((self.embed_tokens if self.tie_word_embeddings else self.lm_head, "rows"))
-        for lin, order in lins:
+    def _decode_linears(self):
+        """(linear, packing order) of each decode GEMM, in the form the fused path calls it."""
+        qkv = "rope" if self.rope_in_qkv and not self.layers[0].self_attn.qk_norm else "rows"
+        for layer in self.layers:
+            yield layer.self_attn.qkv_proj, qkv
+            yield layer.self_attn.o_proj, "rows"
+            yield layer.mlp.gate_up_proj, "silu" if self.silu_in_gate_up else "rows"
+            yield layer.mlp.down_proj, "rows"
+        yield (self.embed_tokens if self.tie_word_embeddings else self.lm_head), "rows"
+
+    def pack_decode_weights(self, rows: int, on: bool = True) -> int:
+        """Beside each decode GEMM weight that the skinny GEMM takes at `rows` rows, a copy packed
+        for that config's tile shape (skinny_gemm.pack_weight_tiles: one contiguous run per
+        program), which the decode kernels read from then on (weight_for; other row counts whose
+        config has another tile shape read the plain weight). Prefill keeps the plain weights
+        (cuBLAS needs them). Costs the packed weights' memory again; weight updates land in the
+        plain weights and must be followed by repack_decode_weights. on=False drops the copies.
+        Returns the bytes packed."""
+        from ..kernels.skinny_gemm import pack_weight_tiles, pick_config
+        total = 0
+        for lin, order in self._decode_linears():
             lin.weight_tiles = lin.weight_tiles_order = None
             cfg = pick_config(lin.weight.shape[0], lin.weight.shape[1], rows) if on else None
-            if cfg is None:
-                continue
-            n, k = lin.weight.shape
-            idx = (qkv_tile_rows(attn.num_heads, attn.num_kv_heads, attn.head_dim, cfg[0]) if order == "rope"
-                   else tile_rows(n, cfg[0], silu_mul=order == "silu"))
+            if cfg is None or (order == "rope" and (self.head_dim // 2) % (cfg[0] // 2)):
+                continue                 # cuBLAS, or a QKV tile the RoPE epilogue does not take
             with torch.no_grad():
-                lin.weight_tiles = pack_weight_tiles(lin.weight, cfg[1], idx)
+                lin.weight_tiles = pack_weight_tiles(lin.weight, cfg[0], cfg[1], order, self.head_dim)
             lin.weight_tiles_order = order
+            total += lin.weight_tiles.numel() * lin.weight_tiles.element_size()
+        return total
+
+    def repack_decode_weights(self) -> None:
+        """Refresh the packed copies from the weights, in place (captured CUDA graphs read them)."""
+        from ..kernels.skinny_gemm import pack_weight_tiles
+        with torch.no_grad():
+            for lin, _ in self._decode_linears():
+                t = getattr(lin, "weight_tiles", None)
+                if t is not None:
+                    pack_weight_tiles(lin.weight, t.shape[2], t.shape[3], lin.weight_tiles_order, self.head_dim, out=t)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         head = self.embed_tokens if self.tie_word_embeddings else self.lm_head

@@ -205,3 +205,78 @@ def test_qkv_rope_epilogue_same_bits_at_8b_shape_and_in_the_engine():
     outs = generate_per_setting(model, cfg, {on: lambda on=on: setattr(model, "rope_in_qkv", on)
                                              for on in (False, True)}, prompt_lens=(3, 40), seed=6)
     assert_same_tokens_and_logprobs(outs[False], outs[True])
+
+
+def test_packed_weight_tiles_same_bits_at_every_table_config():
+    """Every config of the swept table at its row range: the skinny GEMM (and gate_up's SiLU
+    epilogue, QKV's RoPE epilogue) reading the weight packed by pack_weight_tiles gives the plain
+    layout's bits, with the output poisoned first."""
+    from rollout.kernels.rope_kv import qkv_rope_and_write_kv
+    from rollout.kernels.skinny_gemm import _LLAMA3_8B, pack_weight_tiles, skinny_gemm
+    g = torch.Generator(device="cuda").manual_seed(7)
+    inv_freq = (1.0 / (500000.0 ** (torch.arange(0, 128, 2).float() / 128))).cuda()
+    for (N, K), entries in _LLAMA3_8B.items():
+        w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02
+        for M, cfg in entries:
+            x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, generator=g)
+            silu = N == 28672 and (len(cfg) < 5 or cfg[4] == 1)
+            packed = pack_weight_tiles(w, cfg[0], cfg[1], "silu" if silu else "rows")
+            outs = [torch.full((M, N // 2 if silu else N), float("nan"), device="cuda", dtype=torch.bfloat16)
+                    for _ in range(2)]
+            skinny_gemm(x, w, *cfg, out=outs[0], silu_mul=silu)
+            skinny_gemm(x, packed, *cfg, out=outs[1], silu_mul=silu, tiled=True)
+            assert not outs[1].isnan().any() and torch.equal(outs[0], outs[1]), (N, K, M, cfg)
+            if N == 6144:        # QKV: the RoPE + K/V write epilogue over its own packing order
+                pos = torch.randint(0, 8192, (M,), device="cuda", generator=g)
+                slots = torch.randperm(64 * 16, device="cuda", generator=g)[:M]
+                res = []
+                for weight, tiled in ((w, False), (pack_weight_tiles(w, cfg[0], cfg[1], "rope", 128), True)):
+                    kc, vc = (torch.full((64, 16, 8, 128), float("nan"), device="cuda", dtype=torch.bfloat16)
+                              for _ in range(2))
+                    q = qkv_rope_and_write_kv(x, weight, 32, pos, inv_freq, kc, vc, slots, *cfg, tiled=tiled)
+                    res.append(torch.cat([q.reshape(-1), kc.nan_to_num(7.0).reshape(-1),
+                                          vc.nan_to_num(7.0).reshape(-1)]))
+                assert torch.equal(res[0], res[1]), (M, cfg)
+
+
+def test_packed_decode_weights_in_the_engine_same_bits_and_kept_in_step_by_weight_updates():
+    """pack_decode_weights=True on one 8B-shape layer: the decode graphs read the packed copies
+    (every decode GEMM weight has one) and give the plain engine's greedy tokens and logprobs bit
+    for bit. A weight update through WeightSync refreshes the copies in place: afterwards the
+    packed engine again matches a plain engine on the new weights, and its tokens changed."""
+    from engine_ab import assert_same_tokens_and_logprobs, llama8b_model
+    from rollout import RolloutEngine, SamplingParams
+    from rollout.weights import WeightSync
+    model, cfg = llama8b_model(1)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 128000, (int(n),), generator=g).tolist()
+               for n in torch.randint(3, 40, (32,), generator=g)]
+    params = SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True)
+
+    def run(pack):
+        if not pack:
+            model.pack_decode_weights(32, on=False)
+        eng = RolloutEngine(model, cfg, seed=0, max_model_len=512, num_kv_pages=1024, max_num_seqs=32,
+                            pack_decode_weights=pack)
+        out = eng.generate(prompts, params, use_tqdm=False)
+        assert eng.pipeline.counts["graph_steps"] > 0
+        return eng, out
+
+    _, plain0 = run(False)
+    eng, packed0 = run(True)
+    lins = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert len(lins) == 5 and all(getattr(m, "weight_tiles", None) is not None for m in lins)
+    ptrs = [m.weight_tiles.data_ptr() for m in lins]
+    assert_same_tokens_and_logprobs(plain0, packed0)
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    update = [(n, torch.randn(t.shape, device="cuda", dtype=t.dtype, generator=gen) * 0.02)
+              for n, t in model.hf_targets().items() if n.endswith("proj.weight") or n == "lm_head.weight"]
+    sync = WeightSync(eng)
+    sync.stage(update, version=1)
+    assert sync.commit() == 1
+    packed1 = eng.generate(prompts, params, use_tqdm=False)
+    assert [m.weight_tiles.data_ptr() for m in lins] == ptrs          # in place: the graphs' addresses
+    del eng
+    _, plain1 = run(False)
+    assert_same_tokens_and_logprobs(plain1, packed1)
+    assert [o.completions[0].token_ids for o in packed1] != [o.completions[0].token_ids for o in packed0]
