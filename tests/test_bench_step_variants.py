@@ -37,12 +37,14 @@ def test_apply_parses_the_timing_bound_knobs_and_base_undoes_them(monkeypatch):
     monkeypatch.setattr(paged_decode, "pick_num_splits", paged_decode.pick_num_splits)
     monkeypatch.setattr(paged_decode, "DECODE_TILE", dict(paged_decode.DECODE_TILE))
     monkeypatch.setattr(skinny_gemm, "_LLAMA3_8B", dict(skinny_gemm._LLAMA3_8B))
+    monkeypatch.setattr(skinny_gemm, "_LLAMA3_8B_PACKED", dict(skinny_gemm._LLAMA3_8B_PACKED))
     monkeypatch.setattr(rope_kv, "Q_HEADS_PER_PROGRAM", rope_kv.Q_HEADS_PER_PROGRAM)
     packs = []
     eng = types.SimpleNamespace(model=types.SimpleNamespace(
         splitk_into_norm=True, silu_in_gate_up=True, rope_in_qkv=True,
         pack_decode_weights=lambda rows, on: packs.append((rows, on))))
     defaults = dict(rope=rope_kv.Q_HEADS_PER_PROGRAM, table=dict(skinny_gemm._LLAMA3_8B),
+                    packed_table=dict(skinny_gemm._LLAMA3_8B_PACKED),
                     tile=dict(paged_decode.DECODE_TILE), splits=paged_decode.pick_num_splits,
                     splitk_norm=True, silu_gate_up=True, rope_in_qkv=True, add_norm=decoder.add_norm_of_linear,
                     batch=32)
@@ -55,12 +57,14 @@ def test_apply_parses_the_timing_bound_knobs_and_base_undoes_them(monkeypatch):
         assert pdl._late == {"gemm", "qkv", "attn"}
         assert decoder.add_norm_of_linear.keywords == {"skip": ("pre", "post")}
         assert packs == [(32, False), (32, False)]
-        step_variants.apply(eng, "packed+o=64,128,4,5,2", defaults)
-        assert packs[-1] == (32, True) and skinny_gemm._LLAMA3_8B[(4096, 4096)] == ((64, (64, 128, 4, 5, 2)),)
+        step_variants.apply(eng, "packed+down=64,128,4,5,2", defaults)
+        assert packs[-1] == (32, True) and skinny_gemm._LLAMA3_8B[(4096, 14336)] == ((64, (64, 128, 4, 5, 2)),)
+        assert skinny_gemm.pick_config(4096, 14336, 32, packed=True) == (64, 128, 4, 5, 2)
+        assert skinny_gemm.pick_config(28672, 4096, 32, packed=True) == (128, 64, 8, 5)   # the packed table's
         step_variants.apply(eng, "base", defaults)
         assert packs[-1] == (32, False)
         assert pdl._late == frozenset() and decoder.add_norm_of_linear is defaults["add_norm"]
-        assert skinny_gemm._LLAMA3_8B == defaults["table"]
+        assert skinny_gemm._LLAMA3_8B == defaults["table"] and skinny_gemm._LLAMA3_8B_PACKED == defaults["packed_table"]
         with pytest.raises(SystemExit, match="unknown knob"):
             step_variants.apply(eng, "late_wiat", defaults)
     finally:

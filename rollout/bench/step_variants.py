@@ -22,8 +22,9 @@ ends with the baseline to show the drift. A variant is knobs joined by "+", on t
   rope_in_qkv       RoPE + the K/V write in the QKV GEMM's epilogue, no RoPE kernel (the default;
                     no_rope_in_qkv: the RoPE kernel)
   packed            the decode GEMMs read copies of their weights packed one contiguous run per
-                    program (DecoderLM.pack_decode_weights, for the configs at --batch rows;
-                    a later knob's config with another tile shape reads the plain weight)
+                    program (DecoderLM.pack_decode_weights, the engine's pack_decode_weights, with
+                    its configs for packed weights at --batch rows; a GEMM knob's config replaces
+                    both tables' entries)
 Two knobs are timing bounds, not modes to run (their tokens are wrong):
   late_wait[=K,..]  kernels of kinds K (gemm: o_proj, gate_up, down, lm_head; qkv; attn; one of
                     o, gate_up, down, lm_head; down0: down's split-0 programs; default the first
@@ -78,6 +79,7 @@ def apply(eng, variant: str, defaults: dict) -> None:
     decoder.add_norm_of_linear = defaults["add_norm"]
     rope_kv.Q_HEADS_PER_PROGRAM = defaults["rope"]
     skinny_gemm._LLAMA3_8B = dict(defaults["table"])
+    skinny_gemm._LLAMA3_8B_PACKED = dict(defaults["packed_table"])
     paged_decode.DECODE_TILE = dict(defaults["tile"])
     paged_decode.pick_num_splits = defaults["splits"]
     eng.model.splitk_into_norm = defaults["splitk_norm"]
@@ -109,6 +111,7 @@ def apply(eng, variant: str, defaults: dict) -> None:
             rope_kv.Q_HEADS_PER_PROGRAM = 0
         elif name in GEMMS:
             skinny_gemm._LLAMA3_8B[GEMMS[name]] = ((64, nums),)
+            skinny_gemm._LLAMA3_8B_PACKED.pop(GEMMS[name], None)     # the knob's config, packed or not
         elif knob == "packed":
             packed = True
         elif name == "attn":
@@ -154,6 +157,7 @@ def main(argv=None):
     step_until_decoding(eng, B)
     from ..kernels import paged_decode, rope_kv, skinny_gemm
     defaults = dict(rope=rope_kv.Q_HEADS_PER_PROGRAM, table=dict(skinny_gemm._LLAMA3_8B),
+                    packed_table=dict(skinny_gemm._LLAMA3_8B_PACKED),
                     tile=dict(paged_decode.DECODE_TILE), splits=paged_decode.pick_num_splits,
                     splitk_norm=eng.model.splitk_into_norm, silu_gate_up=eng.model.silu_in_gate_up,
                     rope_in_qkv=eng.model.rope_in_qkv, add_norm=decoder.add_norm_of_linear, batch=B)

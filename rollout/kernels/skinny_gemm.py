@@ -180,9 +180,19 @@ _LLAMA3_8B = {
 }
 
 
-def pick_config(N: int, K: int, M: int) -> Optional[tuple[int, ...]]:
-    """The swept config for this weight shape and row count, or None: use cuBLAS."""
-    for max_m, cfg in _LLAMA3_8B.get((N, K), ()):
+# Where the weight is packed (pack_weight_tiles; the engine's pack_decode_weights) these come first:
+# in the decode graphs at P1's context the table's configs gain 0.6 points packed, these 1.0-1.1
+# (bench/results/README.md, seventeenth session; unpacked they lose 0.2).
+_LLAMA3_8B_PACKED = {
+    (28672, 4096): ((32, (128, 64, 8, 5)),),                                       # gate_up
+    (4096, 14336): ((32, (32, 256, 4, 5)),),                                       # down_proj
+}
+
+
+def pick_config(N: int, K: int, M: int, packed: bool = False) -> Optional[tuple[int, ...]]:
+    """The swept config for this weight shape and row count (for a packed weight if `packed`),
+    or None: use cuBLAS."""
+    for max_m, cfg in (_LLAMA3_8B_PACKED.get((N, K), ()) if packed else ()) + _LLAMA3_8B.get((N, K), ()):
         if M <= max_m:
             return cfg
     return None

@@ -137,18 +137,20 @@ def _fusable_config(lin: nn.Module, x: torch.Tensor, linear, split_k: Optional[b
     None: either). Else None."""
     if linear is not skinny_or_cublas or getattr(lin, "bias", None) is not None:
         return None
-    cfg = _skinny_config(lin.weight, x)
+    cfg = _skinny_config(lin, x)
     if cfg is None or (split_k is not None and (len(cfg) > 4 and cfg[4] > 1) != split_k):
         return None
     return cfg
 
 
-def _skinny_config(w: torch.Tensor, x: torch.Tensor):
-    """The swept skinny-GEMM config (kernels/skinny_gemm.py) for a decode-sized bf16 x on the GPU,
-    or None where cuBLAS was faster or the shape was not swept."""
+def _skinny_config(lin: nn.Module, x: torch.Tensor):
+    """The swept skinny-GEMM config (kernels/skinny_gemm.py) of lin for a decode-sized bf16 x on
+    the GPU (its packed-weight config where lin has packed copies), or None where cuBLAS was
+    faster or the shape was not swept."""
     if x.is_cuda and x.dtype == torch.bfloat16 and x.shape[0] <= 64 and x.stride(-1) == 1 and _triton_ok():
         from ..kernels.skinny_gemm import pick_config
-        return pick_config(w.shape[0], w.shape[1], x.shape[0])
+        w = lin.weight
+        return pick_config(w.shape[0], w.shape[1], x.shape[0], getattr(lin, "weight_tiles", None) is not None)
     return None
 
 
@@ -156,7 +158,7 @@ def skinny_or_cublas(lin: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """x @ lin.weight.T (+ bias), where a decode-sized bf16 x on the GPU takes the skinny Triton
     GEMM if the swept table (kernels/skinny_gemm.py) says it beats cuBLAS for this weight shape.
     `lin` may be the tied embedding (its weight is the LM head's)."""
-    cfg = _skinny_config(lin.weight, x)
+    cfg = _skinny_config(lin, x)
     if cfg is not None:
         from ..kernels.skinny_gemm import skinny_gemm
         w, tiled = weight_for(lin, cfg)
@@ -366,7 +368,7 @@ class DecoderLM(nn.Module):
         total = 0
         for lin, order in self._decode_linears():
             lin.weight_tiles = lin.weight_tiles_order = None
-            cfg = pick_config(lin.weight.shape[0], lin.weight.shape[1], rows) if on else None
+            cfg = pick_config(lin.weight.shape[0], lin.weight.shape[1], rows, packed=True) if on else None
             if cfg is None or (order == "rope" and (self.head_dim // 2) % (cfg[0] // 2)):
                 continue                 # cuBLAS, or a QKV tile the RoPE epilogue does not take
             with torch.no_grad():
