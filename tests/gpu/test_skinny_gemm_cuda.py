@@ -285,3 +285,17 @@ def test_packed_decode_weights_in_the_engine_same_bits_and_kept_in_step_by_weigh
     _, plain1 = run(False)
     assert_same_tokens_and_logprobs(plain1, packed1)
     assert [o.completions[0].token_ids for o in packed1] != [o.completions[0].token_ids for o in packed0]
+
+
+def test_pack_decode_weights_with_nothing_to_pack_is_a_clear_error():
+    """A model none of whose decode GEMMs takes the skinny GEMM (the table holds the 8B shapes):
+    pack_decode_weights=True is refused before anything is packed or allocated."""
+    from rollout import RolloutEngine
+    from rollout.bench.shapes import make_config
+    from rollout.models.loader import build_model, init_random
+    cfg = make_config("tiny")
+    model = build_model(cfg, torch.bfloat16, torch.device("cuda"))
+    init_random(model, 0)
+    with pytest.raises(ValueError, match="nothing to pack"):
+        RolloutEngine(model, cfg, max_model_len=64, num_kv_pages=16, pack_decode_weights=True)
+    assert all(getattr(m, "weight_tiles", None) is None for m in model.modules())
