@@ -106,9 +106,10 @@ class RolloutEngine:
 
     def _pack_decode_weights(self, attention_backend: str, batch_invariant: bool, max_num_seqs: int) -> None:
         """pack_decode_weights=True: the decode GEMMs read copies of their weights packed one
-        contiguous run per program (DecoderLM.pack_decode_weights; +0.6-0.9% of the Llama-3-8B
-        decode step at 32 rows on the H200, bench/results/README.md), for the configs at
-        min(max_num_seqs, 64) rows, at the cost of those weights' memory once more."""
+        contiguous run per program (DecoderLM.pack_decode_weights; the Llama-3-8B decode step at 32
+        rows on the H200 +1.0-1.1 points of its roofline, P1 82.5% against 81.8%,
+        bench/results/README.md), for the configs at min(max_num_seqs, 64) rows, at the cost of
+        those weights' memory once more."""
         from .kernels.skinny_gemm import MAX_M
         if self.device.type != "cuda" or attention_backend != "triton" or batch_invariant:
             raise ValueError("pack_decode_weights=True needs the Triton decode kernels on a CUDA device "

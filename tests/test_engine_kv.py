@@ -260,3 +260,40 @@ def test_reserve_memory_weights_is_one_copy_of_the_parameters(model_dir, monkeyp
     eng = RolloutEngine.from_pretrained(model_dir("llama"), device="cpu", dtype="float32", max_model_len=64,
                                         reserve_memory="weights")
     assert seen == [parameter_bytes(eng.model)] and seen[0] > 0
+
+
+def test_model_pack_decode_weights_packs_refills_in_place_and_drops(monkeypatch):
+    """DecoderLM.pack_decode_weights on the tiny model with table entries for its shapes: every
+    decode weight gets a copy in its kernel's order (the QKV one for the RoPE epilogue, gate_up
+    for the SiLU one) equal to pack_weight_tiles of the weight; packing again refills the same
+    storage (captured graphs read it); repack_decode_weights follows a weight change in place;
+    on=False drops them all."""
+    from rollout.bench.shapes import make_config
+    from rollout.kernels import skinny_gemm as sg
+    from rollout.models.loader import build_model, init_random
+    cfg = make_config("tiny")
+    model = build_model(cfg, torch.float32, torch.device("cpu"))
+    init_random(model, 0)
+    H, I, D = cfg.hidden_size, cfg.intermediate_size, model.head_dim
+    qkv_n = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * D
+    monkeypatch.setattr(sg, "_LLAMA3_8B", {(qkv_n, H): ((32, (32, 64, 4, 2)),), (H, H): ((32, (32, 64, 4, 2, 2)),),
+                                           (2 * I, H): ((32, (64, 64, 4, 2)),), (H, I): ((32, (32, 64, 4, 2)),),
+                                           (cfg.vocab_size, H): ((32, (64, 64, 4, 2)),)})
+    monkeypatch.setattr(sg, "_LLAMA3_8B_PACKED", {(H, I): ((32, (16, 128, 4, 2)),)})   # down: the packed entry
+    nbytes = model.pack_decode_weights(32)
+    lins = list(model._decode_linears())
+    assert nbytes == sum(lin.weight.numel() * 4 for lin, _ in lins)
+    assert [o for _, o in lins[:4]] == ["rope", "rows", "silu", "rows"]
+    for lin, order in lins:
+        t = lin.weight_tiles
+        assert torch.equal(t, sg.pack_weight_tiles(lin.weight, t.shape[2], t.shape[3], order, D))
+    assert lins[3][0].weight_tiles.shape[2:] == (16, 128)
+    ptrs = [lin.weight_tiles.data_ptr() for lin, _ in lins]
+    assert model.pack_decode_weights(32) == nbytes and [lin.weight_tiles.data_ptr() for lin, _ in lins] == ptrs
+    with torch.no_grad():
+        lins[2][0].weight.mul_(2)
+    model.repack_decode_weights()
+    assert torch.equal(lins[2][0].weight_tiles, sg.pack_weight_tiles(lins[2][0].weight, 64, 64, "silu"))
+    assert lins[2][0].weight_tiles.data_ptr() == ptrs[2]
+    assert model.pack_decode_weights(32, on=False) == 0
+    assert all(lin.weight_tiles is None for lin, _ in lins)

@@ -362,17 +362,22 @@ class DecoderLM(nn.Module):
         program), which the decode kernels read from then on (weight_for; other row counts whose
         config has another tile shape read the plain weight). Prefill keeps the plain weights
         (cuBLAS needs them). Costs the packed weights' memory again; weight updates land in the
-        plain weights and must be followed by repack_decode_weights. on=False drops the copies.
-        Returns the bytes packed."""
+        plain weights and must be followed by repack_decode_weights. A copy already there in the
+        same shape and order is refilled in place (another engine's graphs may read it); on=False
+        drops the copies (an engine that captured them must not run again). Returns the bytes
+        packed."""
         from ..kernels.skinny_gemm import pack_weight_tiles, pick_config
         total = 0
         for lin, order in self._decode_linears():
+            old, old_order = getattr(lin, "weight_tiles", None), getattr(lin, "weight_tiles_order", None)
             lin.weight_tiles = lin.weight_tiles_order = None
             cfg = pick_config(lin.weight.shape[0], lin.weight.shape[1], rows, packed=True) if on else None
             if cfg is None or (order == "rope" and (self.head_dim // 2) % (cfg[0] // 2)):
                 continue                 # cuBLAS, or a QKV tile the RoPE epilogue does not take
+            keep = old is not None and old_order == order and tuple(old.shape[2:]) == tuple(cfg[:2])
             with torch.no_grad():
-                lin.weight_tiles = pack_weight_tiles(lin.weight, cfg[0], cfg[1], order, self.head_dim)
+                lin.weight_tiles = pack_weight_tiles(lin.weight, cfg[0], cfg[1], order, self.head_dim,
+                                                     out=old if keep else None)
             lin.weight_tiles_order = order
             total += lin.weight_tiles.numel() * lin.weight_tiles.element_size()
         return total
