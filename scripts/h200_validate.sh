@@ -104,8 +104,9 @@ for s in $sections; do
         | grep -E "^NVIDIA|^[0-9]+,|Error" ;;
     weight_tiles) # the skinny GEMMs with each program's weight tiles packed into one contiguous run vs the plain
       # [N, K] layout (same bits), per linear at M = 32 and a layer's four back to back
-      timeout 300 python3 -m rollout.bench.weight_tiles --shape llama3-8b --m 32 \
-        --out $OUT/weight_tiles_l8b_M32.json 2>&1 | grep -E "^[a-z_]+ |Error|error" ;;
+      # (WT_M: row counts, e.g. "1 16 32": x is re-read from L2 by every program)
+      m="${WT_M:-32}"; timeout 300 python3 -m rollout.bench.weight_tiles --shape llama3-8b --m $m \
+        --out $OUT/weight_tiles_l8b_M${m// /_}.json 2>&1 | grep -E "^[a-z_]+ |Error|error" ;;
     chain_order) # the chain above under both PDL orders, with tiles that fit 2-3 programs on an SM: does
       # wait-then-launch (ROLLOUT_PDL=1, one grid ahead) let the next GEMM's programs sit beside the running one?
       for mode in 2 1; do ROLLOUT_PDL=$mode timeout 200 python3 -m rollout.bench.chain --layers 32 --n 4096 --m 32 \

@@ -1,6 +1,7 @@
 """Does the weights' layout in HBM cost the decode GEMMs? CUDA only; an experiment for issue 4.
 
     python -m rollout.bench.weight_tiles --shape llama3-8b --m 32 --out bench/results/<name>.json
+    python -m rollout.bench.weight_tiles --m 1 16 32 --linears o_proj gate_up   # how x's rows weigh
 
 The skinny GEMM reads a BLOCK_N x BLOCK_K weight tile as BLOCK_N rows of BLOCK_K * 2 bytes, each
 K * 2 bytes apart; a pure read kernel (bench.attn_ceiling) streams one contiguous run per program
@@ -52,7 +53,7 @@ def bench_linear(name, N, K, M, copy_gbps, results, dtype=torch.bfloat16):
         try:
             want = _call(name, x, ws[0], cfg, None, False)
         except Exception as e:        # e.g. out of shared memory (gate_up 64,512,4,2): report it, go on
-            print(f"{name:8s} {str(cfg):22s} failed: {type(e).__name__}", flush=True)
+            print(f"{name:8s} M={M:2d} {str(cfg):22s} failed: {type(e).__name__}", flush=True)
             results.append(dict(row, error=type(e).__name__))
             continue
         packed = [pack_weight_tiles(w, cfg[0], cfg[1], "silu" if name == "gate_up" else "rows") for w in ws]
@@ -63,7 +64,7 @@ def bench_linear(name, N, K, M, copy_gbps, results, dtype=torch.bfloat16):
         row["gain_us"] = row["plain_us"] - row["packed_us"]
         row["plain_GBps"], row["packed_GBps"] = wbytes / row["plain_us"] / 1e3, wbytes / row["packed_us"] / 1e3
         row["copy_us"] = wbytes / copy_gbps / 1e3
-        print(f"{name:8s} {str(cfg):22s} bits {'=' if same else 'DIFFER'}  plain {row['plain_us']:7.2f} us "
+        print(f"{name:8s} M={M:2d} {str(cfg):22s} bits {'=' if same else 'DIFFER'}  plain {row['plain_us']:7.2f} us "
               f"({row['plain_GBps']:5.0f} GB/s)  packed {row['packed_us']:7.2f} us ({row['packed_GBps']:5.0f} GB/s)"
               f"  gain {row['gain_us']:+6.2f} us   copy {row['copy_us']:6.2f}", flush=True)
         results.append(row)
@@ -98,7 +99,7 @@ def bench_layer(cfg_model, M, results, dtype=torch.bfloat16):
     for tiled in (False, True):
         row["packed_us" if tiled else "plain_us"] = graph_time_us(lambda i: layer(i, tiled), copies)
     row["gain_us"] = row["plain_us"] - row["packed_us"]
-    print(f"layer (4 GEMMs) bits {'=' if same else 'DIFFER'}  plain {row['plain_us']:7.2f} us  packed "
+    print(f"layer    M={M:2d} (4 GEMMs) bits {'=' if same else 'DIFFER'}  plain {row['plain_us']:7.2f} us  packed "
           f"{row['packed_us']:7.2f} us  gain {row['gain_us']:+6.2f} us a layer", flush=True)
     results.append(row)
 
@@ -106,7 +107,8 @@ def bench_layer(cfg_model, M, results, dtype=torch.bfloat16):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES))
-    ap.add_argument("--m", type=int, default=32)
+    ap.add_argument("--m", type=int, nargs="+", default=[32],
+                    help="row counts (x is re-read from L2 by every program: fewer rows, fewer bytes)")
     ap.add_argument("--linears", nargs="*", default=list(CONFIGS))
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -117,9 +119,10 @@ def main(argv=None):
     copy_gbps = copy_bandwidth()             # read + write bytes / time, as bench.gemm's copy column
     results = []
     shapes = linear_shapes(cfg)
-    for name in args.linears:
-        bench_linear(name, shapes[name][0], shapes[name][1], args.m, copy_gbps, results)
-    bench_layer(cfg, args.m, results)
+    for m in args.m:
+        for name in args.linears:
+            bench_linear(name, shapes[name][0], shapes[name][1], m, copy_gbps, results)
+        bench_layer(cfg, m, results)
     write_json(dict(shape=args.shape, m=args.m, copy_read_GBps=copy_gbps, results=results,
                     meta=run_meta("rollout.bench.weight_tiles", argv)), args.out)
     return 0
