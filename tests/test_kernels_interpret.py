@@ -315,7 +315,7 @@ def test_decoder_splitk_into_norm_takes_the_partials_path_with_the_same_bits(mon
     kernel, and the result equals the fix-up GEMM then add_rmsnorm bit for bit."""
     from rollout.kernels import skinny_gemm as sg
     from rollout.models import decoder
-    monkeypatch.setattr(decoder, "_skinny_config", lambda w, x: (64, 64, 4, 2, 2))
+    monkeypatch.setattr(decoder, "_skinny_config", lambda lin, x: (64, 64, 4, 2, 2))
     calls = []
     inner = sg.skinny_gemm
     monkeypatch.setattr(sg, "skinny_gemm", lambda *a, **k: (calls.append(k.get("partials", False)), inner(*a, **k))[1])
@@ -344,10 +344,11 @@ def test_engine_fused_gemm_paths_give_the_same_bits(monkeypatch, qkv_split):
     from engine_ab import TINY_PROMPTS, tiny_params, tiny_triton_engine
     from rollout.kernels import skinny_gemm as sg
     from rollout.models import decoder
-    monkeypatch.setattr(decoder, "_skinny_config",
-                        lambda w, x: None if x.shape[0] > 64 or w.shape[1] % 128 else
-                        (64, 64, 4, 2, 1) if w.shape[0] == 2 * 768 else
-                        (32, 64, 4, 2, qkv_split) if w.shape[0] == (8 + 2 * 2) * 32 else (64, 64, 4, 2, 2))
+    def config(lin, x):
+        n, k = lin.weight.shape
+        return (None if x.shape[0] > 64 or k % 128 else (64, 64, 4, 2, 1) if n == 2 * 768 else
+                (32, 64, 4, 2, qkv_split) if n == (8 + 2 * 2) * 32 else (64, 64, 4, 2, 2))
+    monkeypatch.setattr(decoder, "_skinny_config", config)
     calls = []
     inner = sg.skinny_gemm
     monkeypatch.setattr(sg, "skinny_gemm", lambda *a, **k: (calls.append((a[1].shape[0], k)), inner(*a, **k))[1])
