@@ -66,7 +66,8 @@ def _linear_without_norm(lin, x, residual, norm, linear, splitk_into_norm=False,
     cfg = decoder._fusable_config(lin, x, linear, split_k=True) if splitk_into_norm else None
     if cfg is not None:
         from ..kernels.skinny_gemm import skinny_gemm
-        skinny_gemm(x, lin.weight, *cfg, partials=True)
+        w, tiled = decoder.weight_for(lin, cfg)          # the packed copy under `packed`
+        skinny_gemm(x, w, *cfg, partials=True, tiled=tiled)
     else:
         linear(lin, x)
     return residual, residual
