@@ -29,7 +29,7 @@ from triton.language.extra import libdevice
 
 from . import fix_interpreter
 from .pdl import before_store, enter, pdl_for
-from .skinny_gemm import split_counters, splitk_fixup, weight_rows_times_x
+from .skinny_gemm import packed_as_rows, split_counters, splitk_fixup, weight_rows_times_x
 
 fix_interpreter()
 
@@ -206,8 +206,7 @@ def qkv_rope_and_write_kv(x: torch.Tensor, w: torch.Tensor, num_heads: int, posi
     Hkv, D = k_cache.shape[2], k_cache.shape[3]
     half, pairs = D // 2, block_n // 2
     if tiled:
-        assert w.dim() == 4 and w.shape[2:] == (block_n, block_k) and w.is_contiguous(), "tiled: a packed weight"
-        w = w.view(w.shape[0] * block_n, -1)
+        w = packed_as_rows(w, block_n, block_k)
     assert w.shape == ((num_heads + 2 * Hkv) * D, K) and w.is_contiguous() and x.stride(1) == 1 and T <= 64
     assert K % block_k == 0 and half % pairs == 0 and inv_freq.numel() == half, "tile / head_dim"
     assert split_k >= 1 and (K // block_k) % split_k == 0, f"{K // block_k} K tiles do not split {split_k} ways"

@@ -234,6 +234,14 @@ def pack_weight_tiles(w: torch.Tensor, block_n: int, block_k: int, order: str = 
     return out
 
 
+def packed_as_rows(w: torch.Tensor, block_n: int, block_k: int) -> torch.Tensor:
+    """A pack_weight_tiles weight of this tile shape viewed [N, K], the plain weight's shape, for
+    the wrappers' shape checks and arguments (the TILED kernels find each program's run)."""
+    assert w.dim() == 4 and w.shape[2:] == (block_n, block_k) and w.is_contiguous(), \
+        "tiled: a pack_weight_tiles weight of this config"
+    return w.view(w.shape[0] * block_n, w.shape[1] * block_k)
+
+
 _COUNTERS: dict = {}     # device -> int32 arrival counters (zero between calls)
 
 
@@ -268,10 +276,8 @@ def skinny_gemm(x: torch.Tensor, w: torch.Tensor, block_n: int, block_k: int, nu
     tiled: w is pack_weight_tiles(weight, block_n, block_k, "silu" if silu_mul else "rows") [tiles,
     k_tiles, block_n, block_k]; the same bits as the plain weight."""
     if tiled:
-        assert w.dim() == 4 and w.shape[2:] == (block_n, block_k) and w.is_contiguous() and block_m is None, \
-            "tiled: a pack_weight_tiles weight of this config"
-        w_rows = w.shape[0] * block_n
-        w = w.view(w_rows, -1)     # only shape[0] / shape[1] / stride(0) are read below; the kernel re-tiles
+        assert block_m is None, "tiled: decode rows (one M tile)"
+        w = packed_as_rows(w, block_n, block_k)
     M, K = x.shape
     N = w.shape[0] // 2 if silu_mul else w.shape[0]
     assert not silu_mul or (split_k == 1 and bias is None and not partials and w.shape[0] % 2 == 0
