@@ -107,6 +107,10 @@ for s in $sections; do
       # (WT_M: row counts, e.g. "1 16 32": x is re-read from L2 by every program)
       m="${WT_M:-32}"; timeout 300 python3 -m rollout.bench.weight_tiles --shape llama3-8b --m $m \
         --out $OUT/weight_tiles_l8b_M${m// /_}.json 2>&1 | grep -E "^[a-z_]+ |Error|error" ;;
+    gemm_ladder) # the packed GEMMs with one part taken away at a time (x loads, MMA) against pure reads of the
+      # same bytes, at the GEMM's grid and at 4 programs per SM (LADDER_M: row counts)
+      m="${LADDER_M:-32 16 1}"; timeout 300 python3 -m rollout.bench.gemm_ladder --shape llama3-8b --m $m \
+        --out $OUT/gemm_ladder_l8b_M${m// /_}.json 2>&1 | grep -E "^[a-z_]+ |Error|error" ;;
     chain_order) # the chain above under both PDL orders, with tiles that fit 2-3 programs on an SM: does
       # wait-then-launch (ROLLOUT_PDL=1, one grid ahead) let the next GEMM's programs sit beside the running one?
       for mode in 2 1; do ROLLOUT_PDL=$mode timeout 200 python3 -m rollout.bench.chain --layers 32 --n 4096 --m 32 \
