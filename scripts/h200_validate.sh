@@ -111,6 +111,10 @@ for s in $sections; do
       # same bytes, at the GEMM's grid and at 4 programs per SM (LADDER_M: row counts)
       m="${LADDER_M:-32 16 1}"; timeout 300 python3 -m rollout.bench.gemm_ladder --shape llama3-8b --m $m \
         --out $OUT/gemm_ladder_l8b_M${m// /_}.json 2>&1 | grep -E "^[a-z_]+ |Error|error" ;;
+    ws_chain) # the o_proj chain as one warp-specialized persistent kernel whose weight producer never waits for
+      # data (Gluon), against PDL launches; bits compared first (WS_SLOTS: W_SLOTS,X_SLOTS pairs)
+      timeout 240 python3 -m rollout.bench.ws_chain --layers 32 --n 4096 --m 32 ${WS_SLOTS:+--slots $WS_SLOTS} \
+        --out $OUT/ws_chain_l8b_o.json 2>&1 | grep -vE "^\s*$" | tail -12 ;;
     chain_order) # the chain above under both PDL orders, with tiles that fit 2-3 programs on an SM: does
       # wait-then-launch (ROLLOUT_PDL=1, one grid ahead) let the next GEMM's programs sit beside the running one?
       for mode in 2 1; do ROLLOUT_PDL=$mode timeout 200 python3 -m rollout.bench.chain --layers 32 --n 4096 --m 32 \
