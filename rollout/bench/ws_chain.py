@@ -8,11 +8,11 @@ layer over the copy rate as PDL launches, and as a persistent kernel with a grid
 (tenth session): there the programs that wait at the barrier are the ones that issue the weight
 loads, so HBM idles while the layer drains. Here one persistent program per output tile is
 warp-specialized (Gluon):
-- a 1-warp weight producer streams the program's weight tiles of every layer, in order, into a
+- a weight producer (W_WARPS warps) streams the program's weight tiles of every layer, in order, into a
   ring of SLOTS shared-memory slots (cp.async, an mbarrier per slot each way). It never waits
   for data, only for a free slot, so across a boundary it keeps loading the next layer's tiles
   while the layer drains: the ring holds up to SLOTS * 16 KB a program (~4 us of HBM);
-- a 1-warp x producer waits until every program has stored layer l (a counter in global memory,
+- an x producer (X_WARPS warps) waits until every program has stored layer l (a counter in global memory,
   released by each program's consumers), then copies x[l]'s K tiles into a second ring;
 - 4 consumer warps multiply (mma.sync, the skinny GEMM's 32 x 256 tile, warps 2 x 2) and store
   the output tile, then release the counter.
@@ -36,8 +36,8 @@ SPIN_LIMIT = 1 << 22     # counter polls before the x producer gives up (and cou
 
 @gluon.jit
 def _w_producer(w_ptr, w_ring, w_full, w_empty, N, LAYERS, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                SLOTS: gl.constexpr):
-    ld: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BLOCK_K, BLOCK_K // 8], [1, 1], [1, 0])
+                SLOTS: gl.constexpr, WARPS: gl.constexpr):
+    ld: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BLOCK_K, BLOCK_K // 8], [WARPS, 1], [1, 0])
     rn = gl.program_id(0) * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld))
     rk = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, ld))
     ptrs = w_ptr + rn.to(gl.int64)[:, None] * N + rk[None, :]
@@ -53,8 +53,8 @@ def _w_producer(w_ptr, w_ring, w_full, w_empty, N, LAYERS, BLOCK_N: gl.constexpr
 
 @gluon.jit
 def _x_producer(x_ptr, x_ring, x_full, x_empty, cnt_ptr, err_ptr, M, N, LAYERS, BLOCK_M: gl.constexpr,
-                BLOCK_K: gl.constexpr, SLOTS: gl.constexpr, SPIN: gl.constexpr):
-    ld: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BLOCK_K, BLOCK_K // 8], [1, 1], [1, 0])
+                BLOCK_K: gl.constexpr, SLOTS: gl.constexpr, SPIN: gl.constexpr, WARPS: gl.constexpr):
+    ld: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BLOCK_K, BLOCK_K // 8], [WARPS, 1], [1, 0])
     rm = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ld))
     rk = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, ld))
     ptrs = x_ptr + rm[:, None] * N + rk[None, :]
@@ -113,7 +113,7 @@ def _consumer(x_ptr, w_ring, x_ring, w_full, w_empty, x_full, x_empty, cnt_ptr, 
 @gluon.jit
 def _ws_chain_kernel(x_ptr, w_ptr, cnt_ptr, err_ptr, M, N, LAYERS, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
                      BLOCK_K: gl.constexpr, W_SLOTS: gl.constexpr, X_SLOTS: gl.constexpr, SPIN: gl.constexpr,
-                     num_warps: gl.constexpr):
+                     W_WARPS: gl.constexpr, X_WARPS: gl.constexpr, num_warps: gl.constexpr):
     smem: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 8, order=[1, 0])     # the skinny GEMM's, so ldmatrix
     w_ring = gl.allocate_shared_memory(gl.bfloat16, [W_SLOTS, BLOCK_N, BLOCK_K], smem)
     x_ring = gl.allocate_shared_memory(gl.bfloat16, [X_SLOTS, BLOCK_M, BLOCK_K], smem)
@@ -123,22 +123,22 @@ def _ws_chain_kernel(x_ptr, w_ptr, cnt_ptr, err_ptr, M, N, LAYERS, BLOCK_N: gl.c
     x_full = gl.allocate_shared_memory(gl.int64, [X_SLOTS, 1], bars)
     x_empty = gl.allocate_shared_memory(gl.int64, [X_SLOTS, 1], bars)
     for s in gl.static_range(W_SLOTS):
-        mbarrier.init(w_full.index(s), count=32)                 # each producer thread's copies landed
+        mbarrier.init(w_full.index(s), count=W_WARPS * 32)       # each producer thread's copies landed
         mbarrier.init(w_empty.index(s), count=1)    # the consumers' one arrival (Gluon: a partition barrier, then thread 0)
     for s in gl.static_range(X_SLOTS):
-        mbarrier.init(x_full.index(s), count=32)
+        mbarrier.init(x_full.index(s), count=X_WARPS * 32)
         mbarrier.init(x_empty.index(s), count=1)
     gl.warp_specialize([
         (_consumer, (x_ptr, w_ring, x_ring, w_full, w_empty, x_full, x_empty, cnt_ptr, M, N, LAYERS, BLOCK_N,
                      BLOCK_M, BLOCK_K, W_SLOTS, X_SLOTS, num_warps)),
-        (_w_producer, (w_ptr, w_ring, w_full, w_empty, N, LAYERS, BLOCK_N, BLOCK_K, W_SLOTS)),
+        (_w_producer, (w_ptr, w_ring, w_full, w_empty, N, LAYERS, BLOCK_N, BLOCK_K, W_SLOTS, W_WARPS)),
         (_x_producer, (x_ptr, x_ring, x_full, x_empty, cnt_ptr, err_ptr, M, N, LAYERS, BLOCK_M, BLOCK_K, X_SLOTS,
-                       SPIN)),
-    ], [1, 1], [48, 48])
+                       SPIN, X_WARPS)),
+    ], [W_WARPS, X_WARPS], [48, 48])
 
 
 def ws_chain(x: torch.Tensor, w: torch.Tensor, cnt: torch.Tensor, err: torch.Tensor, block_n: int = 32,
-             block_k: int = 256, w_slots: int = 8, x_slots: int = 4) -> None:
+             block_k: int = 256, w_slots: int = 8, x_slots: int = 4, w_warps: int = 1, x_warps: int = 1) -> None:
     """x [L + 1, M, N] (x[0] given), w [L, N, N] -> x[1:] in one launch of N / block_n programs,
     which must all be resident at once (one per SM). cnt: a zeroed int32 counter (zero again
     after the call); err counts x producers that gave up waiting."""
@@ -148,7 +148,8 @@ def ws_chain(x: torch.Tensor, w: torch.Tensor, cnt: torch.Tensor, err: torch.Ten
     assert x.is_contiguous() and w.is_contiguous() and M <= 32 and x.dtype == w.dtype == torch.bfloat16
     assert N // block_n <= torch.cuda.get_device_properties(x.device).multi_processor_count
     _ws_chain_kernel[(N // block_n,)](x, w, cnt, err, M, N, L, BLOCK_N=block_n, BLOCK_M=32, BLOCK_K=block_k,
-                                      W_SLOTS=w_slots, X_SLOTS=x_slots, SPIN=SPIN_LIMIT, num_warps=4)
+                                      W_SLOTS=w_slots, X_SLOTS=x_slots, SPIN=SPIN_LIMIT, W_WARPS=w_warps,
+                                      X_WARPS=x_warps, num_warps=4)
 
 
 def main(argv=None):
@@ -156,7 +157,8 @@ def main(argv=None):
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--n", type=int, default=4096)
     ap.add_argument("--m", type=int, default=32)
-    ap.add_argument("--slots", nargs="+", default=["8,4", "6,4", "10,2", "4,4"], help="W_SLOTS,X_SLOTS")
+    ap.add_argument("--slots", nargs="+", default=["8,4,1,1", "8,4,2,1", "8,4,4,1", "8,4,4,2", "6,4,4,1", "10,2,4,1"],
+                    help="W_SLOTS,X_SLOTS,W_WARPS,X_WARPS (producer warps: one warp's cp.async in flight may be capped)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -191,11 +193,11 @@ def main(argv=None):
           f"{wbytes / 1e6:.0f} MB, {wbytes / copy_gbps / 1e6:.3f} ms at the copy rate", flush=True)
     timed("launches 32,256,4,5", lambda: chain_launches(x_ref, w, 32, 256, 4, 5))
     for sl in args.slots:
-        ws_, xs_ = (int(v) for v in sl.split(","))
+        ws_, xs_, ww_, xw_ = (int(v) for v in sl.split(","))
         x = x_ref.clone()
         x[1:] = 0
         try:
-            ws_chain(x, w, cnt, err, w_slots=ws_, x_slots=xs_)
+            ws_chain(x, w, cnt, err, w_slots=ws_, x_slots=xs_, w_warps=ww_, x_warps=xw_)
             torch.cuda.synchronize()
         except Exception as e:
             print(f"ws {sl}: failed: {type(e).__name__}: {e}"[:400], flush=True)
@@ -203,7 +205,8 @@ def main(argv=None):
             continue
         same = bool(torch.equal(x, x_ref))
         max_diff = float((x.float() - x_ref.float()).abs().max())
-        timed(f"ws {sl}", lambda: ws_chain(x, w, cnt, err, w_slots=ws_, x_slots=xs_), same_bits=same,
+        timed(f"ws {sl}", lambda: ws_chain(x, w, cnt, err, w_slots=ws_, x_slots=xs_, w_warps=ww_, x_warps=xw_),
+              same_bits=same,
               max_abs_diff=max_diff, wait_timeouts=int(err.item()), counter_after=int(cnt.item()))
     timed("launches 32,256,4,5", lambda: chain_launches(x_ref, w, 32, 256, 4, 5))
     write_json(dict(layers=L, n=N, m=M, copy_GBps=copy_gbps, rows=rows, meta=run_meta("rollout.bench.ws_chain", argv)),
