@@ -52,8 +52,19 @@ def _w_producer(w_ptr, w_ring, w_full, w_empty, N, LAYERS, BLOCK_N: gl.constexpr
 
 
 @gluon.jit
-def _x_producer(x_ptr, x_ring, x_full, x_empty, cnt_ptr, err_ptr, M, N, LAYERS, BLOCK_M: gl.constexpr,
-                BLOCK_K: gl.constexpr, SLOTS: gl.constexpr, SPIN: gl.constexpr, WARPS: gl.constexpr):
+def _wait_count(ptr, target, err_ptr, SPIN: gl.constexpr):
+    """Poll the counter at ptr (acquire) until it reaches target, or SPIN polls (then count it in err)."""
+    polls = 0
+    while (gl.atomic_add(ptr, 0, sem="acquire") < target) & (polls < SPIN):
+        polls += 1
+    if polls >= SPIN:
+        gl.atomic_add(err_ptr, 1)
+
+
+@gluon.jit
+def _x_producer(x_ptr, x_ring, x_full, x_empty, cnt_ptr, err_ptr, M, N, LAYERS, BLOCK_N: gl.constexpr,
+                BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, SLOTS: gl.constexpr, SPIN: gl.constexpr,
+                WARPS: gl.constexpr, FLAGS: gl.constexpr):
     ld: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BLOCK_K, BLOCK_K // 8], [WARPS, 1], [1, 0])
     rm = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ld))
     rk = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, ld))
@@ -62,13 +73,13 @@ def _x_producer(x_ptr, x_ring, x_full, x_empty, cnt_ptr, err_ptr, M, N, LAYERS, 
     tiles = gl.num_programs(0)
     k_tiles = N // BLOCK_K
     for layer in range(LAYERS):
-        if layer > 0:                 # every program has stored layer - 1's tile
-            polls = 0
-            while (gl.atomic_add(cnt_ptr, 0, sem="acquire") < layer * tiles) & (polls < SPIN):
-                polls += 1
-            if polls >= SPIN:
-                gl.atomic_add(err_ptr, 1)
+        if not FLAGS:
+            if layer > 0:             # every program has stored layer - 1's tile
+                _wait_count(cnt_ptr, layer * tiles, err_ptr, SPIN)
         for kt in range(k_tiles):
+            if FLAGS:
+                if layer > 0:         # the BLOCK_K / BLOCK_N programs that store this K tile of x have
+                    _wait_count(cnt_ptr + 1 + (layer - 1) * k_tiles + kt, BLOCK_K // BLOCK_N, err_ptr, SPIN)
             i = layer * k_tiles + kt
             s = i % SLOTS
             mbarrier.wait(x_empty.index(s), ((i // SLOTS) & 1) ^ 1)
@@ -80,7 +91,7 @@ def _x_producer(x_ptr, x_ring, x_full, x_empty, cnt_ptr, err_ptr, M, N, LAYERS, 
 @gluon.jit
 def _consumer(x_ptr, w_ring, x_ring, w_full, w_empty, x_full, x_empty, cnt_ptr, M, N, LAYERS,
               BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, W_SLOTS: gl.constexpr,
-              X_SLOTS: gl.constexpr, num_warps: gl.constexpr):
+              X_SLOTS: gl.constexpr, FLAGS: gl.constexpr, num_warps: gl.constexpr):
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[num_warps // 2, 2],
                                                   instr_shape=[16, 8])
     a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
@@ -106,14 +117,20 @@ def _consumer(x_ptr, w_ring, x_ring, w_full, w_empty, x_full, x_empty, cnt_ptr, 
         y = gl.convert_layout(acc, out).to(gl.bfloat16)
         gl.store(x_ptr + (layer + 1) * M * N + om[None, :] * N + on[:, None], y, mask=(om[None, :] < M))
         gl.thread_barrier()                          # every consumer thread's stores before the release
-        if gl.atomic_add(cnt_ptr, 1, sem="release") == LAYERS * tiles - 1:
+        if FLAGS:                                    # the count of this K tile of the next layer's x
+            gl.atomic_add(cnt_ptr + 1 + layer * k_tiles + gl.program_id(0) * BLOCK_N // BLOCK_K, 1, sem="release")
+        elif gl.atomic_add(cnt_ptr, 1, sem="release") == LAYERS * tiles - 1:
             gl.atomic_xchg(cnt_ptr, 0)               # the last arrival of all: zero for the next launch
+    if FLAGS:   # the last program out zeroes the flags: every x producer has read its last one by now
+        if gl.atomic_add(cnt_ptr, 1, sem="acq_rel") == tiles - 1:
+            for j in range(LAYERS * k_tiles + 1):
+                gl.atomic_xchg(cnt_ptr + j, 0)
 
 
 @gluon.jit
 def _ws_chain_kernel(x_ptr, w_ptr, cnt_ptr, err_ptr, M, N, LAYERS, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
                      BLOCK_K: gl.constexpr, W_SLOTS: gl.constexpr, X_SLOTS: gl.constexpr, SPIN: gl.constexpr,
-                     W_WARPS: gl.constexpr, X_WARPS: gl.constexpr, num_warps: gl.constexpr):
+                     W_WARPS: gl.constexpr, X_WARPS: gl.constexpr, FLAGS: gl.constexpr, num_warps: gl.constexpr):
     smem: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 8, order=[1, 0])     # the skinny GEMM's, so ldmatrix
     w_ring = gl.allocate_shared_memory(gl.bfloat16, [W_SLOTS, BLOCK_N, BLOCK_K], smem)
     x_ring = gl.allocate_shared_memory(gl.bfloat16, [X_SLOTS, BLOCK_M, BLOCK_K], smem)
@@ -130,26 +147,30 @@ def _ws_chain_kernel(x_ptr, w_ptr, cnt_ptr, err_ptr, M, N, LAYERS, BLOCK_N: gl.c
         mbarrier.init(x_empty.index(s), count=1)
     gl.warp_specialize([
         (_consumer, (x_ptr, w_ring, x_ring, w_full, w_empty, x_full, x_empty, cnt_ptr, M, N, LAYERS, BLOCK_N,
-                     BLOCK_M, BLOCK_K, W_SLOTS, X_SLOTS, num_warps)),
+                     BLOCK_M, BLOCK_K, W_SLOTS, X_SLOTS, FLAGS, num_warps)),
         (_w_producer, (w_ptr, w_ring, w_full, w_empty, N, LAYERS, BLOCK_N, BLOCK_K, W_SLOTS, W_WARPS)),
-        (_x_producer, (x_ptr, x_ring, x_full, x_empty, cnt_ptr, err_ptr, M, N, LAYERS, BLOCK_M, BLOCK_K, X_SLOTS,
-                       SPIN, X_WARPS)),
+        (_x_producer, (x_ptr, x_ring, x_full, x_empty, cnt_ptr, err_ptr, M, N, LAYERS, BLOCK_N, BLOCK_M, BLOCK_K,
+                       X_SLOTS, SPIN, X_WARPS, FLAGS)),
     ], [W_WARPS, X_WARPS], [48, 48])
 
 
 def ws_chain(x: torch.Tensor, w: torch.Tensor, cnt: torch.Tensor, err: torch.Tensor, block_n: int = 32,
-             block_k: int = 256, w_slots: int = 8, x_slots: int = 4, w_warps: int = 1, x_warps: int = 1) -> None:
+             block_k: int = 256, w_slots: int = 8, x_slots: int = 4, w_warps: int = 1, x_warps: int = 1,
+             flags: bool = False) -> None:
     """x [L + 1, M, N] (x[0] given), w [L, N, N] -> x[1:] in one launch of N / block_n programs,
-    which must all be resident at once (one per SM). cnt: a zeroed int32 counter (zero again
-    after the call); err counts x producers that gave up waiting."""
+    which must all be resident at once (one per SM). cnt: zeroed int32 counters (zero again after
+    the call): one, or with `flags` L * N / block_k + 1 (a count per K tile of each layer's output,
+    so a K tile of x is loaded once the block_k / block_n programs that store it have, not the
+    whole layer); err counts x producers that gave up waiting."""
     L, N = w.shape[0], w.shape[1]
     M = x.shape[1]
     assert w.shape == (L, N, N) and x.shape == (L + 1, M, N) and N % block_n == 0 and N % block_k == 0
     assert x.is_contiguous() and w.is_contiguous() and M <= 32 and x.dtype == w.dtype == torch.bfloat16
     assert N // block_n <= torch.cuda.get_device_properties(x.device).multi_processor_count
+    assert cnt.numel() >= (L * (N // block_k) + 1 if flags else 1) and block_k % block_n == 0
     _ws_chain_kernel[(N // block_n,)](x, w, cnt, err, M, N, L, BLOCK_N=block_n, BLOCK_M=32, BLOCK_K=block_k,
                                       W_SLOTS=w_slots, X_SLOTS=x_slots, SPIN=SPIN_LIMIT, W_WARPS=w_warps,
-                                      X_WARPS=x_warps, num_warps=4)
+                                      X_WARPS=x_warps, FLAGS=flags, num_warps=4)
 
 
 def main(argv=None):
@@ -157,8 +178,10 @@ def main(argv=None):
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--n", type=int, default=4096)
     ap.add_argument("--m", type=int, default=32)
-    ap.add_argument("--slots", nargs="+", default=["8,4,1,1", "8,4,2,1", "8,4,4,1", "8,4,4,2", "6,4,4,1", "10,2,4,1"],
-                    help="W_SLOTS,X_SLOTS,W_WARPS,X_WARPS (producer warps: one warp's cp.async in flight may be capped)")
+    ap.add_argument("--slots", nargs="+", default=["6,4,2,1,0", "6,4,2,1,1", "8,4,2,1,1", "6,4,4,2,1", "8,4,4,2,1",
+                                                   "6,4,2,2,1"],
+                    help="W_SLOTS,X_SLOTS,W_WARPS,X_WARPS,FLAGS (producer warps: one warp's cp.async in flight is "
+                         "capped; FLAGS: per K tile counts instead of one per layer)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -173,7 +196,7 @@ def main(argv=None):
     g = torch.Generator(device="cuda").manual_seed(0)
     w = torch.randn(L, N, N, device="cuda", dtype=torch.bfloat16, generator=g) * N ** -0.5
     wbytes = w.numel() * 2
-    cnt = torch.zeros(1, dtype=torch.int32, device="cuda")
+    cnt = torch.zeros(L * (N // 256) + 1, dtype=torch.int32, device="cuda")
     err = torch.zeros(1, dtype=torch.int32, device="cuda")
     x_ref = torch.zeros(L + 1, M, N, device="cuda", dtype=torch.bfloat16)
     x_ref[0] = torch.randn(M, N, device="cuda", generator=g).bfloat16()
@@ -193,11 +216,11 @@ def main(argv=None):
           f"{wbytes / 1e6:.0f} MB, {wbytes / copy_gbps / 1e6:.3f} ms at the copy rate", flush=True)
     timed("launches 32,256,4,5", lambda: chain_launches(x_ref, w, 32, 256, 4, 5))
     for sl in args.slots:
-        ws_, xs_, ww_, xw_ = (int(v) for v in sl.split(","))
+        ws_, xs_, ww_, xw_, fl_ = (int(v) for v in sl.split(","))
         x = x_ref.clone()
         x[1:] = 0
         try:
-            ws_chain(x, w, cnt, err, w_slots=ws_, x_slots=xs_, w_warps=ww_, x_warps=xw_)
+            ws_chain(x, w, cnt, err, w_slots=ws_, x_slots=xs_, w_warps=ww_, x_warps=xw_, flags=bool(fl_))
             torch.cuda.synchronize()
         except Exception as e:
             print(f"ws {sl}: failed: {type(e).__name__}: {e}"[:400], flush=True)
@@ -205,9 +228,9 @@ def main(argv=None):
             continue
         same = bool(torch.equal(x, x_ref))
         max_diff = float((x.float() - x_ref.float()).abs().max())
-        timed(f"ws {sl}", lambda: ws_chain(x, w, cnt, err, w_slots=ws_, x_slots=xs_, w_warps=ww_, x_warps=xw_),
-              same_bits=same,
-              max_abs_diff=max_diff, wait_timeouts=int(err.item()), counter_after=int(cnt.item()))
+        timed(f"ws {sl}", lambda: ws_chain(x, w, cnt, err, w_slots=ws_, x_slots=xs_, w_warps=ww_, x_warps=xw_,
+                                           flags=bool(fl_)), same_bits=same,
+              max_abs_diff=max_diff, wait_timeouts=int(err.item()), counters_after=int(cnt.abs().sum().item()))
     timed("launches 32,256,4,5", lambda: chain_launches(x_ref, w, 32, 256, 4, 5))
     write_json(dict(layers=L, n=N, m=M, copy_GBps=copy_gbps, rows=rows, meta=run_meta("rollout.bench.ws_chain", argv)),
                args.out)
