@@ -91,7 +91,7 @@ def _x_producer(x_ptr, x_ring, x_full, x_empty, cnt_ptr, err_ptr, M, N, LAYERS, 
 @gluon.jit
 def _consumer(x_ptr, w_ring, x_ring, w_full, w_empty, x_full, x_empty, cnt_ptr, M, N, LAYERS,
               BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, W_SLOTS: gl.constexpr,
-              X_SLOTS: gl.constexpr, FLAGS: gl.constexpr, num_warps: gl.constexpr):
+              X_SLOTS: gl.constexpr, FLAGS: gl.constexpr, MMA: gl.constexpr, num_warps: gl.constexpr):
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[num_warps // 2, 2],
                                                   instr_shape=[16, 8])
     a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
@@ -109,11 +109,13 @@ def _consumer(x_ptr, w_ring, x_ring, w_full, w_empty, x_full, x_empty, cnt_ptr, 
             xs = i % X_SLOTS
             mbarrier.wait(w_full.index(ws), (i // W_SLOTS) & 1)
             mbarrier.wait(x_full.index(xs), (i // X_SLOTS) & 1)
-            a = w_ring.index(ws).load(a_op)
-            b = x_ring.index(xs).permute((1, 0)).load(b_op)
+            if MMA:
+                a = w_ring.index(ws).load(a_op)
+                b = x_ring.index(xs).permute((1, 0)).load(b_op)
             mbarrier.arrive(w_empty.index(ws))
             mbarrier.arrive(x_empty.index(xs))
-            acc = mma_v2(a, b, acc)
+            if MMA:       # (else a timing diagnostic: the tiles are waited for and released, not read)
+                acc = mma_v2(a, b, acc)
         y = gl.convert_layout(acc, out).to(gl.bfloat16)
         gl.store(x_ptr + (layer + 1) * M * N + om[None, :] * N + on[:, None], y, mask=(om[None, :] < M))
         gl.thread_barrier()                          # every consumer thread's stores before the release
@@ -130,7 +132,8 @@ def _consumer(x_ptr, w_ring, x_ring, w_full, w_empty, x_full, x_empty, cnt_ptr, 
 @gluon.jit
 def _ws_chain_kernel(x_ptr, w_ptr, cnt_ptr, err_ptr, M, N, LAYERS, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
                      BLOCK_K: gl.constexpr, W_SLOTS: gl.constexpr, X_SLOTS: gl.constexpr, SPIN: gl.constexpr,
-                     W_WARPS: gl.constexpr, X_WARPS: gl.constexpr, FLAGS: gl.constexpr, num_warps: gl.constexpr):
+                     W_WARPS: gl.constexpr, X_WARPS: gl.constexpr, FLAGS: gl.constexpr, MMA: gl.constexpr,
+                     num_warps: gl.constexpr):
     smem: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 8, order=[1, 0])     # the skinny GEMM's, so ldmatrix
     w_ring = gl.allocate_shared_memory(gl.bfloat16, [W_SLOTS, BLOCK_N, BLOCK_K], smem)
     x_ring = gl.allocate_shared_memory(gl.bfloat16, [X_SLOTS, BLOCK_M, BLOCK_K], smem)
@@ -147,7 +150,7 @@ def _ws_chain_kernel(x_ptr, w_ptr, cnt_ptr, err_ptr, M, N, LAYERS, BLOCK_N: gl.c
         mbarrier.init(x_empty.index(s), count=1)
     gl.warp_specialize([
         (_consumer, (x_ptr, w_ring, x_ring, w_full, w_empty, x_full, x_empty, cnt_ptr, M, N, LAYERS, BLOCK_N,
-                     BLOCK_M, BLOCK_K, W_SLOTS, X_SLOTS, FLAGS, num_warps)),
+                     BLOCK_M, BLOCK_K, W_SLOTS, X_SLOTS, FLAGS, MMA, num_warps)),
         (_w_producer, (w_ptr, w_ring, w_full, w_empty, N, LAYERS, BLOCK_N, BLOCK_K, W_SLOTS, W_WARPS)),
         (_x_producer, (x_ptr, x_ring, x_full, x_empty, cnt_ptr, err_ptr, M, N, LAYERS, BLOCK_N, BLOCK_M, BLOCK_K,
                        X_SLOTS, SPIN, X_WARPS, FLAGS)),
@@ -156,12 +159,13 @@ def _ws_chain_kernel(x_ptr, w_ptr, cnt_ptr, err_ptr, M, N, LAYERS, BLOCK_N: gl.c
 
 def ws_chain(x: torch.Tensor, w: torch.Tensor, cnt: torch.Tensor, err: torch.Tensor, block_n: int = 32,
              block_k: int = 256, w_slots: int = 8, x_slots: int = 4, w_warps: int = 1, x_warps: int = 1,
-             flags: bool = False) -> None:
+             flags: bool = False, mma: bool = True) -> None:
     """x [L + 1, M, N] (x[0] given), w [L, N, N] -> x[1:] in one launch of N / block_n programs,
     which must all be resident at once (one per SM). cnt: zeroed int32 counters (zero again after
     the call): one, or with `flags` L * N / block_k + 1 (a count per K tile of each layer's output,
     so a K tile of x is loaded once the block_k / block_n programs that store it have, not the
-    whole layer); err counts x producers that gave up waiting."""
+    whole layer); err counts x producers that gave up waiting. mma=False: a timing diagnostic, the
+    consumers wait for each tile and release it without reading it (x[1:] is then zeros)."""
     L, N = w.shape[0], w.shape[1]
     M = x.shape[1]
     assert w.shape == (L, N, N) and x.shape == (L + 1, M, N) and N % block_n == 0 and N % block_k == 0
@@ -170,7 +174,7 @@ def ws_chain(x: torch.Tensor, w: torch.Tensor, cnt: torch.Tensor, err: torch.Ten
     assert cnt.numel() >= (L * (N // block_k) + 1 if flags else 1) and block_k % block_n == 0
     _ws_chain_kernel[(N // block_n,)](x, w, cnt, err, M, N, L, BLOCK_N=block_n, BLOCK_M=32, BLOCK_K=block_k,
                                       W_SLOTS=w_slots, X_SLOTS=x_slots, SPIN=SPIN_LIMIT, W_WARPS=w_warps,
-                                      X_WARPS=x_warps, FLAGS=flags, num_warps=4)
+                                      X_WARPS=x_warps, FLAGS=flags, MMA=mma, num_warps=4)
 
 
 def main(argv=None):
@@ -178,10 +182,10 @@ def main(argv=None):
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--n", type=int, default=4096)
     ap.add_argument("--m", type=int, default=32)
-    ap.add_argument("--slots", nargs="+", default=["6,4,2,1,0", "6,4,2,1,1", "8,4,2,1,1", "6,4,4,2,1", "8,4,4,2,1",
-                                                   "6,4,2,2,1"],
-                    help="W_SLOTS,X_SLOTS,W_WARPS,X_WARPS,FLAGS (producer warps: one warp's cp.async in flight is "
-                         "capped; FLAGS: per K tile counts instead of one per layer)")
+    ap.add_argument("--slots", nargs="+", default=["6,4,2,1,0,1", "6,4,2,1,0,0", "6,6,2,1,0,1", "4,4,2,1,0,1",
+                                                   "4,4,2,1,0,0", "8,4,2,1,0,0"],
+                    help="W_SLOTS,X_SLOTS,W_WARPS,X_WARPS,FLAGS,MMA (producer warps: one warp's cp.async in flight is "
+                         "capped; FLAGS: per K tile counts instead of one per layer; MMA 0: tiles not read)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -216,11 +220,12 @@ def main(argv=None):
           f"{wbytes / 1e6:.0f} MB, {wbytes / copy_gbps / 1e6:.3f} ms at the copy rate", flush=True)
     timed("launches 32,256,4,5", lambda: chain_launches(x_ref, w, 32, 256, 4, 5))
     for sl in args.slots:
-        ws_, xs_, ww_, xw_, fl_ = (int(v) for v in sl.split(","))
+        ws_, xs_, ww_, xw_, fl_, mma_ = (int(v) for v in sl.split(","))
         x = x_ref.clone()
         x[1:] = 0
         try:
-            ws_chain(x, w, cnt, err, w_slots=ws_, x_slots=xs_, w_warps=ww_, x_warps=xw_, flags=bool(fl_))
+            ws_chain(x, w, cnt, err, w_slots=ws_, x_slots=xs_, w_warps=ww_, x_warps=xw_, flags=bool(fl_),
+                     mma=bool(mma_))
             torch.cuda.synchronize()
         except Exception as e:
             print(f"ws {sl}: failed: {type(e).__name__}: {e}"[:400], flush=True)
@@ -229,7 +234,7 @@ def main(argv=None):
         same = bool(torch.equal(x, x_ref))
         max_diff = float((x.float() - x_ref.float()).abs().max())
         timed(f"ws {sl}", lambda: ws_chain(x, w, cnt, err, w_slots=ws_, x_slots=xs_, w_warps=ww_, x_warps=xw_,
-                                           flags=bool(fl_)), same_bits=same,
+                                           flags=bool(fl_), mma=bool(mma_)), same_bits=same,
               max_abs_diff=max_diff, wait_timeouts=int(err.item()), counters_after=int(cnt.abs().sum().item()))
     timed("launches 32,256,4,5", lambda: chain_launches(x_ref, w, 32, 256, 4, 5))
     write_json(dict(layers=L, n=N, m=M, copy_GBps=copy_gbps, rows=rows, meta=run_meta("rollout.bench.ws_chain", argv)),
