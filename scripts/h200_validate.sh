@@ -119,12 +119,6 @@ for s in $sections; do
       # (Gluon) against skinny_gemm launches at its tile and at the table's configs; bits compared first
       timeout 300 python3 -m rollout.bench.ws_mlp --layers 32 --m 32 ${WS_SLOTS:+--slots $WS_SLOTS} \
         --out $OUT/ws_mlp_l8b.json 2>&1 | grep -vE "^\s*$" | tail -12 ;;
-    mlp_block) # the warp-specialized MLP block (kernels/ws_mlp.py): in the decode graphs at P1's context against
-      # base, then its GPU tests
-      timeout 300 python3 -m rollout.bench.step_variants --shape llama3-8b --batch 32 --context 4352 --steps 40 \
-        --variants ${VARIANTS:-base mlp_block base mlp_block base} --out $OUT/step_variants_mlp_block.json 2>&1 \
-        | grep -A12 "^| variant"
-      TEST_FILES=tests/gpu/test_ws_mlp_cuda.py bash $0 tests_files ;;
     chain_order) # the chain above under both PDL orders, with tiles that fit 2-3 programs on an SM: does
       # wait-then-launch (ROLLOUT_PDL=1, one grid ahead) let the next GEMM's programs sit beside the running one?
       for mode in 2 1; do ROLLOUT_PDL=$mode timeout 200 python3 -m rollout.bench.chain --layers 32 --n 4096 --m 32 \

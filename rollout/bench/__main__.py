@@ -171,9 +171,6 @@ def main(argv=None):
                     help="engine batch_invariant=True (to measure what bit-stable outputs cost)")
     ap.add_argument("--pack-decode-weights", action="store_true",
                     help="engine pack_decode_weights=True (decode GEMMs read packed weight copies)")
-    ap.add_argument("--mlp-block", action="store_true",
-                    help="DecoderLM.enable_mlp_block: each layer's second half as one warp-specialized kernel "
-                         "(kernels/ws_mlp.py) in decode steps of <= 32 rows")
     ap.add_argument("--check-seqs", type=int, default=4, help="sequences checked against HF's forward")
     ap.add_argument("--check-gen-len", type=int, default=128, help="new tokens of the checked sequences")
     ap.add_argument("--fp32-reference", action="store_true",
@@ -200,8 +197,6 @@ def main(argv=None):
         hf = AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
     model = build_model(cfg, dtype, device)
     copy_hf_tensors(model, hf.state_dict().items(), "HF model")
-    if args.mlp_block:
-        model.enable_mlp_block()
     per_token = model_sizes(cfg, dtype.itemsize)["kv_bytes_per_token"]
     t_engine = time.perf_counter()
     engine = RolloutEngine(model, cfg, max_model_len=P + G + 8, max_num_seqs=max(S, 8),
@@ -216,7 +211,7 @@ def main(argv=None):
     greedy = SamplingParams(n=n, max_new_tokens=G, temperature=0.0, ignore_eos=True)
     result = {"shape": args.shape, "attention_backend": engine.runner.attention_backend,
               "cuda_graphs": engine.pipeline.graphs is not None, "batch_invariant": args.batch_invariant,
-              "pack_decode_weights": args.pack_decode_weights, "mlp_block": args.mlp_block, "batch": B, "n": n, "prompt_len": P,
+              "pack_decode_weights": args.pack_decode_weights, "batch": B, "n": n, "prompt_len": P,
               "gen_len": G, "dtype": args.dtype, "engine_init_s": engine_init_s,
               "bf16_reduced_precision_reduction": bool(args.bf16_reduced_precision_reduction),
               "roofline": roofline(cfg, S, P, G, prefill_seqs=B, dtype_bytes=dtype.itemsize)}

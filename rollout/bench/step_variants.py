@@ -25,9 +25,6 @@ ends with the baseline to show the drift. A variant is knobs joined by "+", on t
                     program (DecoderLM.pack_decode_weights, the engine's pack_decode_weights, with
                     its configs for packed weights at --batch rows; a GEMM knob's config replaces
                     both tables' entries)
-  mlp_block         each layer's o_proj, add + RMSNorm, gate_up + SiLU, down and the next add +
-                    RMSNorm as one warp-specialized persistent kernel (kernels/ws_mlp.py,
-                    DecoderLM.enable_mlp_block)
 Two knobs are timing bounds, not modes to run (their tokens are wrong):
   late_wait[=K,..]  kernels of kinds K (gemm: o_proj, gate_up, down, lm_head; qkv; attn; one of
                     o, gate_up, down, lm_head; down0: down's split-0 programs; default the first
@@ -89,7 +86,7 @@ def apply(eng, variant: str, defaults: dict) -> None:
     eng.model.splitk_into_norm = defaults["splitk_norm"]
     eng.model.silu_in_gate_up = defaults["silu_gate_up"]
     eng.model.rope_in_qkv = defaults["rope_in_qkv"]
-    packed = mlp_block = False
+    packed = False
     for knob in variant.split("+"):
         name, _, val = knob.partition("=")
         nums = tuple(int(v) for v in val.split(",")) if (name in GEMMS or name == "attn") and val != "cublas" else None
@@ -118,15 +115,12 @@ def apply(eng, variant: str, defaults: dict) -> None:
             skinny_gemm._LLAMA3_8B_PACKED.pop(GEMMS[name], None)     # the knob's config, packed or not
         elif knob == "packed":
             packed = True
-        elif knob == "mlp_block":
-            mlp_block = True
         elif name == "attn":
             paged_decode.pick_num_splits = lambda *a, ns=nums[0], **k: ns
             paged_decode.DECODE_TILE = dict(block_n=nums[1], num_warps=nums[2], num_stages=nums[3])
         else:
             raise SystemExit(f"unknown knob {knob!r}")
     eng.model.pack_decode_weights(rows=defaults["batch"], on=packed)   # after the knobs: their configs
-    eng.model.enable_mlp_block(mlp_block)
     recapture_graphs(eng)
 
 

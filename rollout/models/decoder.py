@@ -305,8 +305,6 @@ class DecoderLM(nn.Module):
         # RoPE + the K/V write in the QKV GEMM's epilogue (no qk-norm, no bias): +0.2-0.3%.
         self.rope_in_qkv = _env_on("ROLLOUT_ROPE_QKV")
         self.batch_invariant = False  # set by the engine: every GEMM through invariant_linear
-        # ws_mlp.counters once enable_mlp_block is on: each layer's o_proj ... next norm as one kernel
-        self.mlp_block_counters = None
 
     def _linear(self):
         if self.batch_invariant:
@@ -341,44 +339,12 @@ class DecoderLM(nn.Module):
         h, _ = add_rmsnorm(residual, norms[0].weight, norms[0].eps)
         for i, (layer, kv) in enumerate(zip(self.layers, kv_caches)):
             a = layer.self_attn.attend_fused(h, positions, self.inv_freq, kv, meta, linear, self.rope_in_qkv)
-            block = self._mlp_block_weights(layer, norms[i + 1], a)
-            if block is not None:
-                from ..kernels.ws_mlp import mlp_block
-                h, residual = mlp_block(a, residual, *block, self.mlp_block_counters)
-                continue
             h, residual = add_norm_of_linear(layer.self_attn.o_proj, a, residual, layer.post_attention_layernorm,
                                              linear, self.splitk_into_norm)
             act = silu_of_gate_up(layer.mlp.gate_up_proj, h, linear, self.silu_in_gate_up)
             h, residual = add_norm_of_linear(layer.mlp.down_proj, act, residual, norms[i + 1], linear,
                                              self.splitk_into_norm)
         return h
-
-    def _mlp_block_weights(self, layer, next_norm, a: torch.Tensor):
-        """(wo, post-attention norm, gate_up, down, next norm, eps) where kernels.ws_mlp.mlp_block takes
-        this layer's second half for activations a, else None."""
-        if self.mlp_block_counters is None or self.batch_invariant or a.dtype != torch.bfloat16 or not a.is_cuda:
-            return None
-        from ..kernels.ws_mlp import fits
-        o, gu, d = layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj
-        n1 = layer.post_attention_layernorm
-        if (any(getattr(lin, "bias", None) is not None for lin in (o, gu, d)) or n1.eps != next_norm.eps
-                or not fits(a.shape[0], o.weight.shape[0], o.weight.shape[1], d.weight.shape[1], a.device)):
-            return None
-        return o.weight, n1.weight, gu.weight, d.weight, next_norm.weight, n1.eps
-
-    def enable_mlp_block(self, on: bool = True) -> None:
-        """Decode steps of <= 32 rows run each layer's o_proj, add + RMSNorm, gate_up + SiLU, down and
-        the next add + RMSNorm as one warp-specialized kernel (kernels/ws_mlp.py; sm_90, bf16)."""
-        if not on:
-            self.mlp_block_counters = None
-            return
-        from ..kernels.ws_mlp import counters, fits
-        dev = self.embed_tokens.weight.device
-        o, d = self.layers[0].self_attn.o_proj.weight, self.layers[0].mlp.down_proj.weight
-        if self.embed_tokens.weight.dtype != torch.bfloat16 or not fits(1, o.shape[0], o.shape[1], d.shape[1], dev):
-            raise ValueError("the MLP block kernel needs bf16 weights on an sm_90+ GPU, hidden / 32 <= its SMs "
-                             "and hidden, attention and intermediate sizes that are multiples of 256")
-        self.mlp_block_counters = counters(dev)
 
     def _decode_linears(self):
         """(linear, packing order) of each decode GEMM, in the form the fused path calls it."""
