@@ -112,11 +112,12 @@ for s in $sections; do
       m="${LADDER_M:-32 16 1}"; timeout 300 python3 -m rollout.bench.gemm_ladder --shape llama3-8b --m $m \
         --out $OUT/gemm_ladder_l8b_M${m// /_}.json 2>&1 | grep -E "^[a-z_]+ |Error|error" ;;
     ws_chain) # the o_proj chain as one warp-specialized persistent kernel whose weight producer never waits for
-      # data (Gluon), against PDL launches; bits compared first (WS_SLOTS: W_SLOTS,X_SLOTS pairs)
+      # data (Gluon), against PDL launches; bits compared first (WS_SLOTS: W_SLOTS,X_SLOTS,W_WARPS,X_WARPS,FLAGS,MMA)
       timeout 240 python3 -m rollout.bench.ws_chain --layers 32 --n 4096 --m 32 ${WS_SLOTS:+--slots $WS_SLOTS} \
         --out $OUT/ws_chain_l8b_o.json 2>&1 | grep -vE "^\s*$" | tail -12 ;;
     ws_mlp) # the 8B MLP's o_proj -> gate_up + SiLU -> down, 32 layers, as one warp-specialized persistent kernel
-      # (Gluon) against skinny_gemm launches at its tile and at the table's configs; bits compared first
+      # (Gluon) against skinny_gemm launches at its tile and at the table's configs, and launched once per layer;
+      # bits compared first (WS_SLOTS: W_SLOTS,X_SLOTS,W_WARPS,X_WARPS)
       timeout 300 python3 -m rollout.bench.ws_mlp --layers 32 --m 32 ${WS_SLOTS:+--slots $WS_SLOTS} \
         --out $OUT/ws_mlp_l8b.json 2>&1 | grep -vE "^\s*$" | tail -12 ;;
     chain_order) # the chain above under both PDL orders, with tiles that fit 2-3 programs on an SM: does
