@@ -117,9 +117,10 @@ for s in $sections; do
         --out $OUT/ws_chain_l8b_o.json 2>&1 | grep -vE "^\s*$" | tail -12 ;;
     ws_mlp) # the 8B MLP's o_proj -> gate_up + SiLU -> down, 32 layers, as one warp-specialized persistent kernel
       # (Gluon) against skinny_gemm launches at its tile and at the table's configs, and launched once per layer;
-      # bits compared first (WS_SLOTS: W_SLOTS,X_SLOTS,W_WARPS,X_WARPS)
+      # without and with the two residual add + RMSNorm phases a layer; bits compared first
+      # (WS_SLOTS: W_SLOTS,X_SLOTS,W_WARPS,X_WARPS)
       timeout 300 python3 -m rollout.bench.ws_mlp --layers 32 --m 32 ${WS_SLOTS:+--slots $WS_SLOTS} \
-        --out $OUT/ws_mlp_l8b.json 2>&1 | grep -vE "^\s*$" | tail -12 ;;
+        --out $OUT/ws_mlp_l8b.json 2>&1 | grep -vE "^\s*$" | tail -14 ;;
     chain_order) # the chain above under both PDL orders, with tiles that fit 2-3 programs on an SM: does
       # wait-then-launch (ROLLOUT_PDL=1, one grid ahead) let the next GEMM's programs sit beside the running one?
       for mode in 2 1; do ROLLOUT_PDL=$mode timeout 200 python3 -m rollout.bench.chain --layers 32 --n 4096 --m 32 \

@@ -18,7 +18,7 @@ def _compile(fn, ptrs, **const):
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         sig[name] = "constexpr" if name in const else ptrs.get(name, "i32")
-        if name in ptrs or name == "N":          # as the JIT specialises 16-divisible arguments
+        if name.endswith("_ptr") or name == "N":     # as the JIT specialises 16-divisible arguments
             attrs[(i,)] = [["tt.divisibility", 16]]
     return triton.compile(GluonASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs),
                           target=GPUTarget("cuda", 90, 32), options=dict(num_warps=const["num_warps"]))
@@ -41,13 +41,16 @@ def test_ws_chain_kernel_compiles_for_sm90(w_slots, x_slots, w_warps, flags):
     _check(k, min(w_slots, x_slots))
 
 
-def test_ws_mlp_kernel_compiles_for_sm90():
-    ptrs = {n: "*bf16" for n in ("x_ptr", "h_ptr", "a_ptr", "wo_ptr", "wgu_ptr", "wd_ptr")}
-    k = _compile(ws_mlp._ws_mlp_kernel, ptrs | {"cnt_ptr": "*i32", "err_ptr": "*i32"}, H=4096, I=14336, BLOCK_N=32,
-                 BLOCK_M=32, BLOCK_K=256, W_SLOTS=6, X_SLOTS=4, SPIN=ws_mlp.SPIN_LIMIT, W_WARPS=4, X_WARPS=1,
-                 num_warps=4)
+@pytest.mark.parametrize("norms", [False, True])
+def test_ws_mlp_kernel_compiles_for_sm90(norms):
+    names = ("x_ptr", "h_ptr", "a_ptr", "o_ptr", "d_ptr", "res_ptr", "n1_ptr", "n2_ptr", "wo_ptr", "wgu_ptr", "wd_ptr")
+    ptrs = {n: "*bf16" for n in names} | {"cnt_ptr": "*i32", "err_ptr": "*i32", "eps": "fp32"}
+    k = _compile(ws_mlp._ws_mlp_kernel, ptrs, H=4096, I=14336, BLOCK_N=32, BLOCK_M=32, BLOCK_K=256, W_SLOTS=6,
+                 X_SLOTS=4, SPIN=ws_mlp.SPIN_LIMIT, W_WARPS=4, X_WARPS=1, NORMS=norms, num_warps=4)
     _check(k, 4)
-    assert "ex2" in k.asm["ptx"]                                      # the SiLU epilogue
+    ptx = k.asm["ptx"]
+    assert "ex2" in ptx                                               # the SiLU epilogue
+    assert ("sqrt.rn" in ptx) == norms                                # the norm phases, only with norms
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the no-GPU path")

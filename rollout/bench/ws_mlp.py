@@ -1,29 +1,35 @@
 """The decode MLP's three GEMMs as one warp-specialized persistent kernel, against launches.
 CUDA (sm_90) only; an experiment for issue 4.
 
-    python -m rollout.bench.ws_mlp --layers 32 --m 32 --out bench/results/<name>.json
+    python -m rollout.bench.ws_mlp --layers 32 --m 32 --norms 0 1 --out bench/results/<name>.json
 
 bench.ws_chain showed that on 32 chained o_proj GEMMs a persistent kernel whose weight producer
 never waits for data runs ~1.1 us a layer boundary under PDL launches (2.7 against 3.8 us a
 layer over the copy rate). This asks the same at the 8B MLP's shapes, where the boundaries are
 between different weights: per layer o_proj (4096 x 4096), gate_up + SiLU (28672 x 4096, gate
-and up rows paired as skinny_gemm's silu_mul) and down (4096 x 14336), x[l + 1] = down(silu(
-gate_up(o(x[l])))), no norms or residuals (what they cost is measured elsewhere). Every GEMM
-uses 32-row weight tiles over 256-wide K tiles, so 128 programs take 1, 7 and 1 tiles of the
-three phases; per program, a weight producer streams all its tiles of every phase and layer
-through one shared-memory ring; an x producer waits until all programs have finished the phase
-before (one counter), then streams that phase's input; 4 consumer warps multiply (mma.sync) and
-store, with skinny_gemm's SiLU epilogue in phase 2. Same tiles and K order as skinny_gemm at
-(32, 256, 4, 5), so the output is compared bit for bit with those launches first. Also timed:
-launches at the engine's table configs (plain layout), and the kernel launched once per layer.
-Printed: ms, GB/s, us a layer over copy. Measured (bench/results/README.md, eighteenth session):
-5.7-6.6 us a layer over copy with 4 weight producer warps against 11.6-12.1 for the table's
-launches; launched once per layer 10.5. (The same design as one engine launch per layer, with the
-two norms as phases, read 5.5 points slower in the decode graphs: commit e2e9352.)
+and up rows paired as skinny_gemm's silu_mul) and down (4096 x 14336). Every GEMM uses 32-row
+weight tiles over 256-wide K tiles, so 128 programs take 1, 7 and 1 tiles of the three phases;
+per program, a weight producer streams all its tiles of every phase and layer through one
+shared-memory ring; an x producer waits until all programs have finished the phase before (one
+counter), then streams that phase's input; 4 consumer warps multiply (mma.sync) and store, with
+skinny_gemm's SiLU epilogue in phase 2. With `--norms 1` each layer also adds o_proj's and down's
+outputs to a residual and normalises after each (two more phases, a row per program, as the
+decode layer does), against the launches with fused_ops.add_rmsnorm between the GEMMs.
+
+Same tiles and K order as skinny_gemm at (32, 256, 4, 5), so without norms the output is compared
+bit for bit with those launches (the norms' sums of squares are ordered differently: there the
+fraction of equal elements). Also timed: launches at the engine's table configs (plain layout),
+and each kernel launched once per layer. Printed: ms, GB/s, us a layer over copy.
+
+Measured without norms (bench/results/README.md, eighteenth session): 5.7-6.6 us a layer over
+copy with 4 weight producer warps against 11.6-12.1 for the table's launches; launched once per
+layer 10.5. The same design as one engine launch per layer with the two norms as phases read 5.5
+points slower in the decode graphs (commit e2e9352); `--norms 1` separates the norms' part.
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 
 import torch
@@ -35,6 +41,7 @@ from .__main__ import run_meta, write_json
 from .ws_chain import SPIN_LIMIT, _wait_count
 
 BLOCK_N, BLOCK_K, BLOCK_M = 32, 256, 32
+EPS = 1e-5
 
 
 @gluon.jit
@@ -97,27 +104,30 @@ def _x_phase(PHASE: gl.constexpr, src, done, i, rm, rk, ok, x_ring, x_full, x_em
 @gluon.jit
 def _x_producer(x_ptr, h_ptr, a_ptr, x_ring, x_full, x_empty, cnt_ptr, err_ptr, M, LAYERS, H: gl.constexpr,
                 I: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr,
-                SLOTS: gl.constexpr, SPIN: gl.constexpr, WARPS: gl.constexpr):
+                SLOTS: gl.constexpr, SPIN: gl.constexpr, WARPS: gl.constexpr, NORMS: gl.constexpr):
     ld: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BLOCK_K, BLOCK_K // 8], [WARPS, 1], [1, 0])
     rm = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ld))
     rk = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, ld))
     ok = (rm[:, None] < M) & (rk[None, :] < BLOCK_K)
+    # phases a layer: o_proj, [add + norm], gate_up, down, [add + norm]; a GEMM's input is ready
+    # once every program has counted the phases before it
+    PH: gl.constexpr = 5 if NORMS else 3
     i = 0
     for layer in range(LAYERS):
-        i = _x_phase(0, x_ptr + layer * M * H, 3 * layer, i, rm, rk, ok, x_ring, x_full, x_empty, cnt_ptr, err_ptr,
-                     H, I, BLOCK_N, BLOCK_K, SLOTS, SPIN)
-        i = _x_phase(1, h_ptr + layer * M * H, 3 * layer + 1, i, rm, rk, ok, x_ring, x_full, x_empty, cnt_ptr,
+        i = _x_phase(0, x_ptr + layer * M * H, PH * layer, i, rm, rk, ok, x_ring, x_full, x_empty, cnt_ptr,
                      err_ptr, H, I, BLOCK_N, BLOCK_K, SLOTS, SPIN)
-        i = _x_phase(2, a_ptr + layer * M * I, 3 * layer + 2, i, rm, rk, ok, x_ring, x_full, x_empty, cnt_ptr,
-                     err_ptr, H, I, BLOCK_N, BLOCK_K, SLOTS, SPIN)
+        i = _x_phase(1, h_ptr + layer * M * H, PH * layer + (2 if NORMS else 1), i, rm, rk, ok, x_ring, x_full, x_empty,
+                     cnt_ptr, err_ptr, H, I, BLOCK_N, BLOCK_K, SLOTS, SPIN)
+        i = _x_phase(2, a_ptr + layer * M * I, PH * layer + (3 if NORMS else 2), i, rm, rk, ok, x_ring, x_full, x_empty,
+                     cnt_ptr, err_ptr, H, I, BLOCK_N, BLOCK_K, SLOTS, SPIN)
 
 
 @gluon.jit
-def _c_phase(PHASE: gl.constexpr, dst, i, om, w_ring, x_ring, acc_s, w_full, w_empty, x_full, x_empty, cnt_ptr, M,
-             LAYERS, H: gl.constexpr, I: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
+def _c_phase(PHASE: gl.constexpr, dst, i, om, w_ring, x_ring, acc_s, w_full, w_empty, x_full, x_empty, M,
+             H: gl.constexpr, I: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
              BLOCK_K: gl.constexpr, W_SLOTS: gl.constexpr, X_SLOTS: gl.constexpr, num_warps: gl.constexpr):
     """Multiply this program's tiles of one phase, store them to dst ([M, H], or [M, I] after the
-    SiLU of phase 1), then count the phase done."""
+    SiLU of phase 1)."""
     K: gl.constexpr = I if PHASE == 2 else H
     tiles: gl.constexpr = 2 * I // BLOCK_N if PHASE == 1 else H // BLOCK_N
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[num_warps // 2, 2],
@@ -149,33 +159,90 @@ def _c_phase(PHASE: gl.constexpr, dst, i, om, w_ring, x_ring, acc_s, w_full, w_e
             y = gl.convert_layout(acc, out).to(gl.bfloat16)
             on = t * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, out))
             gl.store(dst + om[None, :] * H + on[:, None], y, mask=om[None, :] < M)
-    gl.thread_barrier()                          # every consumer thread's stores before the release
-    if gl.atomic_add(cnt_ptr, 1, sem="release") == 3 * LAYERS * gl.num_programs(0) - 1:
-        gl.atomic_xchg(cnt_ptr, 0)               # the last arrival of all: zero for the next launch
     return i
 
 
 @gluon.jit
-def _consumer(x_ptr, h_ptr, a_ptr, w_ring, x_ring, acc_s, w_full, w_empty, x_full, x_empty, cnt_ptr, M, LAYERS,
-              H: gl.constexpr, I: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr,
-              W_SLOTS: gl.constexpr, X_SLOTS: gl.constexpr, num_warps: gl.constexpr):
-    out: gl.constexpr = gl.BlockedLayout([8, 1], [4, 8], [num_warps // 4, 4], [0, 1])
-    om = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, out))
-    i = 0
-    for layer in range(LAYERS):
-        i = _c_phase(0, h_ptr + layer * M * H, i, om, w_ring, x_ring, acc_s, w_full, w_empty, x_full, x_empty,
-                     cnt_ptr, M, LAYERS, H, I, BLOCK_N, BLOCK_M, BLOCK_K, W_SLOTS, X_SLOTS, num_warps)
-        i = _c_phase(1, a_ptr + layer * M * I, i, om, w_ring, x_ring, acc_s, w_full, w_empty, x_full, x_empty,
-                     cnt_ptr, M, LAYERS, H, I, BLOCK_N, BLOCK_M, BLOCK_K, W_SLOTS, X_SLOTS, num_warps)
-        i = _c_phase(2, x_ptr + (layer + 1) * M * H, i, om, w_ring, x_ring, acc_s, w_full, w_empty, x_full, x_empty,
-                     cnt_ptr, M, LAYERS, H, I, BLOCK_N, BLOCK_M, BLOCK_K, W_SLOTS, X_SLOTS, num_warps)
+def _count(cnt_ptr, last):
+    """This program has finished a phase (its stores before the release); the last arrival of the
+    launch (`last` = phases * programs - 1) zeroes the counter for the next launch."""
+    gl.thread_barrier()
+    if gl.atomic_add(cnt_ptr, 1, sem="release") == last:
+        gl.atomic_xchg(cnt_ptr, 0)
 
 
 @gluon.jit
-def _ws_mlp_kernel(x_ptr, h_ptr, a_ptr, wo_ptr, wgu_ptr, wd_ptr, cnt_ptr, err_ptr, M, LAYERS, H: gl.constexpr,
-                   I: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr,
-                   W_SLOTS: gl.constexpr, X_SLOTS: gl.constexpr, SPIN: gl.constexpr, W_WARPS: gl.constexpr,
-                   X_WARPS: gl.constexpr, num_warps: gl.constexpr):
+def _add_norm_row(res_ptr, d_ptr, w_ptr, res_out_ptr, out_ptr, row, eps, H: gl.constexpr, num_warps: gl.constexpr):
+    """r = res[row] + d[row] rounded, stored to res_out[row]; out[row] = rmsnorm(r) * w, rounded as
+    fused_ops.add_rmsnorm rounds (its sum of squares in another fp32 order). d from L2."""
+    lay: gl.constexpr = gl.BlockedLayout([H // (32 * num_warps)], [32], [num_warps], [0])
+    cols = gl.arange(0, H, layout=lay)
+    off = row * H + cols
+    x = gl.load(res_ptr + off, cache_modifier=".cg")
+    d = gl.load(d_ptr + off, cache_modifier=".cg")
+    x = (x.to(gl.float32) + d.to(gl.float32)).to(gl.bfloat16)
+    gl.store(res_out_ptr + off, x)
+    xf = x.to(gl.float32)
+    inv = 1.0 / gl.sqrt_rn(gl.sum(xf * xf, axis=0) / H + eps)
+    y = (xf * inv).to(gl.bfloat16)
+    w = gl.load(w_ptr + cols)
+    gl.store(out_ptr + off, (w.to(gl.float32) * y.to(gl.float32)).to(gl.bfloat16))
+
+
+@gluon.jit
+def _norm_phase(res_ptr, d_ptr, w_ptr, res_out_ptr, out_ptr, done, eps, M, cnt_ptr, err_ptr, last, H: gl.constexpr,
+                SPIN: gl.constexpr, num_warps: gl.constexpr):
+    """Once all programs have counted `done` phases, program r < M adds and normalises row r."""
+    _wait_count(cnt_ptr, done * gl.num_programs(0), err_ptr, SPIN)
+    gl.thread_barrier()
+    if gl.program_id(0) < M:
+        _add_norm_row(res_ptr, d_ptr, w_ptr, res_out_ptr, out_ptr, gl.program_id(0), eps, H, num_warps)
+    _count(cnt_ptr, last)
+
+
+@gluon.jit
+def _consumer(x_ptr, h_ptr, a_ptr, o_ptr, d_ptr, res_ptr, n1_ptr, n2_ptr, eps, w_ring, x_ring, acc_s, w_full, w_empty,
+              x_full, x_empty, cnt_ptr, err_ptr, M, LAYERS, H: gl.constexpr, I: gl.constexpr, BLOCK_N: gl.constexpr,
+              BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, W_SLOTS: gl.constexpr, X_SLOTS: gl.constexpr,
+              SPIN: gl.constexpr, NORMS: gl.constexpr, num_warps: gl.constexpr):
+    out: gl.constexpr = gl.BlockedLayout([8, 1], [4, 8], [num_warps // 4, 4], [0, 1])
+    om = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, out))
+    PH: gl.constexpr = 5 if NORMS else 3
+    last = PH * LAYERS * gl.num_programs(0) - 1
+    i = 0
+    for layer in range(LAYERS):
+        if NORMS:   # o_proj -> o; res[l + 1] = res[l] + o, h = norm1; gate_up; down -> d; res += d, x[l + 1] = norm2
+            i = _c_phase(0, o_ptr + layer * M * H, i, om, w_ring, x_ring, acc_s, w_full, w_empty, x_full, x_empty, M,
+                         H, I, BLOCK_N, BLOCK_M, BLOCK_K, W_SLOTS, X_SLOTS, num_warps)
+            _count(cnt_ptr, last)
+            _norm_phase(res_ptr + layer * M * H, o_ptr + layer * M * H, n1_ptr + layer * H,
+                        res_ptr + (layer + 1) * M * H, h_ptr + layer * M * H, PH * layer + 1, eps, M, cnt_ptr,
+                        err_ptr, last, H, SPIN, num_warps)
+        else:
+            i = _c_phase(0, h_ptr + layer * M * H, i, om, w_ring, x_ring, acc_s, w_full, w_empty, x_full, x_empty, M,
+                         H, I, BLOCK_N, BLOCK_M, BLOCK_K, W_SLOTS, X_SLOTS, num_warps)
+            _count(cnt_ptr, last)
+        i = _c_phase(1, a_ptr + layer * M * I, i, om, w_ring, x_ring, acc_s, w_full, w_empty, x_full, x_empty, M,
+                     H, I, BLOCK_N, BLOCK_M, BLOCK_K, W_SLOTS, X_SLOTS, num_warps)
+        _count(cnt_ptr, last)
+        if NORMS:
+            i = _c_phase(2, d_ptr + layer * M * H, i, om, w_ring, x_ring, acc_s, w_full, w_empty, x_full, x_empty, M,
+                         H, I, BLOCK_N, BLOCK_M, BLOCK_K, W_SLOTS, X_SLOTS, num_warps)
+            _count(cnt_ptr, last)
+            _norm_phase(res_ptr + (layer + 1) * M * H, d_ptr + layer * M * H, n2_ptr + layer * H,
+                        res_ptr + (layer + 1) * M * H, x_ptr + (layer + 1) * M * H, PH * layer + 4, eps, M, cnt_ptr,
+                        err_ptr, last, H, SPIN, num_warps)
+        else:
+            i = _c_phase(2, x_ptr + (layer + 1) * M * H, i, om, w_ring, x_ring, acc_s, w_full, w_empty, x_full,
+                         x_empty, M, H, I, BLOCK_N, BLOCK_M, BLOCK_K, W_SLOTS, X_SLOTS, num_warps)
+            _count(cnt_ptr, last)
+
+
+@gluon.jit
+def _ws_mlp_kernel(x_ptr, h_ptr, a_ptr, o_ptr, d_ptr, res_ptr, n1_ptr, n2_ptr, eps, wo_ptr, wgu_ptr, wd_ptr, cnt_ptr,
+                   err_ptr, M, LAYERS, H: gl.constexpr, I: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
+                   BLOCK_K: gl.constexpr, W_SLOTS: gl.constexpr, X_SLOTS: gl.constexpr, SPIN: gl.constexpr,
+                   W_WARPS: gl.constexpr, X_WARPS: gl.constexpr, NORMS: gl.constexpr, num_warps: gl.constexpr):
     smem: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 8, order=[1, 0])     # skinny_gemm's, so ldmatrix
     w_ring = gl.allocate_shared_memory(gl.bfloat16, [W_SLOTS, BLOCK_N, BLOCK_K], smem)
     x_ring = gl.allocate_shared_memory(gl.bfloat16, [X_SLOTS, BLOCK_M, BLOCK_K], smem)
@@ -192,41 +259,78 @@ def _ws_mlp_kernel(x_ptr, h_ptr, a_ptr, wo_ptr, wgu_ptr, wd_ptr, cnt_ptr, err_pt
         mbarrier.init(x_full.index(s), count=X_WARPS * 32)
         mbarrier.init(x_empty.index(s), count=1)
     gl.warp_specialize([
-        (_consumer, (x_ptr, h_ptr, a_ptr, w_ring, x_ring, acc_s, w_full, w_empty, x_full, x_empty, cnt_ptr, M,
-                     LAYERS, H, I, BLOCK_N, BLOCK_M, BLOCK_K, W_SLOTS, X_SLOTS, num_warps)),
+        (_consumer, (x_ptr, h_ptr, a_ptr, o_ptr, d_ptr, res_ptr, n1_ptr, n2_ptr, eps, w_ring, x_ring, acc_s, w_full,
+                     w_empty, x_full, x_empty, cnt_ptr, err_ptr, M, LAYERS, H, I, BLOCK_N, BLOCK_M, BLOCK_K, W_SLOTS,
+                     X_SLOTS, SPIN, NORMS, num_warps)),
         (_w_producer, (wo_ptr, wgu_ptr, wd_ptr, w_ring, w_full, w_empty, LAYERS, H, I, BLOCK_N, BLOCK_K, W_SLOTS,
                        W_WARPS)),
         (_x_producer, (x_ptr, h_ptr, a_ptr, x_ring, x_full, x_empty, cnt_ptr, err_ptr, M, LAYERS, H, I, BLOCK_N,
-                       BLOCK_M, BLOCK_K, X_SLOTS, SPIN, X_WARPS)),
+                       BLOCK_M, BLOCK_K, X_SLOTS, SPIN, X_WARPS, NORMS)),
     ], [W_WARPS, X_WARPS], [48, 48])
 
 
-def ws_mlp(x, h, a, wo, wgu, wd, cnt, err, w_slots: int = 6, x_slots: int = 4, w_warps: int = 2,
-           x_warps: int = 1) -> None:
-    """x [L + 1, M, H] (x[0] given), h [L, M, H], a [L, M, I]; wo [L, H, H], wgu [L, 2I, H] (gate
-    rows then up rows), wd [L, H, I]: for each layer h = x @ wo.T, a = silu(gate) * up of h @ wgu.T,
-    x[l + 1] = a @ wd.T, in one launch of H / 32 programs (all resident at once). cnt: a zeroed
-    int32 counter (zero again after the call); err counts x producers that gave up waiting."""
+def buffers(L: int, M: int, H: int, I: int, norms: bool, seed: int = 1) -> dict:
+    """x [L + 1, M, H] (x[0] the input, random), h [L, M, H], a [L, M, I]; with norms also o, d
+    [L, M, H] and the residual res [L + 1, M, H] (res[0] random)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    zeros = functools.partial(torch.zeros, device="cuda", dtype=torch.bfloat16)
+    b = dict(x=zeros(L + 1, M, H), h=zeros(L, M, H), a=zeros(L, M, I))
+    b["x"][0] = torch.randn(M, H, device="cuda", generator=g)
+    if norms:
+        b.update(o=zeros(L, M, H), d=zeros(L, M, H), res=zeros(L + 1, M, H))
+        b["res"][0] = torch.randn(M, H, device="cuda", generator=g)
+    return b
+
+
+def one_layer(b: dict, i: int) -> dict:
+    """Layer i's views of buffers(): its input and output x / res, its h, a, o, d."""
+    return {k: v[i:i + 2] if k in ("x", "res") else v[i:i + 1] for k, v in b.items()}
+
+
+def ws_mlp(b: dict, wo, wgu, wd, cnt, err, n1=None, n2=None, eps: float = EPS, w_slots: int = 6, x_slots: int = 4,
+           w_warps: int = 4, x_warps: int = 1) -> None:
+    """For each layer l of buffers() b, in one launch of H / 32 programs (all resident at once):
+    without norms h = x[l] @ wo.T, a = silu(gate) * up of h @ wgu.T, x[l + 1] = a @ wd.T; with
+    norms n1, n2 [L, H]: o = x[l] @ wo.T, res[l + 1] = res[l] + o, h = rmsnorm(res[l + 1]) * n1[l],
+    a as before, d = a @ wd.T, res[l + 1] += d, x[l + 1] = rmsnorm(res[l + 1]) * n2[l]. wo [L, H, H],
+    wgu [L, 2I, H] (gate rows then up rows), wd [L, H, I]. cnt: a zeroed int32 counter (zero again
+    after the call); err counts waits that gave up."""
     L, H = wo.shape[0], wo.shape[1]
     I = wd.shape[2]
+    x, h, a = b["x"], b["h"], b["a"]
     M = x.shape[1]
+    norms = n1 is not None
+    o, d, res = (b["o"], b["d"], b["res"]) if norms else (h, h, x)        # unused without norms
     assert wo.shape == (L, H, H) and wgu.shape == (L, 2 * I, H) and wd.shape == (L, H, I)
     assert x.shape == (L + 1, M, H) and h.shape == (L, M, H) and a.shape == (L, M, I) and M <= BLOCK_M
-    assert all(t.is_contiguous() and t.dtype == torch.bfloat16 for t in (x, h, a, wo, wgu, wd))
+    assert not norms or (n1.shape == n2.shape == (L, H) and res.shape == (L + 1, M, H) and d.shape == o.shape == h.shape)
+    assert all(t.is_contiguous() and t.dtype == torch.bfloat16 for t in (x, h, a, o, d, res, wo, wgu, wd))
     assert H % BLOCK_K == 0 and I % BLOCK_K == 0 and (2 * I // BLOCK_N) % (H // BLOCK_N) == 0
     assert H // BLOCK_N <= torch.cuda.get_device_properties(x.device).multi_processor_count
-    _ws_mlp_kernel[(H // BLOCK_N,)](x, h, a, wo, wgu, wd, cnt, err, M, L, H=H, I=I, BLOCK_N=BLOCK_N, BLOCK_M=BLOCK_M,
-                                    BLOCK_K=BLOCK_K, W_SLOTS=w_slots, X_SLOTS=x_slots, SPIN=SPIN_LIMIT,
-                                    W_WARPS=w_warps, X_WARPS=x_warps, num_warps=4)
+    _ws_mlp_kernel[(H // BLOCK_N,)](x, h, a, o, d, res, n1 if norms else wo, n2 if norms else wo, eps, wo, wgu, wd,
+                                    cnt, err, M, L, H=H, I=I, BLOCK_N=BLOCK_N, BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K,
+                                    W_SLOTS=w_slots, X_SLOTS=x_slots, SPIN=SPIN_LIMIT, W_WARPS=w_warps,
+                                    X_WARPS=x_warps, NORMS=norms, num_warps=4)
 
 
-def mlp_launches(x, h, a, wo, wgu, wd, cfgs) -> None:
-    """The same chain as three skinny_gemm launches a layer (PDL), at configs (o, gate_up, down)."""
+def mlp_launches(b: dict, wo, wgu, wd, cfgs, n1=None, n2=None, eps: float = EPS) -> None:
+    """The same chain as skinny_gemm launches at configs (o, gate_up, down), with norms two
+    fused_ops.add_rmsnorm launches a layer between them (PDL)."""
+    from ..kernels.fused_ops import add_rmsnorm
     from ..kernels.skinny_gemm import skinny_gemm
+    x, h, a = b["x"], b["h"], b["a"]
     for i in range(wo.shape[0]):
-        skinny_gemm(x[i], wo[i], *cfgs[0], out=h[i])
+        if n1 is None:
+            skinny_gemm(x[i], wo[i], *cfgs[0], out=h[i])
+        else:
+            o = skinny_gemm(x[i], wo[i], *cfgs[0], out=b["o"][i])
+            add_rmsnorm(b["res"][i], n1[i], eps, delta=o, out=(h[i], b["res"][i + 1]))
         skinny_gemm(h[i], wgu[i], *cfgs[1], out=a[i], silu_mul=True)
-        skinny_gemm(a[i], wd[i], *cfgs[2], out=x[i + 1])
+        if n1 is None:
+            skinny_gemm(a[i], wd[i], *cfgs[2], out=x[i + 1])
+        else:
+            d = skinny_gemm(a[i], wd[i], *cfgs[2], out=b["d"][i])
+            add_rmsnorm(b["res"][i + 1], n2[i], eps, delta=d, out=(x[i + 1], b["res"][i + 1]))
 
 
 def main(argv=None):
@@ -235,8 +339,9 @@ def main(argv=None):
     ap.add_argument("--m", type=int, default=32)
     ap.add_argument("--hidden", type=int, default=4096)
     ap.add_argument("--intermediate", type=int, default=14336)
-    ap.add_argument("--slots", nargs="+", default=["6,4,4,1", "6,4,8,1", "6,4,4,2"],
-                    help="W_SLOTS,X_SLOTS,W_WARPS,X_WARPS")
+    ap.add_argument("--slots", nargs="+", default=["6,4,4,1", "6,4,4,2"], help="W_SLOTS,X_SLOTS,W_WARPS,X_WARPS")
+    ap.add_argument("--norms", type=int, nargs="+", default=[0, 1],
+                    help="1: each layer also adds to a residual and normalises twice (as the decode layer)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -249,70 +354,70 @@ def main(argv=None):
     L, M, H, I = args.layers, args.m, args.hidden, args.intermediate
     g = torch.Generator(device="cuda").manual_seed(0)
 
-    def weight(*shape):      # scaled so activations stay O(1) through the layers
-        return torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=g) * shape[-1] ** -0.5
+    def weight(*shape, scale=None):
+        return torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=g) * (scale or shape[-1] ** -0.5)
     wo, wgu, wd = weight(L, H, H), weight(L, 2 * I, H), weight(L, H, I)
+    n1, n2 = 1 + weight(L, H, scale=0.1), 1 + weight(L, H, scale=0.1)
     wbytes = (wo.numel() + wgu.numel() + wd.numel()) * 2
     cnt = torch.zeros(1, dtype=torch.int32, device="cuda")
     err = torch.zeros(1, dtype=torch.int32, device="cuda")
-
-    def bufs():
-        x = torch.zeros(L + 1, M, H, device="cuda", dtype=torch.bfloat16)
-        x[0] = torch.randn(M, H, device="cuda", generator=torch.Generator(device="cuda").manual_seed(1)).bfloat16()
-        return x, torch.zeros(L, M, H, device="cuda", dtype=torch.bfloat16), torch.zeros(L, M, I, device="cuda",
-                                                                                          dtype=torch.bfloat16)
     pdl.set_enabled(True)
     tile = (BLOCK_N, BLOCK_K, 4, 5)
     table = ((32, 256, 4, 5), (128, 128, 8, 4), (64, 128, 4, 5, 2))       # skinny_gemm's _LLAMA3_8B at M = 32
-    ref = bufs()
-    mlp_launches(*ref, wo, wgu, wd, (tile, tile, tile))
     rows = []
+    print(f"{torch.cuda.get_device_name()}: copy {copy_gbps:.0f} GB/s; {L} MLP layers (H {H}, I {I}), M={M}: "
+          f"{wbytes / 1e6:.0f} MB, {wbytes / copy_gbps / 1e6:.3f} ms at the copy rate", flush=True)
 
     def timed(name, fn, **kw):
         ms = graph_time_us(lambda i: fn(), 1) / 1e3
         row = dict(way=name, ms=ms, GBps=wbytes / ms / 1e6, us_per_layer_over_copy=(ms - wbytes / copy_gbps / 1e6)
                    * 1e3 / L, **kw)
-        print(f"{name:26s} {ms:.3f} ms {row['GBps']:5.0f} GB/s {row['us_per_layer_over_copy']:5.2f} us/layer over copy"
-              + "".join(f"  {k} {v}" for k, v in kw.items()), flush=True)
+        print(f"{name:34s} {ms:.3f} ms {row['GBps']:5.0f} GB/s {row['us_per_layer_over_copy']:5.2f} us/layer over "
+              f"copy" + "".join(f"  {k} {v}" for k, v in kw.items()), flush=True)
         rows.append(row)
 
-    print(f"{torch.cuda.get_device_name()}: copy {copy_gbps:.0f} GB/s; {L} MLP layers (H {H}, I {I}), M={M}: "
-          f"{wbytes / 1e6:.0f} MB, {wbytes / copy_gbps / 1e6:.3f} ms at the copy rate; layers with a nonzero "
-          f"output (silu(g) * u is quadratic, so x shrinks to 0 without norms; the bits check means those): "
-          f"{int((ref[0][1:].abs().amax(dim=(1, 2)) > 0).sum())}", flush=True)
-    timed("launches 32,256,4,5", lambda: mlp_launches(*ref, wo, wgu, wd, (tile, tile, tile)))
-    eng = bufs()
-    timed("launches table configs", lambda: mlp_launches(*eng, wo, wgu, wd, table))
-    for sl in args.slots:
-        ws_, xs_, ww_, xw_ = (int(v) for v in sl.split(","))
-        out = bufs()
-        try:
-            ws_mlp(*out, wo, wgu, wd, cnt, err, w_slots=ws_, x_slots=xs_, w_warps=ww_, x_warps=xw_)
-            torch.cuda.synchronize()
-        except Exception as e:
-            print(f"ws {sl}: failed: {type(e).__name__}: {e}"[:400], flush=True)
-            rows.append(dict(way=f"ws {sl}", error=f"{type(e).__name__}: {e}"[:300]))
-            continue
-        same = all(torch.equal(o, r) for o, r in zip(out, ref))
-        max_diff = float((out[0].float() - ref[0].float()).abs().max())
-        timed(f"ws {sl}", lambda: ws_mlp(*out, wo, wgu, wd, cnt, err, w_slots=ws_, x_slots=xs_, w_warps=ww_,
-                                         x_warps=xw_), same_bits=same, max_abs_diff=max_diff,
-              wait_timeouts=int(err.item()), counter_after=int(cnt.item()))
-    # The same kernel launched once per layer (as a decode layer would run it between attention
-    # kernels): what a persistent kernel's own start and end cost at each launch.
-    ws_, xs_, ww_, xw_ = (int(v) for v in args.slots[0].split(","))
-    per = bufs()
+    for norms in map(bool, args.norms):
+        nw = dict(n1=n1, n2=n2) if norms else {}
+        tag = " +norms" if norms else ""
+        ref = buffers(L, M, H, I, norms)
+        mlp_launches(ref, wo, wgu, wd, (tile, tile, tile), **nw)
+        live = int((ref["x"][1:].abs().amax(dim=(1, 2)) > 0).sum())
 
-    def per_layer():
-        for i in range(L):
-            ws_mlp(per[0][i:i + 2], per[1][i:i + 1], per[2][i:i + 1], wo[i:i + 1], wgu[i:i + 1], wd[i:i + 1], cnt,
-                   err, w_slots=ws_, x_slots=xs_, w_warps=ww_, x_warps=xw_)
-    per_layer()
-    torch.cuda.synchronize()
-    timed(f"ws {args.slots[0]} a launch per layer", per_layer,
-          same_bits=all(torch.equal(o, r) for o, r in zip(per, ref)), wait_timeouts=int(err.item()),
-          counter_after=int(cnt.item()))
-    timed("launches 32,256,4,5", lambda: mlp_launches(*ref, wo, wgu, wd, (tile, tile, tile)))
+        def check(b):
+            """Without norms the GEMMs' bits are the launches' (without norms silu(g) * u, quadratic,
+            shrinks x to 0 after a few layers: `live` layers are nonzero); with them the norms' fp32
+            sums of squares are ordered differently, so: the fraction of equal elements."""
+            eq = float((b["x"] == ref["x"]).float().mean())
+            return dict(same_bits=eq == 1.0, equal_fraction=round(eq, 4), nonzero_layers=live,
+                        max_abs_diff=float((b["x"].float() - ref["x"].float()).abs().max()),
+                        wait_timeouts=int(err.item()), counter_after=int(cnt.item()))
+        timed("launches 32,256,4,5" + tag, lambda: mlp_launches(ref, wo, wgu, wd, (tile, tile, tile), **nw))
+        eng = buffers(L, M, H, I, norms)
+        timed("launches table configs" + tag, lambda: mlp_launches(eng, wo, wgu, wd, table, **nw))
+        for sl in args.slots:
+            ws_, xs_, ww_, xw_ = (int(v) for v in sl.split(","))
+            kw = dict(w_slots=ws_, x_slots=xs_, w_warps=ww_, x_warps=xw_, **nw)
+            out = buffers(L, M, H, I, norms)
+            try:
+                ws_mlp(out, wo, wgu, wd, cnt, err, **kw)
+                torch.cuda.synchronize()
+            except Exception as e:
+                print(f"ws {sl}{tag}: failed: {type(e).__name__}: {e}"[:400], flush=True)
+                rows.append(dict(way=f"ws {sl}{tag}", error=f"{type(e).__name__}: {e}"[:300]))
+                continue
+            timed(f"ws {sl}{tag}", lambda: ws_mlp(out, wo, wgu, wd, cnt, err, **kw), **check(out))
+            # the same kernel launched once per layer (as a decode layer would run it between the
+            # attention kernels): what a persistent kernel's own start and end cost a launch
+            per = buffers(L, M, H, I, norms)
+
+            def per_layer():
+                for i in range(L):
+                    ws_mlp(one_layer(per, i), wo[i:i + 1], wgu[i:i + 1], wd[i:i + 1], cnt, err, w_slots=ws_,
+                           x_slots=xs_, w_warps=ww_, x_warps=xw_,
+                           **({k: v[i:i + 1] for k, v in nw.items()}))
+            per_layer()
+            torch.cuda.synchronize()
+            timed(f"ws {sl}{tag}, a launch per layer", per_layer, **check(per))
     write_json(dict(layers=L, m=M, hidden=H, intermediate=I, copy_GBps=copy_gbps, rows=rows,
                     meta=run_meta("rollout.bench.ws_mlp", argv)), args.out)
     return 0
