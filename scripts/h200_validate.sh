@@ -121,6 +121,10 @@ for s in $sections; do
       # (WS_SLOTS: W_SLOTS,X_SLOTS,W_WARPS,X_WARPS)
       timeout 300 python3 -m rollout.bench.ws_mlp --layers 32 --m 32 ${WS_SLOTS:+--slots $WS_SLOTS} \
         --out $OUT/ws_mlp_l8b.json 2>&1 | grep -vE "^\s*$" | tail -14 ;;
+    ws_layer) # what a decode megakernel could reach: all 32 layers' P1 bytes (QKV, K/V at P1's mean context, o_proj,
+      # gate_up, down, two norms) in one warp-specialized persistent kernel, against the engine's kernels as launches
+      timeout 300 python3 -m rollout.bench.ws_layer --layers 32 --batch 32 --context ${WS_CONTEXT:-4352} \
+        --out $OUT/ws_layer_l8b_B32_C${WS_CONTEXT:-4352}.json 2>&1 | grep -vE "^\s*$" | tail -8 ;;
     chain_order) # the chain above under both PDL orders, with tiles that fit 2-3 programs on an SM: does
       # wait-then-launch (ROLLOUT_PDL=1, one grid ahead) let the next GEMM's programs sit beside the running one?
       for mode in 2 1; do ROLLOUT_PDL=$mode timeout 200 python3 -m rollout.bench.chain --layers 32 --n 4096 --m 32 \

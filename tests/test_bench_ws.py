@@ -1,60 +1,95 @@
-"""bench.ws_chain and bench.ws_mlp (warp-specialized Gluon kernels, sm_90 only; no interpreter):
+"""bench.ws_chain, ws_mlp and ws_layer (warp-specialized Gluon kernels, sm_90 only; no interpreter):
 their kernels compile for sm_90a here (with triton's bundled ptxas), with the parts the design
-depends on, and their mains refuse to run without a GPU."""
+depends on, and their mains refuse to run without a GPU. The compiles run in a subprocess without
+TRITON_INTERPRET: under the interpreter (which other test modules switch on for this process)
+Gluon's reductions do not compile."""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 
 pytest.importorskip("triton")
 
-from rollout.bench import ws_chain, ws_mlp  # noqa: E402
-
 SMEM_SM90 = 232448      # bytes of shared memory a CTA may use on an H100 / H200
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-
-def _compile(fn, ptrs, **const):
+COMPILE = textwrap.dedent("""
+    import importlib, json, sys
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
+    module, kernel, ptrs, const = json.loads(sys.argv[1])
+    fn = getattr(importlib.import_module(module), kernel)
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         sig[name] = "constexpr" if name in const else ptrs.get(name, "i32")
-        if name.endswith("_ptr") or name == "N":     # as the JIT specialises 16-divisible arguments
+        if name.endswith("_ptr") or name == "N":      # as the JIT specialises 16-divisible arguments
             attrs[(i,)] = [["tt.divisibility", 16]]
-    return triton.compile(GluonASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs),
-                          target=GPUTarget("cuda", 90, 32), options=dict(num_warps=const["num_warps"]))
+    k = triton.compile(GluonASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs),
+                       target=GPUTarget("cuda", 90, 32), options=dict(num_warps=const["num_warps"]))
+    ptx = k.asm["ptx"]
+    ops = ("mma.sync", "ldmatrix", "cp.async.mbarrier.arrive.noinc", "mbarrier.init", "setmaxnreg", "ex2", "sqrt.rn")
+    print(json.dumps(dict(shared=k.metadata.shared, **{op: ptx.count(op) for op in ops})))
+""")
+
+
+def _compile(module, kernel, ptrs, **const):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    out = subprocess.run([sys.executable, "-c", COMPILE, json.dumps([module, kernel, ptrs, const])], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def _check(k, slots):
-    ptx = k.asm["ptx"]
-    assert k.metadata.shared <= SMEM_SM90
-    assert "mma.sync" in ptx and "ldmatrix" in ptx                    # skinny_gemm's tile, its bits
-    assert "cp.async.mbarrier.arrive.noinc" in ptx                    # the producers' slot-full signal
-    assert ptx.count("mbarrier.init") >= 4 * slots                    # full and empty, both rings
-    assert "setmaxnreg" in ptx                                        # warp-specialized partitions
+    assert k["shared"] <= SMEM_SM90
+    assert k["mma.sync"] and k["ldmatrix"]                   # skinny_gemm's tile, its bits
+    assert k["cp.async.mbarrier.arrive.noinc"]               # the producers' slot-full signal
+    assert k["mbarrier.init"] >= 4 * slots                   # full and empty, both rings
+    assert k["setmaxnreg"]                                   # warp-specialized partitions
 
 
 @pytest.mark.parametrize("w_slots,x_slots,w_warps,flags", [(6, 4, 2, False), (8, 4, 4, True)])
 def test_ws_chain_kernel_compiles_for_sm90(w_slots, x_slots, w_warps, flags):
-    k = _compile(ws_chain._ws_chain_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16", "cnt_ptr": "*i32", "err_ptr": "*i32"},
-                 BLOCK_N=32, BLOCK_M=32, BLOCK_K=256, W_SLOTS=w_slots, X_SLOTS=x_slots, SPIN=ws_chain.SPIN_LIMIT,
-                 W_WARPS=w_warps, X_WARPS=1, FLAGS=flags, MMA=True, num_warps=4)
+    from rollout.bench.ws_chain import SPIN_LIMIT
+    k = _compile("rollout.bench.ws_chain", "_ws_chain_kernel",
+                 {"x_ptr": "*bf16", "w_ptr": "*bf16", "cnt_ptr": "*i32", "err_ptr": "*i32"}, BLOCK_N=32, BLOCK_M=32,
+                 BLOCK_K=256, W_SLOTS=w_slots, X_SLOTS=x_slots, SPIN=SPIN_LIMIT, W_WARPS=w_warps, X_WARPS=1,
+                 FLAGS=flags, MMA=True, num_warps=4)
     _check(k, min(w_slots, x_slots))
 
 
 @pytest.mark.parametrize("norms", [False, True])
 def test_ws_mlp_kernel_compiles_for_sm90(norms):
+    from rollout.bench.ws_chain import SPIN_LIMIT
     names = ("x_ptr", "h_ptr", "a_ptr", "o_ptr", "d_ptr", "res_ptr", "n1_ptr", "n2_ptr", "wo_ptr", "wgu_ptr", "wd_ptr")
     ptrs = {n: "*bf16" for n in names} | {"cnt_ptr": "*i32", "err_ptr": "*i32", "eps": "fp32"}
-    k = _compile(ws_mlp._ws_mlp_kernel, ptrs, H=4096, I=14336, BLOCK_N=32, BLOCK_M=32, BLOCK_K=256, W_SLOTS=6,
-                 X_SLOTS=4, SPIN=ws_mlp.SPIN_LIMIT, W_WARPS=4, X_WARPS=1, NORMS=norms, num_warps=4)
+    k = _compile("rollout.bench.ws_mlp", "_ws_mlp_kernel", ptrs, H=4096, I=14336, BLOCK_N=32, BLOCK_M=32, BLOCK_K=256,
+                 W_SLOTS=6, X_SLOTS=4, SPIN=SPIN_LIMIT, W_WARPS=4, X_WARPS=1, NORMS=norms, num_warps=4)
     _check(k, 4)
-    ptx = k.asm["ptx"]
-    assert "ex2" in ptx                                               # the SiLU epilogue
-    assert ("sqrt.rn" in ptx) == norms                                # the norm phases, only with norms
+    assert k["ex2"]                                          # the SiLU epilogue
+    assert bool(k["sqrt.rn"]) == norms                       # the norm phases, only with norms
+
+
+def test_ws_layer_kernel_compiles_for_sm90():
+    from rollout.bench.ws_chain import SPIN_LIMIT
+    names = ("x_ptr", "qkv_ptr", "attn_ptr", "h_ptr", "a_ptr", "o_ptr", "d_ptr", "res_ptr", "n1_ptr", "n2_ptr",
+             "wqkv_ptr", "wo_ptr", "wgu_ptr", "wd_ptr", "kv_ptr")
+    ptrs = {n: "*bf16" for n in names} | {"cnt_ptr": "*i32", "err_ptr": "*i32", "sink_ptr": "*fp32", "eps": "fp32"}
+    k = _compile("rollout.bench.ws_layer", "_ws_layer_kernel", ptrs, H=4096, I=14336, NQKV=6144, BLOCK_N=32,
+                 BLOCK_M=32, BLOCK_K=256, W_SLOTS=6, X_SLOTS=4, SPIN=SPIN_LIMIT, W_WARPS=4, num_warps=4)
+    _check(k, 4)
+    assert k["sqrt.rn"] and k["ex2"]                         # the norm phases, the SiLU epilogue
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the no-GPU path")
-@pytest.mark.parametrize("mod", [ws_chain, ws_mlp])
-def test_main_says_cuda_only_without_a_gpu(mod, capsys):
-    assert mod.main([]) == 1
+@pytest.mark.parametrize("name", ["ws_chain", "ws_mlp", "ws_layer"])
+def test_main_says_cuda_only_without_a_gpu(name, capsys):
+    import importlib
+    assert importlib.import_module(f"rollout.bench.{name}").main([]) == 1
     assert "CUDA only" in capsys.readouterr().err

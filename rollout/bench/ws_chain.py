@@ -65,6 +65,31 @@ def _wait_count(ptr, target, err_ptr, SPIN: gl.constexpr):
 
 
 @gluon.jit
+def rings(W_SLOTS: gl.constexpr, X_SLOTS: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
+          BLOCK_K: gl.constexpr, W_WARPS: gl.constexpr, X_WARPS: gl.constexpr):
+    """The weight and x rings in shared memory (skinny_gemm's swizzle, so ldmatrix), the SiLU
+    epilogue's fp32 tile, and each ring's full / empty mbarriers: a slot is full once every
+    producer thread's copies have landed, empty after the consumers' one arrival (Gluon: a
+    partition barrier, then one thread)."""
+    smem: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 8, order=[1, 0])
+    w_ring = gl.allocate_shared_memory(gl.bfloat16, [W_SLOTS, BLOCK_N, BLOCK_K], smem)
+    x_ring = gl.allocate_shared_memory(gl.bfloat16, [X_SLOTS, BLOCK_M, BLOCK_K], smem)
+    acc_s = gl.allocate_shared_memory(gl.float32, [BLOCK_N, BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
+    bars: gl.constexpr = mbarrier.MBarrierLayout()
+    w_full = gl.allocate_shared_memory(gl.int64, [W_SLOTS, 1], bars)
+    w_empty = gl.allocate_shared_memory(gl.int64, [W_SLOTS, 1], bars)
+    x_full = gl.allocate_shared_memory(gl.int64, [X_SLOTS, 1], bars)
+    x_empty = gl.allocate_shared_memory(gl.int64, [X_SLOTS, 1], bars)
+    for s in gl.static_range(W_SLOTS):
+        mbarrier.init(w_full.index(s), count=W_WARPS * 32)
+        mbarrier.init(w_empty.index(s), count=1)
+    for s in gl.static_range(X_SLOTS):
+        mbarrier.init(x_full.index(s), count=X_WARPS * 32)
+        mbarrier.init(x_empty.index(s), count=1)
+    return w_ring, x_ring, acc_s, w_full, w_empty, x_full, x_empty
+
+
+@gluon.jit
 def _x_producer(x_ptr, x_ring, x_full, x_empty, cnt_ptr, err_ptr, M, N, LAYERS, BLOCK_N: gl.constexpr,
                 BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, SLOTS: gl.constexpr, SPIN: gl.constexpr,
                 WARPS: gl.constexpr, FLAGS: gl.constexpr):
@@ -137,20 +162,8 @@ def _ws_chain_kernel(x_ptr, w_ptr, cnt_ptr, err_ptr, M, N, LAYERS, BLOCK_N: gl.c
                      BLOCK_K: gl.constexpr, W_SLOTS: gl.constexpr, X_SLOTS: gl.constexpr, SPIN: gl.constexpr,
                      W_WARPS: gl.constexpr, X_WARPS: gl.constexpr, FLAGS: gl.constexpr, MMA: gl.constexpr,
                      num_warps: gl.constexpr):
-    smem: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 8, order=[1, 0])     # the skinny GEMM's, so ldmatrix
-    w_ring = gl.allocate_shared_memory(gl.bfloat16, [W_SLOTS, BLOCK_N, BLOCK_K], smem)
-    x_ring = gl.allocate_shared_memory(gl.bfloat16, [X_SLOTS, BLOCK_M, BLOCK_K], smem)
-    bars: gl.constexpr = mbarrier.MBarrierLayout()
-    w_full = gl.allocate_shared_memory(gl.int64, [W_SLOTS, 1], bars)
-    w_empty = gl.allocate_shared_memory(gl.int64, [W_SLOTS, 1], bars)
-    x_full = gl.allocate_shared_memory(gl.int64, [X_SLOTS, 1], bars)
-    x_empty = gl.allocate_shared_memory(gl.int64, [X_SLOTS, 1], bars)
-    for s in gl.static_range(W_SLOTS):
-        mbarrier.init(w_full.index(s), count=W_WARPS * 32)       # each producer thread's copies landed
-        mbarrier.init(w_empty.index(s), count=1)    # the consumers' one arrival (Gluon: a partition barrier, then thread 0)
-    for s in gl.static_range(X_SLOTS):
-        mbarrier.init(x_full.index(s), count=X_WARPS * 32)
-        mbarrier.init(x_empty.index(s), count=1)
+    w_ring, x_ring, _, w_full, w_empty, x_full, x_empty = rings(W_SLOTS, X_SLOTS, BLOCK_N, BLOCK_M, BLOCK_K, W_WARPS,
+                                                                X_WARPS)
     gl.warp_specialize([
         (_consumer, (x_ptr, w_ring, x_ring, w_full, w_empty, x_full, x_empty, cnt_ptr, M, N, LAYERS, BLOCK_N,
                      BLOCK_M, BLOCK_K, W_SLOTS, X_SLOTS, FLAGS, MMA, num_warps)),

@@ -38,27 +38,28 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mbarrier, mma_v2
 
 from .__main__ import run_meta, write_json
-from .ws_chain import SPIN_LIMIT, _wait_count
+from .ws_chain import SPIN_LIMIT, _wait_count, rings
 
 BLOCK_N, BLOCK_K, BLOCK_M = 32, 256, 32
 EPS = 1e-5
 
 
 @gluon.jit
-def _w_phase(PHASE: gl.constexpr, base, i, r, rk, w_ring, w_full, w_empty, H: gl.constexpr, I: gl.constexpr,
-             BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, SLOTS: gl.constexpr):
-    """Stream this program's weight tiles of one phase (0 o_proj, 1 gate_up, 2 down) of a layer."""
-    K: gl.constexpr = I if PHASE == 2 else H
-    tiles: gl.constexpr = 2 * I // BLOCK_N if PHASE == 1 else H // BLOCK_N
-    for t in range(gl.program_id(0), tiles, gl.num_programs(0)):
-        if PHASE == 1:      # BLOCK_N / 2 gate rows, then the matching up rows (skinny_gemm.gate_up_rows)
-            rows = t * (BLOCK_N // 2) + r % (BLOCK_N // 2) + (r >= BLOCK_N // 2).to(gl.int32) * I
+def w_tiles(base, i, r, rk, w_ring, w_full, w_empty, K: gl.constexpr, TILES: gl.constexpr, SILU_I: gl.constexpr,
+            BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, SLOTS: gl.constexpr):
+    """Stream this program's weight tiles of one GEMM (base: its [rows, K] weight; tiles t = program,
+    + programs, ...) into the ring, K tile by K tile; slot use i counts on across phases. SILU_I: a
+    fused gate_up weight (I gate rows, then I up rows): a tile is BLOCK_N / 2 gate rows and their up
+    rows (skinny_gemm.gate_up_rows)."""
+    for t in range(gl.program_id(0), TILES, gl.num_programs(0)):
+        if SILU_I:
+            rows = t * (BLOCK_N // 2) + r % (BLOCK_N // 2) + (r >= BLOCK_N // 2).to(gl.int32) * SILU_I
         else:
             rows = t * BLOCK_N + r
         ptrs = base + rows.to(gl.int64)[:, None] * K + rk[None, :]
         for kt in range(K // BLOCK_K):
             s = i % SLOTS
-            mbarrier.wait(w_empty.index(s), ((i // SLOTS) & 1) ^ 1)
+            mbarrier.wait(w_empty.index(s), ((i // SLOTS) & 1) ^ 1)      # a fresh slot passes at once
             async_copy.async_copy_global_to_shared(w_ring.index(s), ptrs + kt * BLOCK_K)
             async_copy.mbarrier_arrive(w_full.index(s), increment_count=False)
             i += 1
@@ -73,69 +74,80 @@ def _w_producer(wo_ptr, wgu_ptr, wd_ptr, w_ring, w_full, w_empty, LAYERS, H: gl.
     rk = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, ld))
     i = 0
     for layer in range(LAYERS):
-        i = _w_phase(0, wo_ptr + layer.to(gl.int64) * H * H, i, r, rk, w_ring, w_full, w_empty, H, I, BLOCK_N,
-                     BLOCK_K, SLOTS)
-        i = _w_phase(1, wgu_ptr + layer.to(gl.int64) * 2 * I * H, i, r, rk, w_ring, w_full, w_empty, H, I, BLOCK_N,
-                     BLOCK_K, SLOTS)
-        i = _w_phase(2, wd_ptr + layer.to(gl.int64) * H * I, i, r, rk, w_ring, w_full, w_empty, H, I, BLOCK_N,
-                     BLOCK_K, SLOTS)
+        i = w_mlp_tiles(wo_ptr, wgu_ptr, wd_ptr, layer, i, r, rk, w_ring, w_full, w_empty, H, I, BLOCK_N, BLOCK_K, SLOTS)
 
 
 @gluon.jit
-def _x_phase(PHASE: gl.constexpr, src, done, i, rm, rk, ok, x_ring, x_full, x_empty, cnt_ptr, err_ptr,
-             H: gl.constexpr, I: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, SLOTS: gl.constexpr,
-             SPIN: gl.constexpr):
-    """Once `done` phases of all programs are finished, stream this phase's input tiles."""
-    K: gl.constexpr = I if PHASE == 2 else H
-    tiles: gl.constexpr = 2 * I // BLOCK_N if PHASE == 1 else H // BLOCK_N
+def w_mlp_tiles(wo_ptr, wgu_ptr, wd_ptr, layer, i, r, rk, w_ring, w_full, w_empty, H: gl.constexpr, I: gl.constexpr,
+                BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, SLOTS: gl.constexpr):
+    """w_tiles of one layer's o_proj [L, H, H], gate_up [L, 2I, H] and down [L, H, I], in order."""
+    i = w_tiles(wo_ptr + layer.to(gl.int64) * H * H, i, r, rk, w_ring, w_full, w_empty, H, H // BLOCK_N, 0,
+                BLOCK_N, BLOCK_K, SLOTS)
+    i = w_tiles(wgu_ptr + layer.to(gl.int64) * 2 * I * H, i, r, rk, w_ring, w_full, w_empty, H,
+                2 * I // BLOCK_N, I, BLOCK_N, BLOCK_K, SLOTS)
+    return w_tiles(wd_ptr + layer.to(gl.int64) * H * I, i, r, rk, w_ring, w_full, w_empty, I, H // BLOCK_N, 0,
+                   BLOCK_N, BLOCK_K, SLOTS)
+
+
+@gluon.jit
+def x_tiles(src, done, i, rm, rk, ok, x_ring, x_full, x_empty, cnt_ptr, err_ptr, K: gl.constexpr,
+            TILES: gl.constexpr, BLOCK_K: gl.constexpr, SLOTS: gl.constexpr, SPIN: gl.constexpr):
+    """Once all programs have counted `done` phases, copy the GEMM's input src [M, K] into the x
+    ring, K tile by K tile, once for each of this program's tiles (from L2: other SMs wrote it)."""
     _wait_count(cnt_ptr, done * gl.num_programs(0), err_ptr, SPIN)
     ptrs = src + rm[:, None] * K + rk[None, :]
-    for t in range(gl.program_id(0), tiles, gl.num_programs(0)):
+    for t in range(gl.program_id(0), TILES, gl.num_programs(0)):
         for kt in range(K // BLOCK_K):
             s = i % SLOTS
             mbarrier.wait(x_empty.index(s), ((i // SLOTS) & 1) ^ 1)
             async_copy.async_copy_global_to_shared(x_ring.index(s), ptrs + kt * BLOCK_K, mask=ok,
-                                                   cache_modifier=".cg")     # from L2: other SMs wrote it
+                                                   cache_modifier=".cg")
             async_copy.mbarrier_arrive(x_full.index(s), increment_count=False)
             i += 1
     return i
 
 
 @gluon.jit
-def _x_producer(x_ptr, h_ptr, a_ptr, x_ring, x_full, x_empty, cnt_ptr, err_ptr, M, LAYERS, H: gl.constexpr,
-                I: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr,
-                SLOTS: gl.constexpr, SPIN: gl.constexpr, WARPS: gl.constexpr, NORMS: gl.constexpr):
+def x_layout_vectors(M, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, WARPS: gl.constexpr):
+    """(rows, K offsets, row mask) of an x tile in the x producer's copy layout."""
     ld: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BLOCK_K, BLOCK_K // 8], [WARPS, 1], [1, 0])
     rm = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ld))
     rk = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, ld))
-    ok = (rm[:, None] < M) & (rk[None, :] < BLOCK_K)
+    return rm, rk, (rm[:, None] < M) & (rk[None, :] < BLOCK_K)
+
+
+@gluon.jit
+def _x_producer(x_ptr, h_ptr, a_ptr, x_ring, x_full, x_empty, cnt_ptr, err_ptr, M, LAYERS, H: gl.constexpr,
+                I: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr,
+                SLOTS: gl.constexpr, SPIN: gl.constexpr, WARPS: gl.constexpr, NORMS: gl.constexpr):
+    rm, rk, ok = x_layout_vectors(M, BLOCK_M, BLOCK_K, WARPS)
     # phases a layer: o_proj, [add + norm], gate_up, down, [add + norm]; a GEMM's input is ready
     # once every program has counted the phases before it
     PH: gl.constexpr = 5 if NORMS else 3
     i = 0
     for layer in range(LAYERS):
-        i = _x_phase(0, x_ptr + layer * M * H, PH * layer, i, rm, rk, ok, x_ring, x_full, x_empty, cnt_ptr,
-                     err_ptr, H, I, BLOCK_N, BLOCK_K, SLOTS, SPIN)
-        i = _x_phase(1, h_ptr + layer * M * H, PH * layer + (2 if NORMS else 1), i, rm, rk, ok, x_ring, x_full, x_empty,
-                     cnt_ptr, err_ptr, H, I, BLOCK_N, BLOCK_K, SLOTS, SPIN)
-        i = _x_phase(2, a_ptr + layer * M * I, PH * layer + (3 if NORMS else 2), i, rm, rk, ok, x_ring, x_full, x_empty,
-                     cnt_ptr, err_ptr, H, I, BLOCK_N, BLOCK_K, SLOTS, SPIN)
+        i = x_tiles(x_ptr + layer * M * H, PH * layer, i, rm, rk, ok, x_ring, x_full, x_empty, cnt_ptr, err_ptr,
+                    H, H // BLOCK_N, BLOCK_K, SLOTS, SPIN)
+        i = x_tiles(h_ptr + layer * M * H, PH * layer + (2 if NORMS else 1), i, rm, rk, ok, x_ring, x_full, x_empty,
+                    cnt_ptr, err_ptr, H, 2 * I // BLOCK_N, BLOCK_K, SLOTS, SPIN)
+        i = x_tiles(a_ptr + layer * M * I, PH * layer + (3 if NORMS else 2), i, rm, rk, ok, x_ring, x_full, x_empty,
+                    cnt_ptr, err_ptr, I, H // BLOCK_N, BLOCK_K, SLOTS, SPIN)
 
 
 @gluon.jit
-def _c_phase(PHASE: gl.constexpr, dst, i, om, w_ring, x_ring, acc_s, w_full, w_empty, x_full, x_empty, M,
-             H: gl.constexpr, I: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
-             BLOCK_K: gl.constexpr, W_SLOTS: gl.constexpr, X_SLOTS: gl.constexpr, num_warps: gl.constexpr):
-    """Multiply this program's tiles of one phase, store them to dst ([M, H], or [M, I] after the
-    SiLU of phase 1)."""
-    K: gl.constexpr = I if PHASE == 2 else H
-    tiles: gl.constexpr = 2 * I // BLOCK_N if PHASE == 1 else H // BLOCK_N
+def gemm_tiles(dst, i, om, w_ring, x_ring, acc_s, w_full, w_empty, x_full, x_empty, M, K: gl.constexpr,
+               TILES: gl.constexpr, SILU_I: gl.constexpr, S_DST: gl.constexpr, BLOCK_N: gl.constexpr,
+               BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, W_SLOTS: gl.constexpr, X_SLOTS: gl.constexpr,
+               num_warps: gl.constexpr):
+    """The consumers' GEMM phase: dst[:, tile] (row stride S_DST) = x @ w[tile rows].T for this
+    program's tiles, from the two rings (skinny_gemm's mma.sync layout, warps 2 x 2), rounded once;
+    with SILU_I the tile's silu(gate) * up (BLOCK_N / 2 columns, fused_ops.silu_times' rounding)."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[num_warps // 2, 2],
                                                   instr_shape=[16, 8])
     a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     b_op: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
     out: gl.constexpr = gl.BlockedLayout([8, 1], [4, 8], [num_warps // 4, 4], [0, 1])
-    for t in range(gl.program_id(0), tiles, gl.num_programs(0)):
+    for t in range(gl.program_id(0), TILES, gl.num_programs(0)):
         acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma)
         for kt in range(K // BLOCK_K):
             ws = i % W_SLOTS
@@ -144,21 +156,20 @@ def _c_phase(PHASE: gl.constexpr, dst, i, om, w_ring, x_ring, acc_s, w_full, w_e
             mbarrier.wait(x_full.index(xs), (i // X_SLOTS) & 1)
             a = w_ring.index(ws).load(a_op)
             b = x_ring.index(xs).permute((1, 0)).load(b_op)
-            mbarrier.arrive(w_empty.index(ws))
+            mbarrier.arrive(w_empty.index(ws))          # (Gluon: a partition barrier, then one thread)
             mbarrier.arrive(x_empty.index(xs))
             acc = mma_v2(a, b, acc)
             i += 1
-        if PHASE == 1:   # silu(gate) * up with fused_ops.silu_times' rounding, via shared memory
+        if SILU_I:       # the gate and up halves of acc through shared memory
             acc_s.store(acc)
             g = acc_s.slice(0, BLOCK_N // 2).load(out).to(gl.bfloat16).to(gl.float32)
             u = acc_s.slice(BLOCK_N // 2, BLOCK_N // 2).load(out).to(gl.bfloat16).to(gl.float32)
             y = ((g / (1.0 + gl.exp(-g))).to(gl.bfloat16).to(gl.float32) * u).to(gl.bfloat16)
             on = t * (BLOCK_N // 2) + gl.arange(0, BLOCK_N // 2, layout=gl.SliceLayout(1, out))
-            gl.store(dst + om[None, :] * I + on[:, None], y, mask=om[None, :] < M)
         else:
             y = gl.convert_layout(acc, out).to(gl.bfloat16)
             on = t * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, out))
-            gl.store(dst + om[None, :] * H + on[:, None], y, mask=om[None, :] < M)
+        gl.store(dst + om[None, :] * S_DST + on[:, None], y, mask=om[None, :] < M)
     return i
 
 
@@ -212,29 +223,29 @@ def _consumer(x_ptr, h_ptr, a_ptr, o_ptr, d_ptr, res_ptr, n1_ptr, n2_ptr, eps, w
     i = 0
     for layer in range(LAYERS):
         if NORMS:   # o_proj -> o; res[l + 1] = res[l] + o, h = norm1; gate_up; down -> d; res += d, x[l + 1] = norm2
-            i = _c_phase(0, o_ptr + layer * M * H, i, om, w_ring, x_ring, acc_s, w_full, w_empty, x_full, x_empty, M,
-                         H, I, BLOCK_N, BLOCK_M, BLOCK_K, W_SLOTS, X_SLOTS, num_warps)
+            i = gemm_tiles(o_ptr + layer * M * H, i, om, w_ring, x_ring, acc_s, w_full, w_empty, x_full, x_empty, M,
+                           H, H // BLOCK_N, 0, H, BLOCK_N, BLOCK_M, BLOCK_K, W_SLOTS, X_SLOTS, num_warps)
             _count(cnt_ptr, last)
             _norm_phase(res_ptr + layer * M * H, o_ptr + layer * M * H, n1_ptr + layer * H,
                         res_ptr + (layer + 1) * M * H, h_ptr + layer * M * H, PH * layer + 1, eps, M, cnt_ptr,
                         err_ptr, last, H, SPIN, num_warps)
         else:
-            i = _c_phase(0, h_ptr + layer * M * H, i, om, w_ring, x_ring, acc_s, w_full, w_empty, x_full, x_empty, M,
-                         H, I, BLOCK_N, BLOCK_M, BLOCK_K, W_SLOTS, X_SLOTS, num_warps)
+            i = gemm_tiles(h_ptr + layer * M * H, i, om, w_ring, x_ring, acc_s, w_full, w_empty, x_full, x_empty, M,
+                           H, H // BLOCK_N, 0, H, BLOCK_N, BLOCK_M, BLOCK_K, W_SLOTS, X_SLOTS, num_warps)
             _count(cnt_ptr, last)
-        i = _c_phase(1, a_ptr + layer * M * I, i, om, w_ring, x_ring, acc_s, w_full, w_empty, x_full, x_empty, M,
-                     H, I, BLOCK_N, BLOCK_M, BLOCK_K, W_SLOTS, X_SLOTS, num_warps)
+        i = gemm_tiles(a_ptr + layer * M * I, i, om, w_ring, x_ring, acc_s, w_full, w_empty, x_full, x_empty, M, H,
+                       2 * I // BLOCK_N, I, I, BLOCK_N, BLOCK_M, BLOCK_K, W_SLOTS, X_SLOTS, num_warps)
         _count(cnt_ptr, last)
         if NORMS:
-            i = _c_phase(2, d_ptr + layer * M * H, i, om, w_ring, x_ring, acc_s, w_full, w_empty, x_full, x_empty, M,
-                         H, I, BLOCK_N, BLOCK_M, BLOCK_K, W_SLOTS, X_SLOTS, num_warps)
+            i = gemm_tiles(d_ptr + layer * M * H, i, om, w_ring, x_ring, acc_s, w_full, w_empty, x_full, x_empty, M,
+                           I, H // BLOCK_N, 0, H, BLOCK_N, BLOCK_M, BLOCK_K, W_SLOTS, X_SLOTS, num_warps)
             _count(cnt_ptr, last)
             _norm_phase(res_ptr + (layer + 1) * M * H, d_ptr + layer * M * H, n2_ptr + layer * H,
                         res_ptr + (layer + 1) * M * H, x_ptr + (layer + 1) * M * H, PH * layer + 4, eps, M, cnt_ptr,
                         err_ptr, last, H, SPIN, num_warps)
         else:
-            i = _c_phase(2, x_ptr + (layer + 1) * M * H, i, om, w_ring, x_ring, acc_s, w_full, w_empty, x_full,
-                         x_empty, M, H, I, BLOCK_N, BLOCK_M, BLOCK_K, W_SLOTS, X_SLOTS, num_warps)
+            i = gemm_tiles(x_ptr + (layer + 1) * M * H, i, om, w_ring, x_ring, acc_s, w_full, w_empty, x_full,
+                           x_empty, M, I, H // BLOCK_N, 0, H, BLOCK_N, BLOCK_M, BLOCK_K, W_SLOTS, X_SLOTS, num_warps)
             _count(cnt_ptr, last)
 
 
@@ -243,21 +254,8 @@ def _ws_mlp_kernel(x_ptr, h_ptr, a_ptr, o_ptr, d_ptr, res_ptr, n1_ptr, n2_ptr, e
                    err_ptr, M, LAYERS, H: gl.constexpr, I: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
                    BLOCK_K: gl.constexpr, W_SLOTS: gl.constexpr, X_SLOTS: gl.constexpr, SPIN: gl.constexpr,
                    W_WARPS: gl.constexpr, X_WARPS: gl.constexpr, NORMS: gl.constexpr, num_warps: gl.constexpr):
-    smem: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 8, order=[1, 0])     # skinny_gemm's, so ldmatrix
-    w_ring = gl.allocate_shared_memory(gl.bfloat16, [W_SLOTS, BLOCK_N, BLOCK_K], smem)
-    x_ring = gl.allocate_shared_memory(gl.bfloat16, [X_SLOTS, BLOCK_M, BLOCK_K], smem)
-    acc_s = gl.allocate_shared_memory(gl.float32, [BLOCK_N, BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
-    bars: gl.constexpr = mbarrier.MBarrierLayout()
-    w_full = gl.allocate_shared_memory(gl.int64, [W_SLOTS, 1], bars)
-    w_empty = gl.allocate_shared_memory(gl.int64, [W_SLOTS, 1], bars)
-    x_full = gl.allocate_shared_memory(gl.int64, [X_SLOTS, 1], bars)
-    x_empty = gl.allocate_shared_memory(gl.int64, [X_SLOTS, 1], bars)
-    for s in gl.static_range(W_SLOTS):
-        mbarrier.init(w_full.index(s), count=W_WARPS * 32)   # each producer thread's copies landed
-        mbarrier.init(w_empty.index(s), count=1)             # the consumers' one arrival (thread 0 after a barrier)
-    for s in gl.static_range(X_SLOTS):
-        mbarrier.init(x_full.index(s), count=X_WARPS * 32)
-        mbarrier.init(x_empty.index(s), count=1)
+    w_ring, x_ring, acc_s, w_full, w_empty, x_full, x_empty = rings(W_SLOTS, X_SLOTS, BLOCK_N, BLOCK_M, BLOCK_K,
+                                                                    W_WARPS, X_WARPS)
     gl.warp_specialize([
         (_consumer, (x_ptr, h_ptr, a_ptr, o_ptr, d_ptr, res_ptr, n1_ptr, n2_ptr, eps, w_ring, x_ring, acc_s, w_full,
                      w_empty, x_full, x_empty, cnt_ptr, err_ptr, M, LAYERS, H, I, BLOCK_N, BLOCK_M, BLOCK_K, W_SLOTS,
@@ -303,7 +301,8 @@ def ws_mlp(b: dict, wo, wgu, wd, cnt, err, n1=None, n2=None, eps: float = EPS, w
     o, d, res = (b["o"], b["d"], b["res"]) if norms else (h, h, x)        # unused without norms
     assert wo.shape == (L, H, H) and wgu.shape == (L, 2 * I, H) and wd.shape == (L, H, I)
     assert x.shape == (L + 1, M, H) and h.shape == (L, M, H) and a.shape == (L, M, I) and M <= BLOCK_M
-    assert not norms or (n1.shape == n2.shape == (L, H) and res.shape == (L + 1, M, H) and d.shape == o.shape == h.shape)
+    assert not norms or (n1.shape == n2.shape == (L, H) and res.shape == (L + 1, M, H)
+                         and d.shape == o.shape == h.shape)
     assert all(t.is_contiguous() and t.dtype == torch.bfloat16 for t in (x, h, a, o, d, res, wo, wgu, wd))
     assert H % BLOCK_K == 0 and I % BLOCK_K == 0 and (2 * I // BLOCK_N) % (H // BLOCK_N) == 0
     assert H // BLOCK_N <= torch.cuda.get_device_properties(x.device).multi_processor_count
