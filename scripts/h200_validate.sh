@@ -117,12 +117,13 @@ for s in $sections; do
         --out $OUT/ws_chain_l8b_o.json 2>&1 | grep -vE "^\s*$" | tail -12 ;;
     ws_mlp) # the 8B MLP's o_proj -> gate_up + SiLU -> down, 32 layers, as one warp-specialized persistent kernel
       # (Gluon) against skinny_gemm launches at its tile and at the table's configs, and launched once per layer;
-      # without and with the two residual add + RMSNorm phases a layer; bits compared first
+      # without the norms, with the two residual add + RMSNorm as phases, and folded into the GEMMs; bits compared first
       # (WS_SLOTS: W_SLOTS,X_SLOTS,W_WARPS,X_WARPS)
       timeout 300 python3 -m rollout.bench.ws_mlp --layers 32 --m 32 ${WS_SLOTS:+--slots $WS_SLOTS} \
-        --out $OUT/ws_mlp_l8b.json 2>&1 | grep -vE "^\s*$" | tail -14 ;;
+        --out $OUT/ws_mlp_l8b.json 2>&1 | grep -vE "^\s*$" | tail -18 ;;
     ws_layer) # what a decode megakernel could reach: all 32 layers' P1 bytes (QKV, K/V at P1's mean context, o_proj,
-      # gate_up, down, two norms) in one warp-specialized persistent kernel, against the engine's kernels as launches
+      # gate_up, down, two norms as phases or folded) in one warp-specialized persistent kernel, against the engine's
+      # kernels as launches
       timeout 300 python3 -m rollout.bench.ws_layer --layers 32 --batch 32 --context ${WS_CONTEXT:-4352} \
         --out $OUT/ws_layer_l8b_B32_C${WS_CONTEXT:-4352}.json 2>&1 | grep -vE "^\s*$" | tail -8 ;;
     chain_order) # the chain above under both PDL orders, with tiles that fit 2-3 programs on an SM: does

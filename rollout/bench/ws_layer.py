@@ -11,9 +11,12 @@ streams weights and K/V through the same ring and never waits for data, so it ru
 next phase, and the next layer, while a phase drains; the consumers wait for q (the QKV phase)
 before the K/V stream, as attention must. Beside it the same bytes as launches the engine uses
 (skinny_gemm at the table's configs, bench.attn_ceiling's pure read for the K/V, add_rmsnorm), all
-with PDL. Printed: ms, TB/s, and the fraction of the 4.8 TB/s roofline those bytes would take.
-The gap between the two is the most a megakernel of this design could gain on these layers;
-lm_head, sampling and the attention math are outside both.
+with PDL. `--fold 1`: the norms folded into the GEMMs instead of phases of their own (the GEMM
+after a norm takes 1 / rms from partial sums of squares that the GEMM before left in its epilogue
+with the residual add, and norms its x tiles in registers: bench.ws_mlp.gemm_tiles), 5 phases a
+layer. Printed: ms, TB/s, and the fraction of the 4.8 TB/s roofline those bytes would take. The
+gap between the two is the most a megakernel of this design could gain on these layers; lm_head,
+sampling and the attention math are outside both.
 """
 from __future__ import annotations
 
@@ -58,20 +61,23 @@ def _w_producer(wqkv_ptr, wo_ptr, wgu_ptr, wd_ptr, kv_ptr, w_ring, w_full, w_emp
 
 
 @gluon.jit
-def _x_producer(x_ptr, attn_ptr, h_ptr, a_ptr, x_ring, x_full, x_empty, cnt_ptr, err_ptr, M, LAYERS, H: gl.constexpr,
-                I: gl.constexpr, NQKV: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
-                BLOCK_K: gl.constexpr, SLOTS: gl.constexpr, SPIN: gl.constexpr):
+def _x_producer(x_ptr, attn_ptr, h_ptr, a_ptr, res_ptr, x_ring, x_full, x_empty, cnt_ptr, err_ptr, M, LAYERS,
+                H: gl.constexpr, I: gl.constexpr, NQKV: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
+                BLOCK_K: gl.constexpr, SLOTS: gl.constexpr, SPIN: gl.constexpr, FOLD: gl.constexpr):
+    # each GEMM's input is ready once every program counted the phases before it (PH a layer: QKV, K/V,
+    # o_proj, [norm], gate_up, down, [norm]); FOLD: QKV reads the residual, gate_up h, each normed by its consumer
+    PH: gl.constexpr = 5 if FOLD else 7
     rm, rk, ok = x_layout_vectors(M, BLOCK_M, BLOCK_K, 1)
     i = 0
-    for layer in range(LAYERS):      # each GEMM's input is ready once every program counted the phases before
-        i = x_tiles(x_ptr + layer * M * H, 7 * layer, i, rm, rk, ok, x_ring, x_full, x_empty, cnt_ptr, err_ptr, H,
-                    NQKV // BLOCK_N, BLOCK_K, SLOTS, SPIN)
-        i = x_tiles(attn_ptr, 7 * layer + 2, i, rm, rk, ok, x_ring, x_full, x_empty, cnt_ptr, err_ptr, H,
+    for layer in range(LAYERS):
+        i = x_tiles((res_ptr if FOLD else x_ptr) + layer * M * H, PH * layer, i, rm, rk, ok, x_ring, x_full, x_empty,
+                    cnt_ptr, err_ptr, H, NQKV // BLOCK_N, BLOCK_K, SLOTS, SPIN)
+        i = x_tiles(attn_ptr, PH * layer + 2, i, rm, rk, ok, x_ring, x_full, x_empty, cnt_ptr, err_ptr, H,
                     H // BLOCK_N, BLOCK_K, SLOTS, SPIN)
-        i = x_tiles(h_ptr + layer * M * H, 7 * layer + 4, i, rm, rk, ok, x_ring, x_full, x_empty, cnt_ptr, err_ptr,
-                    H, 2 * I // BLOCK_N, BLOCK_K, SLOTS, SPIN)
-        i = x_tiles(a_ptr + layer * M * I, 7 * layer + 5, i, rm, rk, ok, x_ring, x_full, x_empty, cnt_ptr, err_ptr,
-                    I, H // BLOCK_N, BLOCK_K, SLOTS, SPIN)
+        i = x_tiles(h_ptr + layer * M * H, PH * layer + (3 if FOLD else 4), i, rm, rk, ok, x_ring, x_full, x_empty,
+                    cnt_ptr, err_ptr, H, 2 * I // BLOCK_N, BLOCK_K, SLOTS, SPIN)
+        i = x_tiles(a_ptr + layer * M * I, PH * layer + (4 if FOLD else 5), i, rm, rk, ok, x_ring, x_full, x_empty,
+                    cnt_ptr, err_ptr, I, H // BLOCK_N, BLOCK_K, SLOTS, SPIN)
 
 
 @gluon.jit
@@ -95,59 +101,73 @@ def _kv_phase(i, n, done, w_ring, w_full, w_empty, sink_ptr, cnt_ptr, err_ptr, l
 
 
 @gluon.jit
-def _consumer(x_ptr, qkv_ptr, h_ptr, a_ptr, o_ptr, d_ptr, res_ptr, n1_ptr, n2_ptr, sink_ptr, eps, w_ring, x_ring,
-              acc_s, w_full, w_empty, x_full, x_empty, cnt_ptr, err_ptr, M, LAYERS, KV_CHUNKS, H: gl.constexpr,
-              I: gl.constexpr, NQKV: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
+def _consumer(x_ptr, qkv_ptr, h_ptr, a_ptr, o_ptr, d_ptr, res_ptr, ss_ptr, nin_ptr, n1_ptr, n2_ptr, sink_ptr, eps,
+              w_ring, x_ring, acc_s, w_full, w_empty, x_full, x_empty, cnt_ptr, err_ptr, M, LAYERS, KV_CHUNKS,
+              H: gl.constexpr, I: gl.constexpr, NQKV: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
               BLOCK_K: gl.constexpr, W_SLOTS: gl.constexpr, X_SLOTS: gl.constexpr, SPIN: gl.constexpr,
-              num_warps: gl.constexpr):
+              FOLD: gl.constexpr, num_warps: gl.constexpr):
     out: gl.constexpr = gl.BlockedLayout([8, 1], [4, 8], [num_warps // 4, 4], [0, 1])
     om = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, out))
-    last = 7 * LAYERS * gl.num_programs(0) - 1
+    PH: gl.constexpr = 5 if FOLD else 7
+    SS: gl.constexpr = H // BLOCK_N * BLOCK_M            # one set of partial sums of squares
+    last = PH * LAYERS * gl.num_programs(0) - 1
     i = 0
     for layer in range(LAYERS):
+        hl, rl, rn = h_ptr + layer * M * H, res_ptr + layer * M * H, res_ptr + (layer + 1) * M * H
+        # QKV of x[l] (FOLD: of rmsnorm(res[l]) * nin[l], from the sums the down phase left)
         i = gemm_tiles(qkv_ptr + layer * M * NQKV, i, om, w_ring, x_ring, acc_s, w_full, w_empty, x_full, x_empty, M,
-                       H, NQKV // BLOCK_N, 0, NQKV, BLOCK_N, BLOCK_M, BLOCK_K, W_SLOTS, X_SLOTS, num_warps)
+                       H, NQKV // BLOCK_N, 0, NQKV, BLOCK_N, BLOCK_M, BLOCK_K, W_SLOTS, X_SLOTS, num_warps,
+                       ss_ptr + 2 * layer * SS, nin_ptr + layer * H, rl, rl, eps, NORM_IN=FOLD)
         _count(cnt_ptr, last)
-        i = _kv_phase(i, KV_CHUNKS, 7 * layer + 1, w_ring, w_full, w_empty, sink_ptr, cnt_ptr, err_ptr, last, BLOCK_N,
+        i = _kv_phase(i, KV_CHUNKS, PH * layer + 1, w_ring, w_full, w_empty, sink_ptr, cnt_ptr, err_ptr, last, BLOCK_N,
                       BLOCK_K, W_SLOTS, SPIN, num_warps)
-        i = gemm_tiles(o_ptr + layer * M * H, i, om, w_ring, x_ring, acc_s, w_full, w_empty, x_full, x_empty, M, H,
-                       H // BLOCK_N, 0, H, BLOCK_N, BLOCK_M, BLOCK_K, W_SLOTS, X_SLOTS, num_warps)
+        # o_proj of attn: FOLD h = res[l] + it, with its sums of squares; else o, then a norm phase
+        i = gemm_tiles(hl if FOLD else o_ptr + layer * M * H, i, om, w_ring, x_ring, acc_s, w_full, w_empty, x_full,
+                       x_empty, M, H, H // BLOCK_N, 0, H, BLOCK_N, BLOCK_M, BLOCK_K, W_SLOTS, X_SLOTS, num_warps,
+                       ss_ptr, nin_ptr, rl, ss_ptr + (2 * layer + 1) * SS, eps, RES_OUT=FOLD)
         _count(cnt_ptr, last)
-        _norm_phase(res_ptr + layer * M * H, o_ptr + layer * M * H, n1_ptr + layer * H, res_ptr + (layer + 1) * M * H,
-                    h_ptr + layer * M * H, 7 * layer + 3, eps, M, cnt_ptr, err_ptr, last, H, SPIN, num_warps)
+        if not FOLD:
+            _norm_phase(rl, o_ptr + layer * M * H, n1_ptr + layer * H, rn, hl, PH * layer + 3, eps, M, cnt_ptr,
+                        err_ptr, last, H, SPIN, num_warps)
         i = gemm_tiles(a_ptr + layer * M * I, i, om, w_ring, x_ring, acc_s, w_full, w_empty, x_full, x_empty, M, H,
-                       2 * I // BLOCK_N, I, I, BLOCK_N, BLOCK_M, BLOCK_K, W_SLOTS, X_SLOTS, num_warps)
+                       2 * I // BLOCK_N, I, I, BLOCK_N, BLOCK_M, BLOCK_K, W_SLOTS, X_SLOTS, num_warps,
+                       ss_ptr + (2 * layer + 1) * SS, n1_ptr + layer * H, rl, rl, eps, NORM_IN=FOLD)
         _count(cnt_ptr, last)
-        i = gemm_tiles(d_ptr + layer * M * H, i, om, w_ring, x_ring, acc_s, w_full, w_empty, x_full, x_empty, M, I,
-                       H // BLOCK_N, 0, H, BLOCK_N, BLOCK_M, BLOCK_K, W_SLOTS, X_SLOTS, num_warps)
+        # down of a: FOLD res[l + 1] = h + it, with its sums of squares for the next QKV; else d, then a norm phase
+        i = gemm_tiles(rn if FOLD else d_ptr + layer * M * H, i, om, w_ring, x_ring, acc_s, w_full, w_empty, x_full,
+                       x_empty, M, I, H // BLOCK_N, 0, H, BLOCK_N, BLOCK_M, BLOCK_K, W_SLOTS, X_SLOTS, num_warps,
+                       ss_ptr, nin_ptr, hl, ss_ptr + (2 * layer + 2) * SS, eps, RES_OUT=FOLD)
         _count(cnt_ptr, last)
-        _norm_phase(res_ptr + (layer + 1) * M * H, d_ptr + layer * M * H, n2_ptr + layer * H,
-                    res_ptr + (layer + 1) * M * H, x_ptr + (layer + 1) * M * H, 7 * layer + 6, eps, M, cnt_ptr,
-                    err_ptr, last, H, SPIN, num_warps)
+        if not FOLD:
+            _norm_phase(rn, d_ptr + layer * M * H, n2_ptr + layer * H, rn, x_ptr + (layer + 1) * M * H,
+                        PH * layer + 6, eps, M, cnt_ptr, err_ptr, last, H, SPIN, num_warps)
 
 
 @gluon.jit
-def _ws_layer_kernel(x_ptr, qkv_ptr, attn_ptr, h_ptr, a_ptr, o_ptr, d_ptr, res_ptr, n1_ptr, n2_ptr, sink_ptr, eps,
-                     wqkv_ptr, wo_ptr, wgu_ptr, wd_ptr, kv_ptr, cnt_ptr, err_ptr, M, LAYERS, KV_CHUNKS,
+def _ws_layer_kernel(x_ptr, qkv_ptr, attn_ptr, h_ptr, a_ptr, o_ptr, d_ptr, res_ptr, ss_ptr, nin_ptr, n1_ptr, n2_ptr,
+                     sink_ptr, eps, wqkv_ptr, wo_ptr, wgu_ptr, wd_ptr, kv_ptr, cnt_ptr, err_ptr, M, LAYERS, KV_CHUNKS,
                      H: gl.constexpr, I: gl.constexpr, NQKV: gl.constexpr, BLOCK_N: gl.constexpr,
                      BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, W_SLOTS: gl.constexpr, X_SLOTS: gl.constexpr,
-                     SPIN: gl.constexpr, W_WARPS: gl.constexpr, num_warps: gl.constexpr):
+                     SPIN: gl.constexpr, W_WARPS: gl.constexpr, FOLD: gl.constexpr, num_warps: gl.constexpr):
     w_ring, x_ring, acc_s, w_full, w_empty, x_full, x_empty = rings(W_SLOTS, X_SLOTS, BLOCK_N, BLOCK_M, BLOCK_K,
                                                                     W_WARPS, 1)
     gl.warp_specialize([
-        (_consumer, (x_ptr, qkv_ptr, h_ptr, a_ptr, o_ptr, d_ptr, res_ptr, n1_ptr, n2_ptr, sink_ptr, eps, w_ring,
-                     x_ring, acc_s, w_full, w_empty, x_full, x_empty, cnt_ptr, err_ptr, M, LAYERS, KV_CHUNKS, H, I,
-                     NQKV, BLOCK_N, BLOCK_M, BLOCK_K, W_SLOTS, X_SLOTS, SPIN, num_warps)),
+        (_consumer, (x_ptr, qkv_ptr, h_ptr, a_ptr, o_ptr, d_ptr, res_ptr, ss_ptr, nin_ptr, n1_ptr, n2_ptr, sink_ptr, eps,
+                     w_ring, x_ring, acc_s, w_full, w_empty, x_full, x_empty, cnt_ptr, err_ptr, M, LAYERS, KV_CHUNKS,
+                     H, I, NQKV, BLOCK_N, BLOCK_M, BLOCK_K, W_SLOTS, X_SLOTS, SPIN, FOLD, num_warps)),
         (_w_producer, (wqkv_ptr, wo_ptr, wgu_ptr, wd_ptr, kv_ptr, w_ring, w_full, w_empty, LAYERS, KV_CHUNKS, H, I,
                        NQKV, BLOCK_N, BLOCK_K, W_SLOTS, W_WARPS)),
-        (_x_producer, (x_ptr, attn_ptr, h_ptr, a_ptr, x_ring, x_full, x_empty, cnt_ptr, err_ptr, M, LAYERS, H, I,
-                       NQKV, BLOCK_N, BLOCK_M, BLOCK_K, X_SLOTS, SPIN)),
+        (_x_producer, (x_ptr, attn_ptr, h_ptr, a_ptr, res_ptr, x_ring, x_full, x_empty, cnt_ptr, err_ptr, M, LAYERS, H,
+                       I, NQKV, BLOCK_N, BLOCK_M, BLOCK_K, X_SLOTS, SPIN, FOLD)),
     ], [W_WARPS, 1], [48, 48])
 
 
-def ws_layers(b: dict, w: dict, cnt, err, w_slots: int = 6, x_slots: int = 4, w_warps: int = 4) -> None:
-    """All layers of buffers b (x, qkv, attn, h, a, o, d, res, sink) and weights w (wqkv, wo, wgu,
-    wd, kv, n1, n2) in one launch of H / 32 programs (all resident at once)."""
+def ws_layers(b: dict, w: dict, cnt, err, w_slots: int = 6, x_slots: int = 4, w_warps: int = 4,
+              fold: bool = False) -> None:
+    """All layers of buffers b (x, qkv, attn, h, a, o, d, res, ss, sink) and weights w (wqkv, wo,
+    wgu, wd, kv, n1, n2, nin) in one launch of H / 32 programs (all resident at once). fold: the
+    norms folded into the GEMMs (bench.ws_mlp.gemm_tiles; nin[l] the norm before layer l's QKV,
+    ss[0] the sums of squares of res[0]) instead of phases of their own; res is then the output."""
     L, H = w["wo"].shape[0], w["wo"].shape[1]
     I, NQKV, M = w["wd"].shape[2], w["wqkv"].shape[1], b["x"].shape[1]
     programs = H // BLOCK_N
@@ -156,11 +176,11 @@ def ws_layers(b: dict, w: dict, cnt, err, w_slots: int = 6, x_slots: int = 4, w_
     assert programs <= torch.cuda.get_device_properties(b["x"].device).multi_processor_count
     assert all(t.is_contiguous() for t in list(b.values()) + list(w.values()))
     kv_chunks = w["kv"].numel() // (L * programs * chunk)
-    _ws_layer_kernel[(programs,)](b["x"], b["qkv"], b["attn"], b["h"], b["a"], b["o"], b["d"], b["res"], w["n1"],
-                                  w["n2"], b["sink"], EPS, w["wqkv"], w["wo"], w["wgu"], w["wd"], w["kv"], cnt, err, M,
-                                  L, kv_chunks, H=H, I=I, NQKV=NQKV, BLOCK_N=BLOCK_N, BLOCK_M=BLOCK_M,
-                                  BLOCK_K=BLOCK_K, W_SLOTS=w_slots, X_SLOTS=x_slots, SPIN=SPIN_LIMIT,
-                                  W_WARPS=w_warps, num_warps=4)
+    _ws_layer_kernel[(programs,)](b["x"], b["qkv"], b["attn"], b["h"], b["a"], b["o"], b["d"], b["res"], b["ss"],
+                                  w["nin"], w["n1"], w["n2"], b["sink"], EPS, w["wqkv"], w["wo"], w["wgu"], w["wd"],
+                                  w["kv"], cnt, err, M, L, kv_chunks, H=H, I=I, NQKV=NQKV, BLOCK_N=BLOCK_N,
+                                  BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K, W_SLOTS=w_slots, X_SLOTS=x_slots, SPIN=SPIN_LIMIT,
+                                  W_WARPS=w_warps, FOLD=fold, num_warps=4)
 
 
 def launches(b: dict, w: dict, read_programs: int) -> None:
@@ -199,12 +219,15 @@ def main(argv=None):
     ap.add_argument("--kv-bytes-per-token", type=int, default=4096,
                     help="a layer's K and V of one token (8 heads x 128 x 2 x 2 bytes)")
     ap.add_argument("--slots", nargs="+", default=["6,4,4", "8,4,4"], help="W_SLOTS,X_SLOTS,W_WARPS")
+    ap.add_argument("--fold", type=int, nargs="+", default=[0, 1],
+                    help="1: the norms folded into the GEMMs (no norm phases); 0: norm phases")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("ws_layer: CUDA only", file=sys.stderr)
         return 1
     from ..kernels import pdl
+    from ..kernels.fused_ops import add_rmsnorm
     from .gemm import graph_time_us
     L, M, H, I, NQKV = args.layers, args.batch, args.hidden, args.intermediate, args.qkv
     programs = H // BLOCK_N
@@ -217,15 +240,21 @@ def main(argv=None):
         return torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=g) * scale
     w = dict(wqkv=rnd(L, NQKV, H, scale=H ** -0.5), wo=rnd(L, H, H, scale=H ** -0.5),
              wgu=rnd(L, 2 * I, H, scale=H ** -0.5), wd=rnd(L, H, I, scale=I ** -0.5),
-             n1=1 + rnd(L, H, scale=0.1), n2=1 + rnd(L, H, scale=0.1),
+             n0=1 + rnd(H, scale=0.1), n1=1 + rnd(L, H, scale=0.1), n2=1 + rnd(L, H, scale=0.1),
              kv=torch.empty(L * kv_per_layer, device="cuda", dtype=torch.bfloat16).normal_(generator=g))
-    nbytes = sum(t.numel() * 2 for k, t in w.items() if k not in ("n1", "n2"))
+    w["nin"] = torch.cat([w["n0"][None], w["n2"][:-1]])      # fold: the norm before each QKV
+    nbytes = sum(t.numel() * 2 for k, t in w.items() if k in ("wqkv", "wo", "wgu", "wd", "kv"))
+
+    attn0, res0 = rnd(M, H), rnd(M, H)           # the same inputs in every run
 
     def buffers():
         z = lambda *s: torch.zeros(*s, device="cuda", dtype=torch.bfloat16)  # noqa: E731
-        b = dict(x=z(L + 1, M, H), qkv=z(L, M, NQKV), attn=rnd(M, H), h=z(L, M, H), a=z(L, M, I), o=z(L, M, H),
-                 d=z(L, M, H), res=z(L + 1, M, H), sink=torch.zeros(4 * 132 * 4, device="cuda"))
-        b["x"][0], b["res"][0] = rnd(M, H), rnd(M, H)
+        b = dict(x=z(L + 1, M, H), qkv=z(L, M, NQKV), attn=attn0.clone(), h=z(L, M, H), a=z(L, M, I), o=z(L, M, H),
+                 d=z(L, M, H), res=z(L + 1, M, H), sink=torch.zeros(4 * 132 * 4, device="cuda"),
+                 ss=torch.zeros(2 * L + 1, programs, BLOCK_M, device="cuda"))
+        b["res"][0] = res0
+        b["x"][0] = add_rmsnorm(b["res"][0], w["n0"], EPS)[0]           # the first QKV's input, either way
+        b["ss"][0, :, :M] = b["res"][0].float().view(M, programs, BLOCK_N).pow(2).sum(-1).T
         return b
     cnt = torch.zeros(1, dtype=torch.int32, device="cuda")
     err = torch.zeros(1, dtype=torch.int32, device="cuda")
@@ -246,22 +275,25 @@ def main(argv=None):
     ref = buffers()
     launches(ref, w, 4 * sms)
     timed("launches", lambda: launches(ref, w, 4 * sms))
-    for sl in args.slots:
-        ws_, xs_, ww_ = (int(v) for v in sl.split(","))
-        out = buffers()
-        try:
-            ws_layers(out, w, cnt, err, w_slots=ws_, x_slots=xs_, w_warps=ww_)
-            torch.cuda.synchronize()
-        except Exception as e:
-            print(f"ws {sl}: failed: {type(e).__name__}: {e}"[:400], flush=True)
-            rows.append(dict(way=f"ws {sl}", error=f"{type(e).__name__}: {e}"[:300]))
-            continue
-        # The GEMMs have skinny_gemm's (32, 256) tiles here and the table's there, and the norms'
-        # sums run in another order: the outputs agree to bf16 rounding, not bit for bit.
-        diff = (out["x"][L].float() - ref["x"][L].float()).abs()
-        timed(f"ws {sl}", lambda: ws_layers(out, w, cnt, err, w_slots=ws_, x_slots=xs_, w_warps=ww_),
-              last_layer_max_abs_diff=float(diff.max()), last_layer_mean_abs=float(ref["x"][L].float().abs().mean()),
-              wait_timeouts=int(err.item()), counter_after=int(cnt.item()))
+    for fold in map(bool, args.fold):
+        key = "res" if fold else "x"        # the fold keeps no normed x; the launches have both
+        for sl in args.slots:
+            ws_, xs_, ww_ = (int(v) for v in sl.split(","))
+            name = f"ws {sl}" + (" folded norms" if fold else "")
+            out = buffers()
+            try:
+                ws_layers(out, w, cnt, err, w_slots=ws_, x_slots=xs_, w_warps=ww_, fold=fold)
+                torch.cuda.synchronize()
+            except Exception as e:
+                print(f"{name}: failed: {type(e).__name__}: {e}"[:400], flush=True)
+                rows.append(dict(way=name, error=f"{type(e).__name__}: {e}"[:300]))
+                continue
+            # The GEMMs have skinny_gemm's (32, 256) tiles here and the table's there, and the norms'
+            # sums run in another order: the outputs agree to bf16 rounding, not bit for bit.
+            diff = (out[key][L].float() - ref[key][L].float()).abs()
+            timed(name, lambda: ws_layers(out, w, cnt, err, w_slots=ws_, x_slots=xs_, w_warps=ww_, fold=fold),
+                  last_layer_max_abs_diff=float(diff.max()), last_layer_mean_abs=float(ref[key][L].float().abs().mean()),
+                  wait_timeouts=int(err.item()), counter_after=int(cnt.item()))
     timed("launches", lambda: launches(ref, w, 4 * sms))
     write_json(dict(layers=L, batch=M, context=args.context, bytes=nbytes, rows=rows,
                     meta=run_meta("rollout.bench.ws_layer", argv)), args.out)

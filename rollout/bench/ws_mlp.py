@@ -1,7 +1,7 @@
 """The decode MLP's three GEMMs as one warp-specialized persistent kernel, against launches.
 CUDA (sm_90) only; an experiment for issue 4.
 
-    python -m rollout.bench.ws_mlp --layers 32 --m 32 --norms 0 1 --out bench/results/<name>.json
+    python -m rollout.bench.ws_mlp --layers 32 --m 32 --norms 0 1 2 --out bench/results/<name>.json
 
 bench.ws_chain showed that on 32 chained o_proj GEMMs a persistent kernel whose weight producer
 never waits for data runs ~1.1 us a layer boundary under PDL launches (2.7 against 3.8 us a
@@ -14,7 +14,10 @@ shared-memory ring; an x producer waits until all programs have finished the pha
 counter), then streams that phase's input; 4 consumer warps multiply (mma.sync) and store, with
 skinny_gemm's SiLU epilogue in phase 2. With `--norms 1` each layer also adds o_proj's and down's
 outputs to a residual and normalises after each (two more phases, a row per program, as the
-decode layer does), against the launches with fused_ops.add_rmsnorm between the GEMMs.
+decode layer does), against the launches with fused_ops.add_rmsnorm between the GEMMs. `--norms
+2`: the same math with the norms folded in, no norm phases: o_proj's and down's epilogues add the
+residual and leave each row's partial sum of squares; the GEMM after takes 1 / rms from them and
+norms its x tiles in registers before the MMA (gemm_tiles' NORM_IN / RES_OUT).
 
 Same tiles and K order as skinny_gemm at (32, 256, 4, 5), so without norms the output is compared
 bit for bit with those launches (the norms' sums of squares are ordered differently: there the
@@ -24,7 +27,8 @@ and each kernel launched once per layer. Printed: ms, GB/s, us a layer over copy
 Measured without norms (bench/results/README.md, eighteenth session): 5.7-6.6 us a layer over
 copy with 4 weight producer warps against 11.6-12.1 for the table's launches; launched once per
 layer 10.5. The same design as one engine launch per layer with the two norms as phases read 5.5
-points slower in the decode graphs (commit e2e9352); `--norms 1` separates the norms' part.
+points slower in the decode graphs (commit e2e9352); `--norms 1` separates the norms' part, `--norms 2`
+says whether folding them removes it.
 """
 from __future__ import annotations
 
@@ -117,36 +121,53 @@ def x_layout_vectors(M, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, WARPS: gl.
 
 
 @gluon.jit
-def _x_producer(x_ptr, h_ptr, a_ptr, x_ring, x_full, x_empty, cnt_ptr, err_ptr, M, LAYERS, H: gl.constexpr,
+def _x_producer(x_ptr, h_ptr, a_ptr, res_ptr, x_ring, x_full, x_empty, cnt_ptr, err_ptr, M, LAYERS, H: gl.constexpr,
                 I: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr,
                 SLOTS: gl.constexpr, SPIN: gl.constexpr, WARPS: gl.constexpr, NORMS: gl.constexpr):
     rm, rk, ok = x_layout_vectors(M, BLOCK_M, BLOCK_K, WARPS)
-    # phases a layer: o_proj, [add + norm], gate_up, down, [add + norm]; a GEMM's input is ready
-    # once every program has counted the phases before it
-    PH: gl.constexpr = 5 if NORMS else 3
+    # phases a layer: o_proj, [add + norm], gate_up, down, [add + norm] (NORMS 1); a GEMM's input is
+    # ready once every program has counted the phases before it. NORMS 2: o_proj reads the residual
+    # and gate_up the residual after o_proj (h), each normed by its consumer
+    PH: gl.constexpr = 5 if NORMS == 1 else 3
     i = 0
     for layer in range(LAYERS):
-        i = x_tiles(x_ptr + layer * M * H, PH * layer, i, rm, rk, ok, x_ring, x_full, x_empty, cnt_ptr, err_ptr,
-                    H, H // BLOCK_N, BLOCK_K, SLOTS, SPIN)
-        i = x_tiles(h_ptr + layer * M * H, PH * layer + (2 if NORMS else 1), i, rm, rk, ok, x_ring, x_full, x_empty,
-                    cnt_ptr, err_ptr, H, 2 * I // BLOCK_N, BLOCK_K, SLOTS, SPIN)
-        i = x_tiles(a_ptr + layer * M * I, PH * layer + (3 if NORMS else 2), i, rm, rk, ok, x_ring, x_full, x_empty,
-                    cnt_ptr, err_ptr, I, H // BLOCK_N, BLOCK_K, SLOTS, SPIN)
+        i = x_tiles((res_ptr if NORMS == 2 else x_ptr) + layer * M * H, PH * layer, i, rm, rk, ok, x_ring, x_full,
+                    x_empty, cnt_ptr, err_ptr, H, H // BLOCK_N, BLOCK_K, SLOTS, SPIN)
+        i = x_tiles(h_ptr + layer * M * H, PH * layer + (2 if NORMS == 1 else 1), i, rm, rk, ok, x_ring, x_full,
+                    x_empty, cnt_ptr, err_ptr, H, 2 * I // BLOCK_N, BLOCK_K, SLOTS, SPIN)
+        i = x_tiles(a_ptr + layer * M * I, PH * layer + (3 if NORMS == 1 else 2), i, rm, rk, ok, x_ring, x_full,
+                    x_empty, cnt_ptr, err_ptr, I, H // BLOCK_N, BLOCK_K, SLOTS, SPIN)
 
 
 @gluon.jit
 def gemm_tiles(dst, i, om, w_ring, x_ring, acc_s, w_full, w_empty, x_full, x_empty, M, K: gl.constexpr,
                TILES: gl.constexpr, SILU_I: gl.constexpr, S_DST: gl.constexpr, BLOCK_N: gl.constexpr,
                BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, W_SLOTS: gl.constexpr, X_SLOTS: gl.constexpr,
-               num_warps: gl.constexpr):
+               num_warps: gl.constexpr, ss_in, nw, res_in, ss_out, eps, NORM_IN: gl.constexpr = False,
+               RES_OUT: gl.constexpr = False):
     """The consumers' GEMM phase: dst[:, tile] (row stride S_DST) = x @ w[tile rows].T for this
     program's tiles, from the two rings (skinny_gemm's mma.sync layout, warps 2 x 2), rounded once;
-    with SILU_I the tile's silu(gate) * up (BLOCK_N / 2 columns, fused_ops.silu_times' rounding)."""
+    with SILU_I the tile's silu(gate) * up (BLOCK_N / 2 columns, fused_ops.silu_times' rounding).
+    ss_in, nw, res_in, ss_out, eps: the RMSNorms folded in (no norm phase; unused without the flags):
+    NORM_IN: x is an un-normed residual; 1 / rms of each row from the K / BLOCK_N partial sums of
+    squares in ss_in [K / BLOCK_N, BLOCK_M] (fp32), and each x tile normed in registers before the
+    MMA, rounded as fused_ops.add_rmsnorm (x * 1/rms to bf16, times the weight nw to bf16).
+    RES_OUT: the tile stored is res_in + the GEMM's bf16 output (res_in [M, S_DST]), and its rows'
+    sums of squares over the tile's columns go to ss_out[tile]."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[num_warps // 2, 2],
                                                   instr_shape=[16, 8])
     a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     b_op: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
     out: gl.constexpr = gl.BlockedLayout([8, 1], [4, 8], [num_warps // 4, 4], [0, 1])
+    if NORM_IN:      # 1 / rms per row, in the MMA's x-operand layout, once the phase's first x tile is in: its
+        # producer has seen every program count the phase that wrote the sums (wait again below: same phase)
+        mbarrier.wait(x_full.index(i % X_SLOTS), (i // X_SLOTS) & 1)
+        parts: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [num_warps, 1], [1, 0])
+        pp = gl.arange(0, K // BLOCK_N, layout=gl.SliceLayout(1, parts))
+        pm = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, parts))
+        sq = gl.sum(gl.load(ss_in + pp[:, None] * BLOCK_M + pm[None, :], cache_modifier=".cg"), axis=0)
+        inv = gl.convert_layout(1.0 / gl.sqrt_rn(sq / K + eps), gl.SliceLayout(0, b_op))
+        kk = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, b_op))
     for t in range(gl.program_id(0), TILES, gl.num_programs(0)):
         acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma)
         for kt in range(K // BLOCK_K):
@@ -158,6 +179,9 @@ def gemm_tiles(dst, i, om, w_ring, x_ring, acc_s, w_full, w_empty, x_full, x_emp
             b = x_ring.index(xs).permute((1, 0)).load(b_op)
             mbarrier.arrive(w_empty.index(ws))          # (Gluon: a partition barrier, then one thread)
             mbarrier.arrive(x_empty.index(xs))
+            if NORM_IN:
+                w = gl.load(nw + kt * BLOCK_K + kk).to(gl.float32)
+                b = ((b.to(gl.float32) * inv[None, :]).to(gl.bfloat16).to(gl.float32) * w[:, None]).to(gl.bfloat16)
             acc = mma_v2(a, b, acc)
             i += 1
         if SILU_I:       # the gate and up halves of acc through shared memory
@@ -169,7 +193,13 @@ def gemm_tiles(dst, i, om, w_ring, x_ring, acc_s, w_full, w_empty, x_full, x_emp
         else:
             y = gl.convert_layout(acc, out).to(gl.bfloat16)
             on = t * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, out))
-        gl.store(dst + om[None, :] * S_DST + on[:, None], y, mask=om[None, :] < M)
+        m_ok = om[None, :] < M
+        if RES_OUT:      # the residual add of fused_ops.add_rmsnorm, and this tile's share of the next norm's sum
+            r = gl.load(res_in + om[None, :] * S_DST + on[:, None], mask=m_ok, other=0.0, cache_modifier=".cg")
+            y = (r.to(gl.float32) + y.to(gl.float32)).to(gl.bfloat16)
+            yf = y.to(gl.float32)
+            gl.store(ss_out + t * BLOCK_M + om, gl.sum(yf * yf, axis=0))
+        gl.store(dst + om[None, :] * S_DST + on[:, None], y, mask=m_ok)
     return i
 
 
@@ -212,64 +242,86 @@ def _norm_phase(res_ptr, d_ptr, w_ptr, res_out_ptr, out_ptr, done, eps, M, cnt_p
 
 
 @gluon.jit
-def _consumer(x_ptr, h_ptr, a_ptr, o_ptr, d_ptr, res_ptr, n1_ptr, n2_ptr, eps, w_ring, x_ring, acc_s, w_full, w_empty,
-              x_full, x_empty, cnt_ptr, err_ptr, M, LAYERS, H: gl.constexpr, I: gl.constexpr, BLOCK_N: gl.constexpr,
-              BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, W_SLOTS: gl.constexpr, X_SLOTS: gl.constexpr,
-              SPIN: gl.constexpr, NORMS: gl.constexpr, num_warps: gl.constexpr):
+def _consumer(x_ptr, h_ptr, a_ptr, o_ptr, d_ptr, res_ptr, ss_ptr, nin_ptr, n1_ptr, n2_ptr, eps, w_ring, x_ring, acc_s,
+              w_full, w_empty, x_full, x_empty, cnt_ptr, err_ptr, M, LAYERS, H: gl.constexpr, I: gl.constexpr,
+              BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, W_SLOTS: gl.constexpr,
+              X_SLOTS: gl.constexpr, SPIN: gl.constexpr, NORMS: gl.constexpr, num_warps: gl.constexpr):
     out: gl.constexpr = gl.BlockedLayout([8, 1], [4, 8], [num_warps // 4, 4], [0, 1])
     om = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, out))
-    PH: gl.constexpr = 5 if NORMS else 3
+    PH: gl.constexpr = 5 if NORMS == 1 else 3
+    SS: gl.constexpr = H // BLOCK_N * BLOCK_M            # one set of partial sums of squares
     last = PH * LAYERS * gl.num_programs(0) - 1
     i = 0
     for layer in range(LAYERS):
-        if NORMS:   # o_proj -> o; res[l + 1] = res[l] + o, h = norm1; gate_up; down -> d; res += d, x[l + 1] = norm2
+        hl = h_ptr + layer * M * H
+        if NORMS == 1:   # o_proj -> o; res[l + 1] = res[l] + o, h = norm1; gate_up; down -> d; res += d, x = norm2
             i = gemm_tiles(o_ptr + layer * M * H, i, om, w_ring, x_ring, acc_s, w_full, w_empty, x_full, x_empty, M,
-                           H, H // BLOCK_N, 0, H, BLOCK_N, BLOCK_M, BLOCK_K, W_SLOTS, X_SLOTS, num_warps)
+                           H, H // BLOCK_N, 0, H, BLOCK_N, BLOCK_M, BLOCK_K, W_SLOTS, X_SLOTS, num_warps,
+                           ss_ptr, nin_ptr, res_ptr, ss_ptr, eps)
             _count(cnt_ptr, last)
             _norm_phase(res_ptr + layer * M * H, o_ptr + layer * M * H, n1_ptr + layer * H,
-                        res_ptr + (layer + 1) * M * H, h_ptr + layer * M * H, PH * layer + 1, eps, M, cnt_ptr,
-                        err_ptr, last, H, SPIN, num_warps)
-        else:
-            i = gemm_tiles(h_ptr + layer * M * H, i, om, w_ring, x_ring, acc_s, w_full, w_empty, x_full, x_empty, M,
-                           H, H // BLOCK_N, 0, H, BLOCK_N, BLOCK_M, BLOCK_K, W_SLOTS, X_SLOTS, num_warps)
+                        res_ptr + (layer + 1) * M * H, hl, PH * layer + 1, eps, M, cnt_ptr, err_ptr, last, H, SPIN,
+                        num_warps)
+        elif NORMS == 2:  # h = res[l] + o_proj(norm(res[l]) * nin[l]), with its partial sums of squares
+            i = gemm_tiles(hl, i, om, w_ring, x_ring, acc_s, w_full, w_empty, x_full, x_empty, M, H, H // BLOCK_N, 0,
+                           H, BLOCK_N, BLOCK_M, BLOCK_K, W_SLOTS, X_SLOTS, num_warps, ss_ptr + 2 * layer * SS,
+                           nin_ptr + layer * H, res_ptr + layer * M * H, ss_ptr + (2 * layer + 1) * SS, eps,
+                           NORM_IN=True, RES_OUT=True)
             _count(cnt_ptr, last)
+        else:
+            i = gemm_tiles(hl, i, om, w_ring, x_ring, acc_s, w_full, w_empty, x_full, x_empty, M, H, H // BLOCK_N, 0,
+                           H, BLOCK_N, BLOCK_M, BLOCK_K, W_SLOTS, X_SLOTS, num_warps, ss_ptr, nin_ptr, res_ptr, ss_ptr,
+                           eps)
+            _count(cnt_ptr, last)
+        # gate_up + SiLU of h (NORMS 2: of norm(h) * n1[l])
         i = gemm_tiles(a_ptr + layer * M * I, i, om, w_ring, x_ring, acc_s, w_full, w_empty, x_full, x_empty, M, H,
-                       2 * I // BLOCK_N, I, I, BLOCK_N, BLOCK_M, BLOCK_K, W_SLOTS, X_SLOTS, num_warps)
+                       2 * I // BLOCK_N, I, I, BLOCK_N, BLOCK_M, BLOCK_K, W_SLOTS, X_SLOTS, num_warps,
+                       ss_ptr + (2 * layer + 1) * SS, n1_ptr + layer * H, res_ptr, ss_ptr, eps, NORM_IN=NORMS == 2)
         _count(cnt_ptr, last)
-        if NORMS:
+        if NORMS == 1:
             i = gemm_tiles(d_ptr + layer * M * H, i, om, w_ring, x_ring, acc_s, w_full, w_empty, x_full, x_empty, M,
-                           I, H // BLOCK_N, 0, H, BLOCK_N, BLOCK_M, BLOCK_K, W_SLOTS, X_SLOTS, num_warps)
+                           I, H // BLOCK_N, 0, H, BLOCK_N, BLOCK_M, BLOCK_K, W_SLOTS, X_SLOTS, num_warps,
+                           ss_ptr, nin_ptr, res_ptr, ss_ptr, eps)
             _count(cnt_ptr, last)
             _norm_phase(res_ptr + (layer + 1) * M * H, d_ptr + layer * M * H, n2_ptr + layer * H,
                         res_ptr + (layer + 1) * M * H, x_ptr + (layer + 1) * M * H, PH * layer + 4, eps, M, cnt_ptr,
                         err_ptr, last, H, SPIN, num_warps)
+        elif NORMS == 2:  # res[l + 1] = h + down(...), with its partial sums of squares for the next layer
+            i = gemm_tiles(res_ptr + (layer + 1) * M * H, i, om, w_ring, x_ring, acc_s, w_full, w_empty, x_full,
+                           x_empty, M, I, H // BLOCK_N, 0, H, BLOCK_N, BLOCK_M, BLOCK_K, W_SLOTS, X_SLOTS, num_warps,
+                           ss_ptr, nin_ptr, hl, ss_ptr + (2 * layer + 2) * SS, eps, RES_OUT=True)
+            _count(cnt_ptr, last)
         else:
             i = gemm_tiles(x_ptr + (layer + 1) * M * H, i, om, w_ring, x_ring, acc_s, w_full, w_empty, x_full,
-                           x_empty, M, I, H // BLOCK_N, 0, H, BLOCK_N, BLOCK_M, BLOCK_K, W_SLOTS, X_SLOTS, num_warps)
+                           x_empty, M, I, H // BLOCK_N, 0, H, BLOCK_N, BLOCK_M, BLOCK_K, W_SLOTS, X_SLOTS, num_warps,
+                           ss_ptr, nin_ptr, res_ptr, ss_ptr, eps)
             _count(cnt_ptr, last)
 
 
 @gluon.jit
-def _ws_mlp_kernel(x_ptr, h_ptr, a_ptr, o_ptr, d_ptr, res_ptr, n1_ptr, n2_ptr, eps, wo_ptr, wgu_ptr, wd_ptr, cnt_ptr,
-                   err_ptr, M, LAYERS, H: gl.constexpr, I: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
-                   BLOCK_K: gl.constexpr, W_SLOTS: gl.constexpr, X_SLOTS: gl.constexpr, SPIN: gl.constexpr,
-                   W_WARPS: gl.constexpr, X_WARPS: gl.constexpr, NORMS: gl.constexpr, num_warps: gl.constexpr):
+def _ws_mlp_kernel(x_ptr, h_ptr, a_ptr, o_ptr, d_ptr, res_ptr, ss_ptr, nin_ptr, n1_ptr, n2_ptr, eps, wo_ptr, wgu_ptr,
+                   wd_ptr, cnt_ptr, err_ptr, M, LAYERS, H: gl.constexpr, I: gl.constexpr, BLOCK_N: gl.constexpr,
+                   BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, W_SLOTS: gl.constexpr, X_SLOTS: gl.constexpr,
+                   SPIN: gl.constexpr, W_WARPS: gl.constexpr, X_WARPS: gl.constexpr, NORMS: gl.constexpr,
+                   num_warps: gl.constexpr):
     w_ring, x_ring, acc_s, w_full, w_empty, x_full, x_empty = rings(W_SLOTS, X_SLOTS, BLOCK_N, BLOCK_M, BLOCK_K,
                                                                     W_WARPS, X_WARPS)
     gl.warp_specialize([
-        (_consumer, (x_ptr, h_ptr, a_ptr, o_ptr, d_ptr, res_ptr, n1_ptr, n2_ptr, eps, w_ring, x_ring, acc_s, w_full,
-                     w_empty, x_full, x_empty, cnt_ptr, err_ptr, M, LAYERS, H, I, BLOCK_N, BLOCK_M, BLOCK_K, W_SLOTS,
-                     X_SLOTS, SPIN, NORMS, num_warps)),
+        (_consumer, (x_ptr, h_ptr, a_ptr, o_ptr, d_ptr, res_ptr, ss_ptr, nin_ptr, n1_ptr, n2_ptr, eps, w_ring, x_ring,
+                     acc_s, w_full, w_empty, x_full, x_empty, cnt_ptr, err_ptr, M, LAYERS, H, I, BLOCK_N, BLOCK_M,
+                     BLOCK_K, W_SLOTS, X_SLOTS, SPIN, NORMS, num_warps)),
         (_w_producer, (wo_ptr, wgu_ptr, wd_ptr, w_ring, w_full, w_empty, LAYERS, H, I, BLOCK_N, BLOCK_K, W_SLOTS,
                        W_WARPS)),
-        (_x_producer, (x_ptr, h_ptr, a_ptr, x_ring, x_full, x_empty, cnt_ptr, err_ptr, M, LAYERS, H, I, BLOCK_N,
-                       BLOCK_M, BLOCK_K, X_SLOTS, SPIN, X_WARPS, NORMS)),
+        (_x_producer, (x_ptr, h_ptr, a_ptr, res_ptr, x_ring, x_full, x_empty, cnt_ptr, err_ptr, M, LAYERS, H, I,
+                       BLOCK_N, BLOCK_M, BLOCK_K, X_SLOTS, SPIN, X_WARPS, NORMS)),
     ], [W_WARPS, X_WARPS], [48, 48])
 
 
-def buffers(L: int, M: int, H: int, I: int, norms: bool, seed: int = 1) -> dict:
+def buffers(L: int, M: int, H: int, I: int, norms: int, seed: int = 1) -> dict:
     """x [L + 1, M, H] (x[0] the input, random), h [L, M, H], a [L, M, I]; with norms also o, d
-    [L, M, H] and the residual res [L + 1, M, H] (res[0] random)."""
+    [L, M, H] and the residual res [L + 1, M, H] (res[0] random); with norms 2 (folded) also ss
+    [2L + 1, H / 32, 32] fp32, the partial sums of squares of res[l] (2l) and h[l] (2l + 1), ss[0]
+    those of res[0] by 32-column tile, as the kernel's epilogues write them."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     zeros = functools.partial(torch.zeros, device="cuda", dtype=torch.bfloat16)
     b = dict(x=zeros(L + 1, M, H), h=zeros(L, M, H), a=zeros(L, M, I))
@@ -277,39 +329,46 @@ def buffers(L: int, M: int, H: int, I: int, norms: bool, seed: int = 1) -> dict:
     if norms:
         b.update(o=zeros(L, M, H), d=zeros(L, M, H), res=zeros(L + 1, M, H))
         b["res"][0] = torch.randn(M, H, device="cuda", generator=g)
+    if norms == 2:
+        b["ss"] = torch.zeros(2 * L + 1, H // BLOCK_N, BLOCK_M, device="cuda")
+        b["ss"][0, :, :M] = b["res"][0].float().view(M, H // BLOCK_N, BLOCK_N).pow(2).sum(-1).T
     return b
 
 
 def one_layer(b: dict, i: int) -> dict:
-    """Layer i's views of buffers(): its input and output x / res, its h, a, o, d."""
-    return {k: v[i:i + 2] if k in ("x", "res") else v[i:i + 1] for k, v in b.items()}
+    """Layer i's views of buffers(): its input and output x / res, its h, a, o, d, ss."""
+    return {k: v[i:i + 2] if k in ("x", "res") else v[2 * i:2 * i + 3] if k == "ss" else v[i:i + 1]
+            for k, v in b.items()}
 
 
-def ws_mlp(b: dict, wo, wgu, wd, cnt, err, n1=None, n2=None, eps: float = EPS, w_slots: int = 6, x_slots: int = 4,
-           w_warps: int = 4, x_warps: int = 1) -> None:
+def ws_mlp(b: dict, wo, wgu, wd, cnt, err, n1=None, n2=None, nin=None, eps: float = EPS, w_slots: int = 6,
+           x_slots: int = 4, w_warps: int = 4, x_warps: int = 1) -> None:
     """For each layer l of buffers() b, in one launch of H / 32 programs (all resident at once):
     without norms h = x[l] @ wo.T, a = silu(gate) * up of h @ wgu.T, x[l + 1] = a @ wd.T; with
     norms n1, n2 [L, H]: o = x[l] @ wo.T, res[l + 1] = res[l] + o, h = rmsnorm(res[l + 1]) * n1[l],
-    a as before, d = a @ wd.T, res[l + 1] += d, x[l + 1] = rmsnorm(res[l + 1]) * n2[l]. wo [L, H, H],
-    wgu [L, 2I, H] (gate rows then up rows), wd [L, H, I]. cnt: a zeroed int32 counter (zero again
-    after the call); err counts waits that gave up."""
+    a as before, d = a @ wd.T, res[l + 1] += d, x[l + 1] = rmsnorm(res[l + 1]) * n2[l], the norms
+    as phases of their own; with nin [L, H] too, folded (no norm phases): h = res[l] + (rmsnorm(res[l])
+    * nin[l]) @ wo.T, a of rmsnorm(h) * n1[l], res[l + 1] = h + a @ wd.T. wo [L, H, H], wgu [L, 2I,
+    H] (gate rows then up rows), wd [L, H, I]. cnt: a zeroed int32 counter (zero again after the
+    call); err counts waits that gave up."""
     L, H = wo.shape[0], wo.shape[1]
     I = wd.shape[2]
     x, h, a = b["x"], b["h"], b["a"]
     M = x.shape[1]
-    norms = n1 is not None
+    norms = 0 if n1 is None else 1 if nin is None else 2
     o, d, res = (b["o"], b["d"], b["res"]) if norms else (h, h, x)        # unused without norms
+    ss, n1, n2, nin = b.get("ss", x), (n1 if norms else wo), (n2 if norms == 1 else wo), (nin if norms == 2 else wo)
     assert wo.shape == (L, H, H) and wgu.shape == (L, 2 * I, H) and wd.shape == (L, H, I)
     assert x.shape == (L + 1, M, H) and h.shape == (L, M, H) and a.shape == (L, M, I) and M <= BLOCK_M
-    assert not norms or (n1.shape == n2.shape == (L, H) and res.shape == (L + 1, M, H)
-                         and d.shape == o.shape == h.shape)
-    assert all(t.is_contiguous() and t.dtype == torch.bfloat16 for t in (x, h, a, o, d, res, wo, wgu, wd))
+    assert not norms or (n1.shape == (L, H) and res.shape == (L + 1, M, H) and d.shape == o.shape == h.shape)
+    assert norms != 2 or (nin.shape == (L, H) and ss.shape == (2 * L + 1, H // BLOCK_N, BLOCK_M))
+    assert all(t.is_contiguous() for t in (x, h, a, o, d, res, ss, wo, wgu, wd, n1, n2, nin))
     assert H % BLOCK_K == 0 and I % BLOCK_K == 0 and (2 * I // BLOCK_N) % (H // BLOCK_N) == 0
     assert H // BLOCK_N <= torch.cuda.get_device_properties(x.device).multi_processor_count
-    _ws_mlp_kernel[(H // BLOCK_N,)](x, h, a, o, d, res, n1 if norms else wo, n2 if norms else wo, eps, wo, wgu, wd,
-                                    cnt, err, M, L, H=H, I=I, BLOCK_N=BLOCK_N, BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K,
-                                    W_SLOTS=w_slots, X_SLOTS=x_slots, SPIN=SPIN_LIMIT, W_WARPS=w_warps,
-                                    X_WARPS=x_warps, NORMS=norms, num_warps=4)
+    _ws_mlp_kernel[(H // BLOCK_N,)](x, h, a, o, d, res, ss, nin, n1, n2, eps, wo, wgu, wd, cnt, err, M, L, H=H, I=I,
+                                    BLOCK_N=BLOCK_N, BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K, W_SLOTS=w_slots,
+                                    X_SLOTS=x_slots, SPIN=SPIN_LIMIT, W_WARPS=w_warps, X_WARPS=x_warps, NORMS=norms,
+                                    num_warps=4)
 
 
 def mlp_launches(b: dict, wo, wgu, wd, cfgs, n1=None, n2=None, eps: float = EPS) -> None:
@@ -339,14 +398,16 @@ def main(argv=None):
     ap.add_argument("--hidden", type=int, default=4096)
     ap.add_argument("--intermediate", type=int, default=14336)
     ap.add_argument("--slots", nargs="+", default=["6,4,4,1", "6,4,4,2"], help="W_SLOTS,X_SLOTS,W_WARPS,X_WARPS")
-    ap.add_argument("--norms", type=int, nargs="+", default=[0, 1],
-                    help="1: each layer also adds to a residual and normalises twice (as the decode layer)")
+    ap.add_argument("--norms", type=int, nargs="+", default=[0, 1, 2],
+                    help="1: each layer also adds to a residual and normalises twice (as the decode layer), as phases; "
+                         "2: the same with the norms folded into the GEMMs (no norm phases)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("ws_mlp: CUDA only", file=sys.stderr)
         return 1
     from ..kernels import pdl
+    from ..kernels.fused_ops import add_rmsnorm
     from .gemm import graph_time_us
     from .kernels import copy_bandwidth
     copy_gbps = copy_bandwidth()
@@ -356,7 +417,7 @@ def main(argv=None):
     def weight(*shape, scale=None):
         return torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=g) * (scale or shape[-1] ** -0.5)
     wo, wgu, wd = weight(L, H, H), weight(L, 2 * I, H), weight(L, H, I)
-    n1, n2 = 1 + weight(L, H, scale=0.1), 1 + weight(L, H, scale=0.1)
+    n0, n1, n2 = 1 + weight(H, scale=0.1), 1 + weight(L, H, scale=0.1), 1 + weight(L, H, scale=0.1)
     wbytes = (wo.numel() + wgu.numel() + wd.numel()) * 2
     cnt = torch.zeros(1, dtype=torch.int32, device="cuda")
     err = torch.zeros(1, dtype=torch.int32, device="cuda")
@@ -375,45 +436,50 @@ def main(argv=None):
               f"copy" + "".join(f"  {k} {v}" for k, v in kw.items()), flush=True)
         rows.append(row)
 
-    for norms in map(bool, args.norms):
-        nw = dict(n1=n1, n2=n2) if norms else {}
-        tag = " +norms" if norms else ""
+    nin = torch.cat([n0[None], n2[:-1]])        # norms 2: the norm before each o_proj (n2[l - 1], n0 first)
+    for norms in args.norms:
+        nw = [{}, dict(n1=n1, n2=n2), dict(n1=n1, n2=n2, nin=nin)][norms]
+        ref_nw = {k: v for k, v in nw.items() if k != "nin"}    # the launches compute what norms 2 folds as 1 does
+        tag = ["", " +norms", " +folded norms"][norms]
         ref = buffers(L, M, H, I, norms)
-        mlp_launches(ref, wo, wgu, wd, (tile, tile, tile), **nw)
+        if norms == 2:      # the input the fold normalises itself: x[0] = rmsnorm(res[0]) * n0
+            ref["x"][0] = add_rmsnorm(ref["res"][0], n0, EPS)[0]
+        mlp_launches(ref, wo, wgu, wd, (tile, tile, tile), **ref_nw)
         live = int((ref["x"][1:].abs().amax(dim=(1, 2)) > 0).sum())
+        key = "res" if norms == 2 else "x"         # what both compute (the fold keeps no normed x)
 
         def check(b):
             """Without norms the GEMMs' bits are the launches' (without norms silu(g) * u, quadratic,
             shrinks x to 0 after a few layers: `live` layers are nonzero); with them the norms' fp32
             sums of squares are ordered differently, so: the fraction of equal elements."""
-            eq = float((b["x"] == ref["x"]).float().mean())
+            eq = float((b[key] == ref[key]).float().mean())
             return dict(same_bits=eq == 1.0, equal_fraction=round(eq, 4), nonzero_layers=live,
-                        max_abs_diff=float((b["x"].float() - ref["x"].float()).abs().max()),
+                        max_abs_diff=float((b[key].float() - ref[key].float()).abs().max()),
                         wait_timeouts=int(err.item()), counter_after=int(cnt.item()))
-        timed("launches 32,256,4,5" + tag, lambda: mlp_launches(ref, wo, wgu, wd, (tile, tile, tile), **nw))
-        eng = buffers(L, M, H, I, norms)
-        timed("launches table configs" + tag, lambda: mlp_launches(eng, wo, wgu, wd, table, **nw))
+        if norms < 2:       # norms 2's launches are norms 1's
+            timed("launches 32,256,4,5" + tag, lambda: mlp_launches(ref, wo, wgu, wd, (tile, tile, tile), **ref_nw))
+            eng = buffers(L, M, H, I, norms)
+            timed("launches table configs" + tag, lambda: mlp_launches(eng, wo, wgu, wd, table, **ref_nw))
         for sl in args.slots:
             ws_, xs_, ww_, xw_ = (int(v) for v in sl.split(","))
-            kw = dict(w_slots=ws_, x_slots=xs_, w_warps=ww_, x_warps=xw_, **nw)
+            kw = dict(w_slots=ws_, x_slots=xs_, w_warps=ww_, x_warps=xw_)
             out = buffers(L, M, H, I, norms)
             try:
-                ws_mlp(out, wo, wgu, wd, cnt, err, **kw)
+                ws_mlp(out, wo, wgu, wd, cnt, err, **kw, **nw)
                 torch.cuda.synchronize()
             except Exception as e:
                 print(f"ws {sl}{tag}: failed: {type(e).__name__}: {e}"[:400], flush=True)
                 rows.append(dict(way=f"ws {sl}{tag}", error=f"{type(e).__name__}: {e}"[:300]))
                 continue
-            timed(f"ws {sl}{tag}", lambda: ws_mlp(out, wo, wgu, wd, cnt, err, **kw), **check(out))
+            timed(f"ws {sl}{tag}", lambda: ws_mlp(out, wo, wgu, wd, cnt, err, **kw, **nw), **check(out))
             # the same kernel launched once per layer (as a decode layer would run it between the
             # attention kernels): what a persistent kernel's own start and end cost a launch
             per = buffers(L, M, H, I, norms)
 
             def per_layer():
                 for i in range(L):
-                    ws_mlp(one_layer(per, i), wo[i:i + 1], wgu[i:i + 1], wd[i:i + 1], cnt, err, w_slots=ws_,
-                           x_slots=xs_, w_warps=ww_, x_warps=xw_,
-                           **({k: v[i:i + 1] for k, v in nw.items()}))
+                    ws_mlp(one_layer(per, i), wo[i:i + 1], wgu[i:i + 1], wd[i:i + 1], cnt, err, **kw,
+                           **{k: v[i:i + 1] for k, v in nw.items()})
             per_layer()
             torch.cuda.synchronize()
             timed(f"ws {sl}{tag}, a launch per layer", per_layer, **check(per))
