@@ -57,7 +57,8 @@ def _w_producer(wqkv_ptr, wo_ptr, wgu_ptr, wd_ptr, kv_ptr, w_ring, w_full, w_emp
             async_copy.async_copy_global_to_shared(w_ring.index(s), base + c * BLOCK_N * BLOCK_K + chunk)
             async_copy.mbarrier_arrive(w_full.index(s), increment_count=False)
             i += 1
-        i = w_mlp_tiles(wo_ptr, wgu_ptr, wd_ptr, layer, i, r, rk, w_ring, w_full, w_empty, H, I, BLOCK_N, BLOCK_K, SLOTS)
+        i = w_mlp_tiles(wo_ptr, wgu_ptr, wd_ptr, layer, i, r, rk, w_ring, w_full, w_empty, H, I, BLOCK_N, BLOCK_K,
+                        SLOTS)
 
 
 @gluon.jit
@@ -111,32 +112,33 @@ def _consumer(x_ptr, qkv_ptr, h_ptr, a_ptr, o_ptr, d_ptr, res_ptr, ss_ptr, nin_p
     PH: gl.constexpr = 5 if FOLD else 7
     SS: gl.constexpr = H // BLOCK_N * BLOCK_M            # one set of partial sums of squares
     last = PH * LAYERS * gl.num_programs(0) - 1
-    i = 0
+    i = 0       # weight ring uses (weights and K/V)
+    j = 0       # x ring uses
     for layer in range(LAYERS):
         hl, rl, rn = h_ptr + layer * M * H, res_ptr + layer * M * H, res_ptr + (layer + 1) * M * H
         # QKV of x[l] (FOLD: of rmsnorm(res[l]) * nin[l], from the sums the down phase left)
-        i = gemm_tiles(qkv_ptr + layer * M * NQKV, i, om, w_ring, x_ring, acc_s, w_full, w_empty, x_full, x_empty, M,
-                       H, NQKV // BLOCK_N, 0, NQKV, BLOCK_N, BLOCK_M, BLOCK_K, W_SLOTS, X_SLOTS, num_warps,
-                       ss_ptr + 2 * layer * SS, nin_ptr + layer * H, rl, rl, eps, NORM_IN=FOLD)
+        i, j = gemm_tiles(qkv_ptr + layer * M * NQKV, i, j, om, w_ring, x_ring, acc_s, w_full, w_empty, x_full, x_empty,
+                          M, H, NQKV // BLOCK_N, 0, NQKV, BLOCK_N, BLOCK_M, BLOCK_K, W_SLOTS, X_SLOTS, num_warps,
+                          ss_ptr + 2 * layer * SS, nin_ptr + layer * H, rl, rl, eps, NORM_IN=FOLD)
         _count(cnt_ptr, last)
         i = _kv_phase(i, KV_CHUNKS, PH * layer + 1, w_ring, w_full, w_empty, sink_ptr, cnt_ptr, err_ptr, last, BLOCK_N,
                       BLOCK_K, W_SLOTS, SPIN, num_warps)
         # o_proj of attn: FOLD h = res[l] + it, with its sums of squares; else o, then a norm phase
-        i = gemm_tiles(hl if FOLD else o_ptr + layer * M * H, i, om, w_ring, x_ring, acc_s, w_full, w_empty, x_full,
-                       x_empty, M, H, H // BLOCK_N, 0, H, BLOCK_N, BLOCK_M, BLOCK_K, W_SLOTS, X_SLOTS, num_warps,
-                       ss_ptr, nin_ptr, rl, ss_ptr + (2 * layer + 1) * SS, eps, RES_OUT=FOLD)
+        i, j = gemm_tiles(hl if FOLD else o_ptr + layer * M * H, i, j, om, w_ring, x_ring, acc_s, w_full, w_empty,
+                          x_full, x_empty, M, H, H // BLOCK_N, 0, H, BLOCK_N, BLOCK_M, BLOCK_K, W_SLOTS, X_SLOTS,
+                          num_warps, ss_ptr, nin_ptr, rl, ss_ptr + (2 * layer + 1) * SS, eps, RES_OUT=FOLD)
         _count(cnt_ptr, last)
         if not FOLD:
             _norm_phase(rl, o_ptr + layer * M * H, n1_ptr + layer * H, rn, hl, PH * layer + 3, eps, M, cnt_ptr,
                         err_ptr, last, H, SPIN, num_warps)
-        i = gemm_tiles(a_ptr + layer * M * I, i, om, w_ring, x_ring, acc_s, w_full, w_empty, x_full, x_empty, M, H,
-                       2 * I // BLOCK_N, I, I, BLOCK_N, BLOCK_M, BLOCK_K, W_SLOTS, X_SLOTS, num_warps,
-                       ss_ptr + (2 * layer + 1) * SS, n1_ptr + layer * H, rl, rl, eps, NORM_IN=FOLD)
+        i, j = gemm_tiles(a_ptr + layer * M * I, i, j, om, w_ring, x_ring, acc_s, w_full, w_empty, x_full, x_empty, M,
+                          H, 2 * I // BLOCK_N, I, I, BLOCK_N, BLOCK_M, BLOCK_K, W_SLOTS, X_SLOTS, num_warps,
+                          ss_ptr + (2 * layer + 1) * SS, n1_ptr + layer * H, rl, rl, eps, NORM_IN=FOLD)
         _count(cnt_ptr, last)
         # down of a: FOLD res[l + 1] = h + it, with its sums of squares for the next QKV; else d, then a norm phase
-        i = gemm_tiles(rn if FOLD else d_ptr + layer * M * H, i, om, w_ring, x_ring, acc_s, w_full, w_empty, x_full,
-                       x_empty, M, I, H // BLOCK_N, 0, H, BLOCK_N, BLOCK_M, BLOCK_K, W_SLOTS, X_SLOTS, num_warps,
-                       ss_ptr, nin_ptr, hl, ss_ptr + (2 * layer + 2) * SS, eps, RES_OUT=FOLD)
+        i, j = gemm_tiles(rn if FOLD else d_ptr + layer * M * H, i, j, om, w_ring, x_ring, acc_s, w_full, w_empty,
+                          x_full, x_empty, M, I, H // BLOCK_N, 0, H, BLOCK_N, BLOCK_M, BLOCK_K, W_SLOTS, X_SLOTS,
+                          num_warps, ss_ptr, nin_ptr, hl, ss_ptr + (2 * layer + 2) * SS, eps, RES_OUT=FOLD)
         _count(cnt_ptr, last)
         if not FOLD:
             _norm_phase(rn, d_ptr + layer * M * H, n2_ptr + layer * H, rn, x_ptr + (layer + 1) * M * H,
@@ -152,9 +154,9 @@ def _ws_layer_kernel(x_ptr, qkv_ptr, attn_ptr, h_ptr, a_ptr, o_ptr, d_ptr, res_p
     w_ring, x_ring, acc_s, w_full, w_empty, x_full, x_empty = rings(W_SLOTS, X_SLOTS, BLOCK_N, BLOCK_M, BLOCK_K,
                                                                     W_WARPS, 1)
     gl.warp_specialize([
-        (_consumer, (x_ptr, qkv_ptr, h_ptr, a_ptr, o_ptr, d_ptr, res_ptr, ss_ptr, nin_ptr, n1_ptr, n2_ptr, sink_ptr, eps,
-                     w_ring, x_ring, acc_s, w_full, w_empty, x_full, x_empty, cnt_ptr, err_ptr, M, LAYERS, KV_CHUNKS,
-                     H, I, NQKV, BLOCK_N, BLOCK_M, BLOCK_K, W_SLOTS, X_SLOTS, SPIN, FOLD, num_warps)),
+        (_consumer, (x_ptr, qkv_ptr, h_ptr, a_ptr, o_ptr, d_ptr, res_ptr, ss_ptr, nin_ptr, n1_ptr, n2_ptr, sink_ptr,
+                     eps, w_ring, x_ring, acc_s, w_full, w_empty, x_full, x_empty, cnt_ptr, err_ptr, M, LAYERS,
+                     KV_CHUNKS, H, I, NQKV, BLOCK_N, BLOCK_M, BLOCK_K, W_SLOTS, X_SLOTS, SPIN, FOLD, num_warps)),
         (_w_producer, (wqkv_ptr, wo_ptr, wgu_ptr, wd_ptr, kv_ptr, w_ring, w_full, w_empty, LAYERS, KV_CHUNKS, H, I,
                        NQKV, BLOCK_N, BLOCK_K, W_SLOTS, W_WARPS)),
         (_x_producer, (x_ptr, attn_ptr, h_ptr, a_ptr, res_ptr, x_ring, x_full, x_empty, cnt_ptr, err_ptr, M, LAYERS, H,
@@ -292,7 +294,8 @@ def main(argv=None):
             # sums run in another order: the outputs agree to bf16 rounding, not bit for bit.
             diff = (out[key][L].float() - ref[key][L].float()).abs()
             timed(name, lambda: ws_layers(out, w, cnt, err, w_slots=ws_, x_slots=xs_, w_warps=ww_, fold=fold),
-                  last_layer_max_abs_diff=float(diff.max()), last_layer_mean_abs=float(ref[key][L].float().abs().mean()),
+                  last_layer_max_abs_diff=float(diff.max()),
+                  last_layer_mean_abs=float(ref[key][L].float().abs().mean()),
                   wait_timeouts=int(err.item()), counter_after=int(cnt.item()))
     timed("launches", lambda: launches(ref, w, 4 * sms))
     write_json(dict(layers=L, batch=M, context=args.context, bytes=nbytes, rows=rows,

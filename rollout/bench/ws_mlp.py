@@ -78,7 +78,8 @@ def _w_producer(wo_ptr, wgu_ptr, wd_ptr, w_ring, w_full, w_empty, LAYERS, H: gl.
     rk = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, ld))
     i = 0
     for layer in range(LAYERS):
-        i = w_mlp_tiles(wo_ptr, wgu_ptr, wd_ptr, layer, i, r, rk, w_ring, w_full, w_empty, H, I, BLOCK_N, BLOCK_K, SLOTS)
+        i = w_mlp_tiles(wo_ptr, wgu_ptr, wd_ptr, layer, i, r, rk, w_ring, w_full, w_empty, H, I, BLOCK_N, BLOCK_K,
+                        SLOTS)
 
 
 @gluon.jit
@@ -140,13 +141,15 @@ def _x_producer(x_ptr, h_ptr, a_ptr, res_ptr, x_ring, x_full, x_empty, cnt_ptr, 
 
 
 @gluon.jit
-def gemm_tiles(dst, i, om, w_ring, x_ring, acc_s, w_full, w_empty, x_full, x_empty, M, K: gl.constexpr,
+def gemm_tiles(dst, i, j, om, w_ring, x_ring, acc_s, w_full, w_empty, x_full, x_empty, M, K: gl.constexpr,
                TILES: gl.constexpr, SILU_I: gl.constexpr, S_DST: gl.constexpr, BLOCK_N: gl.constexpr,
                BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, W_SLOTS: gl.constexpr, X_SLOTS: gl.constexpr,
                num_warps: gl.constexpr, ss_in, nw, res_in, ss_out, eps, NORM_IN: gl.constexpr = False,
                RES_OUT: gl.constexpr = False):
     """The consumers' GEMM phase: dst[:, tile] (row stride S_DST) = x @ w[tile rows].T for this
     program's tiles, from the two rings (skinny_gemm's mma.sync layout, warps 2 x 2), rounded once;
+    i, j: the weight and x rings' use counts so far (returned advanced; they differ where the
+    weight ring also carries other bytes, bench.ws_layer's K/V);
     with SILU_I the tile's silu(gate) * up (BLOCK_N / 2 columns, fused_ops.silu_times' rounding).
     ss_in, nw, res_in, ss_out, eps: the RMSNorms folded in (no norm phase; unused without the flags):
     NORM_IN: x is an un-normed residual; 1 / rms of each row from the K / BLOCK_N partial sums of
@@ -161,7 +164,7 @@ def gemm_tiles(dst, i, om, w_ring, x_ring, acc_s, w_full, w_empty, x_full, x_emp
     out: gl.constexpr = gl.BlockedLayout([8, 1], [4, 8], [num_warps // 4, 4], [0, 1])
     if NORM_IN:      # 1 / rms per row, in the MMA's x-operand layout, once the phase's first x tile is in: its
         # producer has seen every program count the phase that wrote the sums (wait again below: same phase)
-        mbarrier.wait(x_full.index(i % X_SLOTS), (i // X_SLOTS) & 1)
+        mbarrier.wait(x_full.index(j % X_SLOTS), (j // X_SLOTS) & 1)
         parts: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [num_warps, 1], [1, 0])
         pp = gl.arange(0, K // BLOCK_N, layout=gl.SliceLayout(1, parts))
         pm = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, parts))
@@ -172,9 +175,9 @@ def gemm_tiles(dst, i, om, w_ring, x_ring, acc_s, w_full, w_empty, x_full, x_emp
         acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma)
         for kt in range(K // BLOCK_K):
             ws = i % W_SLOTS
-            xs = i % X_SLOTS
+            xs = j % X_SLOTS
             mbarrier.wait(w_full.index(ws), (i // W_SLOTS) & 1)
-            mbarrier.wait(x_full.index(xs), (i // X_SLOTS) & 1)
+            mbarrier.wait(x_full.index(xs), (j // X_SLOTS) & 1)
             a = w_ring.index(ws).load(a_op)
             b = x_ring.index(xs).permute((1, 0)).load(b_op)
             mbarrier.arrive(w_empty.index(ws))          # (Gluon: a partition barrier, then one thread)
@@ -184,6 +187,7 @@ def gemm_tiles(dst, i, om, w_ring, x_ring, acc_s, w_full, w_empty, x_full, x_emp
                 b = ((b.to(gl.float32) * inv[None, :]).to(gl.bfloat16).to(gl.float32) * w[:, None]).to(gl.bfloat16)
             acc = mma_v2(a, b, acc)
             i += 1
+            j += 1
         if SILU_I:       # the gate and up halves of acc through shared memory
             acc_s.store(acc)
             g = acc_s.slice(0, BLOCK_N // 2).load(out).to(gl.bfloat16).to(gl.float32)
@@ -200,7 +204,7 @@ def gemm_tiles(dst, i, om, w_ring, x_ring, acc_s, w_full, w_empty, x_full, x_emp
             yf = y.to(gl.float32)
             gl.store(ss_out + t * BLOCK_M + om, gl.sum(yf * yf, axis=0))
         gl.store(dst + om[None, :] * S_DST + on[:, None], y, mask=m_ok)
-    return i
+    return i, j
 
 
 @gluon.jit
@@ -252,49 +256,50 @@ def _consumer(x_ptr, h_ptr, a_ptr, o_ptr, d_ptr, res_ptr, ss_ptr, nin_ptr, n1_pt
     SS: gl.constexpr = H // BLOCK_N * BLOCK_M            # one set of partial sums of squares
     last = PH * LAYERS * gl.num_programs(0) - 1
     i = 0
+    j = 0
     for layer in range(LAYERS):
         hl = h_ptr + layer * M * H
         if NORMS == 1:   # o_proj -> o; res[l + 1] = res[l] + o, h = norm1; gate_up; down -> d; res += d, x = norm2
-            i = gemm_tiles(o_ptr + layer * M * H, i, om, w_ring, x_ring, acc_s, w_full, w_empty, x_full, x_empty, M,
-                           H, H // BLOCK_N, 0, H, BLOCK_N, BLOCK_M, BLOCK_K, W_SLOTS, X_SLOTS, num_warps,
-                           ss_ptr, nin_ptr, res_ptr, ss_ptr, eps)
+            i, j = gemm_tiles(o_ptr + layer * M * H, i, j, om, w_ring, x_ring, acc_s, w_full, w_empty, x_full, x_empty,
+                              M, H, H // BLOCK_N, 0, H, BLOCK_N, BLOCK_M, BLOCK_K, W_SLOTS, X_SLOTS, num_warps, ss_ptr,
+                              nin_ptr, res_ptr, ss_ptr, eps)
             _count(cnt_ptr, last)
             _norm_phase(res_ptr + layer * M * H, o_ptr + layer * M * H, n1_ptr + layer * H,
                         res_ptr + (layer + 1) * M * H, hl, PH * layer + 1, eps, M, cnt_ptr, err_ptr, last, H, SPIN,
                         num_warps)
         elif NORMS == 2:  # h = res[l] + o_proj(norm(res[l]) * nin[l]), with its partial sums of squares
-            i = gemm_tiles(hl, i, om, w_ring, x_ring, acc_s, w_full, w_empty, x_full, x_empty, M, H, H // BLOCK_N, 0,
-                           H, BLOCK_N, BLOCK_M, BLOCK_K, W_SLOTS, X_SLOTS, num_warps, ss_ptr + 2 * layer * SS,
-                           nin_ptr + layer * H, res_ptr + layer * M * H, ss_ptr + (2 * layer + 1) * SS, eps,
-                           NORM_IN=True, RES_OUT=True)
+            i, j = gemm_tiles(hl, i, j, om, w_ring, x_ring, acc_s, w_full, w_empty, x_full, x_empty, M, H, H // BLOCK_N,
+                              0, H, BLOCK_N, BLOCK_M, BLOCK_K, W_SLOTS, X_SLOTS, num_warps, ss_ptr + 2 * layer * SS,
+                              nin_ptr + layer * H, res_ptr + layer * M * H, ss_ptr + (2 * layer + 1) * SS, eps,
+                              NORM_IN=True, RES_OUT=True)
             _count(cnt_ptr, last)
         else:
-            i = gemm_tiles(hl, i, om, w_ring, x_ring, acc_s, w_full, w_empty, x_full, x_empty, M, H, H // BLOCK_N, 0,
-                           H, BLOCK_N, BLOCK_M, BLOCK_K, W_SLOTS, X_SLOTS, num_warps, ss_ptr, nin_ptr, res_ptr, ss_ptr,
-                           eps)
+            i, j = gemm_tiles(hl, i, j, om, w_ring, x_ring, acc_s, w_full, w_empty, x_full, x_empty, M, H, H // BLOCK_N,
+                              0, H, BLOCK_N, BLOCK_M, BLOCK_K, W_SLOTS, X_SLOTS, num_warps, ss_ptr, nin_ptr, res_ptr,
+                              ss_ptr, eps)
             _count(cnt_ptr, last)
         # gate_up + SiLU of h (NORMS 2: of norm(h) * n1[l])
-        i = gemm_tiles(a_ptr + layer * M * I, i, om, w_ring, x_ring, acc_s, w_full, w_empty, x_full, x_empty, M, H,
-                       2 * I // BLOCK_N, I, I, BLOCK_N, BLOCK_M, BLOCK_K, W_SLOTS, X_SLOTS, num_warps,
-                       ss_ptr + (2 * layer + 1) * SS, n1_ptr + layer * H, res_ptr, ss_ptr, eps, NORM_IN=NORMS == 2)
+        i, j = gemm_tiles(a_ptr + layer * M * I, i, j, om, w_ring, x_ring, acc_s, w_full, w_empty, x_full, x_empty, M,
+                          H, 2 * I // BLOCK_N, I, I, BLOCK_N, BLOCK_M, BLOCK_K, W_SLOTS, X_SLOTS, num_warps,
+                          ss_ptr + (2 * layer + 1) * SS, n1_ptr + layer * H, res_ptr, ss_ptr, eps, NORM_IN=NORMS == 2)
         _count(cnt_ptr, last)
         if NORMS == 1:
-            i = gemm_tiles(d_ptr + layer * M * H, i, om, w_ring, x_ring, acc_s, w_full, w_empty, x_full, x_empty, M,
-                           I, H // BLOCK_N, 0, H, BLOCK_N, BLOCK_M, BLOCK_K, W_SLOTS, X_SLOTS, num_warps,
-                           ss_ptr, nin_ptr, res_ptr, ss_ptr, eps)
+            i, j = gemm_tiles(d_ptr + layer * M * H, i, j, om, w_ring, x_ring, acc_s, w_full, w_empty, x_full, x_empty,
+                              M, I, H // BLOCK_N, 0, H, BLOCK_N, BLOCK_M, BLOCK_K, W_SLOTS, X_SLOTS, num_warps, ss_ptr,
+                              nin_ptr, res_ptr, ss_ptr, eps)
             _count(cnt_ptr, last)
             _norm_phase(res_ptr + (layer + 1) * M * H, d_ptr + layer * M * H, n2_ptr + layer * H,
                         res_ptr + (layer + 1) * M * H, x_ptr + (layer + 1) * M * H, PH * layer + 4, eps, M, cnt_ptr,
                         err_ptr, last, H, SPIN, num_warps)
         elif NORMS == 2:  # res[l + 1] = h + down(...), with its partial sums of squares for the next layer
-            i = gemm_tiles(res_ptr + (layer + 1) * M * H, i, om, w_ring, x_ring, acc_s, w_full, w_empty, x_full,
-                           x_empty, M, I, H // BLOCK_N, 0, H, BLOCK_N, BLOCK_M, BLOCK_K, W_SLOTS, X_SLOTS, num_warps,
-                           ss_ptr, nin_ptr, hl, ss_ptr + (2 * layer + 2) * SS, eps, RES_OUT=True)
+            i, j = gemm_tiles(res_ptr + (layer + 1) * M * H, i, j, om, w_ring, x_ring, acc_s, w_full, w_empty, x_full,
+                              x_empty, M, I, H // BLOCK_N, 0, H, BLOCK_N, BLOCK_M, BLOCK_K, W_SLOTS, X_SLOTS, num_warps,
+                              ss_ptr, nin_ptr, hl, ss_ptr + (2 * layer + 2) * SS, eps, RES_OUT=True)
             _count(cnt_ptr, last)
         else:
-            i = gemm_tiles(x_ptr + (layer + 1) * M * H, i, om, w_ring, x_ring, acc_s, w_full, w_empty, x_full,
-                           x_empty, M, I, H // BLOCK_N, 0, H, BLOCK_N, BLOCK_M, BLOCK_K, W_SLOTS, X_SLOTS, num_warps,
-                           ss_ptr, nin_ptr, res_ptr, ss_ptr, eps)
+            i, j = gemm_tiles(x_ptr + (layer + 1) * M * H, i, j, om, w_ring, x_ring, acc_s, w_full, w_empty, x_full,
+                              x_empty, M, I, H // BLOCK_N, 0, H, BLOCK_N, BLOCK_M, BLOCK_K, W_SLOTS, X_SLOTS, num_warps,
+                              ss_ptr, nin_ptr, res_ptr, ss_ptr, eps)
             _count(cnt_ptr, last)
 
 
