@@ -25,6 +25,7 @@ copies in flight cap the stream); FLAGS 14-21 (16 serial polls a layer); MMA=0 2
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 
 import torch
@@ -193,6 +194,18 @@ def ws_chain(x: torch.Tensor, w: torch.Tensor, cnt: torch.Tensor, err: torch.Ten
                                       X_WARPS=x_warps, FLAGS=flags, MMA=mma, num_warps=4)
 
 
+def time_row(rows: list, name: str, fn, nbytes: int, copy_gbps: float, layers: int, width: int, **kw) -> None:
+    """Time fn() (one CUDA graph of it) and append and print its row: ms, GB/s (nbytes / time), us
+    a layer over the copy rate; kw are stored and printed beside."""
+    from .gemm import graph_time_us
+    ms = graph_time_us(lambda i: fn(), 1) / 1e3
+    row = dict(way=name, ms=ms, GBps=nbytes / ms / 1e6,
+               us_per_layer_over_copy=(ms - nbytes / copy_gbps / 1e6) * 1e3 / layers, **kw)
+    print(f"{name:{width}s} {ms:.3f} ms {row['GBps']:5.0f} GB/s {row['us_per_layer_over_copy']:5.2f} us/layer over copy"
+          + "".join(f"  {k} {v}" for k, v in kw.items()), flush=True)
+    rows.append(row)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layers", type=int, default=32)
@@ -209,7 +222,6 @@ def main(argv=None):
         return 1
     from ..kernels import pdl
     from .chain import chain_launches
-    from .gemm import graph_time_us
     from .kernels import copy_bandwidth
     copy_gbps = copy_bandwidth()
     L, N, M = args.layers, args.n, args.m
@@ -224,13 +236,7 @@ def main(argv=None):
     chain_launches(x_ref, w, 32, 256, 4, 5)
     rows = []
 
-    def timed(name, fn, **kw):
-        ms = graph_time_us(lambda i: fn(), 1) / 1e3
-        row = dict(way=name, ms=ms, GBps=wbytes / ms / 1e6, us_per_layer_over_copy=(ms - wbytes / copy_gbps / 1e6)
-                   * 1e3 / L, **kw)
-        print(f"{name:24s} {ms:.3f} ms {row['GBps']:5.0f} GB/s {row['us_per_layer_over_copy']:5.2f} us/layer over copy"
-              + "".join(f"  {k} {v}" for k, v in kw.items()), flush=True)
-        rows.append(row)
+    timed = functools.partial(time_row, rows, nbytes=wbytes, copy_gbps=copy_gbps, layers=L, width=24)
 
     print(f"{torch.cuda.get_device_name()}: copy {copy_gbps:.0f} GB/s; {L} layers of {N}x{N}, M={M}: "
           f"{wbytes / 1e6:.0f} MB, {wbytes / copy_gbps / 1e6:.3f} ms at the copy rate", flush=True)

@@ -42,7 +42,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mbarrier, mma_v2
 
 from .__main__ import run_meta, write_json
-from .ws_chain import SPIN_LIMIT, _wait_count, rings
+from .ws_chain import SPIN_LIMIT, _wait_count, rings, time_row
 
 BLOCK_N, BLOCK_K, BLOCK_M = 32, 256, 32
 EPS = 1e-5
@@ -254,53 +254,37 @@ def _consumer(x_ptr, h_ptr, a_ptr, o_ptr, d_ptr, res_ptr, ss_ptr, nin_ptr, n1_pt
     om = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, out))
     PH: gl.constexpr = 5 if NORMS == 1 else 3
     SS: gl.constexpr = H // BLOCK_N * BLOCK_M            # one set of partial sums of squares
+    FOLD: gl.constexpr = NORMS == 2
     last = PH * LAYERS * gl.num_programs(0) - 1
     i = 0
     j = 0
     for layer in range(LAYERS):
-        hl = h_ptr + layer * M * H
-        if NORMS == 1:   # o_proj -> o; res[l + 1] = res[l] + o, h = norm1; gate_up; down -> d; res += d, x = norm2
-            i, j = gemm_tiles(o_ptr + layer * M * H, i, j, om, w_ring, x_ring, acc_s, w_full, w_empty, x_full, x_empty,
-                              M, H, H // BLOCK_N, 0, H, BLOCK_N, BLOCK_M, BLOCK_K, W_SLOTS, X_SLOTS, num_warps, ss_ptr,
-                              nin_ptr, res_ptr, ss_ptr, eps)
-            _count(cnt_ptr, last)
-            _norm_phase(res_ptr + layer * M * H, o_ptr + layer * M * H, n1_ptr + layer * H,
-                        res_ptr + (layer + 1) * M * H, hl, PH * layer + 1, eps, M, cnt_ptr, err_ptr, last, H, SPIN,
-                        num_warps)
-        elif NORMS == 2:  # h = res[l] + o_proj(norm(res[l]) * nin[l]), with its partial sums of squares
-            i, j = gemm_tiles(hl, i, j, om, w_ring, x_ring, acc_s, w_full, w_empty, x_full, x_empty, M, H, H // BLOCK_N,
-                              0, H, BLOCK_N, BLOCK_M, BLOCK_K, W_SLOTS, X_SLOTS, num_warps, ss_ptr + 2 * layer * SS,
-                              nin_ptr + layer * H, res_ptr + layer * M * H, ss_ptr + (2 * layer + 1) * SS, eps,
-                              NORM_IN=True, RES_OUT=True)
-            _count(cnt_ptr, last)
-        else:
-            i, j = gemm_tiles(hl, i, j, om, w_ring, x_ring, acc_s, w_full, w_empty, x_full, x_empty, M, H, H // BLOCK_N,
-                              0, H, BLOCK_N, BLOCK_M, BLOCK_K, W_SLOTS, X_SLOTS, num_warps, ss_ptr, nin_ptr, res_ptr,
-                              ss_ptr, eps)
-            _count(cnt_ptr, last)
+        hl, rl, rn = h_ptr + layer * M * H, res_ptr + layer * M * H, res_ptr + (layer + 1) * M * H
+        # o_proj: of x[l] to h (NORMS 1: to o, then res[l + 1] = res[l] + o, h = norm1 in a phase; NORMS 2: of
+        # norm(res[l]) * nin[l], h = res[l] + it, with its partial sums of squares)
+        i, j = gemm_tiles(o_ptr + layer * M * H if NORMS == 1 else hl, i, j, om, w_ring, x_ring, acc_s, w_full,
+                          w_empty, x_full, x_empty, M, H, H // BLOCK_N, 0, H, BLOCK_N, BLOCK_M, BLOCK_K, W_SLOTS,
+                          X_SLOTS, num_warps, ss_ptr + 2 * layer * SS, nin_ptr + layer * H, rl,
+                          ss_ptr + (2 * layer + 1) * SS, eps, NORM_IN=FOLD, RES_OUT=FOLD)
+        _count(cnt_ptr, last)
+        if NORMS == 1:
+            _norm_phase(rl, o_ptr + layer * M * H, n1_ptr + layer * H, rn, hl, PH * layer + 1, eps, M, cnt_ptr,
+                        err_ptr, last, H, SPIN, num_warps)
         # gate_up + SiLU of h (NORMS 2: of norm(h) * n1[l])
         i, j = gemm_tiles(a_ptr + layer * M * I, i, j, om, w_ring, x_ring, acc_s, w_full, w_empty, x_full, x_empty, M,
                           H, 2 * I // BLOCK_N, I, I, BLOCK_N, BLOCK_M, BLOCK_K, W_SLOTS, X_SLOTS, num_warps,
-                          ss_ptr + (2 * layer + 1) * SS, n1_ptr + layer * H, res_ptr, ss_ptr, eps, NORM_IN=NORMS == 2)
+                          ss_ptr + (2 * layer + 1) * SS, n1_ptr + layer * H, rl, rl, eps, NORM_IN=FOLD)
+        _count(cnt_ptr, last)
+        # down: to x[l + 1] (NORMS 1: to d, then res[l + 1] += d, x[l + 1] = norm2 in a phase; NORMS 2:
+        # res[l + 1] = h + it, with its partial sums of squares for the next layer)
+        i, j = gemm_tiles(d_ptr + layer * M * H if NORMS == 1 else (rn if FOLD else x_ptr + (layer + 1) * M * H), i, j,
+                          om, w_ring, x_ring, acc_s, w_full, w_empty, x_full, x_empty, M, I, H // BLOCK_N, 0, H,
+                          BLOCK_N, BLOCK_M, BLOCK_K, W_SLOTS, X_SLOTS, num_warps, ss_ptr, nin_ptr, hl,
+                          ss_ptr + (2 * layer + 2) * SS, eps, RES_OUT=FOLD)
         _count(cnt_ptr, last)
         if NORMS == 1:
-            i, j = gemm_tiles(d_ptr + layer * M * H, i, j, om, w_ring, x_ring, acc_s, w_full, w_empty, x_full, x_empty,
-                              M, I, H // BLOCK_N, 0, H, BLOCK_N, BLOCK_M, BLOCK_K, W_SLOTS, X_SLOTS, num_warps, ss_ptr,
-                              nin_ptr, res_ptr, ss_ptr, eps)
-            _count(cnt_ptr, last)
-            _norm_phase(res_ptr + (layer + 1) * M * H, d_ptr + layer * M * H, n2_ptr + layer * H,
-                        res_ptr + (layer + 1) * M * H, x_ptr + (layer + 1) * M * H, PH * layer + 4, eps, M, cnt_ptr,
-                        err_ptr, last, H, SPIN, num_warps)
-        elif NORMS == 2:  # res[l + 1] = h + down(...), with its partial sums of squares for the next layer
-            i, j = gemm_tiles(res_ptr + (layer + 1) * M * H, i, j, om, w_ring, x_ring, acc_s, w_full, w_empty, x_full,
-                              x_empty, M, I, H // BLOCK_N, 0, H, BLOCK_N, BLOCK_M, BLOCK_K, W_SLOTS, X_SLOTS, num_warps,
-                              ss_ptr, nin_ptr, hl, ss_ptr + (2 * layer + 2) * SS, eps, RES_OUT=True)
-            _count(cnt_ptr, last)
-        else:
-            i, j = gemm_tiles(x_ptr + (layer + 1) * M * H, i, j, om, w_ring, x_ring, acc_s, w_full, w_empty, x_full,
-                              x_empty, M, I, H // BLOCK_N, 0, H, BLOCK_N, BLOCK_M, BLOCK_K, W_SLOTS, X_SLOTS, num_warps,
-                              ss_ptr, nin_ptr, res_ptr, ss_ptr, eps)
-            _count(cnt_ptr, last)
+            _norm_phase(rn, d_ptr + layer * M * H, n2_ptr + layer * H, rn, x_ptr + (layer + 1) * M * H,
+                        PH * layer + 4, eps, M, cnt_ptr, err_ptr, last, H, SPIN, num_warps)
 
 
 @gluon.jit
@@ -413,7 +397,6 @@ def main(argv=None):
         return 1
     from ..kernels import pdl
     from ..kernels.fused_ops import add_rmsnorm
-    from .gemm import graph_time_us
     from .kernels import copy_bandwidth
     copy_gbps = copy_bandwidth()
     L, M, H, I = args.layers, args.m, args.hidden, args.intermediate
@@ -433,13 +416,7 @@ def main(argv=None):
     print(f"{torch.cuda.get_device_name()}: copy {copy_gbps:.0f} GB/s; {L} MLP layers (H {H}, I {I}), M={M}: "
           f"{wbytes / 1e6:.0f} MB, {wbytes / copy_gbps / 1e6:.3f} ms at the copy rate", flush=True)
 
-    def timed(name, fn, **kw):
-        ms = graph_time_us(lambda i: fn(), 1) / 1e3
-        row = dict(way=name, ms=ms, GBps=wbytes / ms / 1e6, us_per_layer_over_copy=(ms - wbytes / copy_gbps / 1e6)
-                   * 1e3 / L, **kw)
-        print(f"{name:34s} {ms:.3f} ms {row['GBps']:5.0f} GB/s {row['us_per_layer_over_copy']:5.2f} us/layer over "
-              f"copy" + "".join(f"  {k} {v}" for k, v in kw.items()), flush=True)
-        rows.append(row)
+    timed = functools.partial(time_row, rows, nbytes=wbytes, copy_gbps=copy_gbps, layers=L, width=34)
 
     nin = torch.cat([n0[None], n2[:-1]])        # norms 2: the norm before each o_proj (n2[l - 1], n0 first)
     for norms in args.norms:
