@@ -369,12 +369,11 @@ class DecoderLM(nn.Module):
         from ..kernels.skinny_gemm import pack_weight_tiles, pick_config
         total = 0
         for lin, order in self._decode_linears():
-            old, old_order = getattr(lin, "weight_tiles", None), getattr(lin, "weight_tiles_order", None)
-            lin.weight_tiles = lin.weight_tiles_order = None
             cfg = pick_config(lin.weight.shape[0], lin.weight.shape[1], rows, packed=True) if on else None
             if cfg is None or (order == "rope" and (self.head_dim // 2) % (cfg[0] // 2)):
+                lin.weight_tiles = lin.weight_tiles_order = None
                 continue                 # cuBLAS, or a QKV tile the RoPE epilogue does not take
-            keep = old is not None and old_order == order and tuple(old.shape[2:]) == tuple(cfg[:2])
+            old, keep = weight_for(lin, cfg, order)      # a copy already there for this tile shape and order
             with torch.no_grad():
                 lin.weight_tiles = pack_weight_tiles(lin.weight, cfg[0], cfg[1], order, self.head_dim,
                                                      out=old if keep else None)
