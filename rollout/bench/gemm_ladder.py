@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..kernels import fix_interpreter
+from ..kernels import fix_interpreter, sm_count
 from ..kernels.pdl import enter, pdl_for
 from .__main__ import run_meta, write_json
 from .attn_ceiling import read_bytes
@@ -103,7 +103,7 @@ def ladder(name, N, K, M, results, dtype=torch.bfloat16):
     out = torch.empty(M, N // 2 if name == "gate_up" else N, device="cuda", dtype=dtype)
     y = torch.empty(N, device="cuda", dtype=torch.float32)
     sums = torch.empty(4 * 132 * 4, device="cuda", dtype=torch.float32)
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    sms = sm_count(x.device)
     half = N * K // 2                     # the read kernel reads two arrays: a weight's two halves
     rungs = {
         "engine": lambda i: skinny_gemm(x, ws[i], *cfg, out=out, silu_mul=name == "gate_up", tiled=True),

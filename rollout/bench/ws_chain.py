@@ -33,6 +33,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mbarrier, mma_v2
 
+from ..kernels import sm_count
 from .__main__ import run_meta, write_json
 
 SPIN_LIMIT = 1 << 22     # counter polls before the x producer gives up (and counts it): no hang
@@ -187,7 +188,7 @@ def ws_chain(x: torch.Tensor, w: torch.Tensor, cnt: torch.Tensor, err: torch.Ten
     M = x.shape[1]
     assert w.shape == (L, N, N) and x.shape == (L + 1, M, N) and N % block_n == 0 and N % block_k == 0
     assert x.is_contiguous() and w.is_contiguous() and M <= 32 and x.dtype == w.dtype == torch.bfloat16
-    assert N // block_n <= torch.cuda.get_device_properties(x.device).multi_processor_count
+    assert N // block_n <= sm_count(x.device)
     assert cnt.numel() >= (L * (N // block_k) + 1 if flags else 1) and block_k % block_n == 0
     _ws_chain_kernel[(N // block_n,)](x, w, cnt, err, M, N, L, BLOCK_N=block_n, BLOCK_M=32, BLOCK_K=block_k,
                                       W_SLOTS=w_slots, X_SLOTS=x_slots, SPIN=SPIN_LIMIT, W_WARPS=w_warps,

@@ -28,6 +28,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mbarrier
 
+from ..kernels import sm_count
 from .__main__ import run_meta, write_json
 from .ws_chain import SPIN_LIMIT, _wait_count, rings
 from .ws_mlp import (BLOCK_K, BLOCK_M, BLOCK_N, EPS, _count, _norm_phase, gemm_tiles, w_mlp_tiles, w_tiles,
@@ -175,7 +176,7 @@ def ws_layers(b: dict, w: dict, cnt, err, w_slots: int = 6, x_slots: int = 4, w_
     programs = H // BLOCK_N
     chunk = BLOCK_N * BLOCK_K
     assert w["kv"].numel() % (L * programs * chunk) == 0 and M <= BLOCK_M and NQKV % BLOCK_N == 0
-    assert programs <= torch.cuda.get_device_properties(b["x"].device).multi_processor_count
+    assert programs <= sm_count(b["x"].device)
     assert all(t.is_contiguous() for t in list(b.values()) + list(w.values()))
     kv_chunks = w["kv"].numel() // (L * programs * chunk)
     _ws_layer_kernel[(programs,)](b["x"], b["qkv"], b["attn"], b["h"], b["a"], b["o"], b["d"], b["res"], b["ss"],
@@ -260,7 +261,7 @@ def main(argv=None):
         return b
     cnt = torch.zeros(1, dtype=torch.int32, device="cuda")
     err = torch.zeros(1, dtype=torch.int32, device="cuda")
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    sms = sm_count(w["wo"].device)
     pdl.set_enabled(True)
     rows = []
     print(f"{torch.cuda.get_device_name()}: {L} layers, batch {M}, context {args.context}: {nbytes / 1e9:.2f} GB "

@@ -41,6 +41,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mbarrier, mma_v2
 
+from ..kernels import sm_count
 from .__main__ import run_meta, write_json
 from .ws_chain import SPIN_LIMIT, _wait_count, rings, time_row
 
@@ -353,7 +354,7 @@ def ws_mlp(b: dict, wo, wgu, wd, cnt, err, n1=None, n2=None, nin=None, eps: floa
     assert norms != 2 or (nin.shape == (L, H) and ss.shape == (2 * L + 1, H // BLOCK_N, BLOCK_M))
     assert all(t.is_contiguous() for t in (x, h, a, o, d, res, ss, wo, wgu, wd, n1, n2, nin))
     assert H % BLOCK_K == 0 and I % BLOCK_K == 0 and (2 * I // BLOCK_N) % (H // BLOCK_N) == 0
-    assert H // BLOCK_N <= torch.cuda.get_device_properties(x.device).multi_processor_count
+    assert H // BLOCK_N <= sm_count(x.device)
     _ws_mlp_kernel[(H // BLOCK_N,)](x, h, a, o, d, res, ss, nin, n1, n2, eps, wo, wgu, wd, cnt, err, M, L, H=H, I=I,
                                     BLOCK_N=BLOCK_N, BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K, W_SLOTS=w_slots,
                                     X_SLOTS=x_slots, SPIN=SPIN_LIMIT, W_WARPS=w_warps, X_WARPS=x_warps, NORMS=norms,
