@@ -1,13 +1,16 @@
 """The step_variants bench's comparison with its neighbouring baseline rows (CPU: the bench itself
 needs CUDA, its bookkeeping does not)."""
+import os
 import types
 
-import pytest
+os.environ.setdefault("TRITON_INTERPRET", "1")     # as the other bench tests: whichever module imports triton first
 
-from rollout.bench import step_variants
-from rollout.bench.step_variants import vs_base
-from rollout.kernels import paged_decode, pdl, rope_kv, skinny_gemm
-from rollout.models import decoder
+import pytest  # noqa: E402
+
+from rollout.bench import step_variants  # noqa: E402
+from rollout.bench.step_variants import vs_base  # noqa: E402
+from rollout.kernels import paged_decode, pdl, rope_kv, skinny_gemm  # noqa: E402
+from rollout.models import decoder  # noqa: E402
 
 
 def test_vs_base_compares_each_variant_with_the_mean_of_its_neighbouring_baselines():

@@ -102,8 +102,8 @@ def ladder(name, N, K, M, results, dtype=torch.bfloat16):
     x = torch.randn(M, K, device="cuda", dtype=dtype)
     out = torch.empty(M, N // 2 if name == "gate_up" else N, device="cuda", dtype=dtype)
     y = torch.empty(N, device="cuda", dtype=torch.float32)
-    sums = torch.empty(4 * 132 * 4, device="cuda", dtype=torch.float32)
     sms = sm_count(x.device)
+    sums = torch.empty(max(N // cfg[0], 4 * sms), device="cuda", dtype=torch.float32)   # one per read program
     half = N * K // 2                     # the read kernel reads two arrays: a weight's two halves
     rungs = {
         "engine": lambda i: skinny_gemm(x, ws[i], *cfg, out=out, silu_mul=name == "gate_up", tiled=True),
