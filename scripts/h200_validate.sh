@@ -142,6 +142,13 @@ for s in $sections; do
         --configs 2,64,4,2 --pages shuffled --no-sdpa --read-grid 4 8 --read-stages 2 --read-block 1024 2048 \
         --read-pre 0 2 4 8 --out $OUT/attn_ceiling_read_pre_wide_C${c}_pdl2.json 2>&1 | grep -E "^NVIDIA|read|Error" \
         | sed "s/^/C$c /"; done ;;
+    gattn) # decode attention's split kernel in Gluon (kernels/gluon_decode.py: a cp.async ring of K / V tiles), with one
+      # split at two programs a SM (no merge kernel) and two at four: GPU tests, then the decode graphs at P1's context
+      timeout 300 python3 -m pytest -q -p no:cacheprovider --noconftest tests/gpu/test_gluon_decode_cuda.py \
+        > $OUT/gpu_tests_gluon_decode.log 2>&1; grep -E "passed|failed|FAILED|Error" $OUT/gpu_tests_gluon_decode.log | tail -8
+      timeout 420 python3 -m rollout.bench.step_variants --shape llama3-8b --batch 32 --context 4352 --steps 40 \
+        --variants ${VARIANTS:-base gattn=32,6,1 gattn=32,5,1 base gattn=64,3,1 gattn=32,3 base} \
+        --out $OUT/step_variants_gattn_l8b_B32_C4352.json 2>&1 | grep -A12 "^| variant" ;;
     p3_ab) # P3's step (Qwen2.5-1.5B, 512 rows, mean context 2304) under PDL off / wait-first / the old RoPE grid:
       # P3 read 73.6% at 4a16869 against 78.0% at 3901d6d, with 4.7% more GPU time; every GEMM there is cuBLAS
       timeout 300 python3 -m rollout.bench.step_variants --shape qwen2.5-1.5b --batch 512 --context 2304 --steps 40 \

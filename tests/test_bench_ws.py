@@ -1,6 +1,6 @@
-"""bench.ws_chain, ws_mlp and ws_layer (warp-specialized Gluon kernels, sm_90 only; no interpreter):
-their kernels compile for sm_90a here (with triton's bundled ptxas), with the parts the design
-depends on, and their mains refuse to run without a GPU. The compiles run in a subprocess without
+"""The Gluon kernels (sm_90 only; no interpreter): bench.ws_chain, ws_mlp and ws_layer (warp-specialized)
+and kernels.gluon_decode compile for sm_90a here (with triton's bundled ptxas), with the parts the
+design depends on, and the benches' mains refuse to run without a GPU. The compiles run in a subprocess without
 TRITON_INTERPRET: under the interpreter (which other test modules switch on for this process)
 Gluon's reductions do not compile."""
 import json
@@ -20,7 +20,7 @@ SMEM_SM90 = 232448      # bytes of shared memory a CTA may use on an H100 / H200
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 COMPILE = textwrap.dedent("""
-    import importlib, json, sys
+    import importlib, json, os, re, subprocess, sys, tempfile
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -29,13 +29,19 @@ COMPILE = textwrap.dedent("""
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         sig[name] = "constexpr" if name in const else ptrs.get(name, "i32")
-        if name.endswith("_ptr") or name == "N":      # as the JIT specialises 16-divisible arguments
+        if name.endswith("_ptr") or name == "N" or name.startswith("s_"):   # as the JIT specialises 16-divisible ints
             attrs[(i,)] = [["tt.divisibility", 16]]
     k = triton.compile(GluonASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs),
                        target=GPUTarget("cuda", 90, 32), options=dict(num_warps=const["num_warps"]))
     ptx = k.asm["ptx"]
     ops = ("mma.sync", "ldmatrix", "cp.async.mbarrier.arrive.noinc", "mbarrier.init", "setmaxnreg", "ex2", "sqrt.rn")
-    print(json.dumps(dict(shared=k.metadata.shared, **{op: ptx.count(op) for op in ops})))
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.TemporaryDirectory() as d:      # registers: ptxas -v (n_regs needs a GPU to load the kernel)
+        open(os.path.join(d, "k.ptx"), "w").write(ptx)
+        info = subprocess.run([ptxas, "-arch=sm_90a", "-v", os.path.join(d, "k.ptx"), "-o", os.path.join(d, "k.o")],
+                              capture_output=True, text=True, check=True).stderr
+    regs = max(int(r) for r in re.findall(r"Used (\\d+) registers", info))
+    print(json.dumps(dict(shared=k.metadata.shared, n_regs=regs, **{op: ptx.count(op) for op in ops})))
 """)
 
 
@@ -90,6 +96,25 @@ def test_ws_layer_kernel_compiles_for_sm90(fold):
                  BLOCK_M=32, BLOCK_K=256, W_SLOTS=6, X_SLOTS=4, SPIN=SPIN_LIMIT, W_WARPS=4, FOLD=fold, num_warps=4)
     _check(k, 4)
     assert k["sqrt.rn"] and k["ex2"]                         # the norm phases, the SiLU epilogue
+
+
+SMEM_PER_SM = 233472      # bytes of shared memory on one SM (H100 / H200); each CTA also takes 1 KB
+
+
+@pytest.mark.parametrize("block_n,stages,splits", [(32, 6, 1), (32, 5, 1), (64, 3, 1), (32, 3, 2)])
+def test_gluon_decode_compiles_for_sm90_at_the_occupancy_its_grid_needs(block_n, stages, splits):
+    """The one-split tiles' premise (kernels/gluon_decode.py): their ring fits exactly two programs
+    on an SM, so P1's 256-program grid is one wave that cannot pile onto the SMs freed first; the
+    two-split tile fits four (512 programs). Registers allow at least as many."""
+    ptrs = {n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "out_ptr")} | {
+        "bt_ptr": "*i32", "lens_ptr": "*i32", "sm_scale_log2": "fp32",
+        "po_ptr": "*fp32" if splits > 1 else "*bf16", "plse_ptr": "*fp32" if splits > 1 else "*bf16"}
+    k = _compile("rollout.kernels.gluon_decode", "_split_kernel", ptrs, GROUP=4, HEAD_DIM=128, PAGE_SIZE=16,
+                 BLOCK_N=block_n, STAGES=stages, NUM_SPLITS=splits, PDL=2, num_warps=4)
+    per_sm = SMEM_PER_SM // (k["shared"] + 1024)
+    assert per_sm == (2 if splits == 1 else 4)
+    assert 65536 // (k["n_regs"] * 128) >= per_sm
+    assert k["mma.sync"] and k["ex2"] and not k["cp.async.mbarrier.arrive.noinc"]   # cp.async groups, no mbarriers
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the no-GPU path")

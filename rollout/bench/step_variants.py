@@ -15,6 +15,8 @@ ends with the baseline to show the drift. A variant is knobs joined by "+", on t
   qkv=BN,BK,W,S[,SK]  a skinny GEMM config for one weight at every M (also o, gate_up, down, lm_head;
                     "cublas" for F.linear)
   attn=NS,BN,W,S    decode attention: splits, key tile, warps, stages
+  gattn=BN,S[,NS]   decode attention's split kernel in Gluon (kernels/gluon_decode.py): key tile, ring
+                    stages, and a split count (default: the engine's)
   splitk_norm       split-K GEMMs (o_proj, down) leave their partials to the next add + RMSNorm
                     (the default; no_splitk_norm: the GEMM's own fix-up)
   silu_gate_up      SiLU * up in the gate_up GEMM's epilogue, no SiLU kernel (the default;
@@ -82,6 +84,7 @@ def apply(eng, variant: str, defaults: dict) -> None:
     skinny_gemm._LLAMA3_8B = dict(defaults["table"])
     skinny_gemm._LLAMA3_8B_PACKED = dict(defaults["packed_table"])
     paged_decode.DECODE_TILE = dict(defaults["tile"])
+    paged_decode.GLUON_TILE = None
     paged_decode.pick_num_splits = defaults["splits"]
     eng.model.splitk_into_norm = defaults["splitk_norm"]
     eng.model.silu_in_gate_up = defaults["silu_gate_up"]
@@ -89,7 +92,7 @@ def apply(eng, variant: str, defaults: dict) -> None:
     packed = False
     for knob in variant.split("+"):
         name, _, val = knob.partition("=")
-        nums = tuple(int(v) for v in val.split(",")) if (name in GEMMS or name == "attn") and val != "cublas" else None
+        nums = tuple(int(v) for v in val.split(",")) if (name in GEMMS or name in ("attn", "gattn")) and val != "cublas" else None
         if knob == "base":
             pass
         elif knob == "no_pdl":
@@ -115,6 +118,10 @@ def apply(eng, variant: str, defaults: dict) -> None:
             skinny_gemm._LLAMA3_8B_PACKED.pop(GEMMS[name], None)     # the knob's config, packed or not
         elif knob == "packed":
             packed = True
+        elif name == "gattn":
+            paged_decode.GLUON_TILE = nums[:2]
+            if len(nums) > 2:
+                paged_decode.pick_num_splits = lambda *a, ns=nums[2], **k: ns
         elif name == "attn":
             paged_decode.pick_num_splits = lambda *a, ns=nums[0], **k: ns
             paged_decode.DECODE_TILE = dict(block_n=nums[1], num_warps=nums[2], num_stages=nums[3])

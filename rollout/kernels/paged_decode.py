@@ -135,6 +135,11 @@ def _decode_merge_kernel(po_ptr, plse_ptr, out_ptr, s_ob, s_oh,
 DECODE_TILE = dict(block_n=None, num_warps=4, num_stages=2)   # block_n None: 64 (16 in fp32)
 
 
+# (BLOCK_N, STAGES) of kernels/gluon_decode.py's split kernel, which then takes bf16 decode with
+# head_dim 128, GQA groups <= 16 and no window (an experiment for issue 4; None: Triton's kernel).
+GLUON_TILE = None
+
+
 # Programs of the default decode tile that fit on one SM together (sm_90a: 103 registers x 128
 # threads and 38 KB of shared memory each, from ptxas -v): 4.
 PROGRAMS_PER_SM = 4
@@ -185,15 +190,21 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     # fp32 inputs: ieee dot (default would be tf32, ~1e-3 error); bf16/fp16 ignore this.
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
     pdl = pdl_for(q, late=("attn",))
-    _decode_split_kernel[(B, Hkv, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, out, po, plse,
-        scale * LOG2E, int(sliding_window or 0),
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
-        out.stride(0), out.stride(1),
-        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=D, PAGE_SIZE=page_size,
-        BLOCK_N=block_n, NUM_SPLITS=num_splits, USE_WINDOW=sliding_window is not None, DOT_PREC=prec,
-        PDL=pdl, num_warps=num_warps, num_stages=num_stages, launch_pdl=bool(pdl))
+    if (GLUON_TILE and sliding_window is None and D == 128 and group <= 16 and q.dtype == torch.bfloat16
+            and k_cache.dtype == torch.bfloat16):
+        from .gluon_decode import decode_split
+        decode_split(q, k_cache, v_cache, block_tables, seq_lens, scale * LOG2E, out, po, plse, num_splits,
+                     *GLUON_TILE, pdl=min(pdl, 2))
+    else:
+        _decode_split_kernel[(B, Hkv, num_splits)](
+            q, k_cache, v_cache, block_tables, seq_lens, out, po, plse,
+            scale * LOG2E, int(sliding_window or 0),
+            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
+            out.stride(0), out.stride(1),
+            GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=D, PAGE_SIZE=page_size,
+            BLOCK_N=block_n, NUM_SPLITS=num_splits, USE_WINDOW=sliding_window is not None, DOT_PREC=prec,
+            PDL=pdl, num_warps=num_warps, num_stages=num_stages, launch_pdl=bool(pdl))
     if num_splits > 1:
         pdl = pdl_for(q)
         _decode_merge_kernel[(B, Hq)](po, plse, out, out.stride(0), out.stride(1), HEAD_DIM=D,

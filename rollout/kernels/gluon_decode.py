@@ -1,0 +1,160 @@
+"""Split-KV paged decode attention in Gluon with a cp.async ring for the K / V tiles. CUDA (sm_90)
+only; an experiment for issue 4, switched on by `paged_decode.GLUON_TILE` (bench.step_variants
+knob `gattn=BLOCK_N,STAGES[,SPLITS]`).
+
+Same math and grid as paged_decode's split kernel (one program per sequence x KV head x split,
+the GROUP query heads of a KV head as the rows of a 16-row MMA tile, fp32 online softmax in the
+log2 domain); with several splits it leaves the same partials for paged_decode's merge kernel,
+with one it writes the output. What differs is how keys arrive. Triton 3.6 pipelines the
+block-table load in front of the K / V copies, so K and V get one shared-memory buffer and
+nothing streams while a tile is computed (bench/results/README.md, fourteenth session). Here each
+program keeps STAGES - 1 tiles in flight: tile t + STAGES - 1 is issued (cp.async, 16 bytes a
+thread, rows past the split's end zero-filled) before tile t is waited for, and the pages of the
+tile after that are looked up one iteration early.
+
+Why one split: the ring's shared memory sets how many programs share an SM (32-key tiles, 6
+stages: 96 KB, two). At two a SM a one-split grid of B x Hkv = 256 programs (P1) is one wave
+that cannot pile onto the SMs the QKV GEMM leaves first under PDL (the placement that cost
+Triton's one-split tiles, at four a SM, 15 points), and the merge kernel and its launch go.
+
+Copy groups: one per tile (K and V), committed in tile order, STAGES - 1 before the loop and one
+per iteration; when tile t is needed STAGES - 1 newer groups exist, so `wait_group(STAGES - 1)`.
+The row sums are kept per column and reduced once at the end (one cross-warp reduction per tile,
+the max, instead of two).
+"""
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
+
+ROWS = gl.constexpr(16)   # query rows per program: the MMA's M (GROUP <= 16)
+
+
+@gluon.jit
+def _asm(code: gl.constexpr, t):
+    """Side-effecting PTX `code` (no operands of its own), once per thread: t is a scalar int32."""
+    return gl.inline_asm_elementwise(code + " mov.u32 $0, $1;", "=r,r", [t], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _tile_pages(bt_ptr, row_b, n0, rows, end, PAGE_SIZE: gl.constexpr):
+    """The page of each key n0 + rows (0 past the split's end: the trash page, never read as data)."""
+    pos = n0 + rows
+    return gl.load(bt_ptr + row_b + pos // PAGE_SIZE, mask=pos < end, other=0).to(gl.int64)
+
+
+@gluon.jit
+def _issue_tile(k_ring, v_ring, slot, k_ptr, v_ptr, pages, n0, rows, dims, end, kv_off, s_kp, s_ks, s_vp, s_vs,
+                PAGE_SIZE: gl.constexpr):
+    """cp.async the K and V rows of keys n0 + rows into ring slot `slot`; keys past `end` zero-fill."""
+    pos = n0 + rows
+    ok = (pos < end)[:, None]
+    slot_in_page = (pos % PAGE_SIZE).to(gl.int64)
+    k_rows = pages * s_kp + slot_in_page * s_ks + kv_off
+    v_rows = pages * s_vp + slot_in_page * s_vs + kv_off
+    async_copy.async_copy_global_to_shared(k_ring.index(slot), k_ptr + k_rows[:, None] + dims[None, :], mask=ok)
+    async_copy.async_copy_global_to_shared(v_ring.index(slot), v_ptr + v_rows[:, None] + dims[None, :], mask=ok)
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, po_ptr, plse_ptr, sm_scale_log2,
+                  s_qb, s_qh, s_kp, s_ks, s_kh, s_vp, s_vs, s_bt, s_ob, s_oh,
+                  GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr,
+                  STAGES: gl.constexpr, NUM_SPLITS: gl.constexpr, PDL: gl.constexpr, num_warps: gl.constexpr):
+    b = gl.program_id(0)
+    kvh = gl.program_id(1)
+    split = gl.program_id(2)
+    num_q_heads = gl.num_programs(1) * GROUP
+    if PDL == 2:                               # kernels/pdl.py's orders; q and the cache are the last kernels' output
+        _asm("griddepcontrol.launch_dependents; griddepcontrol.wait;", b)
+    elif PDL == 1:
+        _asm("griddepcontrol.wait; griddepcontrol.launch_dependents;", b)
+    seq_len = gl.load(lens_ptr + b)
+    split_len = (((seq_len + NUM_SPLITS - 1) // NUM_SPLITS + BLOCK_N - 1) // BLOCK_N) * BLOCK_N
+    start = split * split_len
+    end = gl.minimum(start + split_len, seq_len)
+    n_tiles = (gl.maximum(end - start, 0) + BLOCK_N - 1) // BLOCK_N
+
+    ld: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // HEAD_DIM, HEAD_DIM // 8], [num_warps, 1], [1, 0])
+    smem: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 8, order=[1, 0])
+    k_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, HEAD_DIM], smem)
+    v_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, HEAD_DIM], smem)
+    rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld))
+    dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, ld))
+    row_b = b * s_bt
+    kv_off = (kvh * s_kh).to(gl.int64)
+    for j in gl.static_range(STAGES - 1):
+        n0 = start + j * BLOCK_N
+        _issue_tile(k_ring, v_ring, j, k_ptr, v_ptr, _tile_pages(bt_ptr, row_b, n0, rows, end, PAGE_SIZE), n0, rows,
+                    dims, end, kv_off, s_kp, s_ks, s_vp, s_vs, PAGE_SIZE)
+    pages_next = _tile_pages(bt_ptr, row_b, start + (STAGES - 1) * BLOCK_N, rows, end, PAGE_SIZE)
+
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, num_warps], instr_shape=[16, 8])
+    a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    b_op: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+    q_ld: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0])
+    qr = gl.arange(0, ROWS, layout=gl.SliceLayout(1, q_ld))
+    qd = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, q_ld))
+    q = gl.load(q_ptr + b * s_qb + (kvh * GROUP + qr)[:, None] * s_qh + qd[None, :], mask=(qr < GROUP)[:, None],
+                other=0.0)
+    q = gl.convert_layout(q, a_op)
+
+    cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma))
+    m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, mma))
+    l_cols = gl.zeros([ROWS, BLOCK_N], gl.float32, mma)      # running row sums, per column
+    acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, mma)
+    for t in range(n_tiles):
+        n_issue = start + (t + STAGES - 1) * BLOCK_N
+        _issue_tile(k_ring, v_ring, (t + STAGES - 1) % STAGES, k_ptr, v_ptr, pages_next, n_issue, rows, dims, end,
+                    kv_off, s_kp, s_ks, s_vp, s_vs, PAGE_SIZE)
+        pages_next = _tile_pages(bt_ptr, row_b, n_issue + BLOCK_N, rows, end, PAGE_SIZE)
+        async_copy.wait_group(STAGES - 1)
+        slot = t % STAGES
+        k_t = k_ring.index(slot).permute((1, 0)).load(b_op)
+        s = mma_v2(q, k_t, gl.zeros([ROWS, BLOCK_N], gl.float32, mma)) * sm_scale_log2
+        s = gl.where(((start + t * BLOCK_N + cols) < end)[None, :], s, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, 1))
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)   # all-masked row: no NaN from -inf - -inf
+        p = gl.exp2(s - m_use[:, None])
+        alpha = gl.exp2(m_i - m_use)
+        l_cols = l_cols * alpha[:, None] + p
+        v_t = v_ring.index(slot).load(b_op)
+        acc = mma_v2(gl.convert_layout(p.to(gl.bfloat16), a_op), v_t, acc * alpha[:, None])
+        m_i = m_new
+    async_copy.wait_group(0)                   # the zero-filled tail copies, before the program exits
+
+    l_i = gl.sum(l_cols, 1)
+    l_safe = gl.where(l_i > 0.0, l_i, 1.0)     # empty split / padding row -> output 0, lse -inf
+    o = acc / l_safe[:, None]
+    orow = gl.arange(0, ROWS, layout=gl.SliceLayout(1, mma))
+    od = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, mma))
+    if NUM_SPLITS == 1:                        # the output itself, rounded once as Triton's kernel does
+        heads = kvh * GROUP + orow
+        gl.store(out_ptr + b * s_ob + heads[:, None] * s_oh + od[None, :], o.to(gl.bfloat16),
+                 mask=(orow < GROUP)[:, None])
+    else:
+        lse = gl.where(l_i > 0.0, m_i + gl.log2(l_safe), float("-inf"))
+        part = (b * num_q_heads + kvh * GROUP + orow) * NUM_SPLITS + split
+        gl.store(po_ptr + part[:, None] * HEAD_DIM + od[None, :], o, mask=(orow < GROUP)[:, None])
+        gl.store(plse_ptr + part, lse, mask=orow < GROUP)
+
+
+def decode_split(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                 seq_lens: torch.Tensor, scale_log2: float, out: torch.Tensor, po: torch.Tensor, plse: torch.Tensor,
+                 num_splits: int, block_n: int, stages: int, pdl: int) -> None:
+    """paged_decode's split kernel on bf16, head_dim 128, GROUP <= 16, no sliding window: with one
+    split the output `out` [B, Hq, D], else partial outputs po [B, Hq, num_splits, D] (fp32) and
+    plse [B, Hq, num_splits] for its merge kernel."""
+    B, Hq, D = q.shape
+    _, page_size, Hkv, _ = k_cache.shape
+    assert q.dtype == k_cache.dtype == v_cache.dtype == out.dtype == torch.bfloat16 and D == 128
+    assert Hq // Hkv <= ROWS and v_cache.stride(2) == k_cache.stride(2) and block_n >= 32 and stages >= 2
+    _split_kernel[(B, Hkv, num_splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, out, po, plse, scale_log2,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
+        GROUP=Hq // Hkv, HEAD_DIM=D, PAGE_SIZE=page_size, BLOCK_N=block_n, STAGES=stages, NUM_SPLITS=num_splits,
+        PDL=pdl, num_warps=4, launch_pdl=bool(pdl))

@@ -1,0 +1,96 @@
+"""The Gluon split-KV decode kernel (kernels/gluon_decode.py, issue 4's experiment, switched on by
+paged_decode.GLUON_TILE), with one split (its own output) and several (partials for the merge
+kernel), against the fp32 torch reference on fresh random inputs with poisoned pages and
+outputs, and inside a CUDA graph with PDL. Skipped without an sm_90 GPU."""
+import os
+import sys
+
+import pytest
+import torch
+
+if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
+    pytest.skip("needs an sm_90 GPU", allow_module_level=True)
+if os.environ.get("TRITON_INTERPRET") == "1":
+    pytest.skip("TRITON_INTERPRET=1 in this process: run `python -m pytest tests/gpu` on its own",
+                allow_module_level=True)
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # tests/: shared builders
+from paged_cases import make_paged, meta_for, reference  # noqa: E402
+from rollout.kernels import paged_decode  # noqa: E402
+
+# bf16 inputs are the same values in kernel and reference; the kernel's own roundings are the
+# probabilities cast to bf16 for the PV MMA and the bf16 output (2^-9 relative, |o| <~ 3): 1e-2
+# is above both, and a masking or page bug gives O(0.1-1) (tests/gpu/test_kernels_cuda.py).
+TOL = dict(rtol=1e-2, atol=1e-2)
+LENS = [0, 1, 16, 17, 63, 65, 1000, 3001, 0]
+
+
+@pytest.fixture
+def gluon_tile():
+    def set_tile(tile):
+        paged_decode.GLUON_TILE = tile
+    yield set_tile
+    paged_decode.GLUON_TILE = None
+
+
+@pytest.mark.parametrize("tile", [(32, 3), (32, 6), (64, 2), (64, 3)])
+@pytest.mark.parametrize("Hq,Hkv,ps,num_splits", [(32, 8, 16, 1), (32, 8, 16, 2), (32, 8, 64, 3), (28, 4, 16, 8),
+                                                  (16, 1, 32, 1)])
+def test_matches_reference(gluon_tile, tile, Hq, Hkv, ps, num_splits):
+    D = 128
+    clean, poisoned, bt = make_paged(LENS, Hkv, D, ps, torch.bfloat16, seed=Hq + ps + num_splits, device="cuda",
+                                     spare_pages=8)
+    q = torch.randn(len(LENS), Hq, D, device="cuda").bfloat16()
+    meta = meta_for(LENS, [1] * len(LENS), bt, ps)
+    gluon_tile(tile)
+    out = torch.full_like(q, float("nan"))
+    paged_decode.paged_decode_attention(q, *poisoned, bt, meta.seq_lens, D ** -0.5, None, num_splits, out=out)
+    torch.testing.assert_close(out.float(), reference(q, clean, meta, D ** -0.5, None), **TOL)
+
+
+def test_window_stays_on_triton(gluon_tile, monkeypatch):
+    """The Gluon kernel has no sliding window: those calls keep Triton; one or more splits take it."""
+    from rollout.kernels import gluon_decode
+    calls = []
+    monkeypatch.setattr(gluon_decode, "decode_split", lambda *a, **k: calls.append(a[9]))
+    clean, _, bt = make_paged([100, 7], 8, 128, 16, torch.bfloat16, seed=5, device="cuda", spare_pages=2)
+    q = torch.randn(2, 32, 128, device="cuda").bfloat16()
+    lens = torch.tensor([100, 7], dtype=torch.int32, device="cuda")
+    gluon_tile((32, 3))
+    paged_decode.paged_decode_attention(q, *clean, bt, lens, 0.1, 50, 2)
+    assert calls == []
+    paged_decode.paged_decode_attention(q, *clean, bt, lens, 0.1, None, 1)
+    paged_decode.paged_decode_attention(q, *clean, bt, lens, 0.1, None, 2)
+    assert calls == [1, 2]
+
+
+@pytest.mark.parametrize("tile,num_splits", [((32, 3), 2), ((32, 6), 1)])
+def test_graph_replay_with_pdl_equals_eager(gluon_tile, tile, num_splits):
+    """Captured once (PDL launches, as the engine's decode graphs), replayed after seq_lens and
+    block tables change in place: the eager call's bits, and the reference."""
+    Hq, Hkv, D, ps, B = 32, 8, 128, 16, 6
+    lens0, lens1 = [1, 17, 300, 64, 0, 5], [2000, 0, 301, 1, 777, 4096]
+    clean, _, bt_big = make_paged(lens1, Hkv, D, ps, torch.bfloat16, seed=11, device="cuda", spare_pages=8)
+    q = torch.randn(B, Hq, D, device="cuda", dtype=torch.bfloat16)
+    seq_lens = torch.tensor(lens0, dtype=torch.int32, device="cuda")
+    bt = bt_big.flip(0).clone()
+    out = torch.empty_like(q)
+    gluon_tile(tile)
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        paged_decode.paged_decode_attention(q, *clean, bt, seq_lens, D ** -0.5, None, num_splits, out=out)   # compile
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=s):
+            paged_decode.paged_decode_attention(q, *clean, bt, seq_lens, D ** -0.5, None, num_splits, out=out)
+    torch.cuda.synchronize()
+    for lens, table in ((lens0, bt_big.flip(0)), (lens1, bt_big)):
+        seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
+        bt.copy_(table)
+        q.normal_()
+        out.fill_(float("nan"))
+        graph.replay()
+        eager = paged_decode.paged_decode_attention(q, *clean, bt, seq_lens, D ** -0.5, None, num_splits)
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager)
+        ref = reference(q, clean, meta_for(lens, [1] * B, bt, ps), D ** -0.5, None)
+        torch.testing.assert_close(out.float(), ref, **TOL)
