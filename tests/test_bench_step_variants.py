@@ -39,6 +39,8 @@ def test_apply_parses_the_timing_bound_knobs_and_base_undoes_them(monkeypatch):
     monkeypatch.setattr(step_variants, "recapture_graphs", lambda eng: None)
     monkeypatch.setattr(paged_decode, "pick_num_splits", paged_decode.pick_num_splits)
     monkeypatch.setattr(paged_decode, "DECODE_TILE", dict(paged_decode.DECODE_TILE))
+    monkeypatch.setattr(paged_decode, "GLUON_TILE", paged_decode.GLUON_TILE)
+    monkeypatch.setattr(paged_decode, "pick_decode", paged_decode.pick_decode)
     monkeypatch.setattr(skinny_gemm, "_LLAMA3_8B", dict(skinny_gemm._LLAMA3_8B))
     monkeypatch.setattr(skinny_gemm, "_LLAMA3_8B_PACKED", dict(skinny_gemm._LLAMA3_8B_PACKED))
     monkeypatch.setattr(rope_kv, "Q_HEADS_PER_PROGRAM", rope_kv.Q_HEADS_PER_PROGRAM)
@@ -49,7 +51,7 @@ def test_apply_parses_the_timing_bound_knobs_and_base_undoes_them(monkeypatch):
     defaults = dict(rope=rope_kv.Q_HEADS_PER_PROGRAM, table=dict(skinny_gemm._LLAMA3_8B),
                     packed_table=dict(skinny_gemm._LLAMA3_8B_PACKED),
                     tile=dict(paged_decode.DECODE_TILE), splits=paged_decode.pick_num_splits,
-                    splitk_norm=True, silu_gate_up=True, rope_in_qkv=True, add_norm=decoder.add_norm_of_linear,
+                    gluon_tile=paged_decode.GLUON_TILE, decode=paged_decode.pick_decode, splitk_norm=True, silu_gate_up=True, rope_in_qkv=True, add_norm=decoder.add_norm_of_linear,
                     batch=32)
     try:
         step_variants.apply(eng, "late_wait=o,gate_up,down0+skip_norms=post+qkv=32,256,4,5", defaults)
@@ -64,7 +66,15 @@ def test_apply_parses_the_timing_bound_knobs_and_base_undoes_them(monkeypatch):
         assert packs[-1] == (32, True) and skinny_gemm._LLAMA3_8B[(4096, 14336)] == ((64, (64, 128, 4, 5, 2)),)
         assert skinny_gemm.pick_config(4096, 14336, 32, packed=True) == (64, 128, 4, 5, 2)
         assert skinny_gemm.pick_config(28672, 4096, 32, packed=True) == (128, 64, 8, 5)   # the packed table's
+        step_variants.apply(eng, "gattn=64,3,2", defaults)
+        assert paged_decode.GLUON_TILE == (64, 3) and paged_decode.pick_decode(32, 8) == (2, True)
+        step_variants.apply(eng, "attn=2,64,4,2", defaults)
+        assert paged_decode.GLUON_TILE is None and paged_decode.pick_num_splits(32, 8) == 2
+        assert paged_decode.pick_decode(32, 8, gluon_ok=True) == (2, False)
+        step_variants.apply(eng, "no_gattn", defaults)
+        assert paged_decode.GLUON_TILE is None and paged_decode.pick_decode is defaults["decode"]
         step_variants.apply(eng, "base", defaults)
+        assert paged_decode.GLUON_TILE == defaults["gluon_tile"] and paged_decode.pick_decode(32, 8, gluon_ok=True)[1]
         assert packs[-1] == (32, False)
         assert pdl._late == frozenset() and decoder.add_norm_of_linear is defaults["add_norm"]
         assert skinny_gemm._LLAMA3_8B == defaults["table"] and skinny_gemm._LLAMA3_8B_PACKED == defaults["packed_table"]

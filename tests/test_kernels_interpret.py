@@ -454,6 +454,22 @@ def test_decode_split_count_fills_the_gpu_once():
     assert pick_num_splits(64, 2, num_sms=132) == 4 and pick_num_splits(8, 8, num_sms=66) == 4
 
 
+def test_decode_kernel_choice_takes_gluon_with_one_split_only_where_that_is_one_wave_of_two_a_sm(monkeypatch):
+    """pick_decode: the Gluon kernel, one split, where batch x KV heads programs fill the GPU at 1-2
+    a SM (P1 / P5: 32 x 8 on 132 SMs); Triton at pick_num_splits elsewhere, where the Gluon kernel
+    is not supported (gluon_ok False) or switched off (GLUON_TILE None)."""
+    from rollout.kernels import paged_decode
+    from rollout.kernels.paged_decode import pick_decode, pick_num_splits
+    got = {B: pick_decode(B, 8, num_sms=132, gluon_ok=True) for B in (8, 16, 17, 24, 32, 33, 64, 512)}
+    assert got == {8: (8, False), 16: (4, False), 17: (1, True), 24: (1, True), 32: (1, True), 33: (1, True),
+                   64: (1, False), 512: (1, False)}
+    assert pick_decode(32, 8, num_sms=132) == (pick_num_splits(32, 8, num_sms=132), False) == (2, False)
+    monkeypatch.setattr(paged_decode, "GLUON_TILE", None)
+    assert pick_decode(32, 8, num_sms=132, gluon_ok=True) == (2, False)
+    q = torch.zeros(2, 32, 128, dtype=torch.bfloat16)         # CPU (and the interpreter): never Gluon
+    assert not paged_decode.gluon_supported(q, torch.zeros(4, 16, 8, 128, dtype=torch.bfloat16), None)
+
+
 def test_compiles_for_sm90(tmp_path):
     """The interpreter runs kernels as Python: it misses compile-time errors (loop-carried
     constexprs, layout/shape rules of tl.dot). Compile each kernel ahead of time for sm_90 with

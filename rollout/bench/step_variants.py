@@ -16,7 +16,8 @@ ends with the baseline to show the drift. A variant is knobs joined by "+", on t
                     "cublas" for F.linear)
   attn=NS,BN,W,S    decode attention: splits, key tile, warps, stages
   gattn=BN,S[,NS]   decode attention's split kernel in Gluon (kernels/gluon_decode.py): key tile, ring
-                    stages, and a split count (default: the engine's)
+                    stages, and a split count (default: the engine's choice, paged_decode.pick_decode)
+  no_gattn          Triton's decode attention at every batch (attn= also)
   splitk_norm       split-K GEMMs (o_proj, down) leave their partials to the next add + RMSNorm
                     (the default; no_splitk_norm: the GEMM's own fix-up)
   silu_gate_up      SiLU * up in the gate_up GEMM's epilogue, no SiLU kernel (the default;
@@ -84,7 +85,8 @@ def apply(eng, variant: str, defaults: dict) -> None:
     skinny_gemm._LLAMA3_8B = dict(defaults["table"])
     skinny_gemm._LLAMA3_8B_PACKED = dict(defaults["packed_table"])
     paged_decode.DECODE_TILE = dict(defaults["tile"])
-    paged_decode.GLUON_TILE = None
+    paged_decode.GLUON_TILE = defaults["gluon_tile"]
+    paged_decode.pick_decode = defaults["decode"]
     paged_decode.pick_num_splits = defaults["splits"]
     eng.model.splitk_into_norm = defaults["splitk_norm"]
     eng.model.silu_in_gate_up = defaults["silu_gate_up"]
@@ -121,8 +123,11 @@ def apply(eng, variant: str, defaults: dict) -> None:
         elif name == "gattn":
             paged_decode.GLUON_TILE = nums[:2]
             if len(nums) > 2:
-                paged_decode.pick_num_splits = lambda *a, ns=nums[2], **k: ns
+                paged_decode.pick_decode = lambda *a, ns=nums[2], **k: (ns, True)
+        elif knob == "no_gattn":
+            paged_decode.GLUON_TILE = None
         elif name == "attn":
+            paged_decode.GLUON_TILE = None
             paged_decode.pick_num_splits = lambda *a, ns=nums[0], **k: ns
             paged_decode.DECODE_TILE = dict(block_n=nums[1], num_warps=nums[2], num_stages=nums[3])
         else:
@@ -167,6 +172,7 @@ def main(argv=None):
     defaults = dict(rope=rope_kv.Q_HEADS_PER_PROGRAM, table=dict(skinny_gemm._LLAMA3_8B),
                     packed_table=dict(skinny_gemm._LLAMA3_8B_PACKED),
                     tile=dict(paged_decode.DECODE_TILE), splits=paged_decode.pick_num_splits,
+                    gluon_tile=paged_decode.GLUON_TILE, decode=paged_decode.pick_decode,
                     splitk_norm=eng.model.splitk_into_norm, silu_gate_up=eng.model.silu_in_gate_up,
                     rope_in_qkv=eng.model.rope_in_qkv, add_norm=decoder.add_norm_of_linear, batch=B)
     rows = []

@@ -65,12 +65,12 @@ def __getattr__(name):
 
 def paged_attention(q, k_cache, v_cache, meta, scale, sliding_window=None):
     """Drop-in for `attention.paged_attention_ref` (same arguments; K/V already written).
-    Decode-only batches (one query per sequence) take the split-KV decode kernel with a split
-    count from the batch size alone (graph-safe); anything with a longer chunk takes the varlen
+    Decode-only batches (one query per sequence) take the split-KV decode kernel (Gluon or Triton)
+    with a split count from the batch size alone (paged_decode.pick_decode; graph-safe); anything with a longer chunk takes the varlen
     prefill kernel, which is correct for mixed batches too. Batch-invariant mode takes the varlen
     kernel for every batch, with KV splits at fixed positions (a decode row then gets the same
     bits in a mixed step, a pure one or a re-prefill, and decode still gets split parallelism)."""
-    from .paged_decode import DECODE_TILE, paged_decode_attention, pick_num_splits
+    from .paged_decode import DECODE_TILE, gluon_supported, paged_decode_attention, pick_decode
     from .paged_prefill import INVARIANT_SPLIT_LEN, INVARIANT_TILE, paged_prefill_attention
     if meta.batch_invariant:
         return paged_prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
@@ -78,9 +78,10 @@ def paged_attention(q, k_cache, v_cache, meta, scale, sliding_window=None):
                                        decode_rows=meta.decode_only, **INVARIANT_TILE)
     if meta.decode_only:
         sms = {"num_sms": sm_count(q.device)} if q.is_cuda else {}    # CPU runs: the default (the H200's)
-        splits = pick_num_splits(q.shape[0], k_cache.shape[2], **sms)
+        splits, gluon = pick_decode(q.shape[0], k_cache.shape[2], **sms,
+                                    gluon_ok=gluon_supported(q, k_cache, sliding_window))
         return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,
-                                      sliding_window, splits, **DECODE_TILE)
+                                      sliding_window, splits, gluon=gluon, **DECODE_TILE)
     return paged_prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
                                    meta.seq_lens, scale, sliding_window)
 

@@ -135,9 +135,10 @@ def _decode_merge_kernel(po_ptr, plse_ptr, out_ptr, s_ob, s_oh,
 DECODE_TILE = dict(block_n=None, num_warps=4, num_stages=2)   # block_n None: 64 (16 in fp32)
 
 
-# (BLOCK_N, STAGES) of kernels/gluon_decode.py's split kernel, which then takes bf16 decode with
-# head_dim 128, GQA groups <= 16 and no window (an experiment for issue 4; None: Triton's kernel).
-GLUON_TILE = None
+# (BLOCK_N, STAGES) of kernels/gluon_decode.py's split kernel (None: Triton's kernel everywhere). Its
+# 96 KB ring fits GLUON_PROGRAMS_PER_SM programs on an SM (ptxas, sm_90a; tests/test_bench_ws.py).
+GLUON_TILE = (32, 6)
+GLUON_PROGRAMS_PER_SM = 2
 
 
 # Programs of the default decode tile that fit on one SM together (sm_90a: 103 registers x 128
@@ -158,14 +159,34 @@ def pick_num_splits(batch: int, num_kv_heads: int, num_sms: int = 132, max_split
     return max(1, min(max_splits, PROGRAMS_PER_SM * num_sms // max(1, batch * num_kv_heads)))
 
 
+def gluon_supported(q: torch.Tensor, k_cache: torch.Tensor, sliding_window: Optional[int]) -> bool:
+    """What the Gluon kernel takes: bf16 q and cache, head_dim 128, GQA groups <= 16, no sliding
+    window, on an sm_90+ GPU outside the Triton interpreter."""
+    return (q.is_cuda and not triton.knobs.runtime.interpret and sliding_window is None and q.shape[2] == 128
+            and q.dtype == k_cache.dtype == torch.bfloat16 and q.shape[1] // k_cache.shape[2] <= 16
+            and torch.cuda.get_device_capability(q.device)[0] >= 9)
+
+
+def pick_decode(batch: int, num_kv_heads: int, num_sms: int = 132, gluon_ok: bool = False) -> tuple:
+    """(splits, gluon): the Gluon kernel with one split where its grid (batch x KV heads programs)
+    is one wave at GLUON_PROGRAMS_PER_SM a SM yet more than one program a SM, so no SM can take
+    more than its share when the grid starts early under PDL, and no merge kernel runs (P1 and P5,
+    B = 32 at the Llama-3-8B shape: +0.5 to +0.7 points of roofline in the decode graphs,
+    bench/results/README.md, nineteenth session); elsewhere Triton's kernel at pick_num_splits."""
+    if gluon_ok and GLUON_TILE and num_sms < batch * num_kv_heads <= GLUON_PROGRAMS_PER_SM * num_sms:
+        return 1, True
+    return pick_num_splits(batch, num_kv_heads, num_sms), False
+
+
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                            sliding_window: Optional[int] = None, num_splits: int = 1, *,
                            out: Optional[torch.Tensor] = None, block_n: Optional[int] = None,
-                           num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
+                           num_warps: int = 4, num_stages: int = 2, gluon: bool = False) -> torch.Tensor:
     """q [B, Hq, D]; k_cache, v_cache [num_pages, page_size, Hkv, D]; block_tables [B, P] int32;
     seq_lens [B] int32 (context incl. the current token, already in the cache). -> [B, Hq, D]
-    in q's dtype. Shape-only host logic: safe to capture in a CUDA graph."""
+    in q's dtype. Shape-only host logic: safe to capture in a CUDA graph. gluon: the split kernel
+    of kernels/gluon_decode.py at GLUON_TILE (where gluon_supported) instead of Triton's."""
     B, Hq, D = q.shape
     _, page_size, Hkv, Dk = k_cache.shape
     assert Dk == D and v_cache.shape == k_cache.shape and Hq % Hkv == 0, "shape mismatch"
@@ -190,8 +211,11 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     # fp32 inputs: ieee dot (default would be tf32, ~1e-3 error); bf16/fp16 ignore this.
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
     pdl = pdl_for(q, late=("attn",))
-    if (GLUON_TILE and sliding_window is None and D == 128 and group <= 16 and q.dtype == torch.bfloat16
-            and k_cache.dtype == torch.bfloat16):
+    if gluon:
+        if not (GLUON_TILE and gluon_supported(q, k_cache, sliding_window)):
+            raise ValueError(f"the Gluon decode kernel takes bf16, head_dim 128, GQA groups <= 16, no window, sm_90+ "
+                             f"(GLUON_TILE {GLUON_TILE}); got {q.dtype}, head_dim {D}, group {group}, "
+                             f"window {sliding_window}")
         from .gluon_decode import decode_split
         decode_split(q, k_cache, v_cache, block_tables, seq_lens, scale * LOG2E, out, po, plse, num_splits,
                      *GLUON_TILE, pdl=min(pdl, 2))

@@ -25,12 +25,15 @@ TOL = dict(rtol=1e-2, atol=1e-2)
 LENS = [0, 1, 16, 17, 63, 65, 1000, 3001, 0]
 
 
+DEFAULT_TILE = paged_decode.GLUON_TILE
+
+
 @pytest.fixture
 def gluon_tile():
     def set_tile(tile):
         paged_decode.GLUON_TILE = tile
     yield set_tile
-    paged_decode.GLUON_TILE = None
+    paged_decode.GLUON_TILE = DEFAULT_TILE
 
 
 @pytest.mark.parametrize("tile", [(32, 3), (32, 6), (64, 2), (64, 3)])
@@ -44,24 +47,31 @@ def test_matches_reference(gluon_tile, tile, Hq, Hkv, ps, num_splits):
     meta = meta_for(LENS, [1] * len(LENS), bt, ps)
     gluon_tile(tile)
     out = torch.full_like(q, float("nan"))
-    paged_decode.paged_decode_attention(q, *poisoned, bt, meta.seq_lens, D ** -0.5, None, num_splits, out=out)
+    paged_decode.paged_decode_attention(q, *poisoned, bt, meta.seq_lens, D ** -0.5, None, num_splits, out=out,
+                                        gluon=True)
     torch.testing.assert_close(out.float(), reference(q, clean, meta, D ** -0.5, None), **TOL)
 
 
-def test_window_stays_on_triton(gluon_tile, monkeypatch):
-    """The Gluon kernel has no sliding window: those calls keep Triton; one or more splits take it."""
+def test_engine_takes_it_at_p1s_batch_and_refuses_a_window(gluon_tile, monkeypatch):
+    """kernels.paged_attention (the engine's call) takes the Gluon kernel, one split, at B = 32 with 8
+    KV heads on this GPU, and its output matches the reference; Triton at B = 64. Asked for a
+    sliding window, the Gluon path raises instead of falling back."""
+    from rollout import kernels
     from rollout.kernels import gluon_decode
     calls = []
-    monkeypatch.setattr(gluon_decode, "decode_split", lambda *a, **k: calls.append(a[9]))
-    clean, _, bt = make_paged([100, 7], 8, 128, 16, torch.bfloat16, seed=5, device="cuda", spare_pages=2)
-    q = torch.randn(2, 32, 128, device="cuda").bfloat16()
-    lens = torch.tensor([100, 7], dtype=torch.int32, device="cuda")
-    gluon_tile((32, 3))
-    paged_decode.paged_decode_attention(q, *clean, bt, lens, 0.1, 50, 2)
-    assert calls == []
-    paged_decode.paged_decode_attention(q, *clean, bt, lens, 0.1, None, 1)
-    paged_decode.paged_decode_attention(q, *clean, bt, lens, 0.1, None, 2)
-    assert calls == [1, 2]
+    real = gluon_decode.decode_split
+    monkeypatch.setattr(gluon_decode, "decode_split", lambda *a, **k: calls.append(a[9]) or real(*a, **k))
+    for B in (32, 64):
+        lens = [(97 * i) % 2000 + 1 for i in range(B)]
+        clean, poisoned, bt = make_paged(lens, 8, 128, 16, torch.bfloat16, seed=B, device="cuda", spare_pages=4)
+        q = torch.randn(B, 32, 128, device="cuda").bfloat16()
+        meta = meta_for(lens, [1] * B, bt, 16)
+        out = kernels.paged_attention(q, *poisoned, meta, 128 ** -0.5)
+        torch.testing.assert_close(out.float(), reference(q, clean, meta, 128 ** -0.5, None), **TOL)
+    n_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert calls == ([1] if n_sms < 256 <= 2 * n_sms else [])
+    with pytest.raises(ValueError, match="no window"):
+        paged_decode.paged_decode_attention(q, *clean, bt, meta.seq_lens, 0.1, 50, 1, gluon=True)
 
 
 @pytest.mark.parametrize("tile,num_splits", [((32, 3), 2), ((32, 6), 1)])
@@ -78,10 +88,12 @@ def test_graph_replay_with_pdl_equals_eager(gluon_tile, tile, num_splits):
     gluon_tile(tile)
     s = torch.cuda.Stream()
     with torch.cuda.stream(s):
-        paged_decode.paged_decode_attention(q, *clean, bt, seq_lens, D ** -0.5, None, num_splits, out=out)   # compile
+        paged_decode.paged_decode_attention(q, *clean, bt, seq_lens, D ** -0.5, None, num_splits, out=out,
+                                            gluon=True)   # compile
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=s):
-            paged_decode.paged_decode_attention(q, *clean, bt, seq_lens, D ** -0.5, None, num_splits, out=out)
+            paged_decode.paged_decode_attention(q, *clean, bt, seq_lens, D ** -0.5, None, num_splits, out=out,
+                                                gluon=True)
     torch.cuda.synchronize()
     for lens, table in ((lens0, bt_big.flip(0)), (lens1, bt_big)):
         seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
@@ -89,7 +101,7 @@ def test_graph_replay_with_pdl_equals_eager(gluon_tile, tile, num_splits):
         q.normal_()
         out.fill_(float("nan"))
         graph.replay()
-        eager = paged_decode.paged_decode_attention(q, *clean, bt, seq_lens, D ** -0.5, None, num_splits)
+        eager = paged_decode.paged_decode_attention(q, *clean, bt, seq_lens, D ** -0.5, None, num_splits, gluon=True)
         torch.cuda.synchronize()
         assert torch.equal(out, eager)
         ref = reference(q, clean, meta_for(lens, [1] * B, bt, ps), D ** -0.5, None)
