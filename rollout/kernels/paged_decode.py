@@ -14,6 +14,8 @@ padding) run no tile and write zeros. The wrapper does no host syncs.
 """
 from __future__ import annotations
 
+import functools
+import os
 from typing import Optional
 
 import torch
@@ -135,10 +137,21 @@ def _decode_merge_kernel(po_ptr, plse_ptr, out_ptr, s_ob, s_oh,
 DECODE_TILE = dict(block_n=None, num_warps=4, num_stages=2)   # block_n None: 64 (16 in fp32)
 
 
-# (BLOCK_N, STAGES) of kernels/gluon_decode.py's split kernel (None: Triton's kernel everywhere). Its
-# 96 KB ring fits GLUON_PROGRAMS_PER_SM programs on an SM (ptxas, sm_90a; tests/test_bench_ws.py).
-GLUON_TILE = (32, 6)
+# (BLOCK_N, STAGES) of kernels/gluon_decode.py's split kernel (None, or ROLLOUT_GLUON_DECODE=0: Triton's
+# kernel everywhere). Its 96 KB ring fits GLUON_PROGRAMS_PER_SM programs on an SM (ptxas, sm_90a;
+# tests/test_bench_ws.py).
+GLUON_TILE = (32, 6) if os.environ.get("ROLLOUT_GLUON_DECODE", "1") != "0" else None
 GLUON_PROGRAMS_PER_SM = 2
+
+
+@functools.lru_cache(maxsize=None)
+def _gluon_importable() -> bool:
+    """Gluon ships with triton >= 3.5 (torch 2.9+); older stacks keep Triton's kernel."""
+    try:
+        from . import gluon_decode  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 # Programs of the default decode tile that fit on one SM together (sm_90a: 103 registers x 128
@@ -161,10 +174,10 @@ def pick_num_splits(batch: int, num_kv_heads: int, num_sms: int = 132, max_split
 
 def gluon_supported(q: torch.Tensor, k_cache: torch.Tensor, sliding_window: Optional[int]) -> bool:
     """What the Gluon kernel takes: bf16 q and cache, head_dim 128, GQA groups <= 16, no sliding
-    window, on an sm_90+ GPU outside the Triton interpreter."""
+    window, on an sm_90+ GPU outside the Triton interpreter, with a triton that has Gluon."""
     return (q.is_cuda and not triton.knobs.runtime.interpret and sliding_window is None and q.shape[2] == 128
             and q.dtype == k_cache.dtype == torch.bfloat16 and q.shape[1] // k_cache.shape[2] <= 16
-            and torch.cuda.get_device_capability(q.device)[0] >= 9)
+            and torch.cuda.get_device_capability(q.device)[0] >= 9 and _gluon_importable())
 
 
 def pick_decode(batch: int, num_kv_heads: int, num_sms: int = 132, gluon_ok: bool = False) -> tuple:
