@@ -4,6 +4,7 @@ from rollout.bench.profile import categorize
 
 def test_kernel_names_fall_into_the_step_breakdown_categories():
     assert categorize("_decode_split_kernel") == categorize("_decode_merge_kernel") == "attention"
+    assert categorize("_gluon_decode_split_kernel") == "attention"      # kernels/gluon_decode.py
     assert categorize("_skinny_gemm_kernel") == categorize("nvjet_tst_128x64_64x8") == "gemm"
     assert categorize("_qkv_rope_kernel") == "gemm"          # the QKV GEMM with its RoPE epilogue
     assert categorize("_add_rmsnorm_kernel") == categorize("_rope_kv_kernel") == "fused small ops"
@@ -43,3 +44,13 @@ def test_grouped_profile_decodes_every_sample_up_to_the_context():
     assert len(running) == B and all(s.num_tokens >= C and s.num_prompt == P for s in running)
     # the samples of a group share its prompt pages: B / n distinct first pages
     assert len({s.block_table[0] for s in running}) == B // n
+
+
+def test_run_meta_records_the_rollout_switches_a_run_was_under(monkeypatch):
+    """A/B runs differ only in a ROLLOUT_* variable (e.g. ROLLOUT_GLUON_DECODE=0), which the command
+    line does not show; the commit passed in for the device has its own field."""
+    from rollout.bench.__main__ import run_meta
+    monkeypatch.setenv("ROLLOUT_GLUON_DECODE", "0")
+    monkeypatch.setenv("ROLLOUT_GIT_COMMIT", "abc1234")
+    env = run_meta("rollout.bench", ["--shape", "tiny"])["environment"]
+    assert env["ROLLOUT_GLUON_DECODE"] == "0" and "ROLLOUT_GIT_COMMIT" not in env

@@ -109,8 +109,8 @@ def test_gluon_decode_compiles_for_sm90_at_the_occupancy_its_grid_needs(block_n,
     ptrs = {n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "out_ptr")} | {
         "bt_ptr": "*i32", "lens_ptr": "*i32", "sm_scale_log2": "fp32",
         "po_ptr": "*fp32" if splits > 1 else "*bf16", "plse_ptr": "*fp32" if splits > 1 else "*bf16"}
-    k = _compile("rollout.kernels.gluon_decode", "_split_kernel", ptrs, GROUP=4, HEAD_DIM=128, PAGE_SIZE=16,
-                 BLOCK_N=block_n, STAGES=stages, NUM_SPLITS=splits, PDL=2, num_warps=4)
+    k = _compile("rollout.kernels.gluon_decode", "_gluon_decode_split_kernel", ptrs, GROUP=4, HEAD_DIM=128,
+                 PAGE_SIZE=16, BLOCK_N=block_n, STAGES=stages, NUM_SPLITS=splits, PDL=2, num_warps=4)
     per_sm = SMEM_PER_SM // (k["shared"] + 1024)
     assert per_sm == (2 if splits == 1 else 4)
     assert 65536 // (k["n_regs"] * 128) >= per_sm

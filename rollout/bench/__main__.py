@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -46,11 +47,14 @@ def _git_commit() -> str:
 
 
 def run_meta(module: str, argv) -> dict:
-    """Command, commit, date and device stamped into every benchmark JSON."""
+    """Command, commit, date, device and ROLLOUT_* switches stamped into every benchmark JSON."""
     return {"command": f"python -m {module} " + " ".join(argv if argv is not None else sys.argv[1:]),
             "git_commit": _git_commit(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu",
-            "torch": torch.__version__, "transformers": __import__("transformers").__version__}
+            "torch": torch.__version__, "transformers": __import__("transformers").__version__,
+            # the switches a run can be under (ROLLOUT_PDL, ROLLOUT_GLUON_DECODE, ...): not in the command line
+            "environment": {k: v for k, v in sorted(os.environ.items())
+                            if k.startswith("ROLLOUT_") and k != "ROLLOUT_GIT_COMMIT"}}
 
 
 def write_json(result: dict, path) -> None:

@@ -94,7 +94,8 @@ def apply(eng, variant: str, defaults: dict) -> None:
     packed = False
     for knob in variant.split("+"):
         name, _, val = knob.partition("=")
-        nums = tuple(int(v) for v in val.split(",")) if (name in GEMMS or name in ("attn", "gattn")) and val != "cublas" else None
+        numeric = (name in GEMMS or name in ("attn", "gattn")) and val != "cublas"
+        nums = tuple(int(v) for v in val.split(",")) if numeric else None
         if knob == "base":
             pass
         elif knob == "no_pdl":

@@ -60,10 +60,11 @@ def _issue_tile(k_ring, v_ring, slot, k_ptr, v_ptr, pages, n0, rows, dims, end, 
 
 
 @gluon.jit
-def _split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, po_ptr, plse_ptr, sm_scale_log2,
-                  s_qb, s_qh, s_kp, s_ks, s_kh, s_vp, s_vs, s_bt, s_ob, s_oh,
-                  GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr,
-                  STAGES: gl.constexpr, NUM_SPLITS: gl.constexpr, PDL: gl.constexpr, num_warps: gl.constexpr):
+def _gluon_decode_split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, po_ptr, plse_ptr, sm_scale_log2,
+                               s_qb, s_qh, s_kp, s_ks, s_kh, s_vp, s_vs, s_bt, s_ob, s_oh,
+                               GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, PAGE_SIZE: gl.constexpr,
+                               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, NUM_SPLITS: gl.constexpr,
+                               PDL: gl.constexpr, num_warps: gl.constexpr):
     b = gl.program_id(0)
     kvh = gl.program_id(1)
     split = gl.program_id(2)
@@ -152,7 +153,7 @@ def decode_split(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     _, page_size, Hkv, _ = k_cache.shape
     assert q.dtype == k_cache.dtype == v_cache.dtype == out.dtype == torch.bfloat16 and D == 128
     assert Hq // Hkv <= ROWS and v_cache.stride(2) == k_cache.stride(2) and block_n >= 32 and stages >= 2
-    _split_kernel[(B, Hkv, num_splits)](
+    _gluon_decode_split_kernel[(B, Hkv, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, po, plse, scale_log2,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
