@@ -137,3 +137,29 @@ def test_preemption_small_kv(hf_and_dir):
     assert all(len(o.completions[0].token_ids) == 96 for o in outs)
     assert stats["mean_abs_dlogp"] < MEAN_TOL and stats["max_abs_dlogp"] < MAX_TOL
     assert eng.kv.alloc.num_used == 0
+
+
+def test_gluon_decode_attention_in_the_engine_matches_hf(tmp_path, monkeypatch):
+    """8 KV heads of head_dim 128 and 32 sequences: the engine's decode steps take the Gluon
+    attention kernel with one split (paged_decode.pick_decode, as at P1's Llama-3-8B shape); its
+    logprobs against HF's bf16 forward, with the bounds above."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from rollout.kernels import gluon_decode
+    calls = []
+    real = gluon_decode.decode_split
+    monkeypatch.setattr(gluon_decode, "decode_split", lambda *a, **k: calls.append(a[9]) or real(*a, **k))
+    cfg = AutoConfig.for_model("llama", vocab_size=1024, hidden_size=1024, intermediate_size=2048,
+                               num_hidden_layers=2, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                               max_position_embeddings=1024)
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).cuda().eval()
+    hf.save_pretrained(tmp_path)
+    eng = _engine(tmp_path, num_kv_pages=1024, max_num_seqs=32)
+    prompts = _prompts(32, 5, 200, seed=3)
+    outs = eng.generate(prompts, SamplingParams(max_new_tokens=32, temperature=0, ignore_eos=True), use_tqdm=False)
+    stats = _agreement(hf, prompts, outs, 1.0)
+    _report("gluon_decode_greedy[llama gqa8]", {**stats, "gluon_calls": len(calls)})
+    assert calls and set(calls) == {1}                         # one split, the output written by the kernel
+    assert stats["mean_abs_dlogp"] < MEAN_TOL and stats["max_abs_dlogp"] < MAX_TOL
+    assert eng.kv.alloc.num_used == 0
