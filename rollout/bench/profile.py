@@ -96,6 +96,8 @@ def main(argv=None):
                     help="decode from this prompt length up to --context first (default: prompts of --context)")
     ap.add_argument("--no-fused-ops", action="store_true", help="torch RMSNorm / RoPE / SiLU ops (Triton attention kept)")
     ap.add_argument("--batch-invariant", action="store_true", help="engine batch_invariant=True (its kernels' cost)")
+    ap.add_argument("--pack-decode-weights", action="store_true",
+                    help="engine pack_decode_weights=True (P1's best configuration)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -105,7 +107,8 @@ def main(argv=None):
     # batch_invariant only when asked: this file also runs in older trees (h200_validate tree_profile)
     P = args.prompt_len or C
     eng = decoding_engine(cfg, B, C, 4 * K, n=args.n, prompt_len=P,
-                          **({"batch_invariant": True} if args.batch_invariant else {}))
+                          **({"batch_invariant": True} if args.batch_invariant else {}),
+                          **({"pack_decode_weights": True} if args.pack_decode_weights else {}))
     if args.no_fused_ops:       # graphs were captured with the fused ops: capture them again
         eng.model.fused_small_ops = False
         recapture_graphs(eng)
