@@ -66,10 +66,11 @@ def __getattr__(name):
 def paged_attention(q, k_cache, v_cache, meta, scale, sliding_window=None):
     """Drop-in for `attention.paged_attention_ref` (same arguments; K/V already written).
     Decode-only batches (one query per sequence) take the split-KV decode kernel (Gluon or Triton)
-    with a split count from the batch size alone (paged_decode.pick_decode; graph-safe); anything with a longer chunk takes the varlen
-    prefill kernel, which is correct for mixed batches too. Batch-invariant mode takes the varlen
-    kernel for every batch, with KV splits at fixed positions (a decode row then gets the same
-    bits in a mixed step, a pure one or a re-prefill, and decode still gets split parallelism)."""
+    with a split count from the batch size alone (paged_decode.pick_decode; graph-safe); anything
+    with a longer chunk takes the varlen prefill kernel, which is correct for mixed batches too.
+    Batch-invariant mode takes the varlen kernel for every batch, with KV splits at fixed positions
+    (a decode row then gets the same bits in a mixed step, a pure one or a re-prefill, and decode
+    still gets split parallelism)."""
     from .paged_decode import DECODE_TILE, gluon_supported, paged_decode_attention, pick_decode
     from .paged_prefill import INVARIANT_SPLIT_LEN, INVARIANT_TILE, paged_prefill_attention
     if meta.batch_invariant:

@@ -1,6 +1,6 @@
 """Split-KV paged decode attention in Gluon with a cp.async ring for the K / V tiles. CUDA (sm_90)
-only; an experiment for issue 4, switched on by `paged_decode.GLUON_TILE` (bench.step_variants
-knob `gattn=BLOCK_N,STAGES[,SPLITS]`).
+only. The engine takes it where `paged_decode.pick_decode` says (one split, at one to two programs
+a SM); `paged_decode.GLUON_TILE` sets its tile (bench.step_variants knob `gattn=BLOCK_N,STAGES[,SPLITS]`).
 
 Same math and grid as paged_decode's split kernel (one program per sequence x KV head x split,
 the GROUP query heads of a KV head as the rows of a 16-row MMA tile, fp32 online softmax in the

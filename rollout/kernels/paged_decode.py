@@ -11,6 +11,9 @@ NUM_SPLITS == 1 kernel 1 writes the output directly and kernel 2 is skipped.
 Split bounds come from seq_len inside the kernel, so the grid depends only on (B, NUM_SPLITS):
 one CUDA graph per batch bucket is valid at every context length. Rows with seq_len 0 (bucket
 padding) run no tile and write zeros. The wrapper does no host syncs.
+
+kernels/gluon_decode.py is kernel 1 with a real copy pipeline; `pick_decode` chooses it (one
+split) where its grid is one wave at two programs a SM, Triton's kernel elsewhere.
 """
 from __future__ import annotations
 
