@@ -14,8 +14,10 @@ before the K/V stream, as attention must. Beside it the same bytes as launches t
 with PDL. `--fold 1`: the norms folded into the GEMMs instead of phases of their own (the GEMM
 after a norm takes 1 / rms from partial sums of squares that the GEMM before left in its epilogue
 with the residual add, and norms its x tiles in registers: bench.ws_mlp.gemm_tiles), 5 phases a
-layer. Printed: ms, TB/s, and the fraction of the 4.8 TB/s roofline those bytes would take. The
-gap between the two is the most a megakernel of this design could gain on these layers; lm_head,
+layer. `--fold 2`: the same phases, the GEMM after a norm scaling its accumulator by 1 / rms once
+a tile (the norm's weight taken as folded into the weight; not done here, so the values differ).
+Printed: ms, TB/s, and the fraction of the 4.8 TB/s roofline those bytes would take. The gap
+between the two is the most a megakernel of this design could gain on these layers; lm_head,
 sampling and the attention math are outside both.
 """
 from __future__ import annotations
@@ -120,26 +122,28 @@ def _consumer(x_ptr, qkv_ptr, h_ptr, a_ptr, o_ptr, d_ptr, res_ptr, ss_ptr, nin_p
         # QKV of x[l] (FOLD: of rmsnorm(res[l]) * nin[l], from the sums the down phase left)
         i, j = gemm_tiles(qkv_ptr + layer * M * NQKV, i, j, om, w_ring, x_ring, acc_s, w_full, w_empty, x_full, x_empty,
                           M, H, NQKV // BLOCK_N, 0, NQKV, BLOCK_N, BLOCK_M, BLOCK_K, W_SLOTS, X_SLOTS, num_warps,
-                          ss_ptr + 2 * layer * SS, nin_ptr + layer * H, rl, rl, eps, NORM_IN=FOLD)
+                          ss_ptr + 2 * layer * SS, nin_ptr + layer * H, rl, rl, eps, NORM_IN=FOLD == 1,
+                          SCALE_IN=FOLD == 2)
         _count(cnt_ptr, last)
         i = _kv_phase(i, KV_CHUNKS, PH * layer + 1, w_ring, w_full, w_empty, sink_ptr, cnt_ptr, err_ptr, last, BLOCK_N,
                       BLOCK_K, W_SLOTS, SPIN, num_warps)
         # o_proj of attn: FOLD h = res[l] + it, with its sums of squares; else o, then a norm phase
         i, j = gemm_tiles(hl if FOLD else o_ptr + layer * M * H, i, j, om, w_ring, x_ring, acc_s, w_full, w_empty,
                           x_full, x_empty, M, H, H // BLOCK_N, 0, H, BLOCK_N, BLOCK_M, BLOCK_K, W_SLOTS, X_SLOTS,
-                          num_warps, ss_ptr, nin_ptr, rl, ss_ptr + (2 * layer + 1) * SS, eps, RES_OUT=FOLD)
+                          num_warps, ss_ptr, nin_ptr, rl, ss_ptr + (2 * layer + 1) * SS, eps, RES_OUT=FOLD > 0)
         _count(cnt_ptr, last)
         if not FOLD:
             _norm_phase(rl, o_ptr + layer * M * H, n1_ptr + layer * H, rn, hl, PH * layer + 3, eps, M, cnt_ptr,
                         err_ptr, last, H, SPIN, num_warps)
         i, j = gemm_tiles(a_ptr + layer * M * I, i, j, om, w_ring, x_ring, acc_s, w_full, w_empty, x_full, x_empty, M,
                           H, 2 * I // BLOCK_N, I, I, BLOCK_N, BLOCK_M, BLOCK_K, W_SLOTS, X_SLOTS, num_warps,
-                          ss_ptr + (2 * layer + 1) * SS, n1_ptr + layer * H, rl, rl, eps, NORM_IN=FOLD)
+                          ss_ptr + (2 * layer + 1) * SS, n1_ptr + layer * H, rl, rl, eps, NORM_IN=FOLD == 1,
+                          SCALE_IN=FOLD == 2)
         _count(cnt_ptr, last)
         # down of a: FOLD res[l + 1] = h + it, with its sums of squares for the next QKV; else d, then a norm phase
         i, j = gemm_tiles(rn if FOLD else d_ptr + layer * M * H, i, j, om, w_ring, x_ring, acc_s, w_full, w_empty,
                           x_full, x_empty, M, I, H // BLOCK_N, 0, H, BLOCK_N, BLOCK_M, BLOCK_K, W_SLOTS, X_SLOTS,
-                          num_warps, ss_ptr, nin_ptr, hl, ss_ptr + (2 * layer + 2) * SS, eps, RES_OUT=FOLD)
+                          num_warps, ss_ptr, nin_ptr, hl, ss_ptr + (2 * layer + 2) * SS, eps, RES_OUT=FOLD > 0)
         _count(cnt_ptr, last)
         if not FOLD:
             _norm_phase(rn, d_ptr + layer * M * H, n2_ptr + layer * H, rn, x_ptr + (layer + 1) * M * H,
@@ -166,11 +170,12 @@ def _ws_layer_kernel(x_ptr, qkv_ptr, attn_ptr, h_ptr, a_ptr, o_ptr, d_ptr, res_p
 
 
 def ws_layers(b: dict, w: dict, cnt, err, w_slots: int = 6, x_slots: int = 4, w_warps: int = 4,
-              fold: bool = False) -> None:
+              fold: int = 0) -> None:
     """All layers of buffers b (x, qkv, attn, h, a, o, d, res, ss, sink) and weights w (wqkv, wo,
-    wgu, wd, kv, n1, n2, nin) in one launch of H / 32 programs (all resident at once). fold: the
-    norms folded into the GEMMs (bench.ws_mlp.gemm_tiles; nin[l] the norm before layer l's QKV,
-    ss[0] the sums of squares of res[0]) instead of phases of their own; res is then the output."""
+    wgu, wd, kv, n1, n2, nin) in one launch of H / 32 programs (all resident at once). fold 1 / 2:
+    the norms folded into the GEMMs, x normed in registers / the accumulator scaled
+    (bench.ws_mlp.gemm_tiles; nin[l] the norm before layer l's QKV, ss[0] the sums of squares of
+    res[0]) instead of phases of their own; res is then the output."""
     L, H = w["wo"].shape[0], w["wo"].shape[1]
     I, NQKV, M = w["wd"].shape[2], w["wqkv"].shape[1], b["x"].shape[1]
     programs = H // BLOCK_N
@@ -222,8 +227,9 @@ def main(argv=None):
     ap.add_argument("--kv-bytes-per-token", type=int, default=4096,
                     help="a layer's K and V of one token (8 heads x 128 x 2 x 2 bytes)")
     ap.add_argument("--slots", nargs="+", default=["6,4,4", "8,4,4"], help="W_SLOTS,X_SLOTS,W_WARPS")
-    ap.add_argument("--fold", type=int, nargs="+", default=[0, 1],
-                    help="1: the norms folded into the GEMMs (no norm phases); 0: norm phases")
+    ap.add_argument("--fold", type=int, nargs="+", default=[0, 1, 2], choices=[0, 1, 2],
+                    help="0: norm phases; the norms folded into the GEMMs (no norm phases), x normed in registers "
+                         "(1) or the accumulator scaled by 1 / rms (2)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -278,11 +284,11 @@ def main(argv=None):
     ref = buffers()
     launches(ref, w, 4 * sms)
     timed("launches", lambda: launches(ref, w, 4 * sms))
-    for fold in map(bool, args.fold):
+    for fold in args.fold:
         key = "res" if fold else "x"        # the fold keeps no normed x; the launches have both
         for sl in args.slots:
             ws_, xs_, ww_ = (int(v) for v in sl.split(","))
-            name = f"ws {sl}" + (" folded norms" if fold else "")
+            name = f"ws {sl}" + ("", " folded norms", " norms as 1/rms scale")[fold]
             out = buffers()
             try:
                 ws_layers(out, w, cnt, err, w_slots=ws_, x_slots=xs_, w_warps=ww_, fold=fold)

@@ -146,7 +146,7 @@ def gemm_tiles(dst, i, j, om, w_ring, x_ring, acc_s, w_full, w_empty, x_full, x_
                TILES: gl.constexpr, SILU_I: gl.constexpr, S_DST: gl.constexpr, BLOCK_N: gl.constexpr,
                BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, W_SLOTS: gl.constexpr, X_SLOTS: gl.constexpr,
                num_warps: gl.constexpr, ss_in, nw, res_in, ss_out, eps, NORM_IN: gl.constexpr = False,
-               RES_OUT: gl.constexpr = False):
+               RES_OUT: gl.constexpr = False, SCALE_IN: gl.constexpr = False):
     """The consumers' GEMM phase: dst[:, tile] (row stride S_DST) = x @ w[tile rows].T for this
     program's tiles, from the two rings (skinny_gemm's mma.sync layout, warps 2 x 2), rounded once;
     i, j: the weight and x rings' use counts so far (returned advanced; they differ where the
@@ -157,21 +157,28 @@ def gemm_tiles(dst, i, j, om, w_ring, x_ring, acc_s, w_full, w_empty, x_full, x_
     squares in ss_in [K / BLOCK_N, BLOCK_M] (fp32), and each x tile normed in registers before the
     MMA, rounded as fused_ops.add_rmsnorm (x * 1/rms to bf16, times the weight nw to bf16).
     RES_OUT: the tile stored is res_in + the GEMM's bf16 output (res_in [M, S_DST]), and its rows'
-    sums of squares over the tile's columns go to ss_out[tile]."""
+    sums of squares over the tile's columns go to ss_out[tile].
+    SCALE_IN: as NORM_IN, but the accumulator is scaled by 1 / rms once a tile instead of x normed
+    once a K tile, with the norm's weight taken as folded into w ((x / rms * n) @ W.T equals
+    (x @ (W * n).T) / rms; other rounding than HF's). The benches do not fold n into W: same bytes,
+    not the same values."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[num_warps // 2, 2],
                                                   instr_shape=[16, 8])
     a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     b_op: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
     out: gl.constexpr = gl.BlockedLayout([8, 1], [4, 8], [num_warps // 4, 4], [0, 1])
-    if NORM_IN:      # 1 / rms per row, in the MMA's x-operand layout, once the phase's first x tile is in: its
+    if NORM_IN or SCALE_IN:      # 1 / rms per row once the phase's first x tile is in: its
         # producer has seen every program count the phase that wrote the sums (wait again below: same phase)
         mbarrier.wait(x_full.index(j % X_SLOTS), (j // X_SLOTS) & 1)
         parts: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [num_warps, 1], [1, 0])
         pp = gl.arange(0, K // BLOCK_N, layout=gl.SliceLayout(1, parts))
         pm = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, parts))
         sq = gl.sum(gl.load(ss_in + pp[:, None] * BLOCK_M + pm[None, :], cache_modifier=".cg"), axis=0)
-        inv = gl.convert_layout(1.0 / gl.sqrt_rn(sq / K + eps), gl.SliceLayout(0, b_op))
-        kk = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, b_op))
+        if NORM_IN:   # in the MMA's x-operand layout
+            inv = gl.convert_layout(1.0 / gl.sqrt_rn(sq / K + eps), gl.SliceLayout(0, b_op))
+            kk = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, b_op))
+        else:         # in the accumulator's
+            inv = gl.convert_layout(1.0 / gl.sqrt_rn(sq / K + eps), gl.SliceLayout(0, mma))
     for t in range(gl.program_id(0), TILES, gl.num_programs(0)):
         acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma)
         for kt in range(K // BLOCK_K):
@@ -189,6 +196,8 @@ def gemm_tiles(dst, i, j, om, w_ring, x_ring, acc_s, w_full, w_empty, x_full, x_
             acc = mma_v2(a, b, acc)
             i += 1
             j += 1
+        if SCALE_IN:
+            acc = acc * inv[None, :]
         if SILU_I:       # the gate and up halves of acc through shared memory
             acc_s.store(acc)
             g = acc_s.slice(0, BLOCK_N // 2).load(out).to(gl.bfloat16).to(gl.float32)
