@@ -1,6 +1,6 @@
-"""The Gluon split-KV decode kernel (kernels/gluon_decode.py, issue 4's experiment, switched on by
-paged_decode.GLUON_TILE), with one split (its own output) and several (partials for the merge
-kernel), against the fp32 torch reference on fresh random inputs with poisoned pages and
+"""The Gluon split-KV decode kernel (kernels/gluon_decode.py; the engine's choice where
+paged_decode.pick_decode says, its tile paged_decode.GLUON_TILE), with one split (its own output)
+and several (partials for the merge kernel), against the fp32 torch reference on fresh random inputs with poisoned pages and
 outputs, and inside a CUDA graph with PDL. Skipped without an sm_90 GPU."""
 import os
 import sys
