@@ -11,6 +11,7 @@ from typing import Optional, Sequence as Seq, Union
 import torch
 
 from .graphs import MODES
+from .kernels import resolve_backend
 from .kv_cache import KVCacheManager, PageAllocator
 from .models.loader import build_model, init_random, load_model, parameter_bytes, resolve_dtype
 from .request import Request, RequestOutput, SamplingParams
@@ -49,8 +50,7 @@ class RolloutEngine:
         self.page_size = page_size
         kv_dtype = kv_dtype or self.dtype
         # "auto": the Triton kernels (attention, fused sampler) on CUDA, the torch reference on CPU.
-        if attention_backend == "auto":
-            attention_backend = "triton" if self.device.type == "cuda" else "torch"
+        attention_backend = resolve_backend(attention_backend, self.device.type)
         if batch_invariant:
             self._check_batch_invariant(attention_backend)
         if pack_decode_weights:          # before the KV cache takes the free memory

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.metadata
 import importlib.util
+import re
 
 _EXPORTS = {
     "paged_decode_attention": "paged_decode",
@@ -19,9 +21,9 @@ _EXPORTS = {
     "silu_mul": "fused_ops",
 }
 
-__all__ = ["triton_available", "fix_interpreter", "sm_count", "paged_attention", "rope_and_attend",
-           "paged_decode_attention", "pick_num_splits", "paged_prefill_attention", "rope_and_write_kv", "add_rmsnorm",
-           "silu_mul"]
+__all__ = ["triton_available", "triton_version", "resolve_backend", "fix_interpreter", "sm_count",
+           "paged_attention", "rope_and_attend", "paged_decode_attention", "pick_num_splits",
+           "paged_prefill_attention", "rope_and_write_kv", "add_rmsnorm", "silu_mul"]
 
 
 @functools.cache
@@ -31,9 +33,47 @@ def sm_count(device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
+# The kernels use triton.knobs, the launch_pdl launch option and triton.language.extra.cuda's
+# gdc_wait / gdc_launch_dependents (PDL), all new in triton 3.4 (torch 2.8); torch 2.6 / 2.7 ship
+# triton 3.2 / 3.3, on which every kernel module fails to import.
+TRITON_MIN = (3, 4)
+
+
+@functools.cache
+def triton_version() -> tuple | None:
+    """(major, minor) of the installed triton from its package metadata (without importing it), None
+    when no distribution says (a source build)."""
+    for dist in ("triton", "pytorch-triton"):
+        try:
+            return tuple(int(p) for p in re.findall(r"\d+", importlib.metadata.version(dist))[:2])
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
 def triton_available() -> bool:
-    """True when triton can be imported (checked without importing it)."""
-    return importlib.util.find_spec("triton") is not None
+    """True when triton can be imported at a version the kernels run on (TRITON_MIN; a build whose
+    version no metadata gives is taken as new enough). Checked without importing it."""
+    if importlib.util.find_spec("triton") is None:
+        return False
+    version = triton_version()
+    return version is None or version >= TRITON_MIN
+
+
+def resolve_backend(requested: str, device_type: str) -> str:
+    """The engine's attention_backend: "auto" is the Triton kernels (attention, fused sampler,
+    decode GEMMs, CUDA graphs) on CUDA and the torch reference on CPU. Triton on CUDA with no
+    usable triton raises, naming the way out, rather than running the slow reference unasked."""
+    if requested not in ("auto", "torch", "triton"):
+        raise ValueError(f"attention_backend must be 'auto', 'torch' or 'triton', got {requested!r}")
+    backend = requested if requested != "auto" else "triton" if device_type == "cuda" else "torch"
+    if backend == "triton" and device_type == "cuda" and not triton_available():
+        found = triton_version() if importlib.util.find_spec("triton") else None
+        raise RuntimeError(
+            f"rollout's Triton kernels need triton >= {'.'.join(map(str, TRITON_MIN))} (torch >= 2.8); found "
+            f"{'.'.join(map(str, found)) if found else 'none'}. Upgrade torch / triton, or pass "
+            "attention_backend='torch' for the torch reference path (no fused kernels, no CUDA graphs: slower)")
+    return backend
 
 
 def fix_interpreter() -> None:

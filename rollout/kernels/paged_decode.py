@@ -148,8 +148,13 @@ GLUON_PROGRAMS_PER_SM = 2
 
 
 @functools.lru_cache(maxsize=None)
-def _gluon_importable() -> bool:
-    """Gluon ships with triton >= 3.5 (torch 2.9+); older stacks keep Triton's kernel."""
+def _gluon_usable() -> bool:
+    """Gluon's API changes between triton releases; the kernel was written and measured on 3.6
+    (torch 2.11 on the H200). Older stacks keep Triton's kernel."""
+    from . import triton_version
+    version = triton_version()
+    if version is not None and version < (3, 6):
+        return False
     try:
         from . import gluon_decode  # noqa: F401
     except ImportError:
@@ -177,10 +182,10 @@ def pick_num_splits(batch: int, num_kv_heads: int, num_sms: int = 132, max_split
 
 def gluon_supported(q: torch.Tensor, k_cache: torch.Tensor, sliding_window: Optional[int]) -> bool:
     """What the Gluon kernel takes: bf16 q and cache, head_dim 128, GQA groups <= 16, no sliding
-    window, on an sm_90+ GPU outside the Triton interpreter, with a triton that has Gluon."""
+    window, on an sm_90+ GPU outside the Triton interpreter, with triton >= 3.6's Gluon."""
     return (q.is_cuda and not triton.knobs.runtime.interpret and sliding_window is None and q.shape[2] == 128
             and q.dtype == k_cache.dtype == torch.bfloat16 and q.shape[1] // k_cache.shape[2] <= 16
-            and torch.cuda.get_device_capability(q.device)[0] >= 9 and _gluon_importable())
+            and torch.cuda.get_device_capability(q.device)[0] >= 9 and _gluon_usable())
 
 
 def pick_decode(batch: int, num_kv_heads: int, num_sms: int = 132, gluon_ok: bool = False) -> tuple:
