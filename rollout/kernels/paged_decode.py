@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from . import fix_interpreter
-from .pdl import before_store, enter, pdl_for
+from .pdl import before_store, enter, pdl_for, sm90_or_later
 
 fix_interpreter()
 
@@ -185,7 +185,7 @@ def gluon_supported(q: torch.Tensor, k_cache: torch.Tensor, sliding_window: Opti
     window, on an sm_90+ GPU outside the Triton interpreter, with triton >= 3.6's Gluon."""
     return (q.is_cuda and not triton.knobs.runtime.interpret and sliding_window is None and q.shape[2] == 128
             and q.dtype == k_cache.dtype == torch.bfloat16 and q.shape[1] // k_cache.shape[2] <= 16
-            and torch.cuda.get_device_capability(q.device)[0] >= 9 and _gluon_usable())
+            and sm90_or_later(q) and _gluon_usable())
 
 
 def pick_decode(batch: int, num_kv_heads: int, num_sms: int = 132, gluon_ok: bool = False) -> tuple:

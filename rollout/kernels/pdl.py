@@ -69,6 +69,11 @@ def _sm90_or_later(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
+def sm90_or_later(t: torch.Tensor) -> bool:
+    """t is on an sm_90+ GPU (cached per device: the decode path asks every step)."""
+    return _sm90_or_later(t.device.index if t.device.index is not None else torch.cuda.current_device())
+
+
 def pdl_for(t: torch.Tensor, late: tuple = ()) -> int:
     """The PDL mode of kernels on t's device: 0 off (always under the CPU interpreter), 1 wait
     then launch dependents, 2 launch dependents then wait. Under `set_late`, for a kernel that
@@ -76,7 +81,7 @@ def pdl_for(t: torch.Tensor, late: tuple = ()) -> int:
     before the first store, or 4 for a "split0:..." kind, the same for programs of split 0
     (program_id(1) == 0) only. Truthy = launch with PDL."""
     on = (_enabled and t.is_cuda and not triton.knobs.runtime.interpret
-          and _sm90_or_later(t.device.index if t.device.index is not None else torch.cuda.current_device()))
+          and sm90_or_later(t))
     for kind in late if on else ():
         if kind in _late:
             return 4 if kind.startswith("split0:") else 3
