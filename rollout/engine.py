@@ -39,7 +39,8 @@ class RolloutEngine:
                  attention_backend: str = "auto", cuda_graphs: bool = True,
                  cuda_graph_max_batch: Optional[int] = None, cuda_graph_modes: Seq[str] = MODES,
                  preemption_mode: str = "recompute", swap_space_gb: float = 0.0, batch_invariant: bool = False,
-                 reserve_memory: Union[int, str] = 0, pack_decode_weights: bool = False):
+                 reserve_memory: Union[int, str] = 0, pack_decode_weights: bool = False,
+                 decode_megakernel: bool = False):
         self.model = model
         self.hf_config = hf_config
         self.tokenizer = tokenizer
@@ -55,6 +56,12 @@ class RolloutEngine:
             self._check_batch_invariant(attention_backend)
         if pack_decode_weights:          # before the KV cache takes the free memory
             self._pack_decode_weights(attention_backend, batch_invariant, max_num_seqs)
+        if decode_megakernel:            # decode steps of <= 32 rows: every layer in one kernel
+            if self.device.type != "cuda" or attention_backend != "triton" or batch_invariant:
+                raise ValueError("decode_megakernel=True needs the Triton kernels on a CUDA device "
+                                 "(and not batch_invariant)")
+            from .kernels import sm_count
+            model.use_decode_megakernel(sm_count(self.device))
         num_pages = self._size_kv(num_kv_pages, kv_cache_memory, page_size, kv_dtype, max_num_seqs,
                                   parameter_bytes(model) if reserve_memory == "weights" else reserve_memory)
         self.kv = KVCacheManager(num_pages, page_size)

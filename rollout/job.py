@@ -88,6 +88,7 @@ class EngineConfig:                      # keyword arguments of RolloutEngine.fr
     cuda_graph_max_batch: Optional[int] = None
     reserve_memory: Any = 0                  # bytes the automatic KV sizing leaves free, or "weights" (updates)
     pack_decode_weights: bool = False        # decode GEMMs read packed weight copies (CUDA, 8B shapes; 2x memory)
+    decode_megakernel: bool = False          # decode steps of <= 32 rows: every layer in one kernel (CUDA, Llama)
 
 
 @dataclass

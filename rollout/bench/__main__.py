@@ -175,6 +175,8 @@ def main(argv=None):
                     help="engine batch_invariant=True (to measure what bit-stable outputs cost)")
     ap.add_argument("--pack-decode-weights", action="store_true",
                     help="engine pack_decode_weights=True (decode GEMMs read packed weight copies)")
+    ap.add_argument("--decode-megakernel", action="store_true",
+                    help="engine decode_megakernel=True (decode steps of <= 32 rows: every layer in one kernel)")
     ap.add_argument("--check-seqs", type=int, default=4, help="sequences checked against HF's forward")
     ap.add_argument("--check-gen-len", type=int, default=128, help="new tokens of the checked sequences")
     ap.add_argument("--fp32-reference", action="store_true",
@@ -208,14 +210,16 @@ def main(argv=None):
                            max_num_batched_tokens=max(2048, P * 4), seed=args.seed,
                            attention_backend=args.attention_backend, cuda_graphs=not args.no_graphs,
                            cuda_graph_modes=("greedy", "truncate"),   # what this bench samples with
-                           batch_invariant=args.batch_invariant, pack_decode_weights=args.pack_decode_weights)
+                           batch_invariant=args.batch_invariant, pack_decode_weights=args.pack_decode_weights,
+                           decode_megakernel=args.decode_megakernel)
     engine_init_s = time.perf_counter() - t_engine
     gen = torch.Generator().manual_seed(args.seed)
     prompts = torch.randint(10, cfg.vocab_size - 10, (B, P), generator=gen).tolist()
     greedy = SamplingParams(n=n, max_new_tokens=G, temperature=0.0, ignore_eos=True)
     result = {"shape": args.shape, "attention_backend": engine.runner.attention_backend,
               "cuda_graphs": engine.pipeline.graphs is not None, "batch_invariant": args.batch_invariant,
-              "pack_decode_weights": args.pack_decode_weights, "batch": B, "n": n, "prompt_len": P,
+              "pack_decode_weights": args.pack_decode_weights, "decode_megakernel": args.decode_megakernel,
+              "batch": B, "n": n, "prompt_len": P,
               "gen_len": G, "dtype": args.dtype, "engine_init_s": engine_init_s,
               "bf16_reduced_precision_reduction": bool(args.bf16_reduced_precision_reduction),
               "roofline": roofline(cfg, S, P, G, prefill_seqs=B, dtype_bytes=dtype.itemsize)}

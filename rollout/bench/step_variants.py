@@ -28,6 +28,8 @@ ends with the baseline to show the drift. A variant is knobs joined by "+", on t
                     program (DecoderLM.pack_decode_weights, the engine's pack_decode_weights, with
                     its configs for packed weights at --batch rows; a GEMM knob's config replaces
                     both tables' entries)
+  mega              every layer of a decode step in one kernel (kernels/decode_layers.py, the
+                    engine's decode_megakernel; its weights stay stacked for the later variants)
 Two knobs are timing bounds, not modes to run (their tokens are wrong):
   late_wait[=K,..]  kernels of kinds K (gemm: o_proj, gate_up, down, lm_head; qkv; attn; one of
                     o, gate_up, down, lm_head; down0: down's split-0 programs; default the first
@@ -91,6 +93,7 @@ def apply(eng, variant: str, defaults: dict) -> None:
     eng.model.splitk_into_norm = defaults["splitk_norm"]
     eng.model.silu_in_gate_up = defaults["silu_gate_up"]
     eng.model.rope_in_qkv = defaults["rope_in_qkv"]
+    eng.model.decode_megakernel = False
     packed = False
     for knob in variant.split("+"):
         name, _, val = knob.partition("=")
@@ -121,6 +124,9 @@ def apply(eng, variant: str, defaults: dict) -> None:
             skinny_gemm._LLAMA3_8B_PACKED.pop(GEMMS[name], None)     # the knob's config, packed or not
         elif knob == "packed":
             packed = True
+        elif knob == "mega":
+            from ..kernels import sm_count
+            eng.model.use_decode_megakernel(sm_count(eng.device))
         elif name == "gattn":
             paged_decode.GLUON_TILE = nums[:2]
             if len(nums) > 2:

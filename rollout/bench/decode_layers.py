@@ -1,0 +1,91 @@
+"""The decode megakernel (kernels/decode_layers.py) alone, under its knobs, on random weights and
+a random paged KV cache. CUDA (sm_90) only.
+
+    python -m rollout.bench.decode_layers --layers 32 --batch 32 --context 4352 --variants 1,6,4 2,6,4 0,6,4
+
+A variant is ATTN,W_SLOTS,X_SLOTS[,PAGED]: _attn_phase's mode (1: a key tile an iteration; 2: two,
+one cross-warp max for both; 0: the K / V tiles consumed with no math, a timing bound with wrong
+output), the two rings' slots, and PAGED 0 for keys read as one contiguous run per (sequence, KV
+head) instead of through the block table (a timing bound, wrong output; bench.ws_layer's K / V). Printed per variant: ms a call (CUDA graph replays, median),
+the bytes it must read (weights and the K / V at --context) in TB/s, and that as a fraction of the
+4.8 TB/s roofline; the counter and timed-out waits after. The step's lm_head and sampling are
+outside it, as is the per-step roofline's accounting for them.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from .__main__ import run_meta, write_json
+
+ROOFLINE_TBPS = 4.8
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--context", type=int, default=4352)
+    ap.add_argument("--hidden", type=int, default=4096)
+    ap.add_argument("--intermediate", type=int, default=14336)
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--variants", nargs="+", default=["1,6,4", "2,6,4", "0,6,4"], help="ATTN,W_SLOTS,X_SLOTS[,PAGED]")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("decode_layers: CUDA only", file=sys.stderr)
+        return 1
+    from ..kernels.decode_layers import counters, decode_layers
+    from .gemm import graph_time_us
+    L, B, H, I, C = args.layers, args.batch, args.hidden, args.intermediate, args.context
+    Hq, Hkv, D, page = args.heads, args.kv_heads, 128, 16
+    g = torch.Generator(device="cuda").manual_seed(0)
+
+    def rnd(*shape, scale=1.0):
+        return torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=g) * scale
+    w = dict(wqkv=rnd(L, (Hq + 2 * Hkv) * D, H, scale=H ** -0.5), wo=rnd(L, H, H, scale=H ** -0.5),
+             wgu=rnd(L, 2 * I, H, scale=H ** -0.5), wd=rnd(L, H, I, scale=I ** -0.5),
+             n_in=1 + rnd(L + 1, H, scale=0.1), n_post=1 + rnd(L, H, scale=0.1))
+    per_seq = -(-C // page)
+    pages = B * per_seq + 1
+    kv = torch.empty(L, 2, pages, page, Hkv, D, device="cuda", dtype=torch.bfloat16).normal_(generator=g)
+    order = torch.randperm(pages - 1, device="cuda", generator=g) + 1          # page 0: the trash page
+    block_tables = order.view(B, per_seq).to(torch.int32)
+    seq_lens = torch.full((B,), C, dtype=torch.int32, device="cuda")
+    pos = seq_lens.long() - 1
+    slots = block_tables[torch.arange(B, device="cuda"), pos // page].long() * page + pos % page
+    emb = rnd(B, H)
+    inv_freq = 1.0 / (500000.0 ** (torch.arange(0, D, 2, device="cuda").float() / D))
+    nbytes = sum(w[k].numel() * 2 for k in ("wqkv", "wo", "wgu", "wd")) + L * 2 * B * C * Hkv * D * 2
+    cnt, err = counters(emb.device)
+    print(f"{torch.cuda.get_device_name()}: {L} layers, batch {B}, context {C}: {nbytes / 1e9:.2f} GB, "
+          f"{nbytes / ROOFLINE_TBPS / 1e9:.3f} ms at {ROOFLINE_TBPS} TB/s", flush=True)
+    rows = []
+    for v in args.variants:
+        attn, ws, xs, paged = (tuple(int(x) for x in v.split(",")) + (1,))[:4]
+
+        def call():
+            decode_layers(emb, pos, inv_freq, w, kv, block_tables, seq_lens, slots, 1e-5, D ** -0.5, Hq,
+                          w_slots=ws, x_slots=xs, attn_mode=attn, kv_paged=bool(paged))
+        try:
+            ms = graph_time_us(lambda i: call(), 1) / 1e3
+        except Exception as e:
+            print(f"{v}: failed: {type(e).__name__}: {e}"[:400], flush=True)
+            rows.append(dict(variant=v, error=f"{type(e).__name__}: {e}"[:300]))
+            continue
+        row = dict(variant=v, attn_mode=attn, w_slots=ws, x_slots=xs, kv_paged=bool(paged), ms=ms, TBps=nbytes / ms / 1e9,
+                   fraction_of_roofline=nbytes / ROOFLINE_TBPS / 1e9 / ms, counter_after=int(cnt.item()),
+                   wait_timeouts=int(err.item()))
+        rows.append(row)
+        print(f"{v:10s} {ms:.3f} ms {row['TBps']:.2f} TB/s {100 * row['fraction_of_roofline']:5.1f}% of roofline  "
+              f"counter {row['counter_after']} timeouts {row['wait_timeouts']}", flush=True)
+    write_json(dict(layers=L, batch=B, context=C, hidden=H, intermediate=I, heads=Hq, kv_heads=Hkv, bytes=nbytes,
+                    rows=rows, meta=run_meta("rollout.bench.decode_layers", argv)), args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
