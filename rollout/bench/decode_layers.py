@@ -32,6 +32,8 @@ def main(argv=None):
     ap.add_argument("--intermediate", type=int, default=14336)
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--kv-layout", nargs="+", default=["token"], choices=["token", "head"],
+                    help="a page's rows token-major [page, Hkv, D] (the engine's) or head-major [Hkv, page, D]")
     ap.add_argument("--variants", nargs="+", default=["1,6,4", "2,6,4", "0,6,4"], help="ATTN,W_SLOTS,X_SLOTS[,PAGED]")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -51,7 +53,7 @@ def main(argv=None):
              n_in=1 + rnd(L + 1, H, scale=0.1), n_post=1 + rnd(L, H, scale=0.1))
     per_seq = -(-C // page)
     pages = B * per_seq + 1
-    kv = torch.empty(L, 2, pages, page, Hkv, D, device="cuda", dtype=torch.bfloat16).normal_(generator=g)
+    kv_store = torch.empty(L, 2, pages, page * Hkv * D, device="cuda", dtype=torch.bfloat16).normal_(generator=g)
     order = torch.randperm(pages - 1, device="cuda", generator=g) + 1          # page 0: the trash page
     block_tables = order.view(B, per_seq).to(torch.int32)
     seq_lens = torch.full((B,), C, dtype=torch.int32, device="cuda")
@@ -64,8 +66,10 @@ def main(argv=None):
     print(f"{torch.cuda.get_device_name()}: {L} layers, batch {B}, context {C}: {nbytes / 1e9:.2f} GB, "
           f"{nbytes / ROOFLINE_TBPS / 1e9:.3f} ms at {ROOFLINE_TBPS} TB/s", flush=True)
     rows = []
-    for v in args.variants:
+    for layout, v in [(lay, v) for lay in args.kv_layout for v in args.variants]:
         attn, ws, xs, paged = (tuple(int(x) for x in v.split(",")) + (1,))[:4]
+        kv = (kv_store.view(L, 2, pages, page, Hkv, D) if layout == "token" else
+              kv_store.view(L, 2, pages, Hkv, page, D).transpose(3, 4))
 
         def call():
             decode_layers(emb, pos, inv_freq, w, kv, block_tables, seq_lens, slots, 1e-5, D ** -0.5, Hq,
@@ -76,11 +80,11 @@ def main(argv=None):
             print(f"{v}: failed: {type(e).__name__}: {e}"[:400], flush=True)
             rows.append(dict(variant=v, error=f"{type(e).__name__}: {e}"[:300]))
             continue
-        row = dict(variant=v, attn_mode=attn, w_slots=ws, x_slots=xs, kv_paged=bool(paged), ms=ms, TBps=nbytes / ms / 1e9,
+        row = dict(variant=v, kv_layout=layout, attn_mode=attn, w_slots=ws, x_slots=xs, kv_paged=bool(paged), ms=ms, TBps=nbytes / ms / 1e9,
                    fraction_of_roofline=nbytes / ROOFLINE_TBPS / 1e9 / ms, counter_after=int(cnt.item()),
                    wait_timeouts=int(err.item()))
         rows.append(row)
-        print(f"{v:10s} {ms:.3f} ms {row['TBps']:.2f} TB/s {100 * row['fraction_of_roofline']:5.1f}% of roofline  "
+        print(f"{layout:5s} {v:10s} {ms:.3f} ms {row['TBps']:.2f} TB/s {100 * row['fraction_of_roofline']:5.1f}% of roofline  "
               f"counter {row['counter_after']} timeouts {row['wait_timeouts']}", flush=True)
     write_json(dict(layers=L, batch=B, context=C, hidden=H, intermediate=I, heads=Hq, kv_heads=Hkv, bytes=nbytes,
                     rows=rows, meta=run_meta("rollout.bench.decode_layers", argv)), args.out)

@@ -107,7 +107,7 @@ def _pages(bt_ptr, row, pos, seq_len, PAGE: gl.constexpr):
 
 @gluon.jit
 def _kv_tiles(kv_ptr, bt_ptr, lens_ptr, i, r, rk, w_ring, w_full, w_empty, cnt_ptr, err_ptr, qkv_done, B,
-              s_kv, s_kp, s_ks, s_bt, HKV: gl.constexpr, PAGE: gl.constexpr, BLOCK_N: gl.constexpr,
+              s_kv, s_kp, s_ks, s_kh, s_bt, HKV: gl.constexpr, PAGE: gl.constexpr, BLOCK_N: gl.constexpr,
               SLOTS: gl.constexpr, SPIN: gl.constexpr, KV_PAGED: gl.constexpr):
     """Stream the K and V of this program's (sequence, KV head) pairs, BLOCK_N keys a slot (K in
     columns 0-127, V in 128-255; keys past the sequence zero-filled). Old keys do not wait; the
@@ -119,7 +119,7 @@ def _kv_tiles(kv_ptr, bt_ptr, lens_ptr, i, r, rk, w_ring, w_full, w_empty, cnt_p
     col = (rk % HEAD_DIM).to(gl.int64) + (rk >= HEAD_DIM).to(gl.int64) * s_kv
     for p in range(gl.program_id(0), B * HKV, gl.num_programs(0)):
         b = p // HKV
-        head = (p % HKV) * HEAD_DIM
+        head = (p % HKV) * s_kh
         seq_len = gl.load(lens_ptr + b)
         n_tiles = (seq_len + BLOCK_N - 1) // BLOCK_N
         pages = gl.load(bt_ptr + b * s_bt + r // PAGE, mask=r < seq_len, other=0).to(gl.int64)
@@ -144,7 +144,7 @@ def _kv_tiles(kv_ptr, bt_ptr, lens_ptr, i, r, rk, w_ring, w_full, w_empty, cnt_p
 
 @gluon.jit
 def _w_producer(wqkv_ptr, wo_ptr, wgu_ptr, wd_ptr, kv_ptr, bt_ptr, lens_ptr, w_ring, w_full, w_empty, cnt_ptr,
-                err_ptr, B, LAYERS, s_kl, s_kv, s_kp, s_ks, s_bt, H: gl.constexpr, I: gl.constexpr,
+                err_ptr, B, LAYERS, s_kl, s_kv, s_kp, s_ks, s_kh, s_bt, H: gl.constexpr, I: gl.constexpr,
                 NQKV: gl.constexpr, HKV: gl.constexpr, PAGE: gl.constexpr, BLOCK_N: gl.constexpr,
                 BLOCK_K: gl.constexpr, SLOTS: gl.constexpr, SPIN: gl.constexpr, WARPS: gl.constexpr,
                 KV_PAGED: gl.constexpr):
@@ -157,7 +157,7 @@ def _w_producer(wqkv_ptr, wo_ptr, wgu_ptr, wd_ptr, kv_ptr, bt_ptr, lens_ptr, w_r
         i = _w_tiles(wqkv_ptr + layer.to(gl.int64) * NQKV * H, i, r, rk, w_ring, w_full, w_empty, H, NQKV // BLOCK_N,
                      ROPE, HEAD_DIM // 2, BLOCK_N, BLOCK_K, SLOTS)
         i = _kv_tiles(kv_ptr + layer.to(gl.int64) * s_kl, bt_ptr, lens_ptr, i, r, rk, w_ring, w_full, w_empty,
-                      cnt_ptr, err_ptr, (PH * layer + 1) * P, B, s_kv, s_kp, s_ks, s_bt, HKV, PAGE, BLOCK_N, SLOTS,
+                      cnt_ptr, err_ptr, (PH * layer + 1) * P, B, s_kv, s_kp, s_ks, s_kh, s_bt, HKV, PAGE, BLOCK_N, SLOTS,
                       SPIN, KV_PAGED)
         i = _w_tiles(wo_ptr + layer.to(gl.int64) * H * H, i, r, rk, w_ring, w_full, w_empty, H, H // BLOCK_N, 0, 0,
                      BLOCK_N, BLOCK_K, SLOTS)
@@ -207,7 +207,8 @@ def _x_producer(xn_ptr, attn_ptr, hn_ptr, a_ptr, x_ring, x_full, x_empty, cnt_pt
 
 @gluon.jit
 def _gemm_phase(dst, i, j, om, w_ring, x_ring, acc_s, w_full, w_empty, x_full, x_empty, M, ss_in, res_in, nw, dst_n,
-                ss_out, cs_ptr, q_ptr, kv_ptr, slot_ptr, eps, s_kv, s_ks, K: gl.constexpr, TILES: gl.constexpr,
+                ss_out, cs_ptr, q_ptr, kv_ptr, slot_ptr, eps, s_kv, s_kp, s_ks, s_kh, PAGE: gl.constexpr,
+                K: gl.constexpr, TILES: gl.constexpr,
                 EPI: gl.constexpr, HALF: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, S_DST: gl.constexpr,
                 SCALE_IN: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr,
                 W_SLOTS: gl.constexpr, X_SLOTS: gl.constexpr, num_warps: gl.constexpr):
@@ -274,6 +275,7 @@ def _gemm_phase(dst, i, j, om, w_ring, x_ring, acc_s, w_full, w_empty, x_full, x
                 head = t // (HALF // P)
                 f = (t % (HALF // P)) * P + f
                 slot = gl.load(slot_ptr + hm, mask=hm < M, other=0)[None, :]
+                slot = (slot // PAGE) * s_kp + (slot % PAGE) * s_ks         # the row's offset in the cache
                 if head < HQ + HKV:
                     c = gl.load(cs_ptr + hm[None, :] * 2 * HALF + f[:, None], mask=h_ok, other=0.0).to(gl.float32)
                     s = gl.load(cs_ptr + hm[None, :] * 2 * HALF + HALF + f[:, None], mask=h_ok,
@@ -283,11 +285,11 @@ def _gemm_phase(dst, i, j, om, w_ring, x_ring, acc_s, w_full, w_empty, x_full, x
                     if head < HQ:
                         qp = q_ptr + hm[None, :] * (HQ * 2 * HALF) + head * 2 * HALF + f[:, None]
                     else:
-                        qp = kv_ptr + slot * s_ks + (head - HQ) * 2 * HALF + f[:, None]
+                        qp = kv_ptr + slot + (head - HQ) * s_kh + f[:, None]
                     gl.store(qp, o1.to(gl.bfloat16), mask=h_ok)
                     gl.store(qp + HALF, o2.to(gl.bfloat16), mask=h_ok)
                 else:
-                    vp = kv_ptr + s_kv + slot * s_ks + (head - HQ - HKV) * 2 * HALF + f[:, None]
+                    vp = kv_ptr + s_kv + slot + (head - HQ - HKV) * s_kh + f[:, None]
                     gl.store(vp, x1.to(gl.bfloat16), mask=h_ok)
                     gl.store(vp + HALF, x2.to(gl.bfloat16), mask=h_ok)
     return i, j
@@ -380,10 +382,10 @@ def _attn_phase(q_ptr, attn_ptr, lens_ptr, i, w_ring, w_full, w_empty, B, scale_
 @gluon.jit
 def _consumer(xn_ptr, q_ptr, attn_ptr, hn_ptr, a_ptr, res_ptr, h_ptr, ss_ptr, cs_ptr, nin_ptr, npost_ptr, kv_ptr,
               slot_ptr, lens_ptr, eps, scale_log2, w_ring, x_ring, acc_s, w_full, w_empty, x_full, x_empty, cnt_ptr,
-              err_ptr, M, LAYERS, s_kl, s_kv, s_ks, H: gl.constexpr, I: gl.constexpr, NQKV: gl.constexpr,
-              HQ: gl.constexpr, HKV: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
-              BLOCK_K: gl.constexpr, W_SLOTS: gl.constexpr, X_SLOTS: gl.constexpr, SPIN: gl.constexpr,
-              ATTN: gl.constexpr, num_warps: gl.constexpr):
+              err_ptr, M, LAYERS, s_kl, s_kv, s_kp, s_ks, s_kh, H: gl.constexpr, I: gl.constexpr, NQKV: gl.constexpr,
+              HQ: gl.constexpr, HKV: gl.constexpr, PAGE: gl.constexpr, BLOCK_N: gl.constexpr,
+              BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, W_SLOTS: gl.constexpr, X_SLOTS: gl.constexpr,
+              SPIN: gl.constexpr, ATTN: gl.constexpr, num_warps: gl.constexpr):
     out: gl.constexpr = gl.BlockedLayout([8, 1], [4, 8], [num_warps // 4, 4], [0, 1])
     om = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, out))
     SS: gl.constexpr = H // BLOCK_N * BLOCK_M            # one set of partial sums of squares
@@ -397,7 +399,7 @@ def _consumer(xn_ptr, q_ptr, attn_ptr, hn_ptr, a_ptr, res_ptr, h_ptr, ss_ptr, cs
     for layer in range(LAYERS):
         kv = kv_ptr + layer.to(gl.int64) * s_kl
         i, j = _gemm_phase(q_ptr, i, j, om, w_ring, x_ring, acc_s, w_full, w_empty, x_full, x_empty, M, ss_res,
-                           res_ptr, nin_ptr, q_ptr, ss_h, cs_ptr, q_ptr, kv, slot_ptr, eps, s_kv, s_ks, H,
+                           res_ptr, nin_ptr, q_ptr, ss_h, cs_ptr, q_ptr, kv, slot_ptr, eps, s_kv, s_kp, s_ks, s_kh, PAGE, H,
                            NQKV // BLOCK_N, ROPE, HALF, HQ, HKV, H, True, BLOCK_N, BLOCK_M, BLOCK_K, W_SLOTS, X_SLOTS,
                            num_warps)
         _count(cnt_ptr, last)
@@ -407,19 +409,19 @@ def _consumer(xn_ptr, q_ptr, attn_ptr, hn_ptr, a_ptr, res_ptr, h_ptr, ss_ptr, cs
         _count(cnt_ptr, last)
         # o_proj: h = res + attn @ Wo.T, hn = h * n_post, h's sums of squares
         i, j = _gemm_phase(h_ptr, i, j, om, w_ring, x_ring, acc_s, w_full, w_empty, x_full, x_empty, M, ss_res,
-                           res_ptr, npost_ptr + layer * H, hn_ptr, ss_h, cs_ptr, q_ptr, kv, slot_ptr, eps, s_kv, s_ks,
+                           res_ptr, npost_ptr + layer * H, hn_ptr, ss_h, cs_ptr, q_ptr, kv, slot_ptr, eps, s_kv, s_kp, s_ks, s_kh, PAGE,
                            H, H // BLOCK_N, RES, HALF, HQ, HKV, H, False, BLOCK_N, BLOCK_M, BLOCK_K, W_SLOTS, X_SLOTS,
                            num_warps)
         _count(cnt_ptr, last)
         i, j = _gemm_phase(a_ptr, i, j, om, w_ring, x_ring, acc_s, w_full, w_empty, x_full, x_empty, M, ss_h,
-                           res_ptr, nin_ptr, q_ptr, ss_h, cs_ptr, q_ptr, kv, slot_ptr, eps, s_kv, s_ks, H,
+                           res_ptr, nin_ptr, q_ptr, ss_h, cs_ptr, q_ptr, kv, slot_ptr, eps, s_kv, s_kp, s_ks, s_kh, PAGE, H,
                            2 * I // BLOCK_N, SILU, I, HQ, HKV, I, True, BLOCK_N, BLOCK_M, BLOCK_K, W_SLOTS, X_SLOTS,
                            num_warps)
         _count(cnt_ptr, last)
         # down: res = h + a @ Wd.T, xn = res * n_in[layer + 1] (the final norm's weight after the last), sums
         i, j = _gemm_phase(res_ptr, i, j, om, w_ring, x_ring, acc_s, w_full, w_empty, x_full, x_empty, M, ss_h,
                            h_ptr, nin_ptr + (layer + 1) * H, xn_ptr, ss_res, cs_ptr, q_ptr, kv, slot_ptr, eps, s_kv,
-                           s_ks, I, H // BLOCK_N, RES, HALF, HQ, HKV, H, False, BLOCK_N, BLOCK_M, BLOCK_K, W_SLOTS,
+                           s_kp, s_ks, s_kh, PAGE, I, H // BLOCK_N, RES, HALF, HQ, HKV, H, False, BLOCK_N, BLOCK_M, BLOCK_K, W_SLOTS,
                            X_SLOTS, num_warps)
         _count(cnt_ptr, last)
 
@@ -427,7 +429,7 @@ def _consumer(xn_ptr, q_ptr, attn_ptr, hn_ptr, a_ptr, res_ptr, h_ptr, ss_ptr, cs
 @gluon.jit
 def _decode_layers_kernel(xn_ptr, q_ptr, attn_ptr, hn_ptr, a_ptr, res_ptr, h_ptr, ss_ptr, cs_ptr, nin_ptr, npost_ptr,
                           wqkv_ptr, wo_ptr, wgu_ptr, wd_ptr, kv_ptr, bt_ptr, lens_ptr, slot_ptr, cnt_ptr, err_ptr, eps,
-                          scale_log2, M, LAYERS, s_kl, s_kv, s_kp, s_ks, s_bt, H: gl.constexpr, I: gl.constexpr,
+                          scale_log2, M, LAYERS, s_kl, s_kv, s_kp, s_ks, s_kh, s_bt, H: gl.constexpr, I: gl.constexpr,
                           HQ: gl.constexpr, HKV: gl.constexpr, PAGE: gl.constexpr, BLOCK_N: gl.constexpr,
                           BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, W_SLOTS: gl.constexpr,
                           X_SLOTS: gl.constexpr, SPIN: gl.constexpr, W_WARPS: gl.constexpr, ATTN: gl.constexpr,
@@ -451,10 +453,11 @@ def _decode_layers_kernel(xn_ptr, q_ptr, attn_ptr, hn_ptr, a_ptr, res_ptr, h_ptr
     gl.warp_specialize([
         (_consumer, (xn_ptr, q_ptr, attn_ptr, hn_ptr, a_ptr, res_ptr, h_ptr, ss_ptr, cs_ptr, nin_ptr, npost_ptr, kv_ptr,
                      slot_ptr, lens_ptr, eps, scale_log2, w_ring, x_ring, acc_s, w_full, w_empty, x_full, x_empty,
-                     cnt_ptr, err_ptr, M, LAYERS, s_kl, s_kv, s_ks, H, I, NQKV, HQ, HKV, BLOCK_N, BLOCK_M, BLOCK_K,
+                     cnt_ptr, err_ptr, M, LAYERS, s_kl, s_kv, s_kp, s_ks, s_kh, H, I, NQKV, HQ, HKV, PAGE, BLOCK_N,
+                     BLOCK_M, BLOCK_K,
                      W_SLOTS, X_SLOTS, SPIN, ATTN, num_warps)),
         (_w_producer, (wqkv_ptr, wo_ptr, wgu_ptr, wd_ptr, kv_ptr, bt_ptr, lens_ptr, w_ring, w_full, w_empty, cnt_ptr,
-                       err_ptr, M, LAYERS, s_kl, s_kv, s_kp, s_ks, s_bt, H, I, NQKV, HKV, PAGE, BLOCK_N, BLOCK_K,
+                       err_ptr, M, LAYERS, s_kl, s_kv, s_kp, s_ks, s_kh, s_bt, H, I, NQKV, HKV, PAGE, BLOCK_N, BLOCK_K,
                        W_SLOTS, SPIN, W_WARPS, KV_PAGED)),
         (_x_producer, (xn_ptr, attn_ptr, hn_ptr, a_ptr, x_ring, x_full, x_empty, cnt_ptr, err_ptr, M, LAYERS, H, I,
                        NQKV, BLOCK_N, BLOCK_M, BLOCK_K, X_SLOTS, SPIN)),
@@ -525,8 +528,8 @@ def decode_layers(emb: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Te
     launches: the prologue and the megakernel. emb [M, H] bf16: the step's embeddings. w: stacked
     weights wqkv [L, (Hq + 2 Hkv) 128, H] (q, k, v heads in order), wo [L, H, Hq 128], wgu [L, 2I, H]
     (gate rows, then up rows), wd [L, H, I], n_in [L + 1, H] (each layer's input norm, then the
-    final norm), n_post [L, H]. kv [L, 2, pages, page, Hkv, 128] (each layer's K, then V cache; this
-    step's keys are written through slot_mapping). Returns the last residual [M, H] (the final
+    final norm), n_post [L, H]. kv [L, 2, pages, page, Hkv, 128] (each layer's K, then V cache, any
+    strides but the last; this step's keys are written through slot_mapping). Returns the last residual [M, H] (the final
     norm is left to the caller). w_slots, x_slots, attn_mode, kv_paged: the rings' slots,
     _attn_phase's ATTN and _kv_tiles' KV_PAGED (bench.decode_layers times them)."""
     M, H = emb.shape
@@ -536,7 +539,7 @@ def decode_layers(emb: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Te
     assert D == HEAD_DIM.value and NQKV == (num_heads + 2 * Hkv) * D and M <= BLOCK_M
     assert w["wo"].shape == (L, H, num_heads * D) and w["wgu"].shape == (L, 2 * I, H) and w["wd"].shape == (L, H, I)
     assert w["n_in"].shape == (L + 1, H) and w["n_post"].shape == (L, H)
-    assert all(t.is_contiguous() and t.dtype == torch.bfloat16 for t in w.values()) and kv.is_contiguous()
+    assert all(t.is_contiguous() and t.dtype == torch.bfloat16 for t in w.values()) and kv.stride(5) == 1
     assert emb.dtype == kv.dtype == torch.bfloat16 and num_heads * D == H
     assert slot_mapping.dtype == torch.int64 and seq_lens.shape[0] == M and block_tables.stride(1) == 1
     dev = emb.device
@@ -551,22 +554,24 @@ def decode_layers(emb: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Te
     _decode_layers_kernel[(H // BLOCK_N,)](
         xn, q, attn, hn, a, res, h, ss, cs, w["n_in"], w["n_post"], w["wqkv"], w["wo"], w["wgu"], w["wd"], kv,
         block_tables, seq_lens, slot_mapping, cnt, err, eps, scale * 1.4426950408889634, M, L,
-        kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3), block_tables.stride(0), H=H, I=I, HQ=num_heads,
+        kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3), kv.stride(4), block_tables.stride(0), H=H, I=I,
+        HQ=num_heads,
         HKV=Hkv, PAGE=page, BLOCK_N=BLOCK_N, BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K, W_SLOTS=w_slots, X_SLOTS=x_slots,
         SPIN=SPIN_LIMIT, W_WARPS=4, ATTN=attn_mode, KV_PAGED=kv_paged, num_warps=4)
     return res
 
 
 def stacked_kv(kv_caches: list) -> torch.Tensor:
-    """The layers' (K, V) caches as one [L, 2, pages, page, Hkv, D] view: they must be views of
-    one allocation in that order (ModelRunner.kv_pool), else ValueError."""
+    """The layers' (K, V) caches as one [L, 2, pages, page, Hkv, D] view: they must be equal-strided
+    views of one allocation, evenly spaced (ModelRunner.kv_pool), else ValueError."""
     k0 = kv_caches[0][0]
-    n = k0.numel()
-    base = k0.data_ptr()
     elem = k0.element_size()
+    s_v = (kv_caches[0][1].data_ptr() - k0.data_ptr()) // elem
+    s_l = (kv_caches[1][0].data_ptr() - k0.data_ptr()) // elem if len(kv_caches) > 1 else 2 * s_v
     for layer, (k, v) in enumerate(kv_caches):
-        if (k.data_ptr() != base + 2 * layer * n * elem or v.data_ptr() != k.data_ptr() + n * elem
-                or not (k.is_contiguous() and v.is_contiguous()) or k.shape != k0.shape or v.shape != k0.shape):
+        if (k.data_ptr() != k0.data_ptr() + layer * s_l * elem or v.data_ptr() != k.data_ptr() + s_v * elem
+                or k.stride() != k0.stride() or v.stride() != k0.stride() or k.shape != k0.shape
+                or v.shape != k0.shape or k.untyped_storage().data_ptr() != k0.untyped_storage().data_ptr()):
             raise ValueError("decode_megakernel: the KV caches are not views of one [L, 2, ...] allocation")
-    return torch.as_strided(k0, (len(kv_caches), 2) + tuple(k0.shape),
-                            (2 * n, n) + tuple(k0.stride()), k0.storage_offset())
+    return torch.as_strided(k0, (len(kv_caches), 2) + tuple(k0.shape), (s_l, s_v) + tuple(k0.stride()),
+                            k0.storage_offset())

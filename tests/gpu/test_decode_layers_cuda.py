@@ -136,3 +136,18 @@ def test_megakernel_at_32_rows_with_padding_rows():
     h32 = _run(model, ids32, pos32, meta32, pool.clone())
     assert torch.equal(h32[:29], h29)
     assert torch.isfinite(h32).all()
+
+
+def test_megakernel_head_major_cache_equals_token_major():
+    """The cache as head-major pages ([pages, Hkv, page, D] storage seen as [pages, page, Hkv, D]):
+    the same hidden state and the same keys / values written, bit for bit (only addresses differ)."""
+    from rollout.kernels import sm_count
+    model = _model()
+    model.use_decode_megakernel(sm_count(torch.device("cuda")))
+    lens = [1, 16, 17, 33, 200, 513, 64, 100]
+    ids, pos, meta, pool = _step(lens)
+    h_tok = _run(model, ids, pos, meta, pool_tok := pool.clone())
+    pool_head = pool.transpose(3, 4).contiguous().transpose(3, 4)      # same values, head-major storage
+    assert pool_head.stride(4) == 128 and torch.equal(pool_head, pool)
+    h_head = _run(model, ids, pos, meta, pool_head)
+    assert torch.equal(h_head, h_tok) and torch.equal(pool_head, pool_tok)
