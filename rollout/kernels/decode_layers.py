@@ -106,39 +106,73 @@ def _pages(bt_ptr, row, pos, seq_len, PAGE: gl.constexpr):
 
 
 @gluon.jit
+def _pages(bt_ptr, row, pos, seq_len, PAGE: gl.constexpr):
+    """The page of each key pos (0, the trash page, past the sequence: never read as data)."""
+    return gl.load(bt_ptr + row + pos // PAGE, mask=pos < seq_len, other=0)
+
+
+@gluon.jit
+def _kv_issue(kv_ptr, pages, t, n_tiles, seq_len, head, i, r, col, w_ring, w_full, w_empty, cnt_ptr, err_ptr, qkv_done,
+              s_kp, s_ks, PAGE: gl.constexpr, BLOCK_N: gl.constexpr, SLOTS: gl.constexpr, SPIN: gl.constexpr):
+    """Copy key tile t (if the sequence has it) into the next ring slot; the tile holding the
+    step's own key first waits until every program has finished the QKV phase (it wrote that key)."""
+    if t < n_tiles:
+        pos = t * BLOCK_N + r
+        rows = pages.to(gl.int64) * s_kp + (pos % PAGE).to(gl.int64) * s_ks + head
+        if t == n_tiles - 1:
+            _wait_count(cnt_ptr, qkv_done, err_ptr, SPIN)
+        s = i % SLOTS
+        mbarrier.wait(w_empty.index(s), ((i // SLOTS) & 1) ^ 1)
+        async_copy.async_copy_global_to_shared(w_ring.index(s), kv_ptr + rows[:, None] + col[None, :],
+                                               mask=(pos < seq_len)[:, None], cache_modifier=".cg")
+        async_copy.mbarrier_arrive(w_full.index(s), increment_count=False)
+        i += 1
+    return i
+
+
+@gluon.jit
 def _kv_tiles(kv_ptr, bt_ptr, lens_ptr, i, r, rk, w_ring, w_full, w_empty, cnt_ptr, err_ptr, qkv_done, B,
               s_kv, s_kp, s_ks, s_kh, s_bt, HKV: gl.constexpr, PAGE: gl.constexpr, BLOCK_N: gl.constexpr,
               SLOTS: gl.constexpr, SPIN: gl.constexpr, KV_PAGED: gl.constexpr):
     """Stream the K and V of this program's (sequence, KV head) pairs, BLOCK_N keys a slot (K in
-    columns 0-127, V in 128-255; keys past the sequence zero-filled). Old keys do not wait; the
-    tile holding the step's own key waits until every program has finished the QKV phase (it wrote
-    that key). The next tile's pages are looked up one tile early (four tiles early read slower).
+    columns 0-127, V in 128-255; keys past the sequence zero-filled). Old keys do not wait for the
+    QKV phase (_kv_issue). This is the SM's only K / V stream and a block-table lookup outlasts a
+    tile's copy, so tiles go in groups of four whose pages were looked up a group early (written
+    out, not a rotation of registers, which would wait for the newest lookup every tile).
     KV_PAGED 0, a timing bound (wrong output): each pair's keys read as if its pages were
-    consecutive and its head's rows contiguous (bench.ws_layer's stream) instead of through the
-    block table."""
+    consecutive and its head's rows contiguous (bench.ws_layer's stream), no lookups."""
     col = (rk % HEAD_DIM).to(gl.int64) + (rk >= HEAD_DIM).to(gl.int64) * s_kv
     for p in range(gl.program_id(0), B * HKV, gl.num_programs(0)):
         b = p // HKV
         head = (p % HKV) * s_kh
         seq_len = gl.load(lens_ptr + b)
         n_tiles = (seq_len + BLOCK_N - 1) // BLOCK_N
-        pages = gl.load(bt_ptr + b * s_bt + r // PAGE, mask=r < seq_len, other=0).to(gl.int64)
-        for t in range(n_tiles):
-            pos = t * BLOCK_N + r
-            if KV_PAGED:
-                rows = pages * s_kp + (pos % PAGE).to(gl.int64) * s_ks + head
-                nxt = pos + BLOCK_N
-                pages = gl.load(bt_ptr + b * s_bt + nxt // PAGE, mask=nxt < seq_len, other=0).to(gl.int64)
-            else:
-                rows = (p.to(gl.int64) * n_tiles + t) * BLOCK_N * HEAD_DIM + r.to(gl.int64) * HEAD_DIM
-            if t == n_tiles - 1:
-                _wait_count(cnt_ptr, qkv_done, err_ptr, SPIN)
-            s = i % SLOTS
-            mbarrier.wait(w_empty.index(s), ((i // SLOTS) & 1) ^ 1)
-            async_copy.async_copy_global_to_shared(w_ring.index(s), kv_ptr + rows[:, None] + col[None, :],
-                                                   mask=(pos < seq_len)[:, None], cache_modifier=".cg")
-            async_copy.mbarrier_arrive(w_full.index(s), increment_count=False)
-            i += 1
+        row = b * s_bt
+        if KV_PAGED:
+            n0 = _pages(bt_ptr, row, r, seq_len, PAGE)
+            n1 = _pages(bt_ptr, row, r + BLOCK_N, seq_len, PAGE)
+            n2 = _pages(bt_ptr, row, r + 2 * BLOCK_N, seq_len, PAGE)
+            n3 = _pages(bt_ptr, row, r + 3 * BLOCK_N, seq_len, PAGE)
+            for g in range((n_tiles + 3) // 4):
+                c0, c1, c2, c3 = n0, n1, n2, n3
+                base = (4 * g + 4) * BLOCK_N + r
+                n0 = _pages(bt_ptr, row, base, seq_len, PAGE)
+                n1 = _pages(bt_ptr, row, base + BLOCK_N, seq_len, PAGE)
+                n2 = _pages(bt_ptr, row, base + 2 * BLOCK_N, seq_len, PAGE)
+                n3 = _pages(bt_ptr, row, base + 3 * BLOCK_N, seq_len, PAGE)
+                i = _kv_issue(kv_ptr, c0, 4 * g, n_tiles, seq_len, head, i, r, col, w_ring, w_full, w_empty, cnt_ptr,
+                              err_ptr, qkv_done, s_kp, s_ks, PAGE, BLOCK_N, SLOTS, SPIN)
+                i = _kv_issue(kv_ptr, c1, 4 * g + 1, n_tiles, seq_len, head, i, r, col, w_ring, w_full, w_empty,
+                              cnt_ptr, err_ptr, qkv_done, s_kp, s_ks, PAGE, BLOCK_N, SLOTS, SPIN)
+                i = _kv_issue(kv_ptr, c2, 4 * g + 2, n_tiles, seq_len, head, i, r, col, w_ring, w_full, w_empty,
+                              cnt_ptr, err_ptr, qkv_done, s_kp, s_ks, PAGE, BLOCK_N, SLOTS, SPIN)
+                i = _kv_issue(kv_ptr, c3, 4 * g + 3, n_tiles, seq_len, head, i, r, col, w_ring, w_full, w_empty,
+                              cnt_ptr, err_ptr, qkv_done, s_kp, s_ks, PAGE, BLOCK_N, SLOTS, SPIN)
+        else:
+            for t in range(n_tiles):       # (p * n_tiles + t) * BLOCK_N "pages" of one key, head rows contiguous
+                i = _kv_issue(kv_ptr, (p.to(gl.int64) * n_tiles + t) * BLOCK_N + r, t, n_tiles, seq_len, 0, i,
+                              r, col, w_ring, w_full, w_empty, cnt_ptr, err_ptr, qkv_done, HEAD_DIM, 0,
+                              PAGE, BLOCK_N, SLOTS, SPIN)
     return i
 
 
@@ -461,7 +495,7 @@ def _decode_layers_kernel(xn_ptr, q_ptr, attn_ptr, hn_ptr, a_ptr, res_ptr, h_ptr
                        W_SLOTS, SPIN, W_WARPS, KV_PAGED)),
         (_x_producer, (xn_ptr, attn_ptr, hn_ptr, a_ptr, x_ring, x_full, x_empty, cnt_ptr, err_ptr, M, LAYERS, H, I,
                        NQKV, BLOCK_N, BLOCK_M, BLOCK_K, X_SLOTS, SPIN)),
-    ], [W_WARPS, 1], [128, 48])
+    ], [W_WARPS, 1], [160, 48])
 
 
 @triton.jit

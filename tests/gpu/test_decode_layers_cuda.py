@@ -148,6 +148,6 @@ def test_megakernel_head_major_cache_equals_token_major():
     ids, pos, meta, pool = _step(lens)
     h_tok = _run(model, ids, pos, meta, pool_tok := pool.clone())
     pool_head = pool.transpose(3, 4).contiguous().transpose(3, 4)      # same values, head-major storage
-    assert pool_head.stride(4) == 128 and torch.equal(pool_head, pool)
+    assert pool_head.stride(3) == 128 and torch.equal(pool_head, pool)
     h_head = _run(model, ids, pos, meta, pool_head)
     assert torch.equal(h_head, h_tok) and torch.equal(pool_head, pool_tok)
