@@ -46,7 +46,7 @@ SPIN_LIMIT = 1 << 20                        # counter polls before a wait gives 
 W_SLOTS, X_SLOTS = 6, 4                     # ring slots of 16 KB (bench.ws_layer's best: 6, 4)
 ROPE, SILU, RES = gl.constexpr(1), gl.constexpr(2), gl.constexpr(3)      # a GEMM phase's epilogue
 ROWS = gl.constexpr(16)                     # query rows of an attention tile (GROUP <= 16)
-ATTN_MODE = 1                               # _attn_phase: one key tile an iteration
+ATTN_MODE = 2                               # _attn_phase: two key tiles an iteration (the faster)
 
 
 @gluon.jit
