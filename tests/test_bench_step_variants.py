@@ -9,6 +9,7 @@ import pytest  # noqa: E402
 
 from rollout.bench import step_variants  # noqa: E402
 from rollout.bench.step_variants import vs_base  # noqa: E402
+from rollout import kernels  # noqa: E402
 from rollout.kernels import paged_decode, pdl, rope_kv, skinny_gemm  # noqa: E402
 from rollout.models import decoder  # noqa: E402
 
@@ -73,7 +74,14 @@ def test_apply_parses_the_timing_bound_knobs_and_base_undoes_them(monkeypatch):
         assert paged_decode.pick_decode(32, 8, gluon_ok=True) == (2, False)
         step_variants.apply(eng, "no_gattn", defaults)
         assert paged_decode.GLUON_TILE is None and paged_decode.pick_decode is defaults["decode"]
+        sms = []
+        monkeypatch.setattr(kernels, "sm_count", lambda device: 132)
+        eng.device, eng.model.use_decode_megakernel = "cuda", lambda n: sms.append(n)
+        step_variants.apply(eng, "mega", defaults)
+        assert sms == [132]
+        eng.model.decode_megakernel = True
         step_variants.apply(eng, "base", defaults)
+        assert eng.model.decode_megakernel is False
         assert paged_decode.GLUON_TILE == defaults["gluon_tile"] and paged_decode.pick_decode(32, 8, gluon_ok=True)[1]
         assert packs[-1] == (32, False)
         assert pdl._late == frozenset() and decoder.add_norm_of_linear is defaults["add_norm"]

@@ -118,8 +118,23 @@ def test_gluon_decode_compiles_for_sm90_at_the_occupancy_its_grid_needs(block_n,
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the no-GPU path")
-@pytest.mark.parametrize("name", ["ws_chain", "ws_mlp", "ws_layer"])
+@pytest.mark.parametrize("name", ["ws_chain", "ws_mlp", "ws_layer", "decode_layers"])
 def test_main_says_cuda_only_without_a_gpu(name, capsys):
     import importlib
     assert importlib.import_module(f"rollout.bench.{name}").main([]) == 1
     assert "CUDA only" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("attn", [1, 2])
+def test_decode_megakernel_compiles_for_sm90(attn):
+    """kernels.decode_layers at the Llama-3-8B shape: one CTA per SM within the shared memory, both
+    rings' barriers, warp-specialized, the attention's exp2 and the MMAs."""
+    from rollout.kernels import decode_layers as m
+    ptrs = {n: "*bf16" for n in m._decode_layers_kernel.arg_names if n.endswith("_ptr")}
+    ptrs.update(ss_ptr="*fp32", bt_ptr="*i32", lens_ptr="*i32", slot_ptr="*i64", cnt_ptr="*i32", err_ptr="*i32",
+                eps="fp32", scale_log2="fp32")
+    k = _compile("rollout.kernels.decode_layers", "_decode_layers_kernel", ptrs, H=4096, I=14336, HQ=32, HKV=8,
+                 PAGE=16, BLOCK_N=32, BLOCK_M=32, BLOCK_K=256, W_SLOTS=m.W_SLOTS, X_SLOTS=m.X_SLOTS,
+                 SPIN=m.SPIN_LIMIT, W_WARPS=4, ATTN=attn, KV_PAGED=True, num_warps=4)
+    _check(k, min(m.W_SLOTS, m.X_SLOTS))
+    assert k["ex2"] and k["n_regs"] <= 255

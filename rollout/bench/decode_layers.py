@@ -6,10 +6,10 @@ a random paged KV cache. CUDA (sm_90) only.
 A variant is ATTN,W_SLOTS,X_SLOTS[,PAGED]: _attn_phase's mode (1: a key tile an iteration; 2: two,
 one cross-warp max for both; 0: the K / V tiles consumed with no math, a timing bound with wrong
 output), the two rings' slots, and PAGED 0 for keys read as one contiguous run per (sequence, KV
-head) instead of through the block table (a timing bound, wrong output; bench.ws_layer's K / V). Printed per variant: ms a call (CUDA graph replays, median),
-the bytes it must read (weights and the K / V at --context) in TB/s, and that as a fraction of the
-4.8 TB/s roofline; the counter and timed-out waits after. The step's lm_head and sampling are
-outside it, as is the per-step roofline's accounting for them.
+head) instead of through the block table (a timing bound, wrong output; bench.ws_layer's K / V).
+Printed per variant: ms a call (CUDA graph replays, median), the bytes it must read (weights and
+the K / V at --context) in TB/s, and that as a fraction of the 4.8 TB/s roofline; the counter and
+timed-out waits after. The step's lm_head and sampling are outside it.
 """
 from __future__ import annotations
 
@@ -80,12 +80,14 @@ def main(argv=None):
             print(f"{v}: failed: {type(e).__name__}: {e}"[:400], flush=True)
             rows.append(dict(variant=v, error=f"{type(e).__name__}: {e}"[:300]))
             continue
-        row = dict(variant=v, kv_layout=layout, attn_mode=attn, w_slots=ws, x_slots=xs, kv_paged=bool(paged), ms=ms, TBps=nbytes / ms / 1e9,
+        row = dict(variant=v, kv_layout=layout, attn_mode=attn, w_slots=ws, x_slots=xs, kv_paged=bool(paged), ms=ms,
+                   TBps=nbytes / ms / 1e9,
                    fraction_of_roofline=nbytes / ROOFLINE_TBPS / 1e9 / ms, counter_after=int(cnt.item()),
                    wait_timeouts=int(err.item()))
         rows.append(row)
-        print(f"{layout:5s} {v:10s} {ms:.3f} ms {row['TBps']:.2f} TB/s {100 * row['fraction_of_roofline']:5.1f}% of roofline  "
-              f"counter {row['counter_after']} timeouts {row['wait_timeouts']}", flush=True)
+        print(f"{layout:5s} {v:10s} {ms:.3f} ms {row['TBps']:.2f} TB/s "
+              f"{100 * row['fraction_of_roofline']:5.1f}% of roofline  counter {row['counter_after']} "
+              f"timeouts {row['wait_timeouts']}", flush=True)
     write_json(dict(layers=L, batch=B, context=C, hidden=H, intermediate=I, heads=Hq, kv_heads=Hkv, bytes=nbytes,
                     rows=rows, meta=run_meta("rollout.bench.decode_layers", argv)), args.out)
     return 0

@@ -191,8 +191,8 @@ def _w_producer(wqkv_ptr, wo_ptr, wgu_ptr, wd_ptr, kv_ptr, bt_ptr, lens_ptr, w_r
         i = _w_tiles(wqkv_ptr + layer.to(gl.int64) * NQKV * H, i, r, rk, w_ring, w_full, w_empty, H, NQKV // BLOCK_N,
                      ROPE, HEAD_DIM // 2, BLOCK_N, BLOCK_K, SLOTS)
         i = _kv_tiles(kv_ptr + layer.to(gl.int64) * s_kl, bt_ptr, lens_ptr, i, r, rk, w_ring, w_full, w_empty,
-                      cnt_ptr, err_ptr, (PH * layer + 1) * P, B, s_kv, s_kp, s_ks, s_kh, s_bt, HKV, PAGE, BLOCK_N, SLOTS,
-                      SPIN, KV_PAGED)
+                      cnt_ptr, err_ptr, (PH * layer + 1) * P, B, s_kv, s_kp, s_ks, s_kh, s_bt, HKV, PAGE, BLOCK_N,
+                      SLOTS, SPIN, KV_PAGED)
         i = _w_tiles(wo_ptr + layer.to(gl.int64) * H * H, i, r, rk, w_ring, w_full, w_empty, H, H // BLOCK_N, 0, 0,
                      BLOCK_N, BLOCK_K, SLOTS)
         i = _w_tiles(wgu_ptr + layer.to(gl.int64) * 2 * I * H, i, r, rk, w_ring, w_full, w_empty, H,
@@ -433,9 +433,9 @@ def _consumer(xn_ptr, q_ptr, attn_ptr, hn_ptr, a_ptr, res_ptr, h_ptr, ss_ptr, cs
     for layer in range(LAYERS):
         kv = kv_ptr + layer.to(gl.int64) * s_kl
         i, j = _gemm_phase(q_ptr, i, j, om, w_ring, x_ring, acc_s, w_full, w_empty, x_full, x_empty, M, ss_res,
-                           res_ptr, nin_ptr, q_ptr, ss_h, cs_ptr, q_ptr, kv, slot_ptr, eps, s_kv, s_kp, s_ks, s_kh, PAGE, H,
-                           NQKV // BLOCK_N, ROPE, HALF, HQ, HKV, H, True, BLOCK_N, BLOCK_M, BLOCK_K, W_SLOTS, X_SLOTS,
-                           num_warps)
+                           res_ptr, nin_ptr, q_ptr, ss_h, cs_ptr, q_ptr, kv, slot_ptr, eps, s_kv, s_kp, s_ks, s_kh,
+                           PAGE, H, NQKV // BLOCK_N, ROPE, HALF, HQ, HKV, H, True, BLOCK_N, BLOCK_M, BLOCK_K, W_SLOTS,
+                           X_SLOTS, num_warps)
         _count(cnt_ptr, last)
         _wait_count(cnt_ptr, (PH * layer + 1) * P, err_ptr, SPIN)       # every q and new key is stored
         i = _attn_phase(q_ptr, attn_ptr, lens_ptr, i, w_ring, w_full, w_empty, M, scale_log2, HQ, HKV, BLOCK_N,
@@ -443,20 +443,20 @@ def _consumer(xn_ptr, q_ptr, attn_ptr, hn_ptr, a_ptr, res_ptr, h_ptr, ss_ptr, cs
         _count(cnt_ptr, last)
         # o_proj: h = res + attn @ Wo.T, hn = h * n_post, h's sums of squares
         i, j = _gemm_phase(h_ptr, i, j, om, w_ring, x_ring, acc_s, w_full, w_empty, x_full, x_empty, M, ss_res,
-                           res_ptr, npost_ptr + layer * H, hn_ptr, ss_h, cs_ptr, q_ptr, kv, slot_ptr, eps, s_kv, s_kp, s_ks, s_kh, PAGE,
-                           H, H // BLOCK_N, RES, HALF, HQ, HKV, H, False, BLOCK_N, BLOCK_M, BLOCK_K, W_SLOTS, X_SLOTS,
-                           num_warps)
+                           res_ptr, npost_ptr + layer * H, hn_ptr, ss_h, cs_ptr, q_ptr, kv, slot_ptr, eps, s_kv, s_kp,
+                           s_ks, s_kh, PAGE, H, H // BLOCK_N, RES, HALF, HQ, HKV, H, False, BLOCK_N, BLOCK_M, BLOCK_K,
+                           W_SLOTS, X_SLOTS, num_warps)
         _count(cnt_ptr, last)
         i, j = _gemm_phase(a_ptr, i, j, om, w_ring, x_ring, acc_s, w_full, w_empty, x_full, x_empty, M, ss_h,
-                           res_ptr, nin_ptr, q_ptr, ss_h, cs_ptr, q_ptr, kv, slot_ptr, eps, s_kv, s_kp, s_ks, s_kh, PAGE, H,
-                           2 * I // BLOCK_N, SILU, I, HQ, HKV, I, True, BLOCK_N, BLOCK_M, BLOCK_K, W_SLOTS, X_SLOTS,
-                           num_warps)
+                           res_ptr, nin_ptr, q_ptr, ss_h, cs_ptr, q_ptr, kv, slot_ptr, eps, s_kv, s_kp, s_ks, s_kh,
+                           PAGE, H, 2 * I // BLOCK_N, SILU, I, HQ, HKV, I, True, BLOCK_N, BLOCK_M, BLOCK_K, W_SLOTS,
+                           X_SLOTS, num_warps)
         _count(cnt_ptr, last)
         # down: res = h + a @ Wd.T, xn = res * n_in[layer + 1] (the final norm's weight after the last), sums
         i, j = _gemm_phase(res_ptr, i, j, om, w_ring, x_ring, acc_s, w_full, w_empty, x_full, x_empty, M, ss_h,
                            h_ptr, nin_ptr + (layer + 1) * H, xn_ptr, ss_res, cs_ptr, q_ptr, kv, slot_ptr, eps, s_kv,
-                           s_kp, s_ks, s_kh, PAGE, I, H // BLOCK_N, RES, HALF, HQ, HKV, H, False, BLOCK_N, BLOCK_M, BLOCK_K, W_SLOTS,
-                           X_SLOTS, num_warps)
+                           s_kp, s_ks, s_kh, PAGE, I, H // BLOCK_N, RES, HALF, HQ, HKV, H, False, BLOCK_N, BLOCK_M,
+                           BLOCK_K, W_SLOTS, X_SLOTS, num_warps)
         _count(cnt_ptr, last)
 
 
@@ -563,8 +563,8 @@ def decode_layers(emb: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Te
     weights wqkv [L, (Hq + 2 Hkv) 128, H] (q, k, v heads in order), wo [L, H, Hq 128], wgu [L, 2I, H]
     (gate rows, then up rows), wd [L, H, I], n_in [L + 1, H] (each layer's input norm, then the
     final norm), n_post [L, H]. kv [L, 2, pages, page, Hkv, 128] (each layer's K, then V cache, any
-    strides but the last; this step's keys are written through slot_mapping). Returns the last residual [M, H] (the final
-    norm is left to the caller). w_slots, x_slots, attn_mode, kv_paged: the rings' slots,
+    strides but the last; this step's keys are written through slot_mapping). Returns the last
+    residual [M, H] (the final norm is left to the caller). w_slots, x_slots, attn_mode, kv_paged: the rings' slots,
     _attn_phase's ATTN and _kv_tiles' KV_PAGED (bench.decode_layers times them)."""
     M, H = emb.shape
     L, NQKV, _ = w["wqkv"].shape
