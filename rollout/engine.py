@@ -107,7 +107,11 @@ class RolloutEngine:
         p = self.pipeline
         graph_s = p.graphs.capture_s if p.graphs is not None else 0.0
         sch = self.scheduler
-        return {**self.metrics, **p.counts, "gpu_busy_ms": p.busy_ms, "graph_capture_s": graph_s,
+        extra = {}
+        if getattr(self.model, "decode_megakernel", False):     # waits inside the megakernel that gave up: 0 unless broken
+            from .kernels.decode_layers import counters
+            extra["megakernel_wait_timeouts"] = int(counters(self.device)[1].item())
+        return {**self.metrics, **p.counts, **extra, "gpu_busy_ms": p.busy_ms, "graph_capture_s": graph_s,
                 "preemptions": sch.num_preemptions, "swap_outs": sch.num_swap_outs,
                 "swapped_pages": sch.num_swapped_pages, "recomputed_tokens": sch.num_recomputed_tokens}
 
