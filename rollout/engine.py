@@ -108,7 +108,7 @@ class RolloutEngine:
         graph_s = p.graphs.capture_s if p.graphs is not None else 0.0
         sch = self.scheduler
         extra = {}
-        if getattr(self.model, "decode_megakernel", False):     # waits inside the megakernel that gave up: 0 unless broken
+        if getattr(self.model, "decode_megakernel", False):     # megakernel waits that gave up: 0 unless broken
             from .kernels.decode_layers import counters
             extra["megakernel_wait_timeouts"] = int(counters(self.device)[1].item())
         return {**self.metrics, **p.counts, **extra, "gpu_busy_ms": p.busy_ms, "graph_capture_s": graph_s,
