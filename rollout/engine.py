@@ -54,14 +54,16 @@ class RolloutEngine:
         attention_backend = resolve_backend(attention_backend, self.device.type)
         if batch_invariant:
             self._check_batch_invariant(attention_backend)
-        if pack_decode_weights:          # before the KV cache takes the free memory
-            self._pack_decode_weights(attention_backend, batch_invariant, max_num_seqs)
         if decode_megakernel:            # decode steps of <= 32 rows: every layer in one kernel
             if self.device.type != "cuda" or attention_backend != "triton" or batch_invariant:
                 raise ValueError("decode_megakernel=True needs the Triton kernels on a CUDA device "
                                  "(and not batch_invariant)")
+            if kv_dtype != torch.bfloat16:
+                raise ValueError(f"decode_megakernel=True needs a bfloat16 KV cache, got kv_dtype={kv_dtype}")
             from .kernels import sm_count
             model.use_decode_megakernel(sm_count(self.device))
+        if pack_decode_weights:          # before the KV cache takes the free memory
+            self._pack_decode_weights(attention_backend, batch_invariant, max_num_seqs)
         num_pages = self._size_kv(num_kv_pages, kv_cache_memory, page_size, kv_dtype, max_num_seqs,
                                   parameter_bytes(model) if reserve_memory == "weights" else reserve_memory)
         self.kv = KVCacheManager(num_pages, page_size)

@@ -543,6 +543,8 @@ def supported(hidden: int, intermediate: int, num_heads: int, num_kv_heads: int,
     """'' where the kernel takes this shape, else why not."""
     if head_dim != HEAD_DIM.value:
         return f"head_dim {head_dim} (needs {HEAD_DIM.value})"
+    if num_heads * head_dim != hidden:
+        return f"{num_heads} heads x {head_dim} != hidden {hidden}"
     if hidden % BLOCK_K or intermediate % BLOCK_K:
         return f"hidden {hidden} / intermediate {intermediate} not multiples of {BLOCK_K}"
     if num_heads % num_kv_heads or num_heads // num_kv_heads > ROWS.value:
