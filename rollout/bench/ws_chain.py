@@ -34,6 +34,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mbarrier, mma_v2
 
 from ..kernels import sm_count
+from ..kernels.decode_layers import rings  # noqa: F401  (ws_mlp, ws_layer import it from here)
+from ..kernels.decode_layers import wait_count as _wait_count
 from .__main__ import run_meta, write_json
 
 SPIN_LIMIT = 1 << 22     # counter polls before the x producer gives up (and counts it): no hang
@@ -54,41 +56,6 @@ def _w_producer(w_ptr, w_ring, w_full, w_empty, N, LAYERS, BLOCK_N: gl.constexpr
         async_copy.async_copy_global_to_shared(
             w_ring.index(s), ptrs + layer.to(gl.int64) * N * N + (i % k_tiles) * BLOCK_K)
         async_copy.mbarrier_arrive(w_full.index(s), increment_count=False)
-
-
-@gluon.jit
-def _wait_count(ptr, target, err_ptr, SPIN: gl.constexpr):
-    """Poll the counter at ptr (acquire) until it reaches target, or SPIN polls (then count it in err)."""
-    polls = 0
-    while (gl.atomic_add(ptr, 0, sem="acquire") < target) & (polls < SPIN):
-        polls += 1
-    if polls >= SPIN:
-        gl.atomic_add(err_ptr, 1)
-
-
-@gluon.jit
-def rings(W_SLOTS: gl.constexpr, X_SLOTS: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
-          BLOCK_K: gl.constexpr, W_WARPS: gl.constexpr, X_WARPS: gl.constexpr):
-    """The weight and x rings in shared memory (skinny_gemm's swizzle, so ldmatrix), the SiLU
-    epilogue's fp32 tile, and each ring's full / empty mbarriers: a slot is full once every
-    producer thread's copies have landed, empty after the consumers' one arrival (Gluon: a
-    partition barrier, then one thread)."""
-    smem: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 8, order=[1, 0])
-    w_ring = gl.allocate_shared_memory(gl.bfloat16, [W_SLOTS, BLOCK_N, BLOCK_K], smem)
-    x_ring = gl.allocate_shared_memory(gl.bfloat16, [X_SLOTS, BLOCK_M, BLOCK_K], smem)
-    acc_s = gl.allocate_shared_memory(gl.float32, [BLOCK_N, BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
-    bars: gl.constexpr = mbarrier.MBarrierLayout()
-    w_full = gl.allocate_shared_memory(gl.int64, [W_SLOTS, 1], bars)
-    w_empty = gl.allocate_shared_memory(gl.int64, [W_SLOTS, 1], bars)
-    x_full = gl.allocate_shared_memory(gl.int64, [X_SLOTS, 1], bars)
-    x_empty = gl.allocate_shared_memory(gl.int64, [X_SLOTS, 1], bars)
-    for s in gl.static_range(W_SLOTS):
-        mbarrier.init(w_full.index(s), count=W_WARPS * 32)
-        mbarrier.init(w_empty.index(s), count=1)
-    for s in gl.static_range(X_SLOTS):
-        mbarrier.init(x_full.index(s), count=X_WARPS * 32)
-        mbarrier.init(x_empty.index(s), count=1)
-    return w_ring, x_ring, acc_s, w_full, w_empty, x_full, x_empty
 
 
 @gluon.jit

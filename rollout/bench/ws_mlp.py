@@ -42,6 +42,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mbarrier, mma_v2
 
 from ..kernels import sm_count
+from ..kernels.decode_layers import count_phase as _count
+from ..kernels.decode_layers import x_tiles
 from .__main__ import run_meta, write_json
 from .ws_chain import SPIN_LIMIT, _wait_count, rings, time_row
 
@@ -93,24 +95,6 @@ def w_mlp_tiles(wo_ptr, wgu_ptr, wd_ptr, layer, i, r, rk, w_ring, w_full, w_empt
                 2 * I // BLOCK_N, I, BLOCK_N, BLOCK_K, SLOTS)
     return w_tiles(wd_ptr + layer.to(gl.int64) * H * I, i, r, rk, w_ring, w_full, w_empty, I, H // BLOCK_N, 0,
                    BLOCK_N, BLOCK_K, SLOTS)
-
-
-@gluon.jit
-def x_tiles(src, done, i, rm, rk, ok, x_ring, x_full, x_empty, cnt_ptr, err_ptr, K: gl.constexpr,
-            TILES: gl.constexpr, BLOCK_K: gl.constexpr, SLOTS: gl.constexpr, SPIN: gl.constexpr):
-    """Once all programs have counted `done` phases, copy the GEMM's input src [M, K] into the x
-    ring, K tile by K tile, once for each of this program's tiles (from L2: other SMs wrote it)."""
-    _wait_count(cnt_ptr, done * gl.num_programs(0), err_ptr, SPIN)
-    ptrs = src + rm[:, None] * K + rk[None, :]
-    for t in range(gl.program_id(0), TILES, gl.num_programs(0)):
-        for kt in range(K // BLOCK_K):
-            s = i % SLOTS
-            mbarrier.wait(x_empty.index(s), ((i // SLOTS) & 1) ^ 1)
-            async_copy.async_copy_global_to_shared(x_ring.index(s), ptrs + kt * BLOCK_K, mask=ok,
-                                                   cache_modifier=".cg")
-            async_copy.mbarrier_arrive(x_full.index(s), increment_count=False)
-            i += 1
-    return i
 
 
 @gluon.jit
@@ -215,15 +199,6 @@ def gemm_tiles(dst, i, j, om, w_ring, x_ring, acc_s, w_full, w_empty, x_full, x_
             gl.store(ss_out + t * BLOCK_M + om, gl.sum(yf * yf, axis=0))
         gl.store(dst + om[None, :] * S_DST + on[:, None], y, mask=m_ok)
     return i, j
-
-
-@gluon.jit
-def _count(cnt_ptr, last):
-    """This program has finished a phase (its stores before the release); the last arrival of the
-    launch (`last` = phases * programs - 1) zeroes the counter for the next launch."""
-    gl.thread_barrier()
-    if gl.atomic_add(cnt_ptr, 1, sem="release") == last:
-        gl.atomic_xchg(cnt_ptr, 0)
 
 
 @gluon.jit

@@ -50,7 +50,7 @@ ATTN_MODE = 2                               # _attn_phase: two key tiles an iter
 
 
 @gluon.jit
-def _wait_count(ptr, target, err_ptr, SPIN: gl.constexpr):
+def wait_count(ptr, target, err_ptr, SPIN: gl.constexpr):
     """Poll the counter at ptr (acquire) until it reaches target, or SPIN polls (then count it in err)."""
     polls = 0
     while (gl.atomic_add(ptr, 0, sem="acquire") < target) & (polls < SPIN):
@@ -60,12 +60,37 @@ def _wait_count(ptr, target, err_ptr, SPIN: gl.constexpr):
 
 
 @gluon.jit
-def _count(cnt_ptr, last):
+def count_phase(cnt_ptr, last):
     """This program has finished a phase (its stores before the release); the last arrival of the
     launch (`last` = phases * programs - 1) zeroes the counter for the next launch."""
     gl.thread_barrier()
     if gl.atomic_add(cnt_ptr, 1, sem="release") == last:
         gl.atomic_xchg(cnt_ptr, 0)
+
+
+@gluon.jit
+def rings(W_SLOTS: gl.constexpr, X_SLOTS: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
+          BLOCK_K: gl.constexpr, W_WARPS: gl.constexpr, X_WARPS: gl.constexpr):
+    """The weight and x rings in shared memory (skinny_gemm's swizzle, so ldmatrix), the SiLU /
+    RoPE epilogues' fp32 tile, and each ring's full / empty mbarriers: a slot is full once every
+    producer thread's copies have landed, empty after the consumers' one arrival (Gluon: a
+    partition barrier, then one thread). Also the benches' (bench.ws_chain, ws_mlp, ws_layer)."""
+    smem: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 8, order=[1, 0])
+    w_ring = gl.allocate_shared_memory(gl.bfloat16, [W_SLOTS, BLOCK_N, BLOCK_K], smem)
+    x_ring = gl.allocate_shared_memory(gl.bfloat16, [X_SLOTS, BLOCK_M, BLOCK_K], smem)
+    acc_s = gl.allocate_shared_memory(gl.float32, [BLOCK_N, BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
+    bars: gl.constexpr = mbarrier.MBarrierLayout()
+    w_full = gl.allocate_shared_memory(gl.int64, [W_SLOTS, 1], bars)
+    w_empty = gl.allocate_shared_memory(gl.int64, [W_SLOTS, 1], bars)
+    x_full = gl.allocate_shared_memory(gl.int64, [X_SLOTS, 1], bars)
+    x_empty = gl.allocate_shared_memory(gl.int64, [X_SLOTS, 1], bars)
+    for s in gl.static_range(W_SLOTS):
+        mbarrier.init(w_full.index(s), count=W_WARPS * 32)
+        mbarrier.init(w_empty.index(s), count=1)
+    for s in gl.static_range(X_SLOTS):
+        mbarrier.init(x_full.index(s), count=X_WARPS * 32)
+        mbarrier.init(x_empty.index(s), count=1)
+    return w_ring, x_ring, acc_s, w_full, w_empty, x_full, x_empty
 
 
 @gluon.jit
@@ -120,7 +145,7 @@ def _kv_issue(kv_ptr, pages, t, n_tiles, seq_len, head, i, r, col, w_ring, w_ful
         pos = t * BLOCK_N + r
         rows = pages.to(gl.int64) * s_kp + (pos % PAGE).to(gl.int64) * s_ks + head
         if t == n_tiles - 1:
-            _wait_count(cnt_ptr, qkv_done, err_ptr, SPIN)
+            wait_count(cnt_ptr, qkv_done, err_ptr, SPIN)
         s = i % SLOTS
         mbarrier.wait(w_empty.index(s), ((i // SLOTS) & 1) ^ 1)
         async_copy.async_copy_global_to_shared(w_ring.index(s), kv_ptr + rows[:, None] + col[None, :],
@@ -202,11 +227,11 @@ def _w_producer(wqkv_ptr, wo_ptr, wgu_ptr, wd_ptr, kv_ptr, bt_ptr, lens_ptr, w_r
 
 
 @gluon.jit
-def _x_tiles(src, done, j, rm, rk, ok, x_ring, x_full, x_empty, cnt_ptr, err_ptr, K: gl.constexpr,
+def x_tiles(src, done, j, rm, rk, ok, x_ring, x_full, x_empty, cnt_ptr, err_ptr, K: gl.constexpr,
              TILES: gl.constexpr, BLOCK_K: gl.constexpr, SLOTS: gl.constexpr, SPIN: gl.constexpr):
     """Once all programs have counted `done` phases, copy the GEMM's input src [M, K] into the x
     ring, K tile by K tile, once for each of this program's tiles (from L2: other SMs wrote it)."""
-    _wait_count(cnt_ptr, done * gl.num_programs(0), err_ptr, SPIN)
+    wait_count(cnt_ptr, done * gl.num_programs(0), err_ptr, SPIN)
     ptrs = src + rm[:, None] * K + rk[None, :]
     for t in range(gl.program_id(0), TILES, gl.num_programs(0)):
         for kt in range(K // BLOCK_K):
@@ -229,13 +254,13 @@ def _x_producer(xn_ptr, attn_ptr, hn_ptr, a_ptr, x_ring, x_full, x_empty, cnt_pt
     ok = (rm[:, None] < M) & (rk[None, :] < BLOCK_K)
     j = 0
     for layer in range(LAYERS):    # each input is ready once every program counted the phases before it
-        j = _x_tiles(xn_ptr, PH * layer, j, rm, rk, ok, x_ring, x_full, x_empty, cnt_ptr, err_ptr, H,
+        j = x_tiles(xn_ptr, PH * layer, j, rm, rk, ok, x_ring, x_full, x_empty, cnt_ptr, err_ptr, H,
                      NQKV // BLOCK_N, BLOCK_K, SLOTS, SPIN)
-        j = _x_tiles(attn_ptr, PH * layer + 2, j, rm, rk, ok, x_ring, x_full, x_empty, cnt_ptr, err_ptr, H,
+        j = x_tiles(attn_ptr, PH * layer + 2, j, rm, rk, ok, x_ring, x_full, x_empty, cnt_ptr, err_ptr, H,
                      H // BLOCK_N, BLOCK_K, SLOTS, SPIN)
-        j = _x_tiles(hn_ptr, PH * layer + 3, j, rm, rk, ok, x_ring, x_full, x_empty, cnt_ptr, err_ptr, H,
+        j = x_tiles(hn_ptr, PH * layer + 3, j, rm, rk, ok, x_ring, x_full, x_empty, cnt_ptr, err_ptr, H,
                      2 * I // BLOCK_N, BLOCK_K, SLOTS, SPIN)
-        j = _x_tiles(a_ptr, PH * layer + 4, j, rm, rk, ok, x_ring, x_full, x_empty, cnt_ptr, err_ptr, I,
+        j = x_tiles(a_ptr, PH * layer + 4, j, rm, rk, ok, x_ring, x_full, x_empty, cnt_ptr, err_ptr, I,
                      H // BLOCK_N, BLOCK_K, SLOTS, SPIN)
 
 
@@ -436,28 +461,28 @@ def _consumer(xn_ptr, q_ptr, attn_ptr, hn_ptr, a_ptr, res_ptr, h_ptr, ss_ptr, cs
                            res_ptr, nin_ptr, q_ptr, ss_h, cs_ptr, q_ptr, kv, slot_ptr, eps, s_kv, s_kp, s_ks, s_kh,
                            PAGE, H, NQKV // BLOCK_N, ROPE, HALF, HQ, HKV, H, True, BLOCK_N, BLOCK_M, BLOCK_K, W_SLOTS,
                            X_SLOTS, num_warps)
-        _count(cnt_ptr, last)
-        _wait_count(cnt_ptr, (PH * layer + 1) * P, err_ptr, SPIN)       # every q and new key is stored
+        count_phase(cnt_ptr, last)
+        wait_count(cnt_ptr, (PH * layer + 1) * P, err_ptr, SPIN)       # every q and new key is stored
         i = _attn_phase(q_ptr, attn_ptr, lens_ptr, i, w_ring, w_full, w_empty, M, scale_log2, HQ, HKV, BLOCK_N,
                         W_SLOTS, ATTN, num_warps)
-        _count(cnt_ptr, last)
+        count_phase(cnt_ptr, last)
         # o_proj: h = res + attn @ Wo.T, hn = h * n_post, h's sums of squares
         i, j = _gemm_phase(h_ptr, i, j, om, w_ring, x_ring, acc_s, w_full, w_empty, x_full, x_empty, M, ss_res,
                            res_ptr, npost_ptr + layer * H, hn_ptr, ss_h, cs_ptr, q_ptr, kv, slot_ptr, eps, s_kv, s_kp,
                            s_ks, s_kh, PAGE, H, H // BLOCK_N, RES, HALF, HQ, HKV, H, False, BLOCK_N, BLOCK_M, BLOCK_K,
                            W_SLOTS, X_SLOTS, num_warps)
-        _count(cnt_ptr, last)
+        count_phase(cnt_ptr, last)
         i, j = _gemm_phase(a_ptr, i, j, om, w_ring, x_ring, acc_s, w_full, w_empty, x_full, x_empty, M, ss_h,
                            res_ptr, nin_ptr, q_ptr, ss_h, cs_ptr, q_ptr, kv, slot_ptr, eps, s_kv, s_kp, s_ks, s_kh,
                            PAGE, H, 2 * I // BLOCK_N, SILU, I, HQ, HKV, I, True, BLOCK_N, BLOCK_M, BLOCK_K, W_SLOTS,
                            X_SLOTS, num_warps)
-        _count(cnt_ptr, last)
+        count_phase(cnt_ptr, last)
         # down: res = h + a @ Wd.T, xn = res * n_in[layer + 1] (the final norm's weight after the last), sums
         i, j = _gemm_phase(res_ptr, i, j, om, w_ring, x_ring, acc_s, w_full, w_empty, x_full, x_empty, M, ss_h,
                            h_ptr, nin_ptr + (layer + 1) * H, xn_ptr, ss_res, cs_ptr, q_ptr, kv, slot_ptr, eps, s_kv,
                            s_kp, s_ks, s_kh, PAGE, I, H // BLOCK_N, RES, HALF, HQ, HKV, H, False, BLOCK_N, BLOCK_M,
                            BLOCK_K, W_SLOTS, X_SLOTS, num_warps)
-        _count(cnt_ptr, last)
+        count_phase(cnt_ptr, last)
 
 
 @gluon.jit
@@ -469,21 +494,8 @@ def _decode_layers_kernel(xn_ptr, q_ptr, attn_ptr, hn_ptr, a_ptr, res_ptr, h_ptr
                           X_SLOTS: gl.constexpr, SPIN: gl.constexpr, W_WARPS: gl.constexpr, ATTN: gl.constexpr,
                           KV_PAGED: gl.constexpr, num_warps: gl.constexpr):
     NQKV: gl.constexpr = (HQ + 2 * HKV) * HEAD_DIM
-    smem: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 8, order=[1, 0])
-    w_ring = gl.allocate_shared_memory(gl.bfloat16, [W_SLOTS, BLOCK_N, BLOCK_K], smem)
-    x_ring = gl.allocate_shared_memory(gl.bfloat16, [X_SLOTS, BLOCK_M, BLOCK_K], smem)
-    acc_s = gl.allocate_shared_memory(gl.float32, [BLOCK_N, BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
-    bars: gl.constexpr = mbarrier.MBarrierLayout()
-    w_full = gl.allocate_shared_memory(gl.int64, [W_SLOTS, 1], bars)
-    w_empty = gl.allocate_shared_memory(gl.int64, [W_SLOTS, 1], bars)
-    x_full = gl.allocate_shared_memory(gl.int64, [X_SLOTS, 1], bars)
-    x_empty = gl.allocate_shared_memory(gl.int64, [X_SLOTS, 1], bars)
-    for s in gl.static_range(W_SLOTS):     # full: every producer thread's copies landed; empty: the consumers' arrival
-        mbarrier.init(w_full.index(s), count=W_WARPS * 32)
-        mbarrier.init(w_empty.index(s), count=1)
-    for s in gl.static_range(X_SLOTS):
-        mbarrier.init(x_full.index(s), count=32)
-        mbarrier.init(x_empty.index(s), count=1)
+    w_ring, x_ring, acc_s, w_full, w_empty, x_full, x_empty = rings(W_SLOTS, X_SLOTS, BLOCK_N, BLOCK_M, BLOCK_K,
+                                                                    W_WARPS, 1)
     gl.warp_specialize([
         (_consumer, (xn_ptr, q_ptr, attn_ptr, hn_ptr, a_ptr, res_ptr, h_ptr, ss_ptr, cs_ptr, nin_ptr, npost_ptr, kv_ptr,
                      slot_ptr, lens_ptr, eps, scale_log2, w_ring, x_ring, acc_s, w_full, w_empty, x_full, x_empty,
