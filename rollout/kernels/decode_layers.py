@@ -542,7 +542,9 @@ _counters: dict = {}
 
 def counters(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(phase counter, timed-out waits) of a device: zeroed int32s the kernel keeps (the counter is
-    zero again after every launch; err counts waits that gave up, 0 unless something is wrong)."""
+    zero again after every launch; err counts waits that gave up, 0 unless something is wrong).
+    One counter a device: two megakernels must not run at once on one GPU (one engine's steps are
+    serial on its compute stream; two engines stepping concurrently on one GPU would share it)."""
     key = (device.type, device.index)
     if key not in _counters:
         _counters[key] = (torch.zeros(1, dtype=torch.int32, device=device),
