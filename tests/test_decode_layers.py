@@ -104,3 +104,38 @@ def test_engine_refuses_the_megakernel_on_cpu(model_dir):
     with pytest.raises(ValueError, match="decode_megakernel=True needs the Triton kernels on a CUDA"):
         RolloutEngine(eng.model, eng.hf_config, max_model_len=64, num_kv_pages=16, decode_megakernel=True)
     assert eng.model.decode_weights is None and not eng.model.decode_megakernel
+
+
+def test_forward_takes_the_megakernel_for_decode_steps_of_at_most_32_rows(monkeypatch):
+    """DecoderLM's fused path calls decode_layers (here a stand-in returning a known residual) for
+    decode-only steps of <= 32 rows and returns the final norm of what it returns; steps with more
+    rows or a prefill chunk take the launches."""
+    from rollout.attention import AttentionMetadata
+    from rollout.kernels import decode_layers as dl
+    from rollout.kernels.fused_ops import add_rmsnorm
+    model = _llama()
+    model.use_decode_megakernel(num_sms=132)
+    calls = []
+
+    def stand_in(emb, *a, **k):
+        calls.append(emb.shape[0])
+        return torch.full_like(emb, 0.5) + torch.arange(emb.shape[1], dtype=emb.dtype) / emb.shape[1]
+    monkeypatch.setattr(dl, "decode_layers", stand_in)
+    pool = torch.zeros(2, 2, 8, 16, 2, 128, dtype=torch.bfloat16)
+    kv = [(p[0], p[1]) for p in pool]
+
+    def meta(rows, decode_only):
+        return AttentionMetadata(slot_mapping=torch.arange(rows) + 16,
+                                 block_tables=torch.ones(rows, 1, dtype=torch.int32),
+                                 seq_lens=torch.ones(rows, dtype=torch.int32),
+                                 query_start_loc=torch.arange(rows + 1, dtype=torch.int32), seq_lens_host=[1] * rows,
+                                 query_start_host=list(range(rows + 1)), page_size=16, backend="triton",
+                                 decode_only=decode_only)
+    with torch.no_grad():
+        out = model(torch.zeros(32, dtype=torch.long), torch.zeros(32, dtype=torch.long), kv, meta(32, True))
+        want = add_rmsnorm(stand_in(torch.zeros(32, 512, dtype=torch.bfloat16)), model.norm.weight, model.norm.eps)[0]
+        assert calls == [32, 32] and torch.equal(out, want)
+        calls.clear()
+        model(torch.zeros(3, dtype=torch.long), torch.zeros(3, dtype=torch.long), kv, meta(3, False))
+        model(torch.zeros(33, dtype=torch.long), torch.zeros(33, dtype=torch.long), kv, meta(33, True))
+        assert calls == []
