@@ -8,8 +8,11 @@ boundary: per program (H / 32 programs, one per SM, all resident), a weight prod
 weight tile and K / V tile the program will read, layer after layer, through one shared-memory
 ring and never waits for data; an x producer copies each phase's input once every program has
 finished the phase before (one counter in global memory); the consumer warps multiply (mma.sync)
-and run the epilogues. bench.ws_layer timed these bytes at +4.6 points of the roofline over the
-launches (nineteenth session).
+and run the epilogues. bench.ws_layer timed these bytes at +4.6 points of the roofline over its own
+launches of them (nineteenth session), which are ~0.2 ms a step slower than the engine's.
+Measured (bench/results/README.md, twentieth session): correct, at parity with the launches in the
+decode graphs at P1's mean context, 2.1 points slower end to end (P1 80.0% against 82.1%), so off
+by default.
 
 Per layer, five phases (PH), with the RMSNorms folded away:
   0. QKV = xn @ Wqkv.T, scaled by 1 / rms per row, where xn = res * n_in (the norm's weight times
