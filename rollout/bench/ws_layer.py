@@ -51,7 +51,7 @@ def _w_producer(wqkv_ptr, wo_ptr, wgu_ptr, wd_ptr, kv_ptr, w_ring, w_full, w_emp
     i = 0
     for layer in range(LAYERS):
         i = w_tiles(wqkv_ptr + layer.to(gl.int64) * NQKV * H, i, r, rk, w_ring, w_full, w_empty, H, NQKV // BLOCK_N,
-                    0, BLOCK_N, BLOCK_K, SLOTS)
+                    0, 0, BLOCK_N, BLOCK_K, SLOTS)
         # this program's share of the layer's K/V: KV_CHUNKS contiguous tile-sized chunks
         base = kv_ptr + ((layer * gl.num_programs(0) + gl.program_id(0)) * KV_CHUNKS).to(gl.int64) * BLOCK_N * BLOCK_K
         for c in range(KV_CHUNKS):

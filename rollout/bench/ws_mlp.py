@@ -39,38 +39,16 @@ import sys
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import async_copy, mbarrier, mma_v2
+from triton.experimental.gluon.language.nvidia.ampere import mbarrier, mma_v2
 
 from ..kernels import sm_count
 from ..kernels.decode_layers import count_phase as _count
-from ..kernels.decode_layers import x_tiles
+from ..kernels.decode_layers import SILU, w_tiles, x_tiles
 from .__main__ import run_meta, write_json
 from .ws_chain import SPIN_LIMIT, _wait_count, rings, time_row
 
 BLOCK_N, BLOCK_K, BLOCK_M = 32, 256, 32
 EPS = 1e-5
-
-
-@gluon.jit
-def w_tiles(base, i, r, rk, w_ring, w_full, w_empty, K: gl.constexpr, TILES: gl.constexpr, SILU_I: gl.constexpr,
-            BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, SLOTS: gl.constexpr):
-    """Stream this program's weight tiles of one GEMM (base: its [rows, K] weight; tiles t = program,
-    + programs, ...) into the ring, K tile by K tile; slot use i counts on across phases. SILU_I: a
-    fused gate_up weight (I gate rows, then I up rows): a tile is BLOCK_N / 2 gate rows and their up
-    rows (skinny_gemm.gate_up_rows)."""
-    for t in range(gl.program_id(0), TILES, gl.num_programs(0)):
-        if SILU_I:
-            rows = t * (BLOCK_N // 2) + r % (BLOCK_N // 2) + (r >= BLOCK_N // 2).to(gl.int32) * SILU_I
-        else:
-            rows = t * BLOCK_N + r
-        ptrs = base + rows.to(gl.int64)[:, None] * K + rk[None, :]
-        for kt in range(K // BLOCK_K):
-            s = i % SLOTS
-            mbarrier.wait(w_empty.index(s), ((i // SLOTS) & 1) ^ 1)      # a fresh slot passes at once
-            async_copy.async_copy_global_to_shared(w_ring.index(s), ptrs + kt * BLOCK_K)
-            async_copy.mbarrier_arrive(w_full.index(s), increment_count=False)
-            i += 1
-    return i
 
 
 @gluon.jit
@@ -89,11 +67,11 @@ def _w_producer(wo_ptr, wgu_ptr, wd_ptr, w_ring, w_full, w_empty, LAYERS, H: gl.
 def w_mlp_tiles(wo_ptr, wgu_ptr, wd_ptr, layer, i, r, rk, w_ring, w_full, w_empty, H: gl.constexpr, I: gl.constexpr,
                 BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, SLOTS: gl.constexpr):
     """w_tiles of one layer's o_proj [L, H, H], gate_up [L, 2I, H] and down [L, H, I], in order."""
-    i = w_tiles(wo_ptr + layer.to(gl.int64) * H * H, i, r, rk, w_ring, w_full, w_empty, H, H // BLOCK_N, 0,
+    i = w_tiles(wo_ptr + layer.to(gl.int64) * H * H, i, r, rk, w_ring, w_full, w_empty, H, H // BLOCK_N, 0, 0,
                 BLOCK_N, BLOCK_K, SLOTS)
     i = w_tiles(wgu_ptr + layer.to(gl.int64) * 2 * I * H, i, r, rk, w_ring, w_full, w_empty, H,
-                2 * I // BLOCK_N, I, BLOCK_N, BLOCK_K, SLOTS)
-    return w_tiles(wd_ptr + layer.to(gl.int64) * H * I, i, r, rk, w_ring, w_full, w_empty, I, H // BLOCK_N, 0,
+                2 * I // BLOCK_N, SILU, I, BLOCK_N, BLOCK_K, SLOTS)
+    return w_tiles(wd_ptr + layer.to(gl.int64) * H * I, i, r, rk, w_ring, w_full, w_empty, I, H // BLOCK_N, 0, 0,
                    BLOCK_N, BLOCK_K, SLOTS)
 
 

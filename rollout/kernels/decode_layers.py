@@ -111,10 +111,11 @@ def _w_rows(t, r, MODE: gl.constexpr, HALF: gl.constexpr, BLOCK_N: gl.constexpr)
 
 
 @gluon.jit
-def _w_tiles(base, i, r, rk, w_ring, w_full, w_empty, K: gl.constexpr, TILES: gl.constexpr, MODE: gl.constexpr,
+def w_tiles(base, i, r, rk, w_ring, w_full, w_empty, K: gl.constexpr, TILES: gl.constexpr, MODE: gl.constexpr,
              HALF: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, SLOTS: gl.constexpr):
     """Stream this program's weight tiles of one GEMM (base: its [rows, K] weight; tiles program,
-    + programs, ...) into the ring, K tile by K tile; i counts slot uses across phases."""
+    + programs, ...; rows by _w_rows' MODE) into the ring, K tile by K tile; i counts slot uses
+    across phases. Also the benches' (bench.ws_mlp, ws_layer)."""
     for t in range(gl.program_id(0), TILES, gl.num_programs(0)):
         rows = _w_rows(t, r, MODE, HALF, BLOCK_N)
         ptrs = base + rows.to(gl.int64)[:, None] * K + rk[None, :]
@@ -216,16 +217,16 @@ def _w_producer(wqkv_ptr, wo_ptr, wgu_ptr, wd_ptr, kv_ptr, bt_ptr, lens_ptr, w_r
     P = gl.num_programs(0)
     i = 0
     for layer in range(LAYERS):
-        i = _w_tiles(wqkv_ptr + layer.to(gl.int64) * NQKV * H, i, r, rk, w_ring, w_full, w_empty, H, NQKV // BLOCK_N,
+        i = w_tiles(wqkv_ptr + layer.to(gl.int64) * NQKV * H, i, r, rk, w_ring, w_full, w_empty, H, NQKV // BLOCK_N,
                      ROPE, HEAD_DIM // 2, BLOCK_N, BLOCK_K, SLOTS)
         i = _kv_tiles(kv_ptr + layer.to(gl.int64) * s_kl, bt_ptr, lens_ptr, i, r, rk, w_ring, w_full, w_empty,
                       cnt_ptr, err_ptr, (PH * layer + 1) * P, B, s_kv, s_kp, s_ks, s_kh, s_bt, HKV, PAGE, BLOCK_N,
                       SLOTS, SPIN, KV_PAGED)
-        i = _w_tiles(wo_ptr + layer.to(gl.int64) * H * H, i, r, rk, w_ring, w_full, w_empty, H, H // BLOCK_N, 0, 0,
+        i = w_tiles(wo_ptr + layer.to(gl.int64) * H * H, i, r, rk, w_ring, w_full, w_empty, H, H // BLOCK_N, 0, 0,
                      BLOCK_N, BLOCK_K, SLOTS)
-        i = _w_tiles(wgu_ptr + layer.to(gl.int64) * 2 * I * H, i, r, rk, w_ring, w_full, w_empty, H,
+        i = w_tiles(wgu_ptr + layer.to(gl.int64) * 2 * I * H, i, r, rk, w_ring, w_full, w_empty, H,
                      2 * I // BLOCK_N, SILU, I, BLOCK_N, BLOCK_K, SLOTS)
-        i = _w_tiles(wd_ptr + layer.to(gl.int64) * H * I, i, r, rk, w_ring, w_full, w_empty, I, H // BLOCK_N, 0, 0,
+        i = w_tiles(wd_ptr + layer.to(gl.int64) * H * I, i, r, rk, w_ring, w_full, w_empty, I, H // BLOCK_N, 0, 0,
                      BLOCK_N, BLOCK_K, SLOTS)
 
 
