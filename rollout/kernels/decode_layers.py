@@ -40,6 +40,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mbarrier, mma_v2
 
+from .gluon_decode import key_scores, softmax_step
 from .rope_kv import PRECISE, cos_sin
 
 BLOCK_N, BLOCK_K, BLOCK_M = 32, 256, 32     # weight rows a tile, K a tile, rows (sequences) at most
@@ -371,12 +372,6 @@ def _kv_slot(w_ring, w_full, w_empty, i, b_op: gl.constexpr, W_SLOTS: gl.constex
 
 
 @gluon.jit
-def _scores(q, k_t, n0, seq_len, cols, scale_log2, mma: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr):
-    s = mma_v2(q, k_t, gl.zeros([ROWS, BLOCK_N], gl.float32, mma)) * scale_log2
-    return gl.where(((n0 + cols) < seq_len)[None, :], s, float("-inf"))
-
-
-@gluon.jit
 def _attn_phase(q_ptr, attn_ptr, lens_ptr, i, w_ring, w_full, w_empty, B, scale_log2, HQ: gl.constexpr,
                 HKV: gl.constexpr, BLOCK_N: gl.constexpr, W_SLOTS: gl.constexpr, ATTN: gl.constexpr,
                 num_warps: gl.constexpr):
@@ -414,8 +409,8 @@ def _attn_phase(q_ptr, attn_ptr, lens_ptr, i, w_ring, w_full, w_empty, B, scale_
             for t in range(n_tiles // 2):
                 k_a, v_a = _kv_slot(w_ring, w_full, w_empty, i, b_op, W_SLOTS)
                 k_b, v_b = _kv_slot(w_ring, w_full, w_empty, i + 1, b_op, W_SLOTS)
-                s_a = _scores(q, k_a, 2 * t * BLOCK_N, seq_len, cols, scale_log2, mma, ROWS, BLOCK_N)
-                s_b = _scores(q, k_b, (2 * t + 1) * BLOCK_N, seq_len, cols, scale_log2, mma, ROWS, BLOCK_N)
+                s_a = key_scores(q, k_a, 2 * t * BLOCK_N, seq_len, cols, scale_log2, mma, ROWS, BLOCK_N)
+                s_b = key_scores(q, k_b, (2 * t + 1) * BLOCK_N, seq_len, cols, scale_log2, mma, ROWS, BLOCK_N)
                 m_new = gl.maximum(m_i, gl.max(gl.maximum(s_a, s_b), 1))
                 p_a = gl.exp2(s_a - m_new[:, None])
                 p_b = gl.exp2(s_b - m_new[:, None])
@@ -427,13 +422,9 @@ def _attn_phase(q_ptr, attn_ptr, lens_ptr, i, w_ring, w_full, w_empty, B, scale_
                 i += 2
         for t in range((n_tiles // 2) * 2 if ATTN == 2 else (0 if ATTN == 1 else n_tiles), n_tiles):
             k_t, v_t = _kv_slot(w_ring, w_full, w_empty, i, b_op, W_SLOTS)
-            s = _scores(q, k_t, t * BLOCK_N, seq_len, cols, scale_log2, mma, ROWS, BLOCK_N)
-            m_new = gl.maximum(m_i, gl.max(s, 1))
-            p_ = gl.exp2(s - m_new[:, None])
-            alpha = gl.exp2(m_i - m_new)
-            l_cols = l_cols * alpha[:, None] + p_
+            s = key_scores(q, k_t, t * BLOCK_N, seq_len, cols, scale_log2, mma, ROWS, BLOCK_N)
+            m_i, p_, alpha, l_cols = softmax_step(s, m_i, l_cols)
             acc = mma_v2(gl.convert_layout(p_.to(gl.bfloat16), a_op), v_t, acc * alpha[:, None])
-            m_i = m_new
             i += 1
         l_i = gl.sum(l_cols, 1)
         o = acc / gl.where(l_i > 0.0, l_i, 1.0)[:, None]         # no keys (a padding row): 0

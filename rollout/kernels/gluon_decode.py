@@ -60,6 +60,25 @@ def _issue_tile(k_ring, v_ring, slot, k_ptr, v_ptr, pages, n0, rows, dims, end, 
 
 
 @gluon.jit
+def key_scores(q, k_t, n0, end, cols, scale_log2, mma: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr):
+    """q . k of keys n0 + cols, in the log2 domain; keys at or past `end` -inf."""
+    s = mma_v2(q, k_t, gl.zeros([ROWS, BLOCK_N], gl.float32, mma)) * scale_log2
+    return gl.where(((n0 + cols) < end)[None, :], s, float("-inf"))
+
+
+@gluon.jit
+def softmax_step(s, m_i, l_cols):
+    """One key tile of the online softmax over scores s: (new running max, the tile's weights p,
+    the factor alpha that rescales what came before, per-column row sums). The caller adds
+    p @ V to its accumulator scaled by alpha. Also kernels.decode_layers'."""
+    m_new = gl.maximum(m_i, gl.max(s, 1))
+    m_use = gl.where(m_new == float("-inf"), 0.0, m_new)   # all-masked row: no NaN from -inf - -inf
+    p = gl.exp2(s - m_use[:, None])
+    alpha = gl.exp2(m_i - m_use)
+    return m_new, p, alpha, l_cols * alpha[:, None] + p
+
+
+@gluon.jit
 def _gluon_decode_split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, po_ptr, plse_ptr, sm_scale_log2,
                                s_qb, s_qh, s_kp, s_ks, s_kh, s_vp, s_vs, s_bt, s_ob, s_oh,
                                GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, PAGE_SIZE: gl.constexpr,
@@ -115,16 +134,10 @@ def _gluon_decode_split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, p
         async_copy.wait_group(STAGES - 1)
         slot = t % STAGES
         k_t = k_ring.index(slot).permute((1, 0)).load(b_op)
-        s = mma_v2(q, k_t, gl.zeros([ROWS, BLOCK_N], gl.float32, mma)) * sm_scale_log2
-        s = gl.where(((start + t * BLOCK_N + cols) < end)[None, :], s, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, 1))
-        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)   # all-masked row: no NaN from -inf - -inf
-        p = gl.exp2(s - m_use[:, None])
-        alpha = gl.exp2(m_i - m_use)
-        l_cols = l_cols * alpha[:, None] + p
+        s = key_scores(q, k_t, start + t * BLOCK_N, end, cols, sm_scale_log2, mma, ROWS, BLOCK_N)
+        m_i, p, alpha, l_cols = softmax_step(s, m_i, l_cols)
         v_t = v_ring.index(slot).load(b_op)
         acc = mma_v2(gl.convert_layout(p.to(gl.bfloat16), a_op), v_t, acc * alpha[:, None])
-        m_i = m_new
     async_copy.wait_group(0)                   # the zero-filled tail copies, before the program exits
 
     l_i = gl.sum(l_cols, 1)
