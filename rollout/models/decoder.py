@@ -336,7 +336,6 @@ class DecoderLM(nn.Module):
         (`silu_in_gate_up`, `rope_in_qkv`). Decode steps of at most 32 rows run every layer in
         one kernel where `use_decode_megakernel` was called."""
         from ..kernels.fused_ops import add_rmsnorm
-        norms = [layer.input_layernorm for layer in self.layers] + [self.norm]
         residual = self.embed_tokens(input_ids)
         if self.decode_megakernel and meta.decode_only and input_ids.shape[0] <= 32:
             from ..kernels.decode_layers import decode_layers, stacked_kv
@@ -346,6 +345,7 @@ class DecoderLM(nn.Module):
                                      attn.num_heads)
             return add_rmsnorm(residual, self.norm.weight, self.norm.eps)[0]
         linear = self._linear()
+        norms = [layer.input_layernorm for layer in self.layers] + [self.norm]
         h, _ = add_rmsnorm(residual, norms[0].weight, norms[0].eps)
         for i, (layer, kv) in enumerate(zip(self.layers, kv_caches)):
             a = layer.self_attn.attend_fused(h, positions, self.inv_freq, kv, meta, linear, self.rope_in_qkv)
