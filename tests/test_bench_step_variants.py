@@ -91,3 +91,39 @@ def test_apply_parses_the_timing_bound_knobs_and_base_undoes_them(monkeypatch):
     finally:
         pdl.set_late(())
         decoder.add_norm_of_linear = defaults["add_norm"]
+
+
+@pytest.mark.parametrize("order", ["interleaved", "shuffled"])
+def test_relayout_pages_moves_the_kv_and_keeps_the_tokens(model_dir, tiny_tokenizer, order):
+    """The bench times P1's page order by moving each sequence's pages: the KV must move with
+    them (the greedy tokens after the move equal a run without it), the pages in use become
+    1..n in the asked order, and nothing leaks."""
+    from hf_reference import random_prompts
+    from rollout import RolloutEngine, SamplingParams
+
+    prompts = random_prompts(tiny_tokenizer, 4, 40, 40, seed=3)
+    greedy = SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True)
+
+    def run(relayout):
+        eng = RolloutEngine.from_pretrained(model_dir("llama"), device="cpu", dtype="float32", max_model_len=128,
+                                            page_size=16, num_kv_pages=64, seed=0)
+        eng.add_requests(prompts, greedy)
+        for _ in range(4):                       # prefill, then a few decode steps
+            eng.step()
+        tables = None
+        if relayout:
+            before = [list(s.block_table) for s in eng.scheduler.running]
+            step_variants.relayout_pages(eng, order)
+            tables = [list(s.block_table) for s in eng.scheduler.running]
+            in_use = sorted(p for t in tables for p in t)
+            assert tables != before and in_use == list(range(1, 1 + len(in_use)))
+            if order == "interleaved":           # sequence i's page j is page 1 + j * B + i
+                assert all(t[j] == 1 + j * len(tables) + i for i, t in enumerate(tables) for j in range(len(t)))
+        outs = []
+        while eng.has_unfinished():
+            outs += eng.step()
+        assert eng.kv.alloc.num_used == 0
+        return sorted((o.request_id, o.completions[0].token_ids) for o in outs), tables
+
+    moved, tables = run(True)
+    assert moved == run(False)[0]

@@ -34,6 +34,9 @@ def main(argv=None):
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--kv-layout", nargs="+", default=["token"], choices=["token", "head"],
                     help="a page's rows token-major [page, Hkv, D] (the engine's) or head-major [Hkv, page, D]")
+    ap.add_argument("--pages", nargs="+", default=["random"], choices=["random", "ordered", "interleaved"],
+                    help="each sequence's pages: a random order, one run (as a prefill leaves them), or "
+                         "B pages apart (as sequences decoding in step take them)")
     ap.add_argument("--variants", nargs="+", default=["1,6,4", "2,6,4", "0,6,4"], help="ATTN,W_SLOTS,X_SLOTS[,PAGED]")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -54,11 +57,11 @@ def main(argv=None):
     per_seq = -(-C // page)
     pages = B * per_seq + 1
     kv_store = torch.empty(L, 2, pages, page * Hkv * D, device="cuda", dtype=torch.bfloat16).normal_(generator=g)
-    order = torch.randperm(pages - 1, device="cuda", generator=g) + 1          # page 0: the trash page
-    block_tables = order.view(B, per_seq).to(torch.int32)
     seq_lens = torch.full((B,), C, dtype=torch.int32, device="cuda")
     pos = seq_lens.long() - 1
-    slots = block_tables[torch.arange(B, device="cuda"), pos // page].long() * page + pos % page
+    ids = torch.arange(1, pages, device="cuda")          # page 0: the trash page
+    tables = dict(random=(torch.randperm(pages - 1, device="cuda", generator=g) + 1).view(B, per_seq),
+                  ordered=ids.view(B, per_seq), interleaved=ids.view(per_seq, B).t())
     emb = rnd(B, H)
     inv_freq = 1.0 / (500000.0 ** (torch.arange(0, D, 2, device="cuda").float() / D))
     nbytes = sum(w[k].numel() * 2 for k in ("wqkv", "wo", "wgu", "wd")) + L * 2 * B * C * Hkv * D * 2
@@ -66,8 +69,10 @@ def main(argv=None):
     print(f"{torch.cuda.get_device_name()}: {L} layers, batch {B}, context {C}: {nbytes / 1e9:.2f} GB, "
           f"{nbytes / ROOFLINE_TBPS / 1e9:.3f} ms at {ROOFLINE_TBPS} TB/s", flush=True)
     rows = []
-    for layout, v in [(lay, v) for lay in args.kv_layout for v in args.variants]:
+    for order, layout, v in [(o, lay, v) for o in args.pages for lay in args.kv_layout for v in args.variants]:
         attn, ws, xs, paged = (tuple(int(x) for x in v.split(",")) + (1,))[:4]
+        block_tables = tables[order].contiguous().to(torch.int32)
+        slots = block_tables[torch.arange(B, device="cuda"), pos // page].long() * page + pos % page
         kv = (kv_store.view(L, 2, pages, page, Hkv, D) if layout == "token" else
               kv_store.view(L, 2, pages, Hkv, page, D).transpose(3, 4))
 
@@ -80,12 +85,13 @@ def main(argv=None):
             print(f"{v}: failed: {type(e).__name__}: {e}"[:400], flush=True)
             rows.append(dict(variant=v, error=f"{type(e).__name__}: {e}"[:300]))
             continue
-        row = dict(variant=v, kv_layout=layout, attn_mode=attn, w_slots=ws, x_slots=xs, kv_paged=bool(paged), ms=ms,
+        row = dict(variant=v, pages=order, kv_layout=layout, attn_mode=attn, w_slots=ws, x_slots=xs,
+                   kv_paged=bool(paged), ms=ms,
                    TBps=nbytes / ms / 1e9,
                    fraction_of_roofline=nbytes / ROOFLINE_TBPS / 1e9 / ms, counter_after=int(cnt.item()),
                    wait_timeouts=int(err.item()))
         rows.append(row)
-        print(f"{layout:5s} {v:10s} {ms:.3f} ms {row['TBps']:.2f} TB/s "
+        print(f"{order:11s} {layout:5s} {v:10s} {ms:.3f} ms {row['TBps']:.2f} TB/s "
               f"{100 * row['fraction_of_roofline']:5.1f}% of roofline  counter {row['counter_after']} "
               f"timeouts {row['wait_timeouts']}", flush=True)
     write_json(dict(layers=L, batch=B, context=C, hidden=H, intermediate=I, heads=Hq, kv_heads=Hkv, bytes=nbytes,

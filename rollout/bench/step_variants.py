@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import time
 
 import torch
 
@@ -143,6 +144,41 @@ def apply(eng, variant: str, defaults: dict) -> None:
     recapture_graphs(eng)
 
 
+def relayout_pages(eng, order: str, seed: int = 0) -> None:
+    """Move every running sequence's KV pages to a new physical order (data copied, block tables
+    rewritten, so the tokens stay right). The prefill leaves each sequence's pages in one run;
+    a long generation does not: sequences decoding in step take their next pages in turn, so
+    P1's pages past the prompt are `interleaved`, one sequence's neighbours B pages apart.
+    `shuffled`: a random order. The pages in use become 1..n; the free list is the rest, in
+    order, so the timed steps' new pages follow the same rule as P1's."""
+    eng.drain()                                  # nothing in flight reads or writes the pages
+    seqs = list(eng.scheduler.running)
+    alloc = eng.kv.alloc
+    old = [p for s in seqs for p in s.block_table]
+    assert all(alloc.refcount[p] == 1 for p in old), "shared pages: relayout is for n = 1 batches"
+    slots = [(i, j) for j in range(max(len(s.block_table) for s in seqs)) for i, s in enumerate(seqs)
+             if j < len(s.block_table)] if order == "interleaved" else \
+            [(i, j) for i, s in enumerate(seqs) for j in range(len(s.block_table))]
+    ids = list(range(1, len(old) + 1))
+    if order == "shuffled":
+        ids = [ids[k] for k in torch.randperm(len(ids), generator=torch.Generator().manual_seed(seed))]
+    tables = [list(s.block_table) for s in seqs]
+    src, dst = [], []
+    for (i, j), new in zip(slots, ids):
+        src.append(tables[i][j])
+        dst.append(new)
+        seqs[i].block_table[j] = new
+    src, dst = (torch.tensor(x, device=eng.runner.kv_pool.device) for x in (src, dst))
+    for layer in eng.runner.kv_pool:             # one layer at a time: the copy is [2, n, ...]
+        layer[:, dst] = layer[:, src]            # advanced indexing reads the source first
+    for s in seqs:
+        s.table_version += 1
+    alloc.refcount[:] = [0] * alloc.num_pages
+    for p in ids:
+        alloc.refcount[p] = 1
+    alloc._free = type(alloc._free)(range(len(ids) + 1, alloc.num_pages))
+
+
 def vs_base(rows: list[dict]) -> None:
     """Give each timed non-base row `vs_base`: its roofline fraction minus the mean of the nearest
     timed `base` rows before and after it (one side where only one exists). Alternating base
@@ -165,6 +201,8 @@ def main(argv=None):
     ap.add_argument("--context", type=int, default=4352)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--variants", nargs="+", default=["base", "wait_first", "rope_token", "base"])
+    ap.add_argument("--pages", default="prefilled", choices=["prefilled", "interleaved", "shuffled"],
+                    help="the KV pages' physical order for the timed steps (relayout_pages)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -175,6 +213,8 @@ def main(argv=None):
     eng = decoding_engine(cfg, B, C, len(args.variants) * (K + 5) + 64)   # + the prefill phase's headroom
     p = eng.pipeline
     step_until_decoding(eng, B)
+    if args.pages != "prefilled":
+        relayout_pages(eng, args.pages)
     from ..kernels import paged_decode, rope_kv, skinny_gemm
     defaults = dict(rope=rope_kv.Q_HEADS_PER_PROGRAM, table=dict(skinny_gemm._LLAMA3_8B),
                     packed_table=dict(skinny_gemm._LLAMA3_8B_PACKED),
@@ -202,7 +242,7 @@ def main(argv=None):
         step_ms = (p.busy_ms - busy0) / max(steps, 1)
         roof_ms = 1e3 * step_time_s(sizes, B, ctx0 + steps / 2)
         rows.append(dict(variant=v, steps=steps, mean_context=ctx0 + steps / 2, step_ms=step_ms,
-                         roofline_step_ms=roof_ms, fraction=roof_ms / step_ms))
+                         roofline_step_ms=roof_ms, fraction=roof_ms / step_ms, unix_time_end=time.time()))
         print(f"{v:45s} {step_ms:7.3f} ms/step  {100 * roof_ms / step_ms:5.1f}% of roofline", flush=True)
     vs_base(rows)
     print("\n| variant | mean context | ms/step | roofline ms | fraction | vs base |\n|---|---|---|---|---|---|")
@@ -213,7 +253,7 @@ def main(argv=None):
         delta = f"{100 * r['vs_base']:+.1f}" if "vs_base" in r else ""
         print(f"| {r['variant']} | {r['mean_context']:.0f} | {r['step_ms']:.3f} | {r['roofline_step_ms']:.3f} | "
               f"{100 * r['fraction']:.1f}% | {delta} |")
-    write_json(dict(shape=args.shape, batch=B, context=C, rows=rows,
+    write_json(dict(shape=args.shape, batch=B, context=C, pages=args.pages, rows=rows,
                     meta=run_meta("rollout.bench.step_variants", argv)), args.out)
 
 
