@@ -37,6 +37,7 @@ def main(argv=None):
     ap.add_argument("--pages", nargs="+", default=["random"], choices=["random", "ordered", "interleaved"],
                     help="each sequence's pages: a random order, one run (as a prefill leaves them), or "
                          "B pages apart (as sequences decoding in step take them)")
+    ap.add_argument("--page-size", nargs="+", type=int, default=[16], help="tokens a KV page (the engine's: 16)")
     ap.add_argument("--variants", nargs="+", default=["1,6,4", "2,6,4", "0,6,4"], help="ATTN,W_SLOTS,X_SLOTS[,PAGED]")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -46,7 +47,7 @@ def main(argv=None):
     from ..kernels.decode_layers import counters, decode_layers
     from .gemm import graph_time_us
     L, B, H, I, C = args.layers, args.batch, args.hidden, args.intermediate, args.context
-    Hq, Hkv, D, page = args.heads, args.kv_heads, 128, 16
+    Hq, Hkv, D = args.heads, args.kv_heads, 128
     g = torch.Generator(device="cuda").manual_seed(0)
 
     def rnd(*shape, scale=1.0):
@@ -54,14 +55,8 @@ def main(argv=None):
     w = dict(wqkv=rnd(L, (Hq + 2 * Hkv) * D, H, scale=H ** -0.5), wo=rnd(L, H, H, scale=H ** -0.5),
              wgu=rnd(L, 2 * I, H, scale=H ** -0.5), wd=rnd(L, H, I, scale=I ** -0.5),
              n_in=1 + rnd(L + 1, H, scale=0.1), n_post=1 + rnd(L, H, scale=0.1))
-    per_seq = -(-C // page)
-    pages = B * per_seq + 1
-    kv_store = torch.empty(L, 2, pages, page * Hkv * D, device="cuda", dtype=torch.bfloat16).normal_(generator=g)
     seq_lens = torch.full((B,), C, dtype=torch.int32, device="cuda")
     pos = seq_lens.long() - 1
-    ids = torch.arange(1, pages, device="cuda")          # page 0: the trash page
-    tables = dict(random=(torch.randperm(pages - 1, device="cuda", generator=g) + 1).view(B, per_seq),
-                  ordered=ids.view(B, per_seq), interleaved=ids.view(per_seq, B).t())
     emb = rnd(B, H)
     inv_freq = 1.0 / (500000.0 ** (torch.arange(0, D, 2, device="cuda").float() / D))
     nbytes = sum(w[k].numel() * 2 for k in ("wqkv", "wo", "wgu", "wd")) + L * 2 * B * C * Hkv * D * 2
@@ -69,7 +64,18 @@ def main(argv=None):
     print(f"{torch.cuda.get_device_name()}: {L} layers, batch {B}, context {C}: {nbytes / 1e9:.2f} GB, "
           f"{nbytes / ROOFLINE_TBPS / 1e9:.3f} ms at {ROOFLINE_TBPS} TB/s", flush=True)
     rows = []
-    for order, layout, v in [(o, lay, v) for o in args.pages for lay in args.kv_layout for v in args.variants]:
+    kv_store, page = None, None
+    for page_size, order, layout, v in [(ps, o, lay, v) for ps in args.page_size for o in args.pages
+                                        for lay in args.kv_layout for v in args.variants]:
+        if page != page_size:
+            page, kv_store = page_size, None          # one cache at a time: each is P1's 18 GB
+            per_seq = -(-C // page)
+            pages = B * per_seq + 1
+            kv_store = torch.empty(L, 2, pages, page * Hkv * D, device="cuda", dtype=torch.bfloat16)
+            kv_store.normal_(generator=g)
+            ids = torch.arange(1, pages, device="cuda")          # page 0: the trash page
+            tables = dict(random=(torch.randperm(pages - 1, device="cuda", generator=g) + 1).view(B, per_seq),
+                          ordered=ids.view(B, per_seq), interleaved=ids.view(per_seq, B).t())
         attn, ws, xs, paged = (tuple(int(x) for x in v.split(",")) + (1,))[:4]
         block_tables = tables[order].contiguous().to(torch.int32)
         slots = block_tables[torch.arange(B, device="cuda"), pos // page].long() * page + pos % page
@@ -85,13 +91,13 @@ def main(argv=None):
             print(f"{v}: failed: {type(e).__name__}: {e}"[:400], flush=True)
             rows.append(dict(variant=v, error=f"{type(e).__name__}: {e}"[:300]))
             continue
-        row = dict(variant=v, pages=order, kv_layout=layout, attn_mode=attn, w_slots=ws, x_slots=xs,
+        row = dict(variant=v, page_size=page, pages=order, kv_layout=layout, attn_mode=attn, w_slots=ws, x_slots=xs,
                    kv_paged=bool(paged), ms=ms,
                    TBps=nbytes / ms / 1e9,
                    fraction_of_roofline=nbytes / ROOFLINE_TBPS / 1e9 / ms, counter_after=int(cnt.item()),
                    wait_timeouts=int(err.item()))
         rows.append(row)
-        print(f"{order:11s} {layout:5s} {v:10s} {ms:.3f} ms {row['TBps']:.2f} TB/s "
+        print(f"page {page:3d} {order:11s} {layout:5s} {v:10s} {ms:.3f} ms {row['TBps']:.2f} TB/s "
               f"{100 * row['fraction_of_roofline']:5.1f}% of roofline  counter {row['counter_after']} "
               f"timeouts {row['wait_timeouts']}", flush=True)
     write_json(dict(layers=L, batch=B, context=C, hidden=H, intermediate=I, heads=Hq, kv_heads=Hkv, bytes=nbytes,

@@ -132,12 +132,6 @@ def w_tiles(base, i, r, rk, w_ring, w_full, w_empty, K: gl.constexpr, TILES: gl.
 @gluon.jit
 def _pages(bt_ptr, row, pos, seq_len, PAGE: gl.constexpr):
     """The page of each key pos (0, the trash page, past the sequence: never read as data)."""
-    return gl.load(bt_ptr + row + pos // PAGE, mask=pos < seq_len, other=0).to(gl.int64)
-
-
-@gluon.jit
-def _pages(bt_ptr, row, pos, seq_len, PAGE: gl.constexpr):
-    """The page of each key pos (0, the trash page, past the sequence: never read as data)."""
     return gl.load(bt_ptr + row + pos // PAGE, mask=pos < seq_len, other=0)
 
 
