@@ -84,7 +84,7 @@ def main(argv=None):
 
         def call():
             decode_layers(emb, pos, inv_freq, w, kv, block_tables, seq_lens, slots, 1e-5, D ** -0.5, Hq,
-                          w_slots=ws, x_slots=xs, attn_mode=attn, kv_paged=bool(paged))
+                          w_slots=ws, x_slots=xs, attn_mode=attn, kv_paged=paged)
         try:
             ms = graph_time_us(lambda i: call(), 1) / 1e3
         except Exception as e:
@@ -92,7 +92,7 @@ def main(argv=None):
             rows.append(dict(variant=v, error=f"{type(e).__name__}: {e}"[:300]))
             continue
         row = dict(variant=v, page_size=page, pages=order, kv_layout=layout, attn_mode=attn, w_slots=ws, x_slots=xs,
-                   kv_paged=bool(paged), ms=ms,
+                   kv_paged=paged, ms=ms,
                    TBps=nbytes / ms / 1e9,
                    fraction_of_roofline=nbytes / ROOFLINE_TBPS / 1e9 / ms, counter_after=int(cnt.item()),
                    wait_timeouts=int(err.item()))

@@ -130,19 +130,27 @@ def w_tiles(base, i, r, rk, w_ring, w_full, w_empty, K: gl.constexpr, TILES: gl.
 
 
 @gluon.jit
-def _pages(bt_ptr, row, pos, seq_len, PAGE: gl.constexpr):
-    """The page of each key pos (0, the trash page, past the sequence: never read as data)."""
+def _pages(bt_ptr, row, pos, seq_len, PAGE: gl.constexpr, KV_PAGED: gl.constexpr):
+    """The page of each key pos (0, the trash page, past the sequence: never read as data).
+    KV_PAGED 3, a timing bound: no lookup, the page a block table in order would hold."""
+    if KV_PAGED == 3:
+        return gl.where(pos < seq_len, row + 1 + pos // PAGE, 0)
     return gl.load(bt_ptr + row + pos // PAGE, mask=pos < seq_len, other=0)
 
 
 @gluon.jit
 def _kv_issue(kv_ptr, pages, t, n_tiles, seq_len, head, i, r, col, w_ring, w_full, w_empty, cnt_ptr, err_ptr, qkv_done,
-              s_kp, s_ks, PAGE: gl.constexpr, BLOCK_N: gl.constexpr, SLOTS: gl.constexpr, SPIN: gl.constexpr):
+              s_kp, s_ks, p, PAGE: gl.constexpr, BLOCK_N: gl.constexpr, SLOTS: gl.constexpr, SPIN: gl.constexpr,
+              KV_PAGED: gl.constexpr):
     """Copy key tile t (if the sequence has it) into the next ring slot; the tile holding the
-    step's own key first waits until every program has finished the QKV phase (it wrote that key)."""
+    step's own key first waits until every program has finished the QKV phase (it wrote that key).
+    KV_PAGED 2, a timing bound: the pages looked up and waited for, the addresses KV_PAGED 0's."""
     if t < n_tiles:
         pos = t * BLOCK_N + r
-        rows = pages.to(gl.int64) * s_kp + (pos % PAGE).to(gl.int64) * s_ks + head
+        if KV_PAGED == 2:
+            rows = ((p.to(gl.int64) * n_tiles + t) * BLOCK_N + r + (pages < 0).to(gl.int64)) * HEAD_DIM
+        else:
+            rows = pages.to(gl.int64) * s_kp + (pos % PAGE).to(gl.int64) * s_ks + head
         if t == n_tiles - 1:
             wait_count(cnt_ptr, qkv_done, err_ptr, SPIN)
         s = i % SLOTS
@@ -164,7 +172,9 @@ def _kv_tiles(kv_ptr, bt_ptr, lens_ptr, i, r, rk, w_ring, w_full, w_empty, cnt_p
     tile's copy, so tiles go in groups of four whose pages were looked up a group early (written
     out, not a rotation of registers, which would wait for the newest lookup every tile).
     KV_PAGED 0, a timing bound (wrong output): each pair's keys read as if its pages were
-    consecutive and its head's rows contiguous (bench.ws_layer's stream), no lookups."""
+    consecutive and its head's rows contiguous (bench.ws_layer's stream), no lookups. 2 and 3
+    split that bound: the lookups without their addresses (_kv_issue), the addresses without
+    the lookups (_pages)."""
     col = (rk % HEAD_DIM).to(gl.int64) + (rk >= HEAD_DIM).to(gl.int64) * s_kv
     for p in range(gl.program_id(0), B * HKV, gl.num_programs(0)):
         b = p // HKV
@@ -173,30 +183,34 @@ def _kv_tiles(kv_ptr, bt_ptr, lens_ptr, i, r, rk, w_ring, w_full, w_empty, cnt_p
         n_tiles = (seq_len + BLOCK_N - 1) // BLOCK_N
         row = b * s_bt
         if KV_PAGED:
-            n0 = _pages(bt_ptr, row, r, seq_len, PAGE)
-            n1 = _pages(bt_ptr, row, r + BLOCK_N, seq_len, PAGE)
-            n2 = _pages(bt_ptr, row, r + 2 * BLOCK_N, seq_len, PAGE)
-            n3 = _pages(bt_ptr, row, r + 3 * BLOCK_N, seq_len, PAGE)
+            n0 = _pages(bt_ptr, row, r, seq_len, PAGE, KV_PAGED)
+            n1 = _pages(bt_ptr, row, r + BLOCK_N, seq_len, PAGE, KV_PAGED)
+            n2 = _pages(bt_ptr, row, r + 2 * BLOCK_N, seq_len, PAGE, KV_PAGED)
+            n3 = _pages(bt_ptr, row, r + 3 * BLOCK_N, seq_len, PAGE, KV_PAGED)
             for g in range((n_tiles + 3) // 4):
                 c0, c1, c2, c3 = n0, n1, n2, n3
                 base = (4 * g + 4) * BLOCK_N + r
-                n0 = _pages(bt_ptr, row, base, seq_len, PAGE)
-                n1 = _pages(bt_ptr, row, base + BLOCK_N, seq_len, PAGE)
-                n2 = _pages(bt_ptr, row, base + 2 * BLOCK_N, seq_len, PAGE)
-                n3 = _pages(bt_ptr, row, base + 3 * BLOCK_N, seq_len, PAGE)
+                n0 = _pages(bt_ptr, row, base, seq_len, PAGE, KV_PAGED)
+                n1 = _pages(bt_ptr, row, base + BLOCK_N, seq_len, PAGE, KV_PAGED)
+                n2 = _pages(bt_ptr, row, base + 2 * BLOCK_N, seq_len, PAGE, KV_PAGED)
+                n3 = _pages(bt_ptr, row, base + 3 * BLOCK_N, seq_len, PAGE, KV_PAGED)
                 i = _kv_issue(kv_ptr, c0, 4 * g, n_tiles, seq_len, head, i, r, col, w_ring, w_full, w_empty, cnt_ptr,
-                              err_ptr, qkv_done, s_kp, s_ks, PAGE, BLOCK_N, SLOTS, SPIN)
+                              err_ptr, qkv_done, s_kp, s_ks, p, PAGE, BLOCK_N, SLOTS, SPIN,
+                              KV_PAGED)
                 i = _kv_issue(kv_ptr, c1, 4 * g + 1, n_tiles, seq_len, head, i, r, col, w_ring, w_full, w_empty,
-                              cnt_ptr, err_ptr, qkv_done, s_kp, s_ks, PAGE, BLOCK_N, SLOTS, SPIN)
+                              cnt_ptr, err_ptr, qkv_done, s_kp, s_ks, p, PAGE, BLOCK_N, SLOTS, SPIN,
+                              KV_PAGED)
                 i = _kv_issue(kv_ptr, c2, 4 * g + 2, n_tiles, seq_len, head, i, r, col, w_ring, w_full, w_empty,
-                              cnt_ptr, err_ptr, qkv_done, s_kp, s_ks, PAGE, BLOCK_N, SLOTS, SPIN)
+                              cnt_ptr, err_ptr, qkv_done, s_kp, s_ks, p, PAGE, BLOCK_N, SLOTS, SPIN,
+                              KV_PAGED)
                 i = _kv_issue(kv_ptr, c3, 4 * g + 3, n_tiles, seq_len, head, i, r, col, w_ring, w_full, w_empty,
-                              cnt_ptr, err_ptr, qkv_done, s_kp, s_ks, PAGE, BLOCK_N, SLOTS, SPIN)
+                              cnt_ptr, err_ptr, qkv_done, s_kp, s_ks, p, PAGE, BLOCK_N, SLOTS, SPIN,
+                              KV_PAGED)
         else:
             for t in range(n_tiles):       # (p * n_tiles + t) * BLOCK_N "pages" of one key, head rows contiguous
                 i = _kv_issue(kv_ptr, (p.to(gl.int64) * n_tiles + t) * BLOCK_N + r, t, n_tiles, seq_len, 0, i,
-                              r, col, w_ring, w_full, w_empty, cnt_ptr, err_ptr, qkv_done, HEAD_DIM, 0,
-                              PAGE, BLOCK_N, SLOTS, SPIN)
+                              r, col, w_ring, w_full, w_empty, cnt_ptr, err_ptr, qkv_done, HEAD_DIM, 0, p,
+                              PAGE, BLOCK_N, SLOTS, SPIN, 1)
     return i
 
 
@@ -562,7 +576,7 @@ def supported(hidden: int, intermediate: int, num_heads: int, num_kv_heads: int,
 def decode_layers(emb: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, w: dict, kv: torch.Tensor,
                   block_tables: torch.Tensor, seq_lens: torch.Tensor, slot_mapping: torch.Tensor, eps: float,
                   scale: float, num_heads: int, w_slots: int = W_SLOTS, x_slots: int = X_SLOTS,
-                  attn_mode: int = ATTN_MODE, kv_paged: bool = True) -> torch.Tensor:
+                  attn_mode: int = ATTN_MODE, kv_paged: int = 1) -> torch.Tensor:
     """All decoder layers of a decode step (one token per row; rows = sequences, M <= 32) in two
     launches: the prologue and the megakernel. emb [M, H] bf16: the step's embeddings. w: stacked
     weights wqkv [L, (Hq + 2 Hkv) 128, H] (q, k, v heads in order), wo [L, H, Hq 128], wgu [L, 2I, H]
@@ -596,7 +610,7 @@ def decode_layers(emb: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Te
         kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3), kv.stride(4), block_tables.stride(0), H=H, I=I,
         HQ=num_heads,
         HKV=Hkv, PAGE=page, BLOCK_N=BLOCK_N, BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K, W_SLOTS=w_slots, X_SLOTS=x_slots,
-        SPIN=SPIN_LIMIT, W_WARPS=4, ATTN=attn_mode, KV_PAGED=kv_paged, num_warps=4)
+        SPIN=SPIN_LIMIT, W_WARPS=4, ATTN=attn_mode, KV_PAGED=int(kv_paged), num_warps=4)
     return res
 
 
