@@ -98,17 +98,27 @@ def graph_us(chain, layers: int, replays: int, repeats: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def make_layers(B: int, ctx: int, L: int, ps: int, Hkv: int, D: int, ordered: bool, seed: int = 0):
+def make_layers(B: int, ctx: int, L: int, ps: int, Hkv: int, D: int, pages_order: str, layout: str = "token",
+                seed: int = 0):
     """L (k_cache, v_cache) pairs and one block table [B, ctx / ps] (the same for every layer,
-    as in the engine: one table, a cache per layer)."""
+    as in the engine: one table, a cache per layer). pages_order: ordered (each sequence's pages
+    one run), interleaved (B apart, as sequences decoding in step take them) or shuffled. layout:
+    token (the engine's [pages, ps, Hkv, D]) or slab (stored [Hkv, pages, ps, D]: a KV head's pages
+    in one slab, so a sequence's pages in order are one contiguous run a head; passed as the
+    [pages, ps, Hkv, D] view the kernels take)."""
     g = torch.Generator().manual_seed(seed)
     per_seq = -(-ctx // ps)
     pages = B * per_seq + 1
-    order = torch.arange(1, pages) if ordered else torch.randperm(pages - 1, generator=g) + 1
-    bt = order.view(B, per_seq).int().cuda()
-    caches = [tuple(torch.randn(pages, ps, Hkv, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-              for _ in range(L)]
-    return caches, bt
+    ids = torch.arange(1, pages)
+    bt = dict(ordered=ids.view(B, per_seq), interleaved=ids.view(per_seq, B).t(),
+              shuffled=(torch.randperm(pages - 1, generator=g) + 1).view(B, per_seq))[pages_order]
+    bt = bt.contiguous().int().cuda()
+
+    def cache():
+        if layout == "slab":
+            return torch.randn(Hkv, pages, ps, D, device="cuda", dtype=torch.bfloat16).permute(1, 2, 0, 3)
+        return torch.randn(pages, ps, Hkv, D, device="cuda", dtype=torch.bfloat16)
+    return [(cache(), cache()) for _ in range(L)], bt
 
 
 def main(argv=None):
@@ -120,8 +130,11 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--configs", nargs="+", default=["2,64,4,2", "4,64,4,2", "2,64,4,3", "2,128,8,2"],
-                    help="NS,BLOCK_N,WARPS,STAGES")
-    ap.add_argument("--pages", nargs="+", choices=["shuffled", "ordered"], default=["shuffled", "ordered"])
+                    help="NS,BLOCK_N,WARPS,STAGES (Triton's kernel), or gluon: the Gluon kernel at the engine's tile")
+    ap.add_argument("--pages", nargs="+", choices=["shuffled", "ordered", "interleaved"],
+                    default=["shuffled", "ordered"])
+    ap.add_argument("--layout", nargs="+", choices=["token", "slab"], default=["token"],
+                    help="KV pages [pages, ps, Hkv, D] (the engine's) or a slab a KV head (make_layers)")
     ap.add_argument("--read-grid", nargs="+", type=int, default=[2, 4, 8], help="read kernel programs per SM")
     ap.add_argument("--read-stages", nargs="+", type=int, default=[2, 4])
     ap.add_argument("--read-pre", nargs="+", type=int, default=[0],
@@ -151,15 +164,15 @@ def main(argv=None):
 
     q0 = torch.randn(B, Hq, D, device="cuda", dtype=torch.bfloat16)
     lens = torch.full((B,), ctx, dtype=torch.int32, device="cuda")
-    for pages in args.pages:
-        caches, bt = make_layers(B, ctx, L, ps, Hkv, D, pages == "ordered")
+    for layout, pages in itertools.product(args.layout, args.pages):
+        caches, bt = make_layers(B, ctx, L, ps, Hkv, D, pages, layout)
         meta = AttentionMetadata(slot_mapping=None, block_tables=bt, seq_lens=lens,
                                  query_start_loc=torch.arange(B + 1, dtype=torch.int32, device="cuda"),
                                  seq_lens_host=[ctx] * B, query_start_host=list(range(B + 1)), page_size=ps)
         ref = paged_attention_ref(q0.float(), caches[0][0].float(), caches[0][1].float(), meta, scale)
         for cfg in args.configs:
-            ns, bn, w, st = (int(x) for x in cfg.split(","))
-            kw = dict(block_n=bn, num_warps=w, num_stages=st)
+            ns, bn, w, st = (1, 0, 0, 0) if cfg == "gluon" else (int(x) for x in cfg.split(","))
+            kw = dict(gluon=True) if cfg == "gluon" else dict(block_n=bn, num_warps=w, num_stages=st)
             outs = [torch.empty_like(q0) for _ in range(L)]
 
             def chain(ns=ns, kw=kw, outs=outs):
@@ -169,12 +182,11 @@ def main(argv=None):
             try:
                 out0 = paged_decode_attention(q0, *caches[0], bt, lens, scale, None, ns, **kw)
                 err = (out0.float() - ref).abs().max()
-                report(f"ours {pages} ns={ns} bn={bn} w={w} st={st}",
-                       graph_us(chain, L, args.replays, args.repeats),
-                       pages=pages, config=cfg, max_err=err.item())
+                report(f"ours {layout} {pages} {cfg}", graph_us(chain, L, args.replays, args.repeats),
+                       layout=layout, pages=pages, config=cfg, max_err=err.item())
             except Exception as e:       # e.g. out of shared memory: report, go on
                 print(f"  ours {pages} {cfg}: {type(e).__name__}: {e}"[:200])
-        if pages == args.pages[0]:
+        if pages == args.pages[0] and layout == args.layout[0]:
             sums = torch.empty(max(args.read_grid) * sms, dtype=torch.float32, device="cuda")
             for per_sm, st, blk, pre in itertools.product(args.read_grid, args.read_stages, args.read_block,
                                                           args.read_pre):

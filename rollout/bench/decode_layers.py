@@ -32,8 +32,9 @@ def main(argv=None):
     ap.add_argument("--intermediate", type=int, default=14336)
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--kv-heads", type=int, default=8)
-    ap.add_argument("--kv-layout", nargs="+", default=["token"], choices=["token", "head"],
-                    help="a page's rows token-major [page, Hkv, D] (the engine's) or head-major [Hkv, page, D]")
+    ap.add_argument("--kv-layout", nargs="+", default=["token"], choices=["token", "head", "slab"],
+                    help="a page's rows token-major [page, Hkv, D] (the engine's) or head-major [Hkv, page, D], "
+                         "or each KV head's pages in a slab of their own [Hkv, pages, page, D]")
     ap.add_argument("--pages", nargs="+", default=["random"], choices=["random", "ordered", "interleaved"],
                     help="each sequence's pages: a random order, one run (as a prefill leaves them), or "
                          "B pages apart (as sequences decoding in step take them)")
@@ -80,7 +81,8 @@ def main(argv=None):
         block_tables = tables[order].contiguous().to(torch.int32)
         slots = block_tables[torch.arange(B, device="cuda"), pos // page].long() * page + pos % page
         kv = (kv_store.view(L, 2, pages, page, Hkv, D) if layout == "token" else
-              kv_store.view(L, 2, pages, Hkv, page, D).transpose(3, 4))
+              kv_store.view(L, 2, pages, Hkv, page, D).transpose(3, 4) if layout == "head" else
+              kv_store.view(L, 2, Hkv, pages, page, D).permute(0, 1, 3, 4, 2, 5))
 
         def call():
             return decode_layers(emb, pos, inv_freq, w, kv, block_tables, seq_lens, slots, 1e-5, D ** -0.5, Hq,
