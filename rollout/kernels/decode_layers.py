@@ -139,18 +139,26 @@ def _pages(bt_ptr, row, pos, seq_len, PAGE: gl.constexpr, KV_PAGED: gl.constexpr
 
 
 @gluon.jit
-def _kv_issue(kv_ptr, pages, t, n_tiles, seq_len, head, i, r, col, w_ring, w_full, w_empty, cnt_ptr, err_ptr, qkv_done,
-              s_kp, s_ks, p, PAGE: gl.constexpr, BLOCK_N: gl.constexpr, SLOTS: gl.constexpr, SPIN: gl.constexpr,
-              KV_PAGED: gl.constexpr):
+def _kv_issue(kv_ptr, pages, t, n_tiles, seq_len, head, roff, i, r, col, w_ring, w_full, w_empty, cnt_ptr, err_ptr,
+              qkv_done, s_kp, s_ks, p, PAGE: gl.constexpr, BLOCK_N: gl.constexpr, SLOTS: gl.constexpr,
+              SPIN: gl.constexpr, KV_PAGED: gl.constexpr):
     """Copy key tile t (if the sequence has it) into the next ring slot; the tile holding the
     step's own key first waits until every program has finished the QKV phase (it wrote that key).
-    KV_PAGED 2, a timing bound: the pages looked up and waited for, the addresses KV_PAGED 0's."""
+    A row's address is its page's plus roff, its offset in the page, computed once a pair: the
+    per-row modulo and 64-bit multiplies every tile nearly doubled a tile's instructions, which
+    the producer's warps issue one after another between copies.
+    KV_PAGED 2, a timing bound: the pages looked up and waited for, the addresses KV_PAGED 0's.
+    KV_PAGED 4: each row's offset computed every tile, as before (the same bits)."""
     if t < n_tiles:
         pos = t * BLOCK_N + r
         if KV_PAGED == 2:
             rows = ((p.to(gl.int64) * n_tiles + t) * BLOCK_N + r + (pages < 0).to(gl.int64)) * HEAD_DIM
-        else:
+        elif KV_PAGED == 4:
             rows = pages.to(gl.int64) * s_kp + (pos % PAGE).to(gl.int64) * s_ks + head
+        elif PAGE > BLOCK_N:         # the tile is one slice of its page
+            rows = pages.to(gl.int64) * s_kp + roff + (t % (PAGE // BLOCK_N)).to(gl.int64) * (BLOCK_N * s_ks)
+        else:
+            rows = pages.to(gl.int64) * s_kp + roff
         if t == n_tiles - 1:
             wait_count(cnt_ptr, qkv_done, err_ptr, SPIN)
         s = i % SLOTS
@@ -163,20 +171,9 @@ def _kv_issue(kv_ptr, pages, t, n_tiles, seq_len, head, i, r, col, w_ring, w_ful
 
 
 @gluon.jit
-def _header(bt_ptr, lens_ptr, b, r, s_bt, PAGE: gl.constexpr, BLOCK_N: gl.constexpr):
-    """Sequence b's length and its first four key tiles' pages, bounded by the block table's width
-    rather than the length, so the lookups need not wait for it (pages past the length are never read)."""
-    cap = s_bt * PAGE
-    row = b * s_bt
-    return (gl.load(lens_ptr + b), _pages(bt_ptr, row, r, cap, PAGE, 1),
-            _pages(bt_ptr, row, r + BLOCK_N, cap, PAGE, 1), _pages(bt_ptr, row, r + 2 * BLOCK_N, cap, PAGE, 1),
-            _pages(bt_ptr, row, r + 3 * BLOCK_N, cap, PAGE, 1))
-
-
-@gluon.jit
 def _kv_tiles(kv_ptr, bt_ptr, lens_ptr, i, r, rk, w_ring, w_full, w_empty, cnt_ptr, err_ptr, qkv_done, B,
-              s_kv, s_kp, s_ks, s_kh, s_bt, len_h, h0, h1, h2, h3, HKV: gl.constexpr, PAGE: gl.constexpr,
-              BLOCK_N: gl.constexpr, SLOTS: gl.constexpr, SPIN: gl.constexpr, KV_PAGED: gl.constexpr):
+              s_kv, s_kp, s_ks, s_kh, s_bt, HKV: gl.constexpr, PAGE: gl.constexpr, BLOCK_N: gl.constexpr,
+              SLOTS: gl.constexpr, SPIN: gl.constexpr, KV_PAGED: gl.constexpr):
     """Stream the K and V of this program's (sequence, KV head) pairs, BLOCK_N keys a slot (K in
     columns 0-127, V in 128-255; keys past the sequence zero-filled). Old keys do not wait for the
     QKV phase (_kv_issue). This is the SM's only K / V stream and a block-table lookup outlasts a
@@ -185,27 +182,23 @@ def _kv_tiles(kv_ptr, bt_ptr, lens_ptr, i, r, rk, w_ring, w_full, w_empty, cnt_p
     KV_PAGED 0, a timing bound (wrong output): each pair's keys read as if its pages were
     consecutive and its head's rows contiguous (bench.ws_layer's stream), no lookups. 2 and 3
     split that bound: the lookups without their addresses (_kv_issue), the addresses without
-    the lookups (_pages). KV_PAGED 4: as 1, with each pair's length and first lookups made
-    ahead (the first pair's while the QKV weights stream, the next pair's while this one does)."""
+    the lookups (_pages); 4 is the default with _kv_issue's old per-row address math."""
     col = (rk % HEAD_DIM).to(gl.int64) + (rk >= HEAD_DIM).to(gl.int64) * s_kv
     for p in range(gl.program_id(0), B * HKV, gl.num_programs(0)):
         b = p // HKV
         head = (p % HKV) * s_kh
-        row = b * s_bt
-        if KV_PAGED == 4:       # the header came from the caller (first pair) or the pair before
-            seq_len = len_h
-            n0, n1, n2, n3 = h0, h1, h2, h3
-            nxt = gl.minimum((p + gl.num_programs(0)) // HKV, B - 1)
-            len_h, h0, h1, h2, h3 = _header(bt_ptr, lens_ptr, nxt, r, s_bt, PAGE, BLOCK_N)
-        else:
-            seq_len = gl.load(lens_ptr + b)
+        seq_len = gl.load(lens_ptr + b)
         n_tiles = (seq_len + BLOCK_N - 1) // BLOCK_N
-        if KV_PAGED != 4 and KV_PAGED != 0:
+        row = b * s_bt
+        if PAGE <= BLOCK_N:     # a row's offset in its page (KV_PAGED 0 and 2 do not use it)
+            roff = (r % PAGE).to(gl.int64) * s_ks + head
+        else:
+            roff = r.to(gl.int64) * s_ks + head
+        if KV_PAGED:
             n0 = _pages(bt_ptr, row, r, seq_len, PAGE, KV_PAGED)
             n1 = _pages(bt_ptr, row, r + BLOCK_N, seq_len, PAGE, KV_PAGED)
             n2 = _pages(bt_ptr, row, r + 2 * BLOCK_N, seq_len, PAGE, KV_PAGED)
             n3 = _pages(bt_ptr, row, r + 3 * BLOCK_N, seq_len, PAGE, KV_PAGED)
-        if KV_PAGED:
             for g in range((n_tiles + 3) // 4):
                 c0, c1, c2, c3 = n0, n1, n2, n3
                 base = (4 * g + 4) * BLOCK_N + r
@@ -213,23 +206,23 @@ def _kv_tiles(kv_ptr, bt_ptr, lens_ptr, i, r, rk, w_ring, w_full, w_empty, cnt_p
                 n1 = _pages(bt_ptr, row, base + BLOCK_N, seq_len, PAGE, KV_PAGED)
                 n2 = _pages(bt_ptr, row, base + 2 * BLOCK_N, seq_len, PAGE, KV_PAGED)
                 n3 = _pages(bt_ptr, row, base + 3 * BLOCK_N, seq_len, PAGE, KV_PAGED)
-                i = _kv_issue(kv_ptr, c0, 4 * g, n_tiles, seq_len, head, i, r, col, w_ring, w_full, w_empty, cnt_ptr,
-                              err_ptr, qkv_done, s_kp, s_ks, p, PAGE, BLOCK_N, SLOTS, SPIN,
-                              KV_PAGED)
-                i = _kv_issue(kv_ptr, c1, 4 * g + 1, n_tiles, seq_len, head, i, r, col, w_ring, w_full, w_empty,
+                i = _kv_issue(kv_ptr, c0, 4 * g, n_tiles, seq_len, head, roff, i, r, col, w_ring, w_full, w_empty,
                               cnt_ptr, err_ptr, qkv_done, s_kp, s_ks, p, PAGE, BLOCK_N, SLOTS, SPIN,
                               KV_PAGED)
-                i = _kv_issue(kv_ptr, c2, 4 * g + 2, n_tiles, seq_len, head, i, r, col, w_ring, w_full, w_empty,
+                i = _kv_issue(kv_ptr, c1, 4 * g + 1, n_tiles, seq_len, head, roff, i, r, col, w_ring, w_full, w_empty,
                               cnt_ptr, err_ptr, qkv_done, s_kp, s_ks, p, PAGE, BLOCK_N, SLOTS, SPIN,
                               KV_PAGED)
-                i = _kv_issue(kv_ptr, c3, 4 * g + 3, n_tiles, seq_len, head, i, r, col, w_ring, w_full, w_empty,
+                i = _kv_issue(kv_ptr, c2, 4 * g + 2, n_tiles, seq_len, head, roff, i, r, col, w_ring, w_full, w_empty,
+                              cnt_ptr, err_ptr, qkv_done, s_kp, s_ks, p, PAGE, BLOCK_N, SLOTS, SPIN,
+                              KV_PAGED)
+                i = _kv_issue(kv_ptr, c3, 4 * g + 3, n_tiles, seq_len, head, roff, i, r, col, w_ring, w_full, w_empty,
                               cnt_ptr, err_ptr, qkv_done, s_kp, s_ks, p, PAGE, BLOCK_N, SLOTS, SPIN,
                               KV_PAGED)
         else:
             for t in range(n_tiles):       # (p * n_tiles + t) * BLOCK_N "pages" of one key, head rows contiguous
-                i = _kv_issue(kv_ptr, (p.to(gl.int64) * n_tiles + t) * BLOCK_N + r, t, n_tiles, seq_len, 0, i,
+                i = _kv_issue(kv_ptr, (p.to(gl.int64) * n_tiles + t) * BLOCK_N + r, t, n_tiles, seq_len, 0, 0, i,
                               r, col, w_ring, w_full, w_empty, cnt_ptr, err_ptr, qkv_done, HEAD_DIM, 0, p,
-                              PAGE, BLOCK_N, SLOTS, SPIN, 1)
+                              PAGE, BLOCK_N, SLOTS, SPIN, 4)
     return i
 
 
@@ -245,15 +238,11 @@ def _w_producer(wqkv_ptr, wo_ptr, wgu_ptr, wd_ptr, kv_ptr, bt_ptr, lens_ptr, w_r
     P = gl.num_programs(0)
     i = 0
     for layer in range(LAYERS):
-        len_h, h0, h1, h2, h3 = 0, r, r, r, r
-        if KV_PAGED == 4:       # the first pair's header, looked up while the QKV weights stream
-            len_h, h0, h1, h2, h3 = _header(bt_ptr, lens_ptr, gl.minimum(gl.program_id(0) // HKV, B - 1), r, s_bt,
-                                            PAGE, BLOCK_N)
         i = w_tiles(wqkv_ptr + layer.to(gl.int64) * NQKV * H, i, r, rk, w_ring, w_full, w_empty, H, NQKV // BLOCK_N,
                      ROPE, HEAD_DIM // 2, BLOCK_N, BLOCK_K, SLOTS)
         i = _kv_tiles(kv_ptr + layer.to(gl.int64) * s_kl, bt_ptr, lens_ptr, i, r, rk, w_ring, w_full, w_empty,
-                      cnt_ptr, err_ptr, (PH * layer + 1) * P, B, s_kv, s_kp, s_ks, s_kh, s_bt, len_h, h0, h1, h2, h3,
-                      HKV, PAGE, BLOCK_N, SLOTS, SPIN, KV_PAGED)
+                      cnt_ptr, err_ptr, (PH * layer + 1) * P, B, s_kv, s_kp, s_ks, s_kh, s_bt, HKV, PAGE, BLOCK_N,
+                      SLOTS, SPIN, KV_PAGED)
         i = w_tiles(wo_ptr + layer.to(gl.int64) * H * H, i, r, rk, w_ring, w_full, w_empty, H, H // BLOCK_N, 0, 0,
                      BLOCK_N, BLOCK_K, SLOTS)
         i = w_tiles(wgu_ptr + layer.to(gl.int64) * 2 * I * H, i, r, rk, w_ring, w_full, w_empty, H,
