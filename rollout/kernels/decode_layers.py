@@ -182,7 +182,8 @@ def _kv_tiles(kv_ptr, bt_ptr, lens_ptr, i, r, rk, w_ring, w_full, w_empty, cnt_p
     KV_PAGED 0, a timing bound (wrong output): each pair's keys read as if its pages were
     consecutive and its head's rows contiguous (bench.ws_layer's stream), no lookups. 2 and 3
     split that bound: the lookups without their addresses (_kv_issue), the addresses without
-    the lookups (_pages); 4 is the default with _kv_issue's old per-row address math."""
+    the lookups (_pages); 4 is the default with _kv_issue's old per-row address math; 5 and 6 are
+    KV_PAGED 0 with each pair's run placed elsewhere (by KV head; scattered)."""
     col = (rk % HEAD_DIM).to(gl.int64) + (rk >= HEAD_DIM).to(gl.int64) * s_kv
     for p in range(gl.program_id(0), B * HKV, gl.num_programs(0)):
         b = p // HKV
@@ -194,7 +195,7 @@ def _kv_tiles(kv_ptr, bt_ptr, lens_ptr, i, r, rk, w_ring, w_full, w_empty, cnt_p
             roff = (r % PAGE).to(gl.int64) * s_ks + head
         else:
             roff = r.to(gl.int64) * s_ks + head
-        if KV_PAGED:
+        if KV_PAGED != 0 and KV_PAGED < 5:
             n0 = _pages(bt_ptr, row, r, seq_len, PAGE, KV_PAGED)
             n1 = _pages(bt_ptr, row, r + BLOCK_N, seq_len, PAGE, KV_PAGED)
             n2 = _pages(bt_ptr, row, r + 2 * BLOCK_N, seq_len, PAGE, KV_PAGED)
@@ -219,8 +220,13 @@ def _kv_tiles(kv_ptr, bt_ptr, lens_ptr, i, r, rk, w_ring, w_full, w_empty, cnt_p
                               cnt_ptr, err_ptr, qkv_done, s_kp, s_ks, p, PAGE, BLOCK_N, SLOTS, SPIN,
                               KV_PAGED)
         else:
-            for t in range(n_tiles):       # (p * n_tiles + t) * BLOCK_N "pages" of one key, head rows contiguous
-                i = _kv_issue(kv_ptr, (p.to(gl.int64) * n_tiles + t) * BLOCK_N + r, t, n_tiles, seq_len, 0, 0, i,
+            q = p                          # where the pair's keys lie: 5 and 6 move KV_PAGED 0's runs
+            if KV_PAGED == 5:              # a KV head's runs together, as a slab per head would
+                q = (p % HKV) * B + p // HKV
+            if KV_PAGED == 6:              # scattered
+                q = (p * 97) % (B * HKV)
+            for t in range(n_tiles):       # (q * n_tiles + t) * BLOCK_N "pages" of one key, head rows contiguous
+                i = _kv_issue(kv_ptr, (q.to(gl.int64) * n_tiles + t) * BLOCK_N + r, t, n_tiles, seq_len, 0, 0, i,
                               r, col, w_ring, w_full, w_empty, cnt_ptr, err_ptr, qkv_done, HEAD_DIM, 0, p,
                               PAGE, BLOCK_N, SLOTS, SPIN, 4)
     return i
