@@ -1,0 +1,57 @@
+"""GPU clocks and power over each timed window of a step_variants run, from an nvidia-smi log
+taken beside it (does a variant slow down as a long run heats or power-limits the GPU?):
+
+    nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,\\
+        clocks_event_reasons.active --format=csv,noheader -lms 250 > smi.csv &
+    python -m rollout.bench.step_variants ... --out sv.json
+    python -m rollout.bench.clocks sv.json smi.csv
+"""
+from __future__ import annotations
+
+import csv
+import datetime
+import json
+import sys
+
+
+def read_smi(path: str) -> list[tuple[float, float, float, int]]:
+    """(unix time, SM MHz, W, clock event reasons bitmask) for each parsable line."""
+    out = []
+    for r in csv.reader(open(path)):
+        try:
+            t = datetime.datetime.strptime(r[0].strip(), "%Y/%m/%d %H:%M:%S.%f")
+            out.append((t.replace(tzinfo=datetime.timezone.utc).timestamp(), float(r[1].split()[0]),
+                        float(r[3].split()[0]), int(r[5].strip(), 16)))
+        except (ValueError, IndexError):      # the header, or a line cut off when the log was stopped
+            continue
+    return out
+
+
+def windows(rows: list[dict], smi: list[tuple]) -> list[dict]:
+    """Per timed row: the samples inside [end - steps * step_ms, end] (the GPU is busy throughout)."""
+    out = []
+    for r in rows:
+        if "unix_time_end" not in r:
+            continue
+        t1 = r["unix_time_end"]
+        t0 = t1 - r["steps"] * r["step_ms"] / 1e3
+        w = [s for s in smi if t0 <= s[0] <= t1]
+        if w:
+            out.append(dict(variant=r["variant"], fraction=r["fraction"], samples=len(w),
+                            sm_mhz=sum(s[1] for s in w) / len(w), sm_mhz_min=min(s[1] for s in w),
+                            watts=sum(s[2] for s in w) / len(w), watts_max=max(s[2] for s in w),
+                            reasons=max(s[3] for s in w)))
+    return out
+
+
+def main(argv=None) -> int:
+    sv, smi = (argv if argv is not None else sys.argv[1:])[:2]
+    for w in windows(json.load(open(sv))["rows"], read_smi(smi)):
+        print(f"{w['variant']:12s} {100 * w['fraction']:5.1f}%  {w['samples']:4d} samples  SM {w['sm_mhz']:.0f} MHz "
+              f"(min {w['sm_mhz_min']:.0f})  {w['watts']:.0f} W (max {w['watts_max']:.0f})  "
+              f"clock event reasons {hex(w['reasons'])}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,24 @@
+"""bench.clocks: nvidia-smi samples matched to step_variants' timed windows."""
+import json
+
+from rollout.bench import clocks
+
+
+def test_windows_take_the_samples_inside_each_timed_window(tmp_path, capsys):
+    smi = tmp_path / "smi.csv"
+    smi.write_text("timestamp, clocks.current.sm [MHz], clocks.current.memory [MHz], power.draw [W], temp, reasons\n"
+                   "2026/12/02 08:00:00.000, 1980 MHz, 3201 MHz, 500.00 W, 40, 0x0000000000000000\n"
+                   "2026/12/02 08:00:01.000, 1980 MHz, 3201 MHz, 600.00 W, 41, 0x0000000000000000\n"
+                   "2026/12/02 08:00:02.000, 1700 MHz, 3201 MHz, 700.00 W, 45, 0x0000000000000004\n"
+                   "2026/12/02 08:00:03.0")                  # cut off when the log was stopped
+    t = 1796198400.0                                         # 2026-12-02 08:00:00 UTC
+    rows = [dict(variant="base", steps=100, step_ms=10.0, fraction=0.82, unix_time_end=t + 1.0),   # 08:00:00-01
+            dict(variant="mega", steps=100, step_ms=10.0, fraction=0.80, unix_time_end=t + 2.0),   # 08:00:01-02
+            dict(variant="x", error="out of shared memory")]
+    (tmp_path / "sv.json").write_text(json.dumps(dict(rows=rows)))
+    w = clocks.windows(rows, clocks.read_smi(str(smi)))
+    assert [x["variant"] for x in w] == ["base", "mega"]
+    assert w[0]["samples"] == 2 and w[0]["watts"] == 550 and w[0]["sm_mhz_min"] == 1980 and w[0]["reasons"] == 0
+    assert w[1]["samples"] == 2 and w[1]["sm_mhz_min"] == 1700 and w[1]["watts_max"] == 700 and w[1]["reasons"] == 4
+    assert clocks.main([str(tmp_path / "sv.json"), str(smi)]) == 0
+    assert "mega" in capsys.readouterr().out
