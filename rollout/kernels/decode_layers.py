@@ -144,9 +144,9 @@ def _kv_issue(kv_ptr, pages, t, n_tiles, seq_len, head, roff, i, r, col, w_ring,
               SPIN: gl.constexpr, KV_PAGED: gl.constexpr):
     """Copy key tile t (if the sequence has it) into the next ring slot; the tile holding the
     step's own key first waits until every program has finished the QKV phase (it wrote that key).
-    A row's address is its page's plus roff, its offset in the page, computed once a pair: the
-    per-row modulo and 64-bit multiplies every tile nearly doubled a tile's instructions, which
-    the producer's warps issue one after another between copies.
+    A row's address is its page's plus roff, its offset in the page, computed once a pair (143
+    SASS instructions a tile against 263 with the per-row modulo and multiplies; the time did not
+    change: bench/results/README.md, twenty-first session).
     KV_PAGED 2, a timing bound: the pages looked up and waited for, the addresses KV_PAGED 0's.
     KV_PAGED 4: each row's offset computed every tile, as before (the same bits)."""
     if t < n_tiles:
