@@ -52,8 +52,8 @@ def test_apply_parses_the_timing_bound_knobs_and_base_undoes_them(monkeypatch):
     defaults = dict(rope=rope_kv.Q_HEADS_PER_PROGRAM, table=dict(skinny_gemm._LLAMA3_8B),
                     packed_table=dict(skinny_gemm._LLAMA3_8B_PACKED),
                     tile=dict(paged_decode.DECODE_TILE), splits=paged_decode.pick_num_splits,
-                    gluon_tile=paged_decode.GLUON_TILE, decode=paged_decode.pick_decode, splitk_norm=True, silu_gate_up=True, rope_in_qkv=True, add_norm=decoder.add_norm_of_linear,
-                    batch=32)
+                    gluon_tile=paged_decode.GLUON_TILE, decode=paged_decode.pick_decode, splitk_norm=True,
+                    silu_gate_up=True, rope_in_qkv=True, add_norm=decoder.add_norm_of_linear, batch=32)
     try:
         step_variants.apply(eng, "late_wait=o,gate_up,down0+skip_norms=post+qkv=32,256,4,5", defaults)
         assert pdl._late == {"gemm:4096,4096", "gemm:28672,4096", "split0:4096,14336"}
