@@ -5,7 +5,8 @@
 #   (issue 7: pressure_ref0 pressure_ref1 pressured pressured_swap pressure_fp32_small; issue 9 on 2+ GPUs:
 #   fleet_scaling fleet_broadcast; issue 4: p1_pdl p5_pdl profile_p1 gemm_pdl sampler_trunc tests_sampler;
 #   batch-invariant mode: inv_cost tests_invariant p1_inv pressure_inv_ref0 pressure_inv_ref1 pressured_inv
-#   (KV_FRACTION), inv_refs_x2 on 2 GPUs (then pressured_inv with the npz in h200_ref/), inv_x4 on 4 GPUs)
+#   (KV_FRACTION), inv_refs_x2 on 2 GPUs (then pressured_inv with the npz in h200_ref/), inv_x4 on 4 GPUs;
+#   the decode megakernel: mega_clocks)
 # Run from the repo root on the H200; ROLLOUT_GIT_COMMIT should be passed in (no .git there).
 set -uo pipefail
 OUT=${OUT:-h200_out}; mkdir -p "$OUT"; export OUT   # exported: sections may call this script again
@@ -55,6 +56,13 @@ for s in $sections; do
       for C in ${ATTN_CONTEXTS:-4352 8448}; do timeout 240 python3 -m rollout.bench.attn_ceiling --batch 32 --context $C \
         --configs ${ATTN_CONFIGS:-2,64,4,2 4,64,4,2 2,64,4,3 2,128,8,2 4,32,1,2} --out $OUT/attn_ceiling_B32_C$C.json \
         2>&1 | tail -40; done ;;
+    mega_clocks) # issue 4: base vs the decode megakernel over windows as long as P1's (STEPS each), GPU clocks
+      # and power logged beside them (bench.clocks): does the megakernel lose ground as a long run heats the GPU?
+      nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_event_reasons.active \
+        --format=csv,noheader -lms 250 > $OUT/smi_mega_clocks.csv 2>&1 & smi=$!
+      timeout 400 python3 -m rollout.bench.step_variants --shape llama3-8b --batch 32 --context 4352 \
+        --steps ${STEPS:-1500} --variants base mega base --out $OUT/step_variants_mega_clocks.json 2>&1 | grep -A6 "^| variant"
+      kill $smi; python3 -m rollout.bench.clocks $OUT/step_variants_mega_clocks.json $OUT/smi_mega_clocks.csv ;;
     variants) # issue 4 P1: the decode step under kernel knobs and GEMM / attention configs, side by side
       V="base wait_first rope_token qkv=cublas qkv=32,128,4,5 qkv=64,128,4,5,2 qkv=64,256,4,4 qkv=32,256,4,4
          qkv=128,128,8,4,2 o=cublas o=64,128,4,5,2 o=32,128,4,5,2 o=16,256,4,5 o=32,256,4,4,2 base
