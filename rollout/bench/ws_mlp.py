@@ -39,10 +39,11 @@ import sys
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import mbarrier, mma_v2
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from ..kernels import sm_count
 from ..kernels.decode_layers import count_phase as _count
+from ..kernels.decode_layers import inv_rms, ring_operands
 from ..kernels.decode_layers import SILU, w_tiles, x_tiles
 from .__main__ import run_meta, write_json
 from .ws_chain import SPIN_LIMIT, _wait_count, rings, time_row
@@ -129,29 +130,15 @@ def gemm_tiles(dst, i, j, om, w_ring, x_ring, acc_s, w_full, w_empty, x_full, x_
     a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     b_op: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
     out: gl.constexpr = gl.BlockedLayout([8, 1], [4, 8], [num_warps // 4, 4], [0, 1])
-    if NORM_IN or SCALE_IN:      # 1 / rms per row once the phase's first x tile is in: its
-        # producer has seen every program count the phase that wrote the sums (wait again below: same phase)
-        mbarrier.wait(x_full.index(j % X_SLOTS), (j // X_SLOTS) & 1)
-        parts: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [num_warps, 1], [1, 0])
-        pp = gl.arange(0, K // BLOCK_N, layout=gl.SliceLayout(1, parts))
-        pm = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, parts))
-        sq = gl.sum(gl.load(ss_in + pp[:, None] * BLOCK_M + pm[None, :], cache_modifier=".cg"), axis=0)
-        if NORM_IN:   # in the MMA's x-operand layout
-            inv = gl.convert_layout(1.0 / gl.sqrt_rn(sq / K + eps), gl.SliceLayout(0, b_op))
-            kk = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, b_op))
-        else:         # in the accumulator's
-            inv = gl.convert_layout(1.0 / gl.sqrt_rn(sq / K + eps), gl.SliceLayout(0, mma))
+    if NORM_IN:       # 1 / rms in the MMA's x-operand layout
+        inv = inv_rms(ss_in, j, x_full, eps, gl.SliceLayout(0, b_op), K, BLOCK_N, BLOCK_M, X_SLOTS, num_warps)
+        kk = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, b_op))
+    elif SCALE_IN:    # in the accumulator's
+        inv = inv_rms(ss_in, j, x_full, eps, gl.SliceLayout(0, mma), K, BLOCK_N, BLOCK_M, X_SLOTS, num_warps)
     for t in range(gl.program_id(0), TILES, gl.num_programs(0)):
         acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma)
         for kt in range(K // BLOCK_K):
-            ws = i % W_SLOTS
-            xs = j % X_SLOTS
-            mbarrier.wait(w_full.index(ws), (i // W_SLOTS) & 1)
-            mbarrier.wait(x_full.index(xs), (j // X_SLOTS) & 1)
-            a = w_ring.index(ws).load(a_op)
-            b = x_ring.index(xs).permute((1, 0)).load(b_op)
-            mbarrier.arrive(w_empty.index(ws))          # (Gluon: a partition barrier, then one thread)
-            mbarrier.arrive(x_empty.index(xs))
+            a, b = ring_operands(w_ring, x_ring, w_full, w_empty, x_full, x_empty, i, j, a_op, b_op, W_SLOTS, X_SLOTS)
             if NORM_IN:
                 w = gl.load(nw + kt * BLOCK_K + kk).to(gl.float32)
                 b = ((b.to(gl.float32) * inv[None, :]).to(gl.bfloat16).to(gl.float32) * w[:, None]).to(gl.bfloat16)

@@ -296,6 +296,36 @@ def _x_producer(xn_ptr, attn_ptr, hn_ptr, a_ptr, x_ring, x_full, x_empty, cnt_pt
 
 
 @gluon.jit
+def inv_rms(ss_in, j, x_full, eps, layout: gl.constexpr, K: gl.constexpr, BLOCK_N: gl.constexpr,
+            BLOCK_M: gl.constexpr, X_SLOTS: gl.constexpr, num_warps: gl.constexpr):
+    """Each row's 1 / rms, in `layout`, from the K / BLOCK_N partial sums of squares in ss_in, once
+    the phase's first x tile is in: its producer has seen every program count the phase that
+    wrote the sums (the caller waits on that slot again: the same phase). Also bench.ws_mlp's."""
+    mbarrier.wait(x_full.index(j % X_SLOTS), (j // X_SLOTS) & 1)
+    parts: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [num_warps, 1], [1, 0])
+    pp = gl.arange(0, K // BLOCK_N, layout=gl.SliceLayout(1, parts))
+    pm = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, parts))
+    sq = gl.sum(gl.load(ss_in + pp[:, None] * BLOCK_M + pm[None, :], cache_modifier=".cg"), axis=0)
+    return gl.convert_layout(1.0 / gl.sqrt_rn(sq / K + eps), layout)
+
+
+@gluon.jit
+def ring_operands(w_ring, x_ring, w_full, w_empty, x_full, x_empty, i, j, a_op: gl.constexpr, b_op: gl.constexpr,
+                  W_SLOTS: gl.constexpr, X_SLOTS: gl.constexpr):
+    """The next weight and x tiles (slot uses i, j) as the MMA's operands, both slots released
+    once read (Gluon: a partition barrier, then one thread). Also bench.ws_mlp's."""
+    ws = i % W_SLOTS
+    xs = j % X_SLOTS
+    mbarrier.wait(w_full.index(ws), (i // W_SLOTS) & 1)
+    mbarrier.wait(x_full.index(xs), (j // X_SLOTS) & 1)
+    a = w_ring.index(ws).load(a_op)
+    b = x_ring.index(xs).permute((1, 0)).load(b_op)
+    mbarrier.arrive(w_empty.index(ws))
+    mbarrier.arrive(x_empty.index(xs))
+    return a, b
+
+
+@gluon.jit
 def _gemm_phase(dst, i, j, om, w_ring, x_ring, acc_s, w_full, w_empty, x_full, x_empty, M, ss_in, res_in, nw, dst_n,
                 ss_out, cs_ptr, q_ptr, kv_ptr, slot_ptr, eps, s_kv, s_kp, s_ks, s_kh, PAGE: gl.constexpr,
                 K: gl.constexpr, TILES: gl.constexpr,
@@ -316,26 +346,13 @@ def _gemm_phase(dst, i, j, om, w_ring, x_ring, acc_s, w_full, w_empty, x_full, x
     out: gl.constexpr = gl.BlockedLayout([8, 1], [4, 8], [num_warps // 4, 4], [0, 1])
     half: gl.constexpr = gl.BlockedLayout([4, 1], [4, 8], [num_warps // 4, 4], [0, 1])
     P: gl.constexpr = BLOCK_N // 2
-    if SCALE_IN:     # 1 / rms per row once the phase's first x tile is in: its producer has seen
-        # every program count the phase that wrote the sums (waited again below: the same phase)
-        mbarrier.wait(x_full.index(j % X_SLOTS), (j // X_SLOTS) & 1)
-        parts: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [num_warps, 1], [1, 0])
-        pp = gl.arange(0, K // BLOCK_N, layout=gl.SliceLayout(1, parts))
-        pm = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, parts))
-        sq = gl.sum(gl.load(ss_in + pp[:, None] * BLOCK_M + pm[None, :], cache_modifier=".cg"), axis=0)
-        inv = gl.convert_layout(1.0 / gl.sqrt_rn(sq / K + eps), gl.SliceLayout(0, mma))
+    if SCALE_IN:
+        inv = inv_rms(ss_in, j, x_full, eps, gl.SliceLayout(0, mma), K, BLOCK_N, BLOCK_M, X_SLOTS, num_warps)
     m_ok = om[None, :] < M
     for t in range(gl.program_id(0), TILES, gl.num_programs(0)):
         acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma)
         for kt in range(K // BLOCK_K):
-            ws = i % W_SLOTS
-            xs = j % X_SLOTS
-            mbarrier.wait(w_full.index(ws), (i // W_SLOTS) & 1)
-            mbarrier.wait(x_full.index(xs), (j // X_SLOTS) & 1)
-            a = w_ring.index(ws).load(a_op)
-            b = x_ring.index(xs).permute((1, 0)).load(b_op)
-            mbarrier.arrive(w_empty.index(ws))          # (Gluon: a partition barrier, then one thread)
-            mbarrier.arrive(x_empty.index(xs))
+            a, b = ring_operands(w_ring, x_ring, w_full, w_empty, x_full, x_empty, i, j, a_op, b_op, W_SLOTS, X_SLOTS)
             acc = mma_v2(a, b, acc)
             i += 1
             j += 1
