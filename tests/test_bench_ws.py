@@ -34,7 +34,8 @@ COMPILE = textwrap.dedent("""
     k = triton.compile(GluonASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs),
                        target=GPUTarget("cuda", 90, 32), options=dict(num_warps=const["num_warps"]))
     ptx = k.asm["ptx"]
-    ops = ("mma.sync", "ldmatrix", "cp.async.mbarrier.arrive.noinc", "mbarrier.init", "setmaxnreg", "ex2", "sqrt.rn")
+    ops = ("mma.sync", "ldmatrix", "cp.async.mbarrier.arrive.noinc", "mbarrier.init", "setmaxnreg", "ex2", "sqrt.rn",
+           "cp.async.wait_group")
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     with tempfile.TemporaryDirectory() as d:      # registers: ptxas -v (n_regs needs a GPU to load the kernel)
         open(os.path.join(d, "k.ptx"), "w").write(ptx)
@@ -110,11 +111,22 @@ def test_gluon_decode_compiles_for_sm90_at_the_occupancy_its_grid_needs(block_n,
         "bt_ptr": "*i32", "lens_ptr": "*i32", "sm_scale_log2": "fp32",
         "po_ptr": "*fp32" if splits > 1 else "*bf16", "plse_ptr": "*fp32" if splits > 1 else "*bf16"}
     k = _compile("rollout.kernels.gluon_decode", "_gluon_decode_split_kernel", ptrs, GROUP=4, HEAD_DIM=128,
-                 PAGE_SIZE=16, BLOCK_N=block_n, STAGES=stages, NUM_SPLITS=splits, PDL=2, num_warps=4)
+                 PAGE_SIZE=16, BLOCK_N=block_n, STAGES=stages, NUM_SPLITS=splits, PDL=2, MATH=True, num_warps=4)
     per_sm = SMEM_PER_SM // (k["shared"] + 1024)
     assert per_sm == (2 if splits == 1 else 4)
     assert 65536 // (k["n_regs"] * 128) >= per_sm
     assert k["mma.sync"] and k["ex2"] and not k["cp.async.mbarrier.arrive.noinc"]   # cp.async groups, no mbarriers
+
+
+def test_gluon_decode_copy_bound_keeps_the_ring_and_drops_the_math():
+    """MATH False (bench.attn_ceiling's `gluon=...,nomath`): the same ring, so the same occupancy,
+    with no MMA or exp left: what the copy stream alone reads at."""
+    ptrs = {n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "out_ptr", "po_ptr", "plse_ptr")} | {
+        "bt_ptr": "*i32", "lens_ptr": "*i32", "sm_scale_log2": "fp32"}
+    k = _compile("rollout.kernels.gluon_decode", "_gluon_decode_split_kernel", ptrs, GROUP=4, HEAD_DIM=128,
+                 PAGE_SIZE=16, BLOCK_N=32, STAGES=6, NUM_SPLITS=1, PDL=2, MATH=False, num_warps=4)
+    assert SMEM_PER_SM // (k["shared"] + 1024) == 2
+    assert not k["mma.sync"] and not k["ex2"] and k["cp.async.wait_group"]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the no-GPU path")

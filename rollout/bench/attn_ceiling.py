@@ -99,19 +99,19 @@ def graph_us(chain, layers: int, replays: int, repeats: int) -> float:
 
 
 def make_layers(B: int, ctx: int, L: int, ps: int, Hkv: int, D: int, pages_order: str, layout: str = "token",
-                seed: int = 0):
+                seed: int = 0, first_page: int = 1):
     """L (k_cache, v_cache) pairs and one block table [B, ctx / ps] (the same for every layer,
     as in the engine: one table, a cache per layer). pages_order: ordered (each sequence's pages
     one run), interleaved (B apart, as sequences decoding in step take them) or shuffled. layout:
     token (the engine's [pages, ps, Hkv, D]) or slab (stored [Hkv, pages, ps, D]: a KV head's pages
     in one slab, so a sequence's pages in order are one contiguous run a head; passed as the
-    [pages, ps, Hkv, D] view the kernels take)."""
+    [pages, ps, Hkv, D] view the kernels take). Tables use pages first_page.. (page 0 the trash page)."""
     g = torch.Generator().manual_seed(seed)
     per_seq = -(-ctx // ps)
-    pages = B * per_seq + 1
-    ids = torch.arange(1, pages)
+    pages = B * per_seq + first_page
+    ids = torch.arange(first_page, pages)
     bt = dict(ordered=ids.view(B, per_seq), interleaved=ids.view(per_seq, B).t(),
-              shuffled=(torch.randperm(pages - 1, generator=g) + 1).view(B, per_seq))[pages_order]
+              shuffled=(torch.randperm(pages - first_page, generator=g) + first_page).view(B, per_seq))[pages_order]
     bt = bt.contiguous().int().cuda()
 
     def cache():
@@ -130,11 +130,14 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--configs", nargs="+", default=["2,64,4,2", "4,64,4,2", "2,64,4,3", "2,128,8,2"],
-                    help="NS,BLOCK_N,WARPS,STAGES (Triton's kernel), or gluon: the Gluon kernel at the engine's tile")
+                    help="NS,BLOCK_N,WARPS,STAGES (Triton's kernel); gluon: the Gluon kernel at the engine's tile; "
+                         "gluon=BLOCK_N,STAGES[,nomath]: at that tile, one split (nomath: its copies only)")
     ap.add_argument("--pages", nargs="+", choices=["shuffled", "ordered", "interleaved"],
                     default=["shuffled", "ordered"])
     ap.add_argument("--layout", nargs="+", choices=["token", "slab"], default=["token"],
                     help="KV pages [pages, ps, Hkv, D] (the engine's) or a slab a KV head (make_layers)")
+    ap.add_argument("--first-page", type=int, default=1,
+                    help="first page id the tables use: 16 puts slab runs on 64 KB boundaries (bench.decode_layers)")
     ap.add_argument("--read-grid", nargs="+", type=int, default=[2, 4, 8], help="read kernel programs per SM")
     ap.add_argument("--read-stages", nargs="+", type=int, default=[2, 4])
     ap.add_argument("--read-pre", nargs="+", type=int, default=[0],
@@ -146,7 +149,8 @@ def main(argv=None):
     if not torch.cuda.is_available():
         sys.exit("rollout.bench.attn_ceiling needs a CUDA GPU")
     from ..attention import AttentionMetadata, paged_attention_ref
-    from ..kernels.paged_decode import paged_decode_attention
+    from ..kernels.gluon_decode import decode_split
+    from ..kernels.paged_decode import LOG2E, paged_decode_attention
 
     B, ctx, L, ps, Hq, Hkv, D = args.batch, args.context, args.layers, args.page_size, 32, 8, 128
     scale = D ** -0.5
@@ -165,25 +169,38 @@ def main(argv=None):
     q0 = torch.randn(B, Hq, D, device="cuda", dtype=torch.bfloat16)
     lens = torch.full((B,), ctx, dtype=torch.int32, device="cuda")
     for layout, pages in itertools.product(args.layout, args.pages):
-        caches, bt = make_layers(B, ctx, L, ps, Hkv, D, pages, layout)
+        caches, bt = make_layers(B, ctx, L, ps, Hkv, D, pages, layout, first_page=args.first_page)
         meta = AttentionMetadata(slot_mapping=None, block_tables=bt, seq_lens=lens,
                                  query_start_loc=torch.arange(B + 1, dtype=torch.int32, device="cuda"),
                                  seq_lens_host=[ctx] * B, query_start_host=list(range(B + 1)), page_size=ps)
         ref = paged_attention_ref(q0.float(), caches[0][0].float(), caches[0][1].float(), meta, scale)
         for cfg in args.configs:
-            ns, bn, w, st = (1, 0, 0, 0) if cfg == "gluon" else (int(x) for x in cfg.split(","))
-            kw = dict(gluon=True) if cfg == "gluon" else dict(block_n=bn, num_warps=w, num_stages=st)
             outs = [torch.empty_like(q0) for _ in range(L)]
+            if cfg.startswith("gluon="):   # the Gluon kernel at its own tile, one split; "nomath": copies only
+                bn, st, *rest = cfg[6:].split(",")
+                gkw = dict(num_splits=1, block_n=int(bn), stages=int(st), math=rest != ["nomath"])
 
-            def chain(ns=ns, kw=kw, outs=outs):
+                def attend(q, kc, vc, out=None, gkw=gkw):
+                    out = torch.empty_like(q) if out is None else out
+                    decode_split(q, kc, vc, bt, lens, scale * LOG2E, out, out, out,
+                                 pdl=min(pdl_for(q, late=("attn",)), 2), **gkw)
+                    return out
+            else:
+                ns, bn, w, st = (1, 0, 0, 0) if cfg == "gluon" else (int(x) for x in cfg.split(","))
+                kw = dict(gluon=True) if cfg == "gluon" else dict(block_n=bn, num_warps=w, num_stages=st)
+
+                def attend(q, kc, vc, out=None, ns=ns, kw=kw):
+                    return paged_decode_attention(q, kc, vc, bt, lens, scale, None, ns, out=out, **kw)
+
+            def chain(attend=attend, outs=outs):
                 q = q0
                 for (kc, vc), o in zip(caches, outs):
-                    q = paged_decode_attention(q, kc, vc, bt, lens, scale, None, ns, out=o, **kw)
+                    q = attend(q, kc, vc, out=o)
             try:
-                out0 = paged_decode_attention(q0, *caches[0], bt, lens, scale, None, ns, **kw)
+                out0 = attend(q0, *caches[0])
                 err = (out0.float() - ref).abs().max()
                 report(f"ours {layout} {pages} {cfg}", graph_us(chain, L, args.replays, args.repeats),
-                       layout=layout, pages=pages, config=cfg, max_err=err.item())
+                       layout=layout, pages=pages, config=cfg, max_err=err.item(), first_page=args.first_page)
             except Exception as e:       # e.g. out of shared memory: report, go on
                 print(f"  ours {pages} {cfg}: {type(e).__name__}: {e}"[:200])
         if pages == args.pages[0] and layout == args.layout[0]:

@@ -39,6 +39,9 @@ def main(argv=None):
                     help="each sequence's pages: a random order, one run (as a prefill leaves them), or "
                          "B pages apart (as sequences decoding in step take them)")
     ap.add_argument("--page-size", nargs="+", type=int, default=[16], help="tokens a KV page (the engine's: 16)")
+    ap.add_argument("--first-page", nargs="+", type=int, default=[1],
+                    help="the first page id the tables use (pages below it unused): 16 puts slab runs, and the "
+                         "slabs, on 64 KB boundaries, as KV_PAGED 0's runs are; 1 leaves them 4 KB off")
     ap.add_argument("--variants", nargs="+", default=["1,6,4", "2,6,4", "0,6,4"], help="ATTN,W_SLOTS,X_SLOTS[,PAGED]")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -65,17 +68,17 @@ def main(argv=None):
     print(f"{torch.cuda.get_device_name()}: {L} layers, batch {B}, context {C}: {nbytes / 1e9:.2f} GB, "
           f"{nbytes / ROOFLINE_TBPS / 1e9:.3f} ms at {ROOFLINE_TBPS} TB/s", flush=True)
     rows = []
-    kv_store, page, first_paged = None, None, {}
-    for page_size, order, layout, v in [(ps, o, lay, v) for ps in args.page_size for o in args.pages
-                                        for lay in args.kv_layout for v in args.variants]:
-        if page != page_size:
-            page, kv_store = page_size, None          # one cache at a time: each is P1's 18 GB
+    kv_store, page, first_id, first_paged = None, None, None, {}
+    for page_size, first, order, layout, v in [(ps, f, o, lay, v) for ps in args.page_size for f in args.first_page
+                                               for o in args.pages for lay in args.kv_layout for v in args.variants]:
+        if (page, first_id) != (page_size, first):
+            page, first_id, kv_store = page_size, first, None      # one cache at a time: each is P1's 18 GB
             per_seq = -(-C // page)
-            pages = B * per_seq + 1
+            pages = B * per_seq + first
             kv_store = torch.empty(L, 2, pages, page * Hkv * D, device="cuda", dtype=torch.bfloat16)
             kv_store.normal_(generator=g)
-            ids = torch.arange(1, pages, device="cuda")          # page 0: the trash page
-            tables = dict(random=(torch.randperm(pages - 1, device="cuda", generator=g) + 1).view(B, per_seq),
+            ids = torch.arange(first, pages, device="cuda")      # page 0: the trash page
+            tables = dict(random=(torch.randperm(pages - first, device="cuda", generator=g) + first).view(B, per_seq),
                           ordered=ids.view(B, per_seq), interleaved=ids.view(per_seq, B).t())
         attn, ws, xs, paged = (tuple(int(x) for x in v.split(",")) + (1,))[:4]
         block_tables = tables[order].contiguous().to(torch.int32)
@@ -89,7 +92,7 @@ def main(argv=None):
                                  w_slots=ws, x_slots=xs, attn_mode=attn, kv_paged=paged)
         try:
             out = call()          # KV_PAGED 1 and 4 read the same pages: their outputs must be equal bits
-            key = (page, order, layout, attn, ws, xs)
+            key = (page, first, order, layout, attn, ws, xs)
             if paged == 1:
                 first_paged.setdefault(key, out.clone())
             same = bool(torch.equal(out, first_paged[key])) if paged in (1, 4) and key in first_paged else None
@@ -98,13 +101,13 @@ def main(argv=None):
             print(f"{v}: failed: {type(e).__name__}: {e}"[:400], flush=True)
             rows.append(dict(variant=v, error=f"{type(e).__name__}: {e}"[:300]))
             continue
-        row = dict(variant=v, page_size=page, pages=order, kv_layout=layout, attn_mode=attn, w_slots=ws, x_slots=xs,
-                   kv_paged=paged, equal_to_paged_1=same, ms=ms,
+        row = dict(variant=v, page_size=page, first_page=first, pages=order, kv_layout=layout, attn_mode=attn,
+                   w_slots=ws, x_slots=xs, kv_paged=paged, equal_to_paged_1=same, ms=ms,
                    TBps=nbytes / ms / 1e9,
                    fraction_of_roofline=nbytes / ROOFLINE_TBPS / 1e9 / ms, counter_after=int(cnt.item()),
                    wait_timeouts=int(err.item()))
         rows.append(row)
-        print(f"page {page:3d} {order:11s} {layout:5s} {v:10s} {ms:.3f} ms {row['TBps']:.2f} TB/s "
+        print(f"page {page:3d} from {first:2d} {order:11s} {layout:5s} {v:10s} {ms:.3f} ms {row['TBps']:.2f} TB/s "
               f"{100 * row['fraction_of_roofline']:5.1f}% of roofline  counter {row['counter_after']} "
               f"timeouts {row['wait_timeouts']} bits = KV_PAGED 1: {same}", flush=True)
     write_json(dict(layers=L, batch=B, context=C, hidden=H, intermediate=I, heads=Hq, kv_heads=Hkv, bytes=nbytes,

@@ -83,7 +83,7 @@ def _gluon_decode_split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, p
                                s_qb, s_qh, s_kp, s_ks, s_kh, s_vp, s_vs, s_bt, s_ob, s_oh,
                                GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, PAGE_SIZE: gl.constexpr,
                                BLOCK_N: gl.constexpr, STAGES: gl.constexpr, NUM_SPLITS: gl.constexpr,
-                               PDL: gl.constexpr, num_warps: gl.constexpr):
+                               PDL: gl.constexpr, MATH: gl.constexpr, num_warps: gl.constexpr):
     b = gl.program_id(0)
     kvh = gl.program_id(1)
     split = gl.program_id(2)
@@ -132,12 +132,13 @@ def _gluon_decode_split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, p
                     kv_off, s_kp, s_ks, s_vp, s_vs, PAGE_SIZE)
         pages_next = _tile_pages(bt_ptr, row_b, n_issue + BLOCK_N, rows, end, PAGE_SIZE)
         async_copy.wait_group(STAGES - 1)
-        slot = t % STAGES
-        k_t = k_ring.index(slot).permute((1, 0)).load(b_op)
-        s = key_scores(q, k_t, start + t * BLOCK_N, end, cols, sm_scale_log2, mma, ROWS, BLOCK_N)
-        m_i, p, alpha, l_cols = softmax_step(s, m_i, l_cols)
-        v_t = v_ring.index(slot).load(b_op)
-        acc = mma_v2(gl.convert_layout(p.to(gl.bfloat16), a_op), v_t, acc * alpha[:, None])
+        if MATH:                               # MATH False: a timing bound, the copy stream alone (wrong output)
+            slot = t % STAGES
+            k_t = k_ring.index(slot).permute((1, 0)).load(b_op)
+            s = key_scores(q, k_t, start + t * BLOCK_N, end, cols, sm_scale_log2, mma, ROWS, BLOCK_N)
+            m_i, p, alpha, l_cols = softmax_step(s, m_i, l_cols)
+            v_t = v_ring.index(slot).load(b_op)
+            acc = mma_v2(gl.convert_layout(p.to(gl.bfloat16), a_op), v_t, acc * alpha[:, None])
     async_copy.wait_group(0)                   # the zero-filled tail copies, before the program exits
 
     l_i = gl.sum(l_cols, 1)
@@ -158,10 +159,11 @@ def _gluon_decode_split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, p
 
 def decode_split(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  seq_lens: torch.Tensor, scale_log2: float, out: torch.Tensor, po: torch.Tensor, plse: torch.Tensor,
-                 num_splits: int, block_n: int, stages: int, pdl: int) -> None:
+                 num_splits: int, block_n: int, stages: int, pdl: int, math: bool = True) -> None:
     """paged_decode's split kernel on bf16, head_dim 128, GROUP <= 16, no sliding window: with one
     split the output `out` [B, Hq, D], else partial outputs po [B, Hq, num_splits, D] (fp32) and
-    plse [B, Hq, num_splits] for its merge kernel."""
+    plse [B, Hq, num_splits] for its merge kernel. math=False: the K / V copies only, no attention
+    (a timing bound for bench.attn_ceiling; its output is wrong)."""
     B, Hq, D = q.shape
     _, page_size, Hkv, _ = k_cache.shape
     assert q.dtype == k_cache.dtype == v_cache.dtype == out.dtype == torch.bfloat16 and D == 128
@@ -171,4 +173,4 @@ def decode_split(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=Hq // Hkv, HEAD_DIM=D, PAGE_SIZE=page_size, BLOCK_N=block_n, STAGES=stages, NUM_SPLITS=num_splits,
-        PDL=pdl, num_warps=4, launch_pdl=bool(pdl))
+        PDL=pdl, MATH=math, num_warps=4, launch_pdl=bool(pdl))
