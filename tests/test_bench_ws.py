@@ -35,7 +35,7 @@ COMPILE = textwrap.dedent("""
                        target=GPUTarget("cuda", 90, 32), options=dict(num_warps=const["num_warps"]))
     ptx = k.asm["ptx"]
     ops = ("mma.sync", "ldmatrix", "cp.async.mbarrier.arrive.noinc", "mbarrier.init", "setmaxnreg", "ex2", "sqrt.rn",
-           "cp.async.wait_group")
+           "cp.async.wait_group", "ld.shared", "bar.sync")
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     with tempfile.TemporaryDirectory() as d:      # registers: ptxas -v (n_regs needs a GPU to load the kernel)
         open(os.path.join(d, "k.ptx"), "w").write(ptx)
@@ -102,8 +102,9 @@ def test_ws_layer_kernel_compiles_for_sm90(fold):
 SMEM_PER_SM = 233472      # bytes of shared memory on one SM (H100 / H200); each CTA also takes 1 KB
 
 
-@pytest.mark.parametrize("block_n,stages,splits", [(32, 6, 1), (32, 5, 1), (64, 3, 1), (32, 3, 2)])
-def test_gluon_decode_compiles_for_sm90_at_the_occupancy_its_grid_needs(block_n, stages, splits):
+@pytest.mark.parametrize("block_n,stages,splits,warp_scores", [(32, 6, 1, False), (32, 5, 1, False), (64, 3, 1, False),
+                                                               (32, 3, 2, False), (32, 6, 1, True), (64, 3, 1, True)])
+def test_gluon_decode_compiles_for_sm90_at_the_occupancy_its_grid_needs(block_n, stages, splits, warp_scores):
     """The one-split tiles' premise (kernels/gluon_decode.py): their ring fits exactly two programs
     on an SM, so P1's 256-program grid is one wave that cannot pile onto the SMs freed first; the
     two-split tile fits four (512 programs). Registers allow at least as many."""
@@ -111,11 +112,14 @@ def test_gluon_decode_compiles_for_sm90_at_the_occupancy_its_grid_needs(block_n,
         "bt_ptr": "*i32", "lens_ptr": "*i32", "sm_scale_log2": "fp32",
         "po_ptr": "*fp32" if splits > 1 else "*bf16", "plse_ptr": "*fp32" if splits > 1 else "*bf16"}
     k = _compile("rollout.kernels.gluon_decode", "_gluon_decode_split_kernel", ptrs, GROUP=4, HEAD_DIM=128,
-                 PAGE_SIZE=16, BLOCK_N=block_n, STAGES=stages, NUM_SPLITS=splits, PDL=2, MATH=True, num_warps=4)
+                 PAGE_SIZE=16, BLOCK_N=block_n, STAGES=stages, NUM_SPLITS=splits, PDL=2, MATH=True,
+                 WARP_SCORES=warp_scores, num_warps=4)
     per_sm = SMEM_PER_SM // (k["shared"] + 1024)
     assert per_sm == (2 if splits == 1 else 4)
     assert 65536 // (k["n_regs"] * 128) >= per_sm
     assert k["mma.sync"] and k["ex2"] and not k["cp.async.mbarrier.arrive.noinc"]   # cp.async groups, no mbarriers
+    if warp_scores:     # no exchange between warps in the softmax: only the ring's (and the epilogue's) barriers
+        assert k["ld.shared"] == 0 and k["bar.sync"] < 11
 
 
 def test_gluon_decode_copy_bound_keeps_the_ring_and_drops_the_math():
@@ -124,7 +128,8 @@ def test_gluon_decode_copy_bound_keeps_the_ring_and_drops_the_math():
     ptrs = {n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "out_ptr", "po_ptr", "plse_ptr")} | {
         "bt_ptr": "*i32", "lens_ptr": "*i32", "sm_scale_log2": "fp32"}
     k = _compile("rollout.kernels.gluon_decode", "_gluon_decode_split_kernel", ptrs, GROUP=4, HEAD_DIM=128,
-                 PAGE_SIZE=16, BLOCK_N=32, STAGES=6, NUM_SPLITS=1, PDL=2, MATH=False, num_warps=4)
+                 PAGE_SIZE=16, BLOCK_N=32, STAGES=6, NUM_SPLITS=1, PDL=2, MATH=False, WARP_SCORES=False,
+                 num_warps=4)
     assert SMEM_PER_SM // (k["shared"] + 1024) == 2
     assert not k["mma.sync"] and not k["ex2"] and k["cp.async.wait_group"]
 

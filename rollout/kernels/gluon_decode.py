@@ -1,6 +1,7 @@
 """Split-KV paged decode attention in Gluon with a cp.async ring for the K / V tiles. CUDA (sm_90)
 only. The engine takes it where `paged_decode.pick_decode` says (one split, at one to two programs
-a SM); `paged_decode.GLUON_TILE` sets its tile (bench.step_variants knob `gattn=BLOCK_N,STAGES[,SPLITS]`).
+a SM); `paged_decode.GLUON_TILE` sets its tile (bench.step_variants knob
+`gattn=BLOCK_N,STAGES[,SPLITS[,WARP_SCORES]]`).
 
 Same math and grid as paged_decode's split kernel (one program per sequence x KV head x split,
 the GROUP query heads of a KV head as the rows of a 16-row MMA tile, fp32 online softmax in the
@@ -83,7 +84,8 @@ def _gluon_decode_split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, p
                                s_qb, s_qh, s_kp, s_ks, s_kh, s_vp, s_vs, s_bt, s_ob, s_oh,
                                GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, PAGE_SIZE: gl.constexpr,
                                BLOCK_N: gl.constexpr, STAGES: gl.constexpr, NUM_SPLITS: gl.constexpr,
-                               PDL: gl.constexpr, MATH: gl.constexpr, num_warps: gl.constexpr):
+                               PDL: gl.constexpr, MATH: gl.constexpr, WARP_SCORES: gl.constexpr,
+                               num_warps: gl.constexpr):
     b = gl.program_id(0)
     kvh = gl.program_id(1)
     split = gl.program_id(2)
@@ -112,19 +114,26 @@ def _gluon_decode_split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, p
                     dims, end, kv_off, s_kp, s_ks, s_vp, s_vs, PAGE_SIZE)
     pages_next = _tile_pages(bt_ptr, row_b, start + (STAGES - 1) * BLOCK_N, rows, end, PAGE_SIZE)
 
+    # p @ V: the warps split the head dim. q . k: so do they the keys, or (WARP_SCORES) every warp
+    # computes all of a tile's scores itself (its 16 rows repeat over the warps' M slots), so the
+    # softmax's max and p need no exchange between warps: 4x the q . k MMAs, two fewer CTA barriers a tile.
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, num_warps], instr_shape=[16, 8])
     a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     b_op: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+    mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[num_warps, 1] if WARP_SCORES
+                                                    else [1, num_warps], instr_shape=[16, 8])
+    a_s: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_s, k_width=2)
+    b_s: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma_s, k_width=2)
     q_ld: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0])
     qr = gl.arange(0, ROWS, layout=gl.SliceLayout(1, q_ld))
     qd = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, q_ld))
     q = gl.load(q_ptr + b * s_qb + (kvh * GROUP + qr)[:, None] * s_qh + qd[None, :], mask=(qr < GROUP)[:, None],
                 other=0.0)
-    q = gl.convert_layout(q, a_op)
+    q = gl.convert_layout(q, a_s)
 
-    cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma))
-    m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, mma))
-    l_cols = gl.zeros([ROWS, BLOCK_N], gl.float32, mma)      # running row sums, per column
+    cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma_s))
+    m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, mma_s))
+    l_cols = gl.zeros([ROWS, BLOCK_N], gl.float32, mma_s)    # running row sums, per column
     acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, mma)
     for t in range(n_tiles):
         n_issue = start + (t + STAGES - 1) * BLOCK_N
@@ -134,14 +143,16 @@ def _gluon_decode_split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, p
         async_copy.wait_group(STAGES - 1)
         if MATH:                               # MATH False: a timing bound, the copy stream alone (wrong output)
             slot = t % STAGES
-            k_t = k_ring.index(slot).permute((1, 0)).load(b_op)
-            s = key_scores(q, k_t, start + t * BLOCK_N, end, cols, sm_scale_log2, mma, ROWS, BLOCK_N)
+            k_t = k_ring.index(slot).permute((1, 0)).load(b_s)
+            s = key_scores(q, k_t, start + t * BLOCK_N, end, cols, sm_scale_log2, mma_s, ROWS, BLOCK_N)
             m_i, p, alpha, l_cols = softmax_step(s, m_i, l_cols)
             v_t = v_ring.index(slot).load(b_op)
+            alpha = gl.convert_layout(alpha, gl.SliceLayout(1, mma))
             acc = mma_v2(gl.convert_layout(p.to(gl.bfloat16), a_op), v_t, acc * alpha[:, None])
     async_copy.wait_group(0)                   # the zero-filled tail copies, before the program exits
 
-    l_i = gl.sum(l_cols, 1)
+    l_i = gl.convert_layout(gl.sum(l_cols, 1), gl.SliceLayout(1, mma))
+    m_i = gl.convert_layout(m_i, gl.SliceLayout(1, mma))
     l_safe = gl.where(l_i > 0.0, l_i, 1.0)     # empty split / padding row -> output 0, lse -inf
     o = acc / l_safe[:, None]
     orow = gl.arange(0, ROWS, layout=gl.SliceLayout(1, mma))
@@ -159,11 +170,13 @@ def _gluon_decode_split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, p
 
 def decode_split(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  seq_lens: torch.Tensor, scale_log2: float, out: torch.Tensor, po: torch.Tensor, plse: torch.Tensor,
-                 num_splits: int, block_n: int, stages: int, pdl: int, math: bool = True) -> None:
+                 num_splits: int, block_n: int, stages: int, warp_scores: bool = False, *, pdl: int,
+                 math: bool = True) -> None:
     """paged_decode's split kernel on bf16, head_dim 128, GROUP <= 16, no sliding window: with one
     split the output `out` [B, Hq, D], else partial outputs po [B, Hq, num_splits, D] (fp32) and
-    plse [B, Hq, num_splits] for its merge kernel. math=False: the K / V copies only, no attention
-    (a timing bound for bench.attn_ceiling; its output is wrong)."""
+    plse [B, Hq, num_splits] for its merge kernel. (block_n, stages, warp_scores): the tile,
+    paged_decode.GLUON_TILE's. math=False: the K / V copies only, no attention (a timing bound for
+    bench.attn_ceiling; its output is wrong)."""
     B, Hq, D = q.shape
     _, page_size, Hkv, _ = k_cache.shape
     assert q.dtype == k_cache.dtype == v_cache.dtype == out.dtype == torch.bfloat16 and D == 128
@@ -173,4 +186,4 @@ def decode_split(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=Hq // Hkv, HEAD_DIM=D, PAGE_SIZE=page_size, BLOCK_N=block_n, STAGES=stages, NUM_SPLITS=num_splits,
-        PDL=pdl, MATH=math, num_warps=4, launch_pdl=bool(pdl))
+        PDL=pdl, MATH=math, WARP_SCORES=warp_scores, num_warps=4, launch_pdl=bool(pdl))

@@ -1,7 +1,8 @@
 """The Gluon split-KV decode kernel (kernels/gluon_decode.py; the engine's choice where
 paged_decode.pick_decode says, its tile paged_decode.GLUON_TILE), with one split (its own output)
-and several (partials for the merge kernel), against the fp32 torch reference on fresh random inputs with poisoned pages and
-outputs, and inside a CUDA graph with PDL. Skipped without an sm_90 GPU."""
+and several (partials for the merge kernel), against the fp32 torch reference on fresh random
+inputs with poisoned pages and outputs, and inside a CUDA graph with PDL. Skipped without an
+sm_90 GPU."""
 import os
 import sys
 
@@ -36,7 +37,8 @@ def gluon_tile():
     paged_decode.GLUON_TILE = DEFAULT_TILE
 
 
-@pytest.mark.parametrize("tile", [(32, 3), (32, 6), (64, 2), (64, 3)])
+@pytest.mark.parametrize("tile", [(32, 3, False), (32, 6, False), (64, 2, False), (64, 3, False), (32, 3, True),
+                                  (32, 6, True), (64, 3, True)])
 @pytest.mark.parametrize("Hq,Hkv,ps,num_splits", [(32, 8, 16, 1), (32, 8, 16, 2), (32, 8, 64, 3), (28, 4, 16, 8),
                                                   (16, 1, 32, 1)])
 def test_matches_reference(gluon_tile, tile, Hq, Hkv, ps, num_splits):
@@ -74,7 +76,7 @@ def test_engine_takes_it_at_p1s_batch_and_refuses_a_window(gluon_tile, monkeypat
         paged_decode.paged_decode_attention(q, *clean, bt, meta.seq_lens, 0.1, 50, 1, gluon=True)
 
 
-@pytest.mark.parametrize("tile,num_splits", [((32, 3), 2), ((32, 6), 1)])
+@pytest.mark.parametrize("tile,num_splits", [((32, 3, False), 2), ((32, 6, False), 1), ((32, 6, True), 1)])
 def test_graph_replay_with_pdl_equals_eager(gluon_tile, tile, num_splits):
     """Captured once (PDL launches, as the engine's decode graphs), replayed after seq_lens and
     block tables change in place: the eager call's bits, and the reference."""
