@@ -6,7 +6,7 @@
 #   fleet_scaling fleet_broadcast; issue 4: p1_pdl p5_pdl profile_p1 gemm_pdl sampler_trunc tests_sampler;
 #   batch-invariant mode: inv_cost tests_invariant p1_inv pressure_inv_ref0 pressure_inv_ref1 pressured_inv
 #   (KV_FRACTION), inv_refs_x2 on 2 GPUs (then pressured_inv with the npz in h200_ref/), inv_x4 on 4 GPUs;
-#   the decode megakernel: mega_clocks)
+#   the decode megakernel: mega_clocks; hardware counters: ncu_probe)
 # Run from the repo root on the H200; ROLLOUT_GIT_COMMIT should be passed in (no .git there).
 set -uo pipefail
 OUT=${OUT:-h200_out}; mkdir -p "$OUT"; export OUT   # exported: sections may call this script again
@@ -56,6 +56,19 @@ for s in $sections; do
       for C in ${ATTN_CONTEXTS:-4352 8448}; do timeout 240 python3 -m rollout.bench.attn_ceiling --batch 32 --context $C \
         --configs ${ATTN_CONFIGS:-2,64,4,2 4,64,4,2 2,64,4,3 2,128,8,2 4,32,1,2} --out $OUT/attn_ceiling_B32_C$C.json \
         2>&1 | tail -40; done ;;
+    ncu_probe) # issue 4: hardware counters (Nsight Compute) of one launch each: the launch path's attention with
+      # and without its math, at 64-key tiles, the pure read; the megakernel's paged K/V stream and its bounds
+      NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1)
+      M="dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sectors_srcunit_tex_op_read.sum,lts__t_sector_op_read_hit_rate.pct,gpu__time_duration.sum"
+      NCU_ARGS="--profile-from-start off --clock-control none --section SpeedOfLight --section MemoryWorkloadAnalysis
+        --section WarpStateStats --section Occupancy --section SchedulerStats --section LaunchStats --metrics $M --csv
+        --page raw"
+      timeout 200 $NCU $NCU_ARGS --log-file $OUT/ncu_attn.csv python3 -m rollout.bench.attn_ceiling --probe --layers 1 \
+        --pages interleaved --configs ${NCU_ATTN:-gluon=32,6 gluon=32,6,nomath gluon=64,3} --read-grid 2 --read-stages 4 \
+        2>&1 | tail -8
+      timeout 280 $NCU $NCU_ARGS --log-file $OUT/ncu_mega.csv python3 -m rollout.bench.decode_layers --probe --layers 8 \
+        --pages ordered --kv-layout token slab --variants ${NCU_MEGA:-2,6,4 2,6,4,0 2,6,4,2 2,6,4,3} 2>&1 | tail -10
+      python3 scripts/ncu_summary.py $OUT/ncu_attn.csv $OUT/ncu_mega.csv ;;
     mega_clocks) # issue 4: base vs the decode megakernel over windows as long as P1's (STEPS each), GPU clocks
       # and power logged beside them (bench.clocks): does the megakernel lose ground as a long run heats the GPU?
       nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_event_reasons.active \

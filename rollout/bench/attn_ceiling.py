@@ -33,6 +33,7 @@ import triton.language as tl
 from ..kernels import fix_interpreter, pdl
 from ..kernels.pdl import enter, pdl_for
 from .__main__ import run_meta, write_json
+from .gemm import profiled_once
 from .kernels import copy_bandwidth
 
 fix_interpreter()
@@ -145,6 +146,9 @@ def main(argv=None):
                     help="blocks of k each read program loads before its PDL wait")
     ap.add_argument("--read-block", nargs="+", type=int, default=[4096], help="elements a read program loads at once")
     ap.add_argument("--no-sdpa", dest="sdpa", action="store_false")
+    ap.add_argument("--probe", action="store_true",
+                    help="no timing: one layer of each config and read once more for a profiler "
+                         "(ncu --profile-from-start off)")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -201,6 +205,10 @@ def main(argv=None):
             try:
                 out0 = attend(q0, *caches[0])
                 err = (out0.float() - ref).abs().max()
+                if args.probe:
+                    profiled_once(lambda: attend(q0, *caches[0]))
+                    print(f"  probed ours {layout} {pages} {cfg}")
+                    continue
                 report(f"ours {layout} {pages} {cfg}", graph_us(chain, L, args.replays, args.repeats),
                        layout=layout, pages=pages, config=cfg, max_err=err.item(), first_page=args.first_page)
             except Exception as e:       # e.g. out of shared memory: report, go on
@@ -209,9 +217,14 @@ def main(argv=None):
             sums = torch.empty(max(args.read_grid) * sms, dtype=torch.float32, device="cuda")
             for per_sm, st, blk, pre in itertools.product(args.read_grid, args.read_stages, args.read_block,
                                                           args.read_pre):
-                def reads(per_sm=per_sm, st=st, blk=blk, pre=pre):
+                def reads(per_sm=per_sm, st=st, blk=blk, pre=pre, caches=caches):
                     for kc, vc in caches:
                         read_bytes(kc, vc, sums, per_sm * sms, st, block=blk, pre=pre)
+                if args.probe:
+                    reads(caches=caches[:1])
+                    profiled_once(lambda: reads(caches=caches[:1]))
+                    print(f"  probed read {per_sm}/SM {st} stages {blk} a block")
+                    continue
                 try:
                     report(f"read {per_sm} programs/SM, {st} stages, {blk} a block, {pre} before the wait",
                            graph_us(reads, L, args.replays, args.repeats), programs=per_sm * sms, stages=st,
@@ -221,7 +234,7 @@ def main(argv=None):
         caches.clear()                  # free this page order's caches before the next
         torch.cuda.empty_cache()
 
-    if args.sdpa:
+    if args.sdpa and not args.probe:
         from torch.nn.attention import SDPBackend, sdpa_kernel
         dense = [tuple(torch.randn(B, Hkv, ctx, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
                  for _ in range(L)]

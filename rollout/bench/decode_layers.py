@@ -43,13 +43,15 @@ def main(argv=None):
                     help="the first page id the tables use (pages below it unused): 16 puts slab runs, and the "
                          "slabs, on 64 KB boundaries, as KV_PAGED 0's runs are; 1 leaves them 4 KB off")
     ap.add_argument("--variants", nargs="+", default=["1,6,4", "2,6,4", "0,6,4"], help="ATTN,W_SLOTS,X_SLOTS[,PAGED]")
+    ap.add_argument("--probe", action="store_true",
+                    help="no timing: each variant once more for a profiler (ncu --profile-from-start off)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("decode_layers: CUDA only", file=sys.stderr)
         return 1
     from ..kernels.decode_layers import counters, decode_layers
-    from .gemm import graph_time_us
+    from .gemm import graph_time_us, profiled_once
     L, B, H, I, C = args.layers, args.batch, args.hidden, args.intermediate, args.context
     Hq, Hkv, D = args.heads, args.kv_heads, 128
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -96,7 +98,9 @@ def main(argv=None):
             if paged == 1:
                 first_paged.setdefault(key, out.clone())
             same = bool(torch.equal(out, first_paged[key])) if paged in (1, 4) and key in first_paged else None
-            ms = graph_time_us(lambda i: call(), 1) / 1e3
+            if args.probe:
+                profiled_once(call)
+            ms = float("nan") if args.probe else graph_time_us(lambda i: call(), 1) / 1e3
         except Exception as e:
             print(f"{v}: failed: {type(e).__name__}: {e}"[:400], flush=True)
             rows.append(dict(variant=v, error=f"{type(e).__name__}: {e}"[:300]))

@@ -37,6 +37,17 @@ def linear_shapes(cfg) -> dict[str, tuple[int, int, int]]:
             "down": (cfg.hidden_size, cfg.intermediate_size, L), "lm_head": (cfg.vocab_size, cfg.hidden_size, 1)}
 
 
+def profiled_once(fn):
+    """fn() once between cudaProfilerStart and Stop: the launches `ncu --profile-from-start off`
+    reads (the benches' --probe, after a warm-up call compiled them)."""
+    torch.cuda.synchronize()
+    torch.cuda.profiler.start()
+    out = fn()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.stop()
+    return out
+
+
 def graph_time_us(fn_per_copy, copies: int, reps: int = 20) -> float:
     """Median over `reps` replays of a graph that calls fn(i) for each weight copy i."""
     s = torch.cuda.Stream()
