@@ -6,7 +6,7 @@
 #   fleet_scaling fleet_broadcast; issue 4: p1_pdl p5_pdl profile_p1 gemm_pdl sampler_trunc tests_sampler;
 #   batch-invariant mode: inv_cost tests_invariant p1_inv pressure_inv_ref0 pressure_inv_ref1 pressured_inv
 #   (KV_FRACTION), inv_refs_x2 on 2 GPUs (then pressured_inv with the npz in h200_ref/), inv_x4 on 4 GPUs;
-#   the decode megakernel: mega_clocks; hardware counters: ncu_probe)
+#   clocks and power: power_clocks; hardware counters: ncu_probe)
 # Run from the repo root on the H200; ROLLOUT_GIT_COMMIT should be passed in (no .git there).
 set -uo pipefail
 OUT=${OUT:-h200_out}; mkdir -p "$OUT"; export OUT   # exported: sections may call this script again
@@ -69,13 +69,20 @@ for s in $sections; do
       timeout 280 $NCU $NCU_ARGS --log-file $OUT/ncu_mega.csv python3 -m rollout.bench.decode_layers --probe --layers 8 \
         --pages ordered --kv-layout token slab --variants ${NCU_MEGA:-2,6,4 2,6,4,0 2,6,4,2 2,6,4,3} 2>&1 | tail -10
       python3 scripts/ncu_summary.py $OUT/ncu_attn.csv $OUT/ncu_mega.csv ;;
-    mega_clocks) # issue 4: base vs the decode megakernel over windows as long as P1's (STEPS each), GPU clocks
-      # and power logged beside them (bench.clocks): does the megakernel lose ground as a long run heats the GPU?
+    power_clocks) # issue 4: SM clock and power (nvidia-smi every 50 ms) while the launch path's attention runs with
+      # its math and without, the pure read, and P1's decode step (base vs the megakernel, STEPS a window)
+      nvidia-smi -q -d POWER,CLOCK,PERFORMANCE > $OUT/smi_q.txt 2>&1
       nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_event_reasons.active \
-        --format=csv,noheader -lms 250 > $OUT/smi_mega_clocks.csv 2>&1 & smi=$!
-      timeout 400 python3 -m rollout.bench.step_variants --shape llama3-8b --batch 32 --context 4352 \
-        --steps ${STEPS:-1500} --variants base mega base --out $OUT/step_variants_mega_clocks.json 2>&1 | grep -A6 "^| variant"
-      kill $smi; python3 -m rollout.bench.clocks $OUT/step_variants_mega_clocks.json $OUT/smi_mega_clocks.csv ;;
+        --format=csv,noheader -lms 50 > $OUT/smi_power.csv 2>&1 & smi=$!
+      timeout 200 python3 -m rollout.bench.attn_ceiling --batch 32 --context 4352 --pages interleaved --no-sdpa \
+        --configs gluon=32,6 gluon=32,6,nomath gluon=64,3 --read-grid 2 --read-stages 4 --hold 3 \
+        --out $OUT/attn_ceiling_hold.json 2>&1 | grep -E "ours|read"
+      timeout 300 python3 -m rollout.bench.step_variants --shape llama3-8b --batch 32 --context 4352 \
+        --steps ${STEPS:-600} --variants base mega base --out $OUT/step_variants_power.json 2>&1 | grep -A6 "^| variant"
+      kill $smi
+      python3 -m rollout.bench.clocks $OUT/attn_ceiling_hold.json $OUT/smi_power.csv
+      python3 -m rollout.bench.clocks $OUT/step_variants_power.json $OUT/smi_power.csv
+      grep -iE "limit|draw|event|slowdown|SM  " $OUT/smi_q.txt | head -40 ;;
     variants) # issue 4 P1: the decode step under kernel knobs and GEMM / attention configs, side by side
       V="base wait_first rope_token qkv=cublas qkv=32,128,4,5 qkv=64,128,4,5,2 qkv=64,256,4,4 qkv=32,256,4,4
          qkv=128,128,8,4,2 o=cublas o=64,128,4,5,2 o=32,128,4,5,2 o=16,256,4,5 o=32,256,4,4,2 base

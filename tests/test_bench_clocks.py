@@ -22,3 +22,16 @@ def test_windows_take_the_samples_inside_each_timed_window(tmp_path, capsys):
     assert w[1]["samples"] == 2 and w[1]["sm_mhz_min"] == 1700 and w[1]["watts_max"] == 700 and w[1]["reasons"] == 4
     assert clocks.main([str(tmp_path / "sv.json"), str(smi)]) == 0
     assert "mega" in capsys.readouterr().out
+
+
+def test_rows_with_a_start_take_the_samples_between_start_and_end(tmp_path):
+    """bench.attn_ceiling --hold rows: a name, no step count, the window's start and end."""
+    smi = tmp_path / "smi.csv"
+    smi.write_text("2026/12/02 08:00:00.000, 1980 MHz, 3201 MHz, 500.00 W, 40, 0x0000000000000000\n"
+                   "2026/12/02 08:00:00.500, 1760 MHz, 3201 MHz, 690.00 W, 41, 0x0000000000000004\n"
+                   "2026/12/02 08:00:01.000, 1750 MHz, 3201 MHz, 700.00 W, 45, 0x0000000000000004\n")
+    t = 1796198400.0
+    rows = [dict(name="ours gluon=32,6", us_per_layer=137.0, unix_time_start=t + 0.25, unix_time_end=t + 1.0)]
+    w = clocks.windows(rows, clocks.read_smi(str(smi)))
+    assert len(w) == 1 and w[0]["variant"] == "ours gluon=32,6" and w[0]["fraction"] is None
+    assert w[0]["samples"] == 2 and w[0]["sm_mhz"] == 1755 and w[0]["reasons"] == 4

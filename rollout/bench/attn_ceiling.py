@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import sys
+import time
 
 import torch
 import triton
@@ -99,6 +100,22 @@ def graph_us(chain, layers: int, replays: int, repeats: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def hold(chain, seconds: float) -> dict:
+    """Replays of a graph of chain() for `seconds`: a window long enough for an nvidia-smi log
+    beside the run to show its clocks and power (bench.clocks)."""
+    s = torch.cuda.Stream()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(s), torch.cuda.graph(g, stream=s):
+        chain()
+    torch.cuda.synchronize()
+    t0 = time.time()
+    while time.time() - t0 < seconds:
+        for _ in range(50):
+            g.replay()
+        torch.cuda.synchronize()
+    return dict(unix_time_start=t0, unix_time_end=time.time())
+
+
 def make_layers(B: int, ctx: int, L: int, ps: int, Hkv: int, D: int, pages_order: str, layout: str = "token",
                 seed: int = 0, first_page: int = 1):
     """L (k_cache, v_cache) pairs and one block table [B, ctx / ps] (the same for every layer,
@@ -146,6 +163,8 @@ def main(argv=None):
                     help="blocks of k each read program loads before its PDL wait")
     ap.add_argument("--read-block", nargs="+", type=int, default=[4096], help="elements a read program loads at once")
     ap.add_argument("--no-sdpa", dest="sdpa", action="store_false")
+    ap.add_argument("--hold", type=float, default=0.0,
+                    help="seconds of replays after each timing, for clocks and power (bench.clocks)")
     ap.add_argument("--probe", action="store_true",
                     help="no timing: one layer of each config and read once more for a profiler "
                          "(ncu --profile-from-start off)")
@@ -211,6 +230,8 @@ def main(argv=None):
                     continue
                 report(f"ours {layout} {pages} {cfg}", graph_us(chain, L, args.replays, args.repeats),
                        layout=layout, pages=pages, config=cfg, max_err=err.item(), first_page=args.first_page)
+                if args.hold:
+                    rows[-1].update(hold(chain, args.hold))
             except Exception as e:       # e.g. out of shared memory: report, go on
                 print(f"  ours {pages} {cfg}: {type(e).__name__}: {e}"[:200])
         if pages == args.pages[0] and layout == args.layout[0]:
@@ -229,6 +250,8 @@ def main(argv=None):
                     report(f"read {per_sm} programs/SM, {st} stages, {blk} a block, {pre} before the wait",
                            graph_us(reads, L, args.replays, args.repeats), programs=per_sm * sms, stages=st,
                            block=blk, pre=pre)
+                    if args.hold:
+                        rows[-1].update(hold(reads, args.hold))
                 except ValueError as e:       # more blocks before the wait than a program reads
                     print(f"  read {per_sm}/SM pre={pre}: {e}")
         caches.clear()                  # free this page order's caches before the next

@@ -28,16 +28,17 @@ def read_smi(path: str) -> list[tuple[float, float, float, int]]:
 
 
 def windows(rows: list[dict], smi: list[tuple]) -> list[dict]:
-    """Per timed row: the samples inside [end - steps * step_ms, end] (the GPU is busy throughout)."""
+    """Per timed row: the samples inside [end - steps * step_ms, end] (the GPU is busy throughout),
+    or [unix_time_start, unix_time_end] where a row has both (bench.attn_ceiling --hold)."""
     out = []
     for r in rows:
         if "unix_time_end" not in r:
             continue
         t1 = r["unix_time_end"]
-        t0 = t1 - r["steps"] * r["step_ms"] / 1e3
+        t0 = r.get("unix_time_start", t1 - r.get("steps", 0) * r.get("step_ms", 0) / 1e3)
         w = [s for s in smi if t0 <= s[0] <= t1]
         if w:
-            out.append(dict(variant=r["variant"], fraction=r["fraction"], samples=len(w),
+            out.append(dict(variant=r.get("variant", r.get("name")), fraction=r.get("fraction"), samples=len(w),
                             sm_mhz=sum(s[1] for s in w) / len(w), sm_mhz_min=min(s[1] for s in w),
                             watts=sum(s[2] for s in w) / len(w), watts_max=max(s[2] for s in w),
                             reasons=max(s[3] for s in w)))
@@ -47,7 +48,8 @@ def windows(rows: list[dict], smi: list[tuple]) -> list[dict]:
 def main(argv=None) -> int:
     sv, smi = (argv if argv is not None else sys.argv[1:])[:2]
     for w in windows(json.load(open(sv))["rows"], read_smi(smi)):
-        print(f"{w['variant']:12s} {100 * w['fraction']:5.1f}%  {w['samples']:4d} samples  SM {w['sm_mhz']:.0f} MHz "
+        share = f"{100 * w['fraction']:5.1f}%" if w["fraction"] is not None else ""
+        print(f"{w['variant']:12s} {share}  {w['samples']:4d} samples  SM {w['sm_mhz']:.0f} MHz "
               f"(min {w['sm_mhz_min']:.0f})  {w['watts']:.0f} W (max {w['watts_max']:.0f})  "
               f"clock event reasons {hex(w['reasons'])}")
     return 0
