@@ -74,14 +74,15 @@ for s in $sections; do
       nvidia-smi -q -d POWER,CLOCK,PERFORMANCE > $OUT/smi_q.txt 2>&1
       nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_event_reasons.active \
         --format=csv,noheader -lms 50 > $OUT/smi_power.csv 2>&1 & smi=$!
-      timeout 200 python3 -m rollout.bench.attn_ceiling --batch 32 --context 4352 --pages interleaved --no-sdpa \
-        --configs gluon=32,6 gluon=32,6,nomath gluon=64,3 --read-grid 2 --read-stages 4 --hold 3 \
-        --out $OUT/attn_ceiling_hold.json 2>&1 | grep -E "ours|read"
-      timeout 300 python3 -m rollout.bench.step_variants --shape llama3-8b --batch 32 --context 4352 \
-        --steps ${STEPS:-600} --variants base mega base --out $OUT/step_variants_power.json 2>&1 | grep -A6 "^| variant"
+      timeout 300 python3 -m rollout.bench.attn_ceiling --batch 32 --context 4352 --pages interleaved \
+        --configs gluon=32,6 gluon=32,6,nomath gluon=64,3 --read-grid ${READ_GRID:-2} --read-stages 4 \
+        --hold ${HOLD:-3} ${ATTN_ARGS:---no-sdpa} --out $OUT/attn_ceiling_hold.json 2>&1 | grep -E "ours|read|sdpa|over"
+      [ "${SV:-base mega base}" ] && timeout 300 python3 -m rollout.bench.step_variants --shape llama3-8b --batch 32 \
+        --context 4352 --steps ${STEPS:-600} --variants ${SV:-base mega base} --out $OUT/step_variants_power.json \
+        2>&1 | grep -A6 "^| variant"
       kill $smi
       python3 -m rollout.bench.clocks $OUT/attn_ceiling_hold.json $OUT/smi_power.csv
-      python3 -m rollout.bench.clocks $OUT/step_variants_power.json $OUT/smi_power.csv
+      [ -f $OUT/step_variants_power.json ] && python3 -m rollout.bench.clocks $OUT/step_variants_power.json $OUT/smi_power.csv
       grep -iE "limit|draw|event|slowdown|SM  " $OUT/smi_q.txt | head -40 ;;
     variants) # issue 4 P1: the decode step under kernel knobs and GEMM / attention configs, side by side
       V="base wait_first rope_token qkv=cublas qkv=32,128,4,5 qkv=64,128,4,5,2 qkv=64,256,4,4 qkv=32,256,4,4

@@ -100,20 +100,28 @@ def graph_us(chain, layers: int, replays: int, repeats: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def hold(chain, seconds: float) -> dict:
+def hold(chain, layers: int, seconds: float) -> dict:
     """Replays of a graph of chain() for `seconds`: a window long enough for an nvidia-smi log
-    beside the run to show its clocks and power (bench.clocks)."""
+    beside the run to show its clocks and power (bench.clocks), and the time a layer takes over its
+    last half, once the GPU's power limit has had time to act (graph_us's short runs end before)."""
     s = torch.cuda.Stream()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.stream(s), torch.cuda.graph(g, stream=s):
         chain()
     torch.cuda.synchronize()
     t0 = time.time()
+    n = n_half = 0
+    t_half = None
     while time.time() - t0 < seconds:
         for _ in range(50):
             g.replay()
         torch.cuda.synchronize()
-    return dict(unix_time_start=t0, unix_time_end=time.time())
+        n += 50
+        if t_half is None and time.time() - t0 >= seconds / 2:
+            t_half, n_half = time.time(), n
+    t1 = time.time()
+    return dict(unix_time_start=t0, unix_time_end=t1,
+                held_us_per_layer=(t1 - t_half) * 1e6 / ((n - n_half) * layers) if n > n_half else None)
 
 
 def make_layers(B: int, ctx: int, L: int, ps: int, Hkv: int, D: int, pages_order: str, layout: str = "token",
@@ -188,7 +196,14 @@ def main(argv=None):
     def report(name, us, **kw):
         gbps = kv_bytes / (us * 1e-6) / 1e9
         rows.append(dict(name=name, us_per_layer=us, GBps=gbps, of_copy=gbps / copy, **kw))
-        print(f"  {name:<44} {us:8.1f} us/layer  {gbps:6.0f} GB/s  {gbps / copy:6.1%} of copy")
+        print(f"  {name:<44} {us:8.1f} us/layer  {gbps:6.0f} GB/s  {gbps / copy:6.1%} of copy", flush=True)
+
+    def held(chain):
+        """--hold: the row's window, and its time a layer held that long (at the GPU's power limit)."""
+        if args.hold:
+            rows[-1].update(hold(chain, L, args.hold))
+            print(f"  {'':<44} {rows[-1]['held_us_per_layer']:8.1f} us/layer over the last {args.hold / 2:.0f} s "
+                  f"of {args.hold:.0f} s of replays", flush=True)
 
     q0 = torch.randn(B, Hq, D, device="cuda", dtype=torch.bfloat16)
     lens = torch.full((B,), ctx, dtype=torch.int32, device="cuda")
@@ -230,8 +245,7 @@ def main(argv=None):
                     continue
                 report(f"ours {layout} {pages} {cfg}", graph_us(chain, L, args.replays, args.repeats),
                        layout=layout, pages=pages, config=cfg, max_err=err.item(), first_page=args.first_page)
-                if args.hold:
-                    rows[-1].update(hold(chain, args.hold))
+                held(chain)
             except Exception as e:       # e.g. out of shared memory: report, go on
                 print(f"  ours {pages} {cfg}: {type(e).__name__}: {e}"[:200])
         if pages == args.pages[0] and layout == args.layout[0]:
@@ -250,8 +264,7 @@ def main(argv=None):
                     report(f"read {per_sm} programs/SM, {st} stages, {blk} a block, {pre} before the wait",
                            graph_us(reads, L, args.replays, args.repeats), programs=per_sm * sms, stages=st,
                            block=blk, pre=pre)
-                    if args.hold:
-                        rows[-1].update(hold(reads, args.hold))
+                    held(reads)
                 except ValueError as e:       # more blocks before the wait than a program reads
                     print(f"  read {per_sm}/SM pre={pre}: {e}")
         caches.clear()                  # free this page order's caches before the next
@@ -276,6 +289,7 @@ def main(argv=None):
             r = torch.softmax(q4.float() @ kr.transpose(-1, -2) * scale, -1) @ vr
             report("sdpa cudnn dense", graph_us(sdpa_chain, L, args.replays, args.repeats),
                    max_err=(o.float() - r).abs().max().item())
+            held(sdpa_chain)
         except Exception as e:
             print(f"  sdpa cudnn: {type(e).__name__}: {e}"[:300])
     write_json(dict(batch=B, context=ctx, layers=L, page_size=ps, kv_bytes_per_layer=kv_bytes, copy_GBps=copy,
