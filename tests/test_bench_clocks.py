@@ -1,5 +1,6 @@
 """bench.clocks: nvidia-smi samples matched to step_variants' timed windows."""
 import json
+import os
 
 from rollout.bench import clocks
 
@@ -35,3 +36,27 @@ def test_rows_with_a_start_take_the_samples_between_start_and_end(tmp_path):
     w = clocks.windows(rows, clocks.read_smi(str(smi)))
     assert len(w) == 1 and w[0]["variant"] == "ours gluon=32,6" and w[0]["fraction"] is None
     assert w[0]["samples"] == 2 and w[0]["sm_mhz"] == 1755 and w[0]["reasons"] == 4
+
+
+def test_logged_summarizes_what_nvidia_smi_printed_while_the_block_ran(tmp_path, monkeypatch):
+    """clocks.logged() runs nvidia-smi beside a block (here a stand-in script on PATH that prints
+    two samples, the second at the power limit) and fills its dict when the block ends; without
+    nvidia-smi the dict stays empty."""
+    import stat
+    import time
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text("#!/bin/sh\n"
+                    "echo '2026/12/02 08:00:00.000, 1980 MHz, 3201 MHz, 600.00 W, 40, 0x0000000000000000'\n"
+                    "echo '2026/12/02 08:00:00.100, 1500 MHz, 3201 MHz, 700.00 W, 41, 0x0000000000000004'\n"
+                    "exec sleep 30\n")
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    with clocks.logged() as g:
+        assert g == {}
+        time.sleep(0.5)
+    assert g["samples"] == 2 and g["sm_mhz"] == 1740 and g["sm_mhz_min"] == 1500 and g["watts_max"] == 700
+    assert g["power_capped"] == 0.5
+    monkeypatch.setenv("PATH", str(tmp_path / "nowhere"))
+    with clocks.logged() as g:
+        pass
+    assert g == {}

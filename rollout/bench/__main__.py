@@ -12,6 +12,7 @@ synchronised, median of --repeats.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -26,7 +27,7 @@ import torch
 from ..engine import RolloutEngine
 from ..models.loader import build_model, copy_hf_tensors
 from ..request import SamplingParams
-from . import timeline
+from . import clocks, timeline
 from .roofline import model_sizes, roofline
 from .shapes import SHAPES, make_config
 
@@ -182,7 +183,8 @@ def main(argv=None):
     ap.add_argument("--fp32-reference", action="store_true",
                     help="also measure ours and HF against an fp32 copy of the weights")
     ap.add_argument("--bf16-reduced-precision-reduction", type=int, default=1,
-                    help="cuBLAS split-K reductions in bf16 (PyTorch's default is 1); measured no effect on the 8B check")
+                    help="cuBLAS split-K reductions in bf16 (PyTorch's default is 1); measured no effect on the 8B "
+                         "check")
     ap.add_argument("--trace", default=None, metavar="PREFIX",
                     help="also trace a short sync and async run: PREFIX.json (Chrome trace) + PREFIX.png")
     ap.add_argument("--attention-backend", default="auto", choices=("auto", "torch", "triton"))
@@ -258,9 +260,10 @@ def main(argv=None):
         engine.pipeline.start_trace()
         t0 = time.perf_counter()
         try:
-            o = engine.generate(prompts, greedy, use_tqdm=True)
-            engine.drain()
-            _sync()
+            with clocks.logged(device.index or 0) if cuda else contextlib.nullcontext({}) as gpu_clocks:
+                o = engine.generate(prompts, greedy, use_tqdm=True)
+                engine.drain()
+                _sync()
         finally:
             if cuda:
                 triton.knobs.runtime.jit_cache_hook = hook
@@ -275,6 +278,7 @@ def main(argv=None):
                 "gpu_busy": (engine.pipeline.busy_ms - busy0) / 1e3 / wall if cuda else None,
                 "gpu_busy_steady_decode": timeline.busy_fraction(steady) if cuda else None,
                 "peak_memory_gb": torch.cuda.max_memory_allocated() / 1e9 if cuda else None,
+                "gpu_clocks": gpu_clocks,     # SM clock and power over the run (nvidia-smi): at the power limit?
                 **{f"{c}": engine.pipeline.counts[c] - counts0[c] for c in counts0},
                 "tokens": [c.token_ids for x in o for c in x.completions]}
 
@@ -347,19 +351,24 @@ def main(argv=None):
     rf = result["roofline"]
     print(f"\nroofline: {rf['tok_s']:.0f} tok/s ({rf['step_ms']:.2f} ms/step at mean context "
           f"{rf['mean_context']:.0f}, {rf['bytes_per_step'] / 1e9:.2f} GB/step)")
-    print("| run | wall s | tok/s | % roofline | GPU busy (steady) |\n|---|---|---|---|---|")
+    print("| run | wall s | tok/s | % roofline | GPU busy (steady) | SM clock, power, time at the power limit |\n"
+          "|---|---|---|---|---|---|")
     for mode in modes:
         r = result[f"ours_{mode}"]
         busy = (f"{100 * r['gpu_busy']:.1f}% ({100 * r['gpu_busy_steady_decode']:.1f}%)"
                 if r["gpu_busy"] is not None else "n/a")
-        print(f"| ours {mode} | {r['wall_s']:.2f} | {r['tok_s']:.0f} | {100 * r['fraction_of_roofline']:.1f}% | {busy} |")
+        g = r["gpu_clocks"]
+        power = (f"{g['sm_mhz']:.0f} MHz (min {g['sm_mhz_min']:.0f}), {g['watts']:.0f} W, "
+                 f"{100 * g['power_capped']:.0f}%" if g else "n/a")
+        print(f"| ours {mode} | {r['wall_s']:.2f} | {r['tok_s']:.0f} | {100 * r['fraction_of_roofline']:.1f}% | {busy} "
+              f"| {power} |")
     for key in ("hf_generate", "hf_generate_batch"):
         h = result.get(key)
         if h and "tok_s" in h:
             print(f"| {key} (G={h['gen_len']}) | {h['wall_s']:.2f} | {h['tok_s']:.0f} | "
-                  f"{100 * h['tok_s'] / rf['tok_s']:.1f}% | |")
+                  f"{100 * h['tok_s'] / rf['tok_s']:.1f}% | | |")
         elif h:
-            print(f"| {key} | failed: {h['error'][:80]} | | | |")
+            print(f"| {key} | failed: {h['error'][:80]} | | | | |")
     write_json(result, args.out)
 
 

@@ -5,13 +5,23 @@ taken beside it (does a variant slow down as a long run heats or power-limits th
         clocks_event_reasons.active --format=csv,noheader -lms 250 > smi.csv &
     python -m rollout.bench.step_variants ... --out sv.json
     python -m rollout.bench.clocks sv.json smi.csv
+
+`logged()` takes the same log around one block (bench's timed runs record it as `gpu_clocks`).
 """
 from __future__ import annotations
 
+import contextlib
 import csv
 import datetime
 import json
+import os
+import shutil
+import subprocess
 import sys
+import tempfile
+
+QUERY = "timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_event_reasons.active"
+SW_POWER_CAP = 0x4          # nvidia-smi's clocks_event_reasons bit: the board is at its power limit
 
 
 def read_smi(path: str) -> list[tuple[float, float, float, int]]:
@@ -27,6 +37,39 @@ def read_smi(path: str) -> list[tuple[float, float, float, int]]:
     return out
 
 
+def summarize(samples: list[tuple]) -> dict:
+    """Mean / min SM clock, mean / max power, and the share of samples at the power limit."""
+    if not samples:
+        return {}
+    n = len(samples)
+    return dict(samples=n, sm_mhz=sum(s[1] for s in samples) / n, sm_mhz_min=min(s[1] for s in samples),
+                watts=sum(s[2] for s in samples) / n, watts_max=max(s[2] for s in samples),
+                power_capped=sum(bool(s[3] & SW_POWER_CAP) for s in samples) / n)
+
+
+@contextlib.contextmanager
+def logged(gpu: int = 0, period_ms: int = 100):
+    """nvidia-smi's clocks and power of GPU `gpu` every period_ms while the block runs. Yields a
+    dict that holds summarize()'s fields once the block ends (stays empty without nvidia-smi):
+    a long run's throughput depends on whether the board sat at its power limit."""
+    out: dict = {}
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        yield out
+        return
+    fd, path = tempfile.mkstemp(suffix=".csv")
+    with os.fdopen(fd, "w") as f:
+        proc = subprocess.Popen([exe, f"--query-gpu={QUERY}", "--format=csv,noheader", "-i", str(gpu),
+                                 "-lms", str(period_ms)], stdout=f, stderr=subprocess.DEVNULL)
+        try:
+            yield out
+        finally:
+            proc.terminate()
+            proc.wait(timeout=10)
+    out.update(summarize(read_smi(path)))
+    os.unlink(path)
+
+
 def windows(rows: list[dict], smi: list[tuple]) -> list[dict]:
     """Per timed row: the samples inside [end - steps * step_ms, end] (the GPU is busy throughout),
     or [unix_time_start, unix_time_end] where a row has both (bench.attn_ceiling --hold)."""
@@ -38,9 +81,7 @@ def windows(rows: list[dict], smi: list[tuple]) -> list[dict]:
         t0 = r.get("unix_time_start", t1 - r.get("steps", 0) * r.get("step_ms", 0) / 1e3)
         w = [s for s in smi if t0 <= s[0] <= t1]
         if w:
-            out.append(dict(variant=r.get("variant", r.get("name")), fraction=r.get("fraction"), samples=len(w),
-                            sm_mhz=sum(s[1] for s in w) / len(w), sm_mhz_min=min(s[1] for s in w),
-                            watts=sum(s[2] for s in w) / len(w), watts_max=max(s[2] for s in w),
+            out.append(dict(variant=r.get("variant", r.get("name")), fraction=r.get("fraction"), **summarize(w),
                             reasons=max(s[3] for s in w)))
     return out
 
