@@ -202,7 +202,8 @@ def main(argv=None):
         """--hold: the row's window, and its time a layer held that long (at the GPU's power limit)."""
         if args.hold:
             rows[-1].update(hold(chain, L, args.hold))
-            print(f"  {'':<44} {rows[-1]['held_us_per_layer']:8.1f} us/layer over the last {args.hold / 2:.0f} s "
+            print(f"  {'':<44} {rows[-1]['held_us_per_layer'] or float('nan'):8.1f} us/layer over the last "
+                  f"{args.hold / 2:.0f} s "
                   f"of {args.hold:.0f} s of replays", flush=True)
 
     q0 = torch.randn(B, Hq, D, device="cuda", dtype=torch.bfloat16)
