@@ -75,7 +75,7 @@ for s in $sections; do
       nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_event_reasons.active \
         --format=csv,noheader -lms 50 > $OUT/smi_power.csv 2>&1 & smi=$!
       timeout 300 python3 -m rollout.bench.attn_ceiling --batch 32 --context 4352 --pages interleaved \
-        --configs gluon=32,6 gluon=32,6,nomath gluon=64,3 --read-grid ${READ_GRID:-2} --read-stages 4 \
+        --configs ${ATTN_CONFIGS:-gluon=32,6 gluon=32,6,nomath gluon=64,3} --read-grid ${READ_GRID:-2} --read-stages 4 \
         --hold ${HOLD:-3} ${ATTN_ARGS:---no-sdpa} --out $OUT/attn_ceiling_hold.json 2>&1 | grep -E "ours|read|sdpa|over"
       [ "${SV:-base mega base}" ] && timeout 300 python3 -m rollout.bench.step_variants --shape llama3-8b --batch 32 \
         --context 4352 --steps ${STEPS:-600} --variants ${SV:-base mega base} --out $OUT/step_variants_power.json \

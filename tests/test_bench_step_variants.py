@@ -68,9 +68,11 @@ def test_apply_parses_the_timing_bound_knobs_and_base_undoes_them(monkeypatch):
         assert skinny_gemm.pick_config(4096, 14336, 32, packed=True) == (64, 128, 4, 5, 2)
         assert skinny_gemm.pick_config(28672, 4096, 32, packed=True) == (128, 64, 8, 5)   # the packed table's
         step_variants.apply(eng, "gattn=64,3,2", defaults)
-        assert paged_decode.GLUON_TILE == (64, 3, False) and paged_decode.pick_decode(32, 8) == (2, True)
+        assert paged_decode.GLUON_TILE == (64, 3, "heads") and paged_decode.pick_decode(32, 8) == (2, True)
         step_variants.apply(eng, "gattn=32,6,1,1", defaults)
-        assert paged_decode.GLUON_TILE == (32, 6, True) and paged_decode.pick_decode(32, 8) == (1, True)
+        assert paged_decode.GLUON_TILE == (32, 6, "warp_scores") and paged_decode.pick_decode(32, 8) == (1, True)
+        step_variants.apply(eng, "gattn=64,3,1,2", defaults)
+        assert paged_decode.GLUON_TILE == (64, 3, "keys")
         step_variants.apply(eng, "attn=2,64,4,2", defaults)
         assert paged_decode.GLUON_TILE is None and paged_decode.pick_num_splits(32, 8) == 2
         assert paged_decode.pick_decode(32, 8, gluon_ok=True) == (2, False)

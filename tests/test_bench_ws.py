@@ -122,6 +122,22 @@ def test_gluon_decode_compiles_for_sm90_at_the_occupancy_its_grid_needs(block_n,
         assert k["ld.shared"] == 0 and k["bar.sync"] < 11
 
 
+@pytest.mark.parametrize("block_n,stages", [(64, 3)])
+def test_gluon_decode_keys_form_fits_two_programs_with_half_the_mmas(block_n, stages):
+    """Keys as the MMA's rows (_gluon_decode_keys_kernel): the same ring, so the same two programs
+    an SM, and half the MMAs of the heads-as-rows kernel at the same key tile (GROUP 4 padded to 8
+    columns instead of 16 rows)."""
+    ptrs = {n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "out_ptr")} | {
+        "bt_ptr": "*i32", "lens_ptr": "*i32", "sm_scale_log2": "fp32"}
+    k = _compile("rollout.kernels.gluon_decode", "_gluon_decode_keys_kernel", ptrs, GROUP=4, HEAD_DIM=128,
+                 PAGE_SIZE=16, BLOCK_N=block_n, STAGES=stages, PDL=2, num_warps=4)
+    rows = _compile("rollout.kernels.gluon_decode", "_gluon_decode_split_kernel",
+                    ptrs | {"po_ptr": "*bf16", "plse_ptr": "*bf16"}, GROUP=4, HEAD_DIM=128, PAGE_SIZE=16,
+                    BLOCK_N=block_n, STAGES=stages, NUM_SPLITS=1, PDL=2, MATH=True, WARP_SCORES=False, num_warps=4)
+    assert SMEM_PER_SM // (k["shared"] + 1024) == 2 and 65536 // (k["n_regs"] * 128) >= 2
+    assert 2 * k["mma.sync"] == rows["mma.sync"] and k["ex2"] < rows["ex2"]
+
+
 def test_gluon_decode_copy_bound_keeps_the_ring_and_drops_the_math():
     """MATH False (bench.attn_ceiling's `gluon=...,nomath`): the same ring, so the same occupancy,
     with no MMA or exp left: what the copy stream alone reads at."""

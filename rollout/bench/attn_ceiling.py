@@ -157,8 +157,8 @@ def main(argv=None):
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--configs", nargs="+", default=["2,64,4,2", "4,64,4,2", "2,64,4,3", "2,128,8,2"],
                     help="NS,BLOCK_N,WARPS,STAGES (Triton's kernel); gluon: the Gluon kernel at the engine's tile; "
-                         "gluon=BLOCK_N,STAGES[,ws][,nomath]: at that tile, one split (ws: every warp computes "
-                         "the scores; nomath: its copies only)")
+                         "gluon=BLOCK_N,STAGES[,ws|keys][,nomath]: at that tile, one split (ws: every warp computes "
+                         "the scores; keys: keys as the MMA's rows; nomath: its copies only)")
     ap.add_argument("--pages", nargs="+", choices=["shuffled", "ordered", "interleaved"],
                     default=["shuffled", "ordered"])
     ap.add_argument("--layout", nargs="+", choices=["token", "slab"], default=["token"],
@@ -219,7 +219,7 @@ def main(argv=None):
             if cfg.startswith("gluon="):   # the Gluon kernel at its own tile, one split; "nomath": copies only
                 bn, st, *flags = cfg[6:].split(",")
                 gkw = dict(num_splits=1, block_n=int(bn), stages=int(st), math="nomath" not in flags,
-                           warp_scores="ws" in flags)
+                           form="warp_scores" if "ws" in flags else "keys" if "keys" in flags else "heads")
 
                 def attend(q, kc, vc, out=None, gkw=gkw):
                     out = torch.empty_like(q) if out is None else out

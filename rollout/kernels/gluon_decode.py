@@ -1,7 +1,7 @@
 """Split-KV paged decode attention in Gluon with a cp.async ring for the K / V tiles. CUDA (sm_90)
 only. The engine takes it where `paged_decode.pick_decode` says (one split, at one to two programs
 a SM); `paged_decode.GLUON_TILE` sets its tile (bench.step_variants knob
-`gattn=BLOCK_N,STAGES[,SPLITS[,WARP_SCORES]]`).
+`gattn=BLOCK_N,STAGES[,SPLITS[,FORM]]`; FORMS below).
 
 Same math and grid as paged_decode's split kernel (one program per sequence x KV head x split,
 the GROUP query heads of a KV head as the rows of a 16-row MMA tile, fp32 online softmax in the
@@ -168,22 +168,109 @@ def _gluon_decode_split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, p
         gl.store(plse_ptr + part, lse, mask=orow < GROUP)
 
 
+HEADS = gl.constexpr(8)   # keys-as-rows form: the query heads of a KV head are the MMA's N (GROUP <= 8)
+
+
+@gluon.jit
+def _gluon_decode_keys_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, sm_scale_log2,
+                              s_qb, s_qh, s_kp, s_ks, s_kh, s_vp, s_vs, s_bt, s_ob, s_oh,
+                              GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, PAGE_SIZE: gl.constexpr,
+                              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr, num_warps: gl.constexpr):
+    """The one-split kernel with the MMAs transposed: s^T = K q^T and o^T = V^T p^T, keys and the
+    head dim as the MMA's M (16 a warp), the GROUP query heads as its N (8). The split kernel pads
+    GROUP = 4 heads to 16 rows; here to 8 columns, so half the MMAs and exps for the same tile
+    (bench.attn_ceiling `gluon=BN,S,keys`): less work, and less energy at the board's power limit."""
+    b = gl.program_id(0)
+    kvh = gl.program_id(1)
+    if PDL == 2:
+        _asm("griddepcontrol.launch_dependents; griddepcontrol.wait;", b)
+    elif PDL == 1:
+        _asm("griddepcontrol.wait; griddepcontrol.launch_dependents;", b)
+    end = gl.load(lens_ptr + b)
+    n_tiles = (end + BLOCK_N - 1) // BLOCK_N
+
+    ld: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // HEAD_DIM, HEAD_DIM // 8], [num_warps, 1], [1, 0])
+    smem: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 8, order=[1, 0])
+    k_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, HEAD_DIM], smem)
+    v_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, HEAD_DIM], smem)
+    rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld))
+    dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, ld))
+    row_b = b * s_bt
+    kv_off = (kvh * s_kh).to(gl.int64)
+    for j in gl.static_range(STAGES - 1):
+        _issue_tile(k_ring, v_ring, j, k_ptr, v_ptr, _tile_pages(bt_ptr, row_b, j * BLOCK_N, rows, end, PAGE_SIZE),
+                    j * BLOCK_N, rows, dims, end, kv_off, s_kp, s_ks, s_vp, s_vs, PAGE_SIZE)
+    pages_next = _tile_pages(bt_ptr, row_b, (STAGES - 1) * BLOCK_N, rows, end, PAGE_SIZE)
+
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, 8])
+    a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    b_op: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+    q_ld: gl.constexpr = gl.BlockedLayout([8, 1], [16, 2], [1, num_warps], [0, 1])
+    qd = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(1, q_ld))
+    qh = gl.arange(0, HEADS, layout=gl.SliceLayout(0, q_ld))
+    q_t = gl.load(q_ptr + b * s_qb + (kvh * GROUP + qh)[None, :] * s_qh + qd[:, None], mask=(qh < GROUP)[None, :],
+                  other=0.0)
+    q_t = gl.convert_layout(q_t, b_op)                        # [HEAD_DIM, HEADS], the B operand
+
+    keys = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
+    m_i = gl.full([HEADS], float("-inf"), gl.float32, gl.SliceLayout(0, mma))
+    l_rows = gl.zeros([BLOCK_N, HEADS], gl.float32, mma)     # running sums, per key row
+    acc = gl.zeros([HEAD_DIM, HEADS], gl.float32, mma)       # o^T
+    for t in range(n_tiles):
+        n_issue = (t + STAGES - 1) * BLOCK_N
+        _issue_tile(k_ring, v_ring, (t + STAGES - 1) % STAGES, k_ptr, v_ptr, pages_next, n_issue, rows, dims, end,
+                    kv_off, s_kp, s_ks, s_vp, s_vs, PAGE_SIZE)
+        pages_next = _tile_pages(bt_ptr, row_b, n_issue + BLOCK_N, rows, end, PAGE_SIZE)
+        async_copy.wait_group(STAGES - 1)
+        slot = t % STAGES
+        s = mma_v2(k_ring.index(slot).load(a_op), q_t, gl.zeros([BLOCK_N, HEADS], gl.float32, mma)) * sm_scale_log2
+        s = gl.where(((t * BLOCK_N + keys) < end)[:, None], s, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, 0))
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+        p = gl.exp2(s - m_use[None, :])
+        alpha = gl.exp2(m_i - m_use)
+        l_rows = l_rows * alpha[None, :] + p
+        m_i = m_new
+        v_t = v_ring.index(slot).permute((1, 0)).load(a_op)   # V^T [HEAD_DIM, BLOCK_N], the A operand
+        acc = mma_v2(v_t, gl.convert_layout(p.to(gl.bfloat16), b_op), acc * alpha[None, :])
+    async_copy.wait_group(0)
+
+    l_i = gl.sum(l_rows, 0)
+    o = acc / gl.where(l_i > 0.0, l_i, 1.0)[None, :]         # padding row (length 0): output 0
+    od = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(1, mma))
+    oh = gl.arange(0, HEADS, layout=gl.SliceLayout(0, mma))
+    gl.store(out_ptr + b * s_ob + (kvh * GROUP + oh)[None, :] * s_oh + od[:, None], o.to(gl.bfloat16),
+             mask=(oh < GROUP)[None, :])
+
+
+FORMS = ("heads", "warp_scores", "keys")   # the MMA's rows: query heads (split among the warps by key
+# columns, or whole in every warp: WARP_SCORES), or keys (_gluon_decode_keys_kernel, one split, GROUP <= 8)
+
+
 def decode_split(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  seq_lens: torch.Tensor, scale_log2: float, out: torch.Tensor, po: torch.Tensor, plse: torch.Tensor,
-                 num_splits: int, block_n: int, stages: int, warp_scores: bool = False, *, pdl: int,
+                 num_splits: int, block_n: int, stages: int, form: str = "heads", *, pdl: int,
                  math: bool = True) -> None:
     """paged_decode's split kernel on bf16, head_dim 128, GROUP <= 16, no sliding window: with one
     split the output `out` [B, Hq, D], else partial outputs po [B, Hq, num_splits, D] (fp32) and
-    plse [B, Hq, num_splits] for its merge kernel. (block_n, stages, warp_scores): the tile,
-    paged_decode.GLUON_TILE's. math=False: the K / V copies only, no attention (a timing bound for
-    bench.attn_ceiling; its output is wrong)."""
+    plse [B, Hq, num_splits] for its merge kernel. (block_n, stages, form): the tile,
+    paged_decode.GLUON_TILE's (form: FORMS). math=False: the K / V copies only, no attention (a
+    timing bound for bench.attn_ceiling; its output is wrong)."""
     B, Hq, D = q.shape
     _, page_size, Hkv, _ = k_cache.shape
     assert q.dtype == k_cache.dtype == v_cache.dtype == out.dtype == torch.bfloat16 and D == 128
     assert Hq // Hkv <= ROWS and v_cache.stride(2) == k_cache.stride(2) and block_n >= 32 and stages >= 2
+    assert form in FORMS, form
+    strides = (q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+               v_cache.stride(0), v_cache.stride(1), block_tables.stride(0), out.stride(0), out.stride(1))
+    if form == "keys":
+        assert num_splits == 1 and math and Hq // Hkv <= HEADS and block_n % 64 == 0, "keys form: one split, GROUP <= 8"
+        _gluon_decode_keys_kernel[(B, Hkv)](
+            q, k_cache, v_cache, block_tables, seq_lens, out, scale_log2, *strides,
+            GROUP=Hq // Hkv, HEAD_DIM=D, PAGE_SIZE=page_size, BLOCK_N=block_n, STAGES=stages, PDL=pdl, num_warps=4,
+            launch_pdl=bool(pdl))
+        return
     _gluon_decode_split_kernel[(B, Hkv, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, out, po, plse, scale_log2,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
+        q, k_cache, v_cache, block_tables, seq_lens, out, po, plse, scale_log2, *strides,
         GROUP=Hq // Hkv, HEAD_DIM=D, PAGE_SIZE=page_size, BLOCK_N=block_n, STAGES=stages, NUM_SPLITS=num_splits,
-        PDL=pdl, MATH=math, WARP_SCORES=warp_scores, num_warps=4, launch_pdl=bool(pdl))
+        PDL=pdl, MATH=math, WARP_SCORES=form == "warp_scores", num_warps=4, launch_pdl=bool(pdl))

@@ -140,10 +140,10 @@ def _decode_merge_kernel(po_ptr, plse_ptr, out_ptr, s_ob, s_oh,
 DECODE_TILE = dict(block_n=None, num_warps=4, num_stages=2)   # block_n None: 64 (16 in fp32)
 
 
-# (BLOCK_N, STAGES, WARP_SCORES) of kernels/gluon_decode.py's split kernel (None, or
-# ROLLOUT_GLUON_DECODE=0: Triton's kernel everywhere). Its 96 KB ring fits GLUON_PROGRAMS_PER_SM
+# (BLOCK_N, STAGES, form) of kernels/gluon_decode.py's split kernel (None, or ROLLOUT_GLUON_DECODE=0:
+# Triton's kernel everywhere; form: gluon_decode.FORMS). Its 96 KB ring fits GLUON_PROGRAMS_PER_SM
 # programs on an SM (ptxas, sm_90a; tests/test_bench_ws.py).
-GLUON_TILE = (32, 6, False) if os.environ.get("ROLLOUT_GLUON_DECODE", "1") != "0" else None
+GLUON_TILE = (32, 6, "heads") if os.environ.get("ROLLOUT_GLUON_DECODE", "1") != "0" else None
 GLUON_PROGRAMS_PER_SM = 2
 
 

@@ -37,8 +37,8 @@ def gluon_tile():
     paged_decode.GLUON_TILE = DEFAULT_TILE
 
 
-@pytest.mark.parametrize("tile", [(32, 3, False), (32, 6, False), (64, 2, False), (64, 3, False), (32, 3, True),
-                                  (32, 6, True), (64, 3, True)])
+@pytest.mark.parametrize("tile", [(32, 3, "heads"), (32, 6, "heads"), (64, 2, "heads"), (64, 3, "heads"),
+                                  (32, 3, "warp_scores"), (32, 6, "warp_scores"), (64, 3, "warp_scores")])
 @pytest.mark.parametrize("Hq,Hkv,ps,num_splits", [(32, 8, 16, 1), (32, 8, 16, 2), (32, 8, 64, 3), (28, 4, 16, 8),
                                                   (16, 1, 32, 1)])
 def test_matches_reference(gluon_tile, tile, Hq, Hkv, ps, num_splits):
@@ -51,6 +51,22 @@ def test_matches_reference(gluon_tile, tile, Hq, Hkv, ps, num_splits):
     out = torch.full_like(q, float("nan"))
     paged_decode.paged_decode_attention(q, *poisoned, bt, meta.seq_lens, D ** -0.5, None, num_splits, out=out,
                                         gluon=True)
+    torch.testing.assert_close(out.float(), reference(q, clean, meta, D ** -0.5, None), **TOL)
+
+
+@pytest.mark.parametrize("tile", [(64, 3, "keys"), (64, 2, "keys"), (128, 1, "keys")])
+@pytest.mark.parametrize("Hq,Hkv,ps", [(32, 8, 16), (28, 4, 16), (16, 2, 64), (8, 8, 16)])
+def test_keys_form_matches_reference(gluon_tile, tile, Hq, Hkv, ps):
+    """Keys as the MMA's rows (one split, GROUP <= 8: 4, 7, 8 and 1 query heads a KV head), with
+    lengths that end inside a tile, on a page boundary, and 0."""
+    D = 128
+    clean, poisoned, bt = make_paged(LENS, Hkv, D, ps, torch.bfloat16, seed=Hq + ps + tile[0], device="cuda",
+                                     spare_pages=8)
+    q = torch.randn(len(LENS), Hq, D, device="cuda").bfloat16()
+    meta = meta_for(LENS, [1] * len(LENS), bt, ps)
+    gluon_tile(tile)
+    out = torch.full_like(q, float("nan"))
+    paged_decode.paged_decode_attention(q, *poisoned, bt, meta.seq_lens, D ** -0.5, None, 1, out=out, gluon=True)
     torch.testing.assert_close(out.float(), reference(q, clean, meta, D ** -0.5, None), **TOL)
 
 
@@ -76,7 +92,8 @@ def test_engine_takes_it_at_p1s_batch_and_refuses_a_window(gluon_tile, monkeypat
         paged_decode.paged_decode_attention(q, *clean, bt, meta.seq_lens, 0.1, 50, 1, gluon=True)
 
 
-@pytest.mark.parametrize("tile,num_splits", [((32, 3, False), 2), ((32, 6, False), 1), ((32, 6, True), 1)])
+@pytest.mark.parametrize("tile,num_splits", [((32, 3, "heads"), 2), ((32, 6, "heads"), 1), ((32, 6, "warp_scores"), 1),
+                                             ((64, 3, "keys"), 1)])
 def test_graph_replay_with_pdl_equals_eager(gluon_tile, tile, num_splits):
     """Captured once (PDL launches, as the engine's decode graphs), replayed after seq_lens and
     block tables change in place: the eager call's bits, and the reference."""
