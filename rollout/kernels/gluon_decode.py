@@ -61,6 +61,25 @@ def _issue_tile(k_ring, v_ring, slot, k_ptr, v_ptr, pages, n0, rows, dims, end, 
 
 
 @gluon.jit
+def _ring_start(k_ptr, v_ptr, bt_ptr, row_b, kv_off, start, end, s_kp, s_ks, s_vp, s_vs, PAGE_SIZE: gl.constexpr,
+                BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+    """Allocate the K and V rings, issue the first STAGES - 1 tiles from key `start` on, and look up
+    the pages of the next: (k_ring, v_ring, rows, dims, pages_next) for the loop."""
+    ld: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // HEAD_DIM, HEAD_DIM // 8], [num_warps, 1], [1, 0])
+    smem: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 8, order=[1, 0])
+    k_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, HEAD_DIM], smem)
+    v_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, HEAD_DIM], smem)
+    rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld))
+    dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, ld))
+    for j in gl.static_range(STAGES - 1):
+        n0 = start + j * BLOCK_N
+        _issue_tile(k_ring, v_ring, j, k_ptr, v_ptr, _tile_pages(bt_ptr, row_b, n0, rows, end, PAGE_SIZE), n0, rows,
+                    dims, end, kv_off, s_kp, s_ks, s_vp, s_vs, PAGE_SIZE)
+    pages_next = _tile_pages(bt_ptr, row_b, start + (STAGES - 1) * BLOCK_N, rows, end, PAGE_SIZE)
+    return k_ring, v_ring, rows, dims, pages_next
+
+
+@gluon.jit
 def key_scores(q, k_t, n0, end, cols, scale_log2, mma: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr):
     """q . k of keys n0 + cols, in the log2 domain; keys at or past `end` -inf."""
     s = mma_v2(q, k_t, gl.zeros([ROWS, BLOCK_N], gl.float32, mma)) * scale_log2
@@ -100,19 +119,10 @@ def _gluon_decode_split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, p
     end = gl.minimum(start + split_len, seq_len)
     n_tiles = (gl.maximum(end - start, 0) + BLOCK_N - 1) // BLOCK_N
 
-    ld: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // HEAD_DIM, HEAD_DIM // 8], [num_warps, 1], [1, 0])
-    smem: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 8, order=[1, 0])
-    k_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, HEAD_DIM], smem)
-    v_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, HEAD_DIM], smem)
-    rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld))
-    dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, ld))
     row_b = b * s_bt
     kv_off = (kvh * s_kh).to(gl.int64)
-    for j in gl.static_range(STAGES - 1):
-        n0 = start + j * BLOCK_N
-        _issue_tile(k_ring, v_ring, j, k_ptr, v_ptr, _tile_pages(bt_ptr, row_b, n0, rows, end, PAGE_SIZE), n0, rows,
-                    dims, end, kv_off, s_kp, s_ks, s_vp, s_vs, PAGE_SIZE)
-    pages_next = _tile_pages(bt_ptr, row_b, start + (STAGES - 1) * BLOCK_N, rows, end, PAGE_SIZE)
+    k_ring, v_ring, rows, dims, pages_next = _ring_start(k_ptr, v_ptr, bt_ptr, row_b, kv_off, start, end, s_kp, s_ks,
+                                                         s_vp, s_vs, PAGE_SIZE, BLOCK_N, HEAD_DIM, STAGES, num_warps)
 
     # p @ V: the warps split the head dim. q . k: so do they the keys, or (WARP_SCORES) every warp
     # computes all of a tile's scores itself (its 16 rows repeat over the warps' M slots), so the
@@ -189,18 +199,10 @@ def _gluon_decode_keys_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, sm
     end = gl.load(lens_ptr + b)
     n_tiles = (end + BLOCK_N - 1) // BLOCK_N
 
-    ld: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // HEAD_DIM, HEAD_DIM // 8], [num_warps, 1], [1, 0])
-    smem: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 8, order=[1, 0])
-    k_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, HEAD_DIM], smem)
-    v_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, HEAD_DIM], smem)
-    rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld))
-    dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, ld))
     row_b = b * s_bt
     kv_off = (kvh * s_kh).to(gl.int64)
-    for j in gl.static_range(STAGES - 1):
-        _issue_tile(k_ring, v_ring, j, k_ptr, v_ptr, _tile_pages(bt_ptr, row_b, j * BLOCK_N, rows, end, PAGE_SIZE),
-                    j * BLOCK_N, rows, dims, end, kv_off, s_kp, s_ks, s_vp, s_vs, PAGE_SIZE)
-    pages_next = _tile_pages(bt_ptr, row_b, (STAGES - 1) * BLOCK_N, rows, end, PAGE_SIZE)
+    k_ring, v_ring, rows, dims, pages_next = _ring_start(k_ptr, v_ptr, bt_ptr, row_b, kv_off, 0, end, s_kp, s_ks,
+                                                         s_vp, s_vs, PAGE_SIZE, BLOCK_N, HEAD_DIM, STAGES, num_warps)
 
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, 8])
     a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)

@@ -142,8 +142,11 @@ DECODE_TILE = dict(block_n=None, num_warps=4, num_stages=2)   # block_n None: 64
 
 # (BLOCK_N, STAGES, form) of kernels/gluon_decode.py's split kernel (None, or ROLLOUT_GLUON_DECODE=0:
 # Triton's kernel everywhere; form: gluon_decode.FORMS). Its 96 KB ring fits GLUON_PROGRAMS_PER_SM
-# programs on an SM (ptxas, sm_90a; tests/test_bench_ws.py).
-GLUON_TILE = (32, 6, "heads") if os.environ.get("ROLLOUT_GLUON_DECODE", "1") != "0" else None
+# programs on an SM (ptxas, sm_90a; tests/test_bench_ws.py). 64-key tiles with keys as the MMA's rows
+# (the heads form where GROUP > 8 or several splits): in P1's attention chain 132.4 us a layer
+# against 135.1 for the earlier (32, 6, "heads"), ~10-25 W less, +0.9 points in the decode graphs
+# over 500 steps (bench/results/README.md, twenty-second session).
+GLUON_TILE = (64, 3, "keys") if os.environ.get("ROLLOUT_GLUON_DECODE", "1") != "0" else None
 GLUON_PROGRAMS_PER_SM = 2
 
 
@@ -237,9 +240,12 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             raise ValueError(f"the Gluon decode kernel takes bf16, head_dim 128, GQA groups <= 16, no window, sm_90+ "
                              f"(GLUON_TILE {GLUON_TILE}); got {q.dtype}, head_dim {D}, group {group}, "
                              f"window {sliding_window}")
-        from .gluon_decode import decode_split
+        from .gluon_decode import HEADS, decode_split
+        block_n, stages, form = GLUON_TILE
+        if form == "keys" and (num_splits > 1 or group > HEADS):   # the keys form: one split, GROUP <= 8
+            form = "heads"
         decode_split(q, k_cache, v_cache, block_tables, seq_lens, scale * LOG2E, out, po, plse, num_splits,
-                     *GLUON_TILE, pdl=min(pdl, 2))
+                     block_n, stages, form, pdl=min(pdl, 2))
     else:
         _decode_split_kernel[(B, Hkv, num_splits)](
             q, k_cache, v_cache, block_tables, seq_lens, out, po, plse,

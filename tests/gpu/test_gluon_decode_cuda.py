@@ -54,7 +54,7 @@ def test_matches_reference(gluon_tile, tile, Hq, Hkv, ps, num_splits):
     torch.testing.assert_close(out.float(), reference(q, clean, meta, D ** -0.5, None), **TOL)
 
 
-@pytest.mark.parametrize("tile", [(64, 3, "keys"), (64, 2, "keys"), (128, 1, "keys")])
+@pytest.mark.parametrize("tile", [(64, 3, "keys"), (64, 2, "keys"), (128, 2, "keys")])
 @pytest.mark.parametrize("Hq,Hkv,ps", [(32, 8, 16), (28, 4, 16), (16, 2, 64), (8, 8, 16)])
 def test_keys_form_matches_reference(gluon_tile, tile, Hq, Hkv, ps):
     """Keys as the MMA's rows (one split, GROUP <= 8: 4, 7, 8 and 1 query heads a KV head), with
@@ -68,6 +68,24 @@ def test_keys_form_matches_reference(gluon_tile, tile, Hq, Hkv, ps):
     out = torch.full_like(q, float("nan"))
     paged_decode.paged_decode_attention(q, *poisoned, bt, meta.seq_lens, D ** -0.5, None, 1, out=out, gluon=True)
     torch.testing.assert_close(out.float(), reference(q, clean, meta, D ** -0.5, None), **TOL)
+
+
+def test_keys_form_gives_way_to_the_heads_form_where_it_does_not_apply(gluon_tile, monkeypatch):
+    """With the keys form set, several splits or GROUP > 8 run the heads form at the same tile (and
+    match the reference); one split at GROUP <= 8 runs the keys form."""
+    from rollout.kernels import gluon_decode
+    forms = []
+    real = gluon_decode.decode_split
+    monkeypatch.setattr(gluon_decode, "decode_split", lambda *a, **k: forms.append(a[12]) or real(*a, **k))
+    gluon_tile((64, 3, "keys"))
+    D = 128
+    for Hq, Hkv, ns in ((32, 8, 2), (16, 1, 1), (32, 8, 1)):
+        clean, poisoned, bt = make_paged(LENS, Hkv, D, 16, torch.bfloat16, seed=Hq + ns, device="cuda", spare_pages=8)
+        q = torch.randn(len(LENS), Hq, D, device="cuda").bfloat16()
+        meta = meta_for(LENS, [1] * len(LENS), bt, 16)
+        out = paged_decode.paged_decode_attention(q, *poisoned, bt, meta.seq_lens, D ** -0.5, None, ns, gluon=True)
+        torch.testing.assert_close(out.float(), reference(q, clean, meta, D ** -0.5, None), **TOL)
+    assert forms == ["heads", "heads", "keys"]
 
 
 def test_engine_takes_it_at_p1s_batch_and_refuses_a_window(gluon_tile, monkeypatch):
