@@ -470,6 +470,23 @@ def test_decode_kernel_choice_takes_gluon_with_one_split_only_where_that_is_one_
     assert not paged_decode.gluon_supported(q, torch.zeros(4, 16, 8, 128, dtype=torch.bfloat16), None)
 
 
+def test_gluon_call_takes_the_keys_form_only_where_it_applies(monkeypatch):
+    """paged_decode_attention(gluon=True) with GLUON_TILE's keys form: the keys kernel for one split
+    at GROUP <= 8, the heads form at the same tile for several splits or GROUP > 8 (the kernel
+    itself is GPU-only: decode_split is recorded here, not run)."""
+    from rollout.kernels import gluon_decode, paged_decode
+    calls = []
+    monkeypatch.setattr(paged_decode, "gluon_supported", lambda *a: True)
+    monkeypatch.setattr(gluon_decode, "decode_split", lambda *a, **k: calls.append((a[9],) + a[10:13]))
+    monkeypatch.setattr(paged_decode, "GLUON_TILE", (64, 3, "keys"))
+    bt, lens = torch.zeros(2, 4, dtype=torch.int32), torch.full((2,), 30, dtype=torch.int32)
+    for Hq, Hkv, ns in ((32, 8, 1), (32, 8, 2), (16, 1, 1), (16, 2, 1)):
+        q = torch.zeros(2, Hq, 128, dtype=torch.bfloat16)
+        cache = torch.zeros(4, 16, Hkv, 128, dtype=torch.bfloat16)
+        paged_decode.paged_decode_attention(q, cache, cache, bt, lens, 0.1, None, ns, gluon=True)
+    assert calls == [(1, 64, 3, "keys"), (2, 64, 3, "heads"), (1, 64, 3, "heads"), (1, 64, 3, "keys")]
+
+
 def test_compiles_for_sm90(tmp_path):
     """The interpreter runs kernels as Python: it misses compile-time errors (loop-carried
     constexprs, layout/shape rules of tl.dot). Compile each kernel ahead of time for sm_90 with
