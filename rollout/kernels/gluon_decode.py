@@ -13,8 +13,13 @@ program keeps STAGES - 1 tiles in flight: tile t + STAGES - 1 is issued (cp.asyn
 thread, rows past the split's end zero-filled) before tile t is waited for, and the pages of the
 tile after that are looked up one iteration early.
 
-Why one split: the ring's shared memory sets how many programs share an SM (32-key tiles, 6
-stages: 96 KB, two). At two a SM a one-split grid of B x Hkv = 256 programs (P1) is one wave
+Two forms of the math (FORMS): the GROUP query heads as the rows of a 16-row MMA tile
+(_gluon_decode_split_kernel, any split count), or, the default where it applies (one split, GROUP
+<= 8), keys as the rows and the heads as 8 columns (_gluon_decode_keys_kernel: half the MMAs and
+exps for GROUP = 4).
+
+Why one split: the ring's shared memory sets how many programs share an SM (64-key tiles, 3
+stages, or 32-key tiles, 6: 96 KB, two). At two a SM a one-split grid of B x Hkv = 256 programs (P1) is one wave
 that cannot pile onto the SMs the QKV GEMM leaves first under PDL (the placement that cost
 Triton's one-split tiles, at four a SM, 15 points), and the merge kernel and its launch go.
 

@@ -144,7 +144,7 @@ DECODE_TILE = dict(block_n=None, num_warps=4, num_stages=2)   # block_n None: 64
 # Triton's kernel everywhere; form: gluon_decode.FORMS). Its 96 KB ring fits GLUON_PROGRAMS_PER_SM
 # programs on an SM (ptxas, sm_90a; tests/test_bench_ws.py). 64-key tiles with keys as the MMA's rows
 # (the heads form where GROUP > 8 or several splits): in P1's attention chain 132.4 us a layer
-# against 135.1 for the earlier (32, 6, "heads"), ~10-25 W less, +0.9 points in the decode graphs
+# against 135.1 for the earlier (32, 6, "heads"), 7-27 W less than either heads tile, +0.9 points in the decode graphs
 # over 500 steps (bench/results/README.md, twenty-second session).
 GLUON_TILE = (64, 3, "keys") if os.environ.get("ROLLOUT_GLUON_DECODE", "1") != "0" else None
 GLUON_PROGRAMS_PER_SM = 2
