@@ -90,7 +90,7 @@ for s in $sections; do
          gate_up=64,128,4,5 gate_up=128,128,8,4 gate_up=64,64,4,4 gate_up=32,128,4,5 down=32,256,4,5
          down=32,128,4,5,2 down=64,128,4,5,4 down=64,256,4,4,2 lm_head=128,128,8,4 lm_head=64,256,4,4
          attn=3,32,4,2 attn=4,64,4,2 attn=2,64,4,3 attn=2,64,8,2 base"
-      timeout 560 python3 -m rollout.bench.step_variants --shape llama3-8b --batch 32 --context 4352 --steps 40 \
+      timeout 560 python3 -m rollout.bench.step_variants --shape llama3-8b --batch 32 --context 4352 --steps ${STEPS:-400} \
         --variants ${VARIANTS:-$V} --out $OUT/step_variants_l8b_B32_C4352.json 2>&1 | grep -A40 "^| variant" ;;
     epilogues) # the SiLU and RoPE GEMM epilogues, on by default since the ninth session: their GPU tests, the
       # fused kernels against the two they replace, then P1 end to end with both off and on

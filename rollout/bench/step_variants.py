@@ -51,6 +51,7 @@ import time
 import torch
 
 from ..models import decoder
+from . import clocks
 from .__main__ import run_meta, write_json
 from .profile import decoding_engine, recapture_graphs, step_until_decoding
 from .roofline import model_sizes, step_time_s
@@ -201,7 +202,10 @@ def main(argv=None):
     ap.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES))
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--context", type=int, default=4352)
-    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--steps", type=int, default=400,
+                    help="steps a window; a board that reaches its power limit does so ~0.5-1 s into a load, so "
+                         "short windows (40 steps, ~0.35 s) time it unthrottled (bench/results/README.md, "
+                         "twenty-second session)")
     ap.add_argument("--variants", nargs="+", default=["base", "wait_first", "rope_token", "base"])
     ap.add_argument("--pages", default="prefilled", choices=["prefilled", "interleaved", "shuffled"],
                     help="the KV pages' physical order for the timed steps (relayout_pages)")
@@ -237,24 +241,29 @@ def main(argv=None):
             eng.step()
         busy0, n0 = p.busy_ms, p.counts["graph_steps"]
         ctx0 = C + n0
-        for _ in range(K):
-            eng.step()
+        with clocks.logged(torch.cuda.current_device()) as gpu_clocks:
+            for _ in range(K):
+                eng.step()
         steps = p.counts["graph_steps"] - n0
         assert len(eng.scheduler.running) == B, "a sequence finished inside the window: more headroom needed"
         step_ms = (p.busy_ms - busy0) / max(steps, 1)
         roof_ms = 1e3 * step_time_s(sizes, B, ctx0 + steps / 2)
         rows.append(dict(variant=v, steps=steps, mean_context=ctx0 + steps / 2, step_ms=step_ms,
-                         roofline_step_ms=roof_ms, fraction=roof_ms / step_ms, unix_time_end=time.time()))
+                         roofline_step_ms=roof_ms, fraction=roof_ms / step_ms, unix_time_end=time.time(),
+                         gpu_clocks=gpu_clocks))
         print(f"{v:45s} {step_ms:7.3f} ms/step  {100 * roof_ms / step_ms:5.1f}% of roofline", flush=True)
     vs_base(rows)
-    print("\n| variant | mean context | ms/step | roofline ms | fraction | vs base |\n|---|---|---|---|---|---|")
+    print("\n| variant | mean context | ms/step | roofline ms | fraction | vs base | SM MHz, W, at the power limit |\n"
+          "|---|---|---|---|---|---|---|")
     for r in rows:
         if "error" in r:
-            print(f"| {r['variant']} | failed | | | | |")
+            print(f"| {r['variant']} | failed | | | | | |")
             continue
         delta = f"{100 * r['vs_base']:+.1f}" if "vs_base" in r else ""
+        g = r["gpu_clocks"]
+        power = f"{g['sm_mhz']:.0f}, {g['watts']:.0f} W, {100 * g['power_capped']:.0f}%" if g else "n/a"
         print(f"| {r['variant']} | {r['mean_context']:.0f} | {r['step_ms']:.3f} | {r['roofline_step_ms']:.3f} | "
-              f"{100 * r['fraction']:.1f}% | {delta} |")
+              f"{100 * r['fraction']:.1f}% | {delta} | {power} |")
     write_json(dict(shape=args.shape, batch=B, context=C, pages=args.pages, rows=rows,
                     meta=run_meta("rollout.bench.step_variants", argv)), args.out)
 
