@@ -132,7 +132,8 @@ def apply(eng, variant: str, defaults: dict) -> None:
             from ..kernels import sm_count
             eng.model.use_decode_megakernel(sm_count(eng.device))
         elif name == "gattn":
-            paged_decode.GLUON_TILE = nums[:2] + (("heads", "warp_scores", "keys")[nums[3] if len(nums) > 3 else 0],)
+            from ..kernels.gluon_decode import FORMS
+            paged_decode.GLUON_TILE = nums[:2] + (FORMS[nums[3] if len(nums) > 3 else 0],)
             if len(nums) > 2:
                 paged_decode.pick_decode = lambda *a, ns=nums[2], **k: (ns, True)
         elif knob == "no_gattn":
