@@ -646,14 +646,12 @@ def test_engine_with_triton_backend_matches_torch_backend(model_dir, tiny_tokeni
 
 def test_gluon_tile_from_the_environment():
     """ROLLOUT_GLUON_DECODE: 0 Triton only, 1 the default tile, or an explicit tile (the escape back
-    to the earlier (32, 6, heads)); anything else is refused with the expected form named, and the
-    form list matches gluon_decode.FORMS."""
-    from rollout.kernels import gluon_decode
-    from rollout.kernels.paged_decode import gluon_tile_from_env
+    to the earlier (32, 6, heads)); anything else is refused with the expected form named."""
+    from rollout.kernels.paged_decode import FORMS, gluon_tile_from_env
     assert gluon_tile_from_env("0") is None and gluon_tile_from_env("1") == (64, 3, "keys")
     assert gluon_tile_from_env("32,6,heads") == (32, 6, "heads")
     for bad in ("32,6", "a,b,heads", "32,6,rows"):
         with pytest.raises(ValueError, match="ROLLOUT_GLUON_DECODE"):
             gluon_tile_from_env(bad)
-    for form in gluon_decode.FORMS:
+    for form in FORMS:
         assert gluon_tile_from_env(f"64,3,{form}")[2] == form

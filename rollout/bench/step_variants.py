@@ -17,7 +17,7 @@ ends with the baseline to show the drift. A variant is knobs joined by "+", on t
   attn=NS,BN,W,S    decode attention: splits, key tile, warps, stages
   gattn=BN,S[,NS[,F]]  decode attention's split kernel in Gluon (kernels/gluon_decode.py): key tile,
                     ring stages, a split count (default: the engine's choice, paged_decode.pick_decode),
-                    form F (gluon_decode.FORMS): 0 heads as the MMA's rows, 1 the same with every warp
+                    form F (paged_decode.FORMS): 0 heads as the MMA's rows, 1 the same with every warp
                     computing a tile's scores, 2 keys as the MMA's rows (one split)
   no_gattn          Triton's decode attention at every batch (attn= also)
   splitk_norm       split-K GEMMs (o_proj, down) leave their partials to the next add + RMSNorm
@@ -132,8 +132,7 @@ def apply(eng, variant: str, defaults: dict) -> None:
             from ..kernels import sm_count
             eng.model.use_decode_megakernel(sm_count(eng.device))
         elif name == "gattn":
-            from ..kernels.gluon_decode import FORMS
-            paged_decode.GLUON_TILE = nums[:2] + (FORMS[nums[3] if len(nums) > 3 else 0],)
+            paged_decode.GLUON_TILE = nums[:2] + (paged_decode.FORMS[nums[3] if len(nums) > 3 else 0],)
             if len(nums) > 2:
                 paged_decode.pick_decode = lambda *a, ns=nums[2], **k: (ns, True)
         elif knob == "no_gattn":

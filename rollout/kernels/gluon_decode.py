@@ -1,7 +1,7 @@
 """Split-KV paged decode attention in Gluon with a cp.async ring for the K / V tiles. CUDA (sm_90)
 only. The engine takes it where `paged_decode.pick_decode` says (one split, at one to two programs
 a SM); `paged_decode.GLUON_TILE` sets its tile (bench.step_variants knob
-`gattn=BLOCK_N,STAGES[,SPLITS[,FORM]]`; FORMS below).
+`gattn=BLOCK_N,STAGES[,SPLITS[,FORM]]`; paged_decode.FORMS).
 
 Same math and grid as paged_decode's split kernel (one program per sequence x KV head x split,
 the GROUP query heads of a KV head as the rows of a 16-row MMA tile, fp32 online softmax in the
@@ -13,7 +13,7 @@ program keeps STAGES - 1 tiles in flight: tile t + STAGES - 1 is issued (cp.asyn
 thread, rows past the split's end zero-filled) before tile t is waited for, and the pages of the
 tile after that are looked up one iteration early.
 
-Two forms of the math (FORMS): the GROUP query heads as the rows of a 16-row MMA tile
+Two forms of the math (paged_decode.FORMS): the GROUP query heads as the rows of a 16-row MMA tile
 (_gluon_decode_split_kernel, any split count), or, the default where it applies (one split, GROUP
 <= 8), keys as the rows and the heads as 8 columns (_gluon_decode_keys_kernel: half the MMAs and
 exps for GROUP = 4).
@@ -34,6 +34,8 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
+
+from .paged_decode import FORMS
 
 ROWS = gl.constexpr(16)   # query rows per program: the MMA's M (GROUP <= 16)
 
@@ -250,10 +252,6 @@ def _gluon_decode_keys_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, sm
              mask=(oh < GROUP)[None, :])
 
 
-FORMS = ("heads", "warp_scores", "keys")   # the MMA's rows: query heads (split among the warps by key
-# columns, or whole in every warp: WARP_SCORES), or keys (_gluon_decode_keys_kernel, one split, GROUP <= 8)
-
-
 def decode_split(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  seq_lens: torch.Tensor, scale_log2: float, out: torch.Tensor, po: torch.Tensor, plse: torch.Tensor,
                  num_splits: int, block_n: int, stages: int, form: str = "heads", *, pdl: int,
@@ -261,7 +259,7 @@ def decode_split(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     """paged_decode's split kernel on bf16, head_dim 128, GROUP <= 16, no sliding window: with one
     split the output `out` [B, Hq, D], else partial outputs po [B, Hq, num_splits, D] (fp32) and
     plse [B, Hq, num_splits] for its merge kernel. (block_n, stages, form): the tile,
-    paged_decode.GLUON_TILE's (form: FORMS). math=False: the K / V copies only, no attention (a
+    paged_decode.GLUON_TILE's (form: one of paged_decode.FORMS). math=False: the K / V copies only, no attention (a
     timing bound for bench.attn_ceiling; its output is wrong)."""
     B, Hq, D = q.shape
     _, page_size, Hkv, _ = k_cache.shape

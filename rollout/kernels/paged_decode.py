@@ -140,6 +140,12 @@ def _decode_merge_kernel(po_ptr, plse_ptr, out_ptr, s_ob, s_oh,
 DECODE_TILE = dict(block_n=None, num_warps=4, num_stages=2)   # block_n None: 64 (16 in fp32)
 
 
+# The forms of kernels/gluon_decode.py's math, by what is the MMA's rows: query heads (split among the
+# warps by key columns, or whole in every warp: warp_scores), or keys (its keys kernel: one split,
+# GROUP <= 8). Here, not there: this module reads the tile from the environment where Gluon is absent.
+FORMS = ("heads", "warp_scores", "keys")
+
+
 def gluon_tile_from_env(value: str) -> Optional[tuple]:
     """ROLLOUT_GLUON_DECODE: "0" Triton's kernel everywhere (None); "1" the default tile; or
     "BLOCK_N,STAGES,FORM" (e.g. 32,6,heads, the tile before the twenty-second session)."""
@@ -150,14 +156,13 @@ def gluon_tile_from_env(value: str) -> Optional[tuple]:
         tile = int(block_n), int(stages), form.strip()
     except ValueError:
         raise ValueError(f"ROLLOUT_GLUON_DECODE={value!r}: expected 0, 1 or BLOCK_N,STAGES,FORM") from None
-    forms = ("heads", "warp_scores", "keys")          # gluon_decode.FORMS (not imported: Gluon may be absent)
-    if tile[2] not in forms:
-        raise ValueError(f"ROLLOUT_GLUON_DECODE={value!r}: FORM must be one of {forms}")
+    if tile[2] not in FORMS:
+        raise ValueError(f"ROLLOUT_GLUON_DECODE={value!r}: FORM must be one of {FORMS}")
     return tile
 
 
 # (BLOCK_N, STAGES, form) of kernels/gluon_decode.py's split kernel (None: Triton's kernel everywhere;
-# form: gluon_decode.FORMS). Its 96 KB ring fits GLUON_PROGRAMS_PER_SM programs on an SM (ptxas,
+# form: FORMS). Its 96 KB ring fits GLUON_PROGRAMS_PER_SM programs on an SM (ptxas,
 # sm_90a; tests/test_bench_ws.py). 64-key tiles with keys as the MMA's rows (the heads form where
 # GROUP > 8 or several splits): in P1's attention chain 132.4 us a layer against 135.1 for the
 # earlier (32, 6, "heads"), 7-27 W less than either heads tile, +0.9 points in the decode graphs over
