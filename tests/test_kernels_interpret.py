@@ -648,7 +648,7 @@ def test_gluon_tile_from_the_environment():
     """ROLLOUT_GLUON_DECODE: 0 Triton only, 1 the default tile, or an explicit tile (the escape back
     to the earlier (32, 6, heads)); anything else is refused with the expected form named."""
     from rollout.kernels.paged_decode import FORMS, gluon_tile_from_env
-    assert gluon_tile_from_env("0") is None and gluon_tile_from_env("1") == (64, 3, "keys")
+    assert gluon_tile_from_env("0") is None and gluon_tile_from_env("1") == (128, 2, "keys")
     assert gluon_tile_from_env("32,6,heads") == (32, 6, "heads")
     for bad in ("32,6", "a,b,heads", "32,6,rows"):
         with pytest.raises(ValueError, match="ROLLOUT_GLUON_DECODE"):

@@ -150,7 +150,7 @@ def gluon_tile_from_env(value: str) -> Optional[tuple]:
     """ROLLOUT_GLUON_DECODE: "0" Triton's kernel everywhere (None); "1" the default tile; or
     "BLOCK_N,STAGES,FORM" (e.g. 32,6,heads, the tile before the twenty-second session)."""
     if value in ("0", "1"):
-        return None if value == "0" else (64, 3, "keys")
+        return None if value == "0" else (128, 2, "keys")
     try:
         block_n, stages, form = value.split(",")
         tile = int(block_n), int(stages), form.strip()
@@ -162,11 +162,11 @@ def gluon_tile_from_env(value: str) -> Optional[tuple]:
 
 
 # (BLOCK_N, STAGES, form) of kernels/gluon_decode.py's split kernel (None: Triton's kernel everywhere;
-# form: FORMS). Its 96 KB ring fits GLUON_PROGRAMS_PER_SM programs on an SM (ptxas,
-# sm_90a; tests/test_bench_ws.py). 64-key tiles with keys as the MMA's rows (the heads form where
-# GROUP > 8 or several splits): in P1's attention chain 132.4 us a layer against 135.1 for the
-# earlier (32, 6, "heads"), 7-27 W less than either heads tile, +0.9 points in the decode graphs over
-# 500 steps (bench/results/README.md, twenty-second session).
+# form: FORMS). Keys as the MMA's rows (the heads form where GROUP > 8 or several splits). 128-key
+# tiles in 2 stages: a 130 KB ring, one program an SM, so P1's 256 programs run in two waves; in
+# P1's decode graphs over 500-step windows still +0.5 to +1.0 points over (64, 3) (two programs an
+# SM), which was itself +0.9 over the earlier (32, 6, "heads"); (64, 4) and (128, 3) lose 3-7 points
+# (bench/results/README.md, twenty-second and twenty-third sessions).
 GLUON_TILE = gluon_tile_from_env(os.environ.get("ROLLOUT_GLUON_DECODE", "1"))
 GLUON_PROGRAMS_PER_SM = 2
 

@@ -182,10 +182,13 @@ _LLAMA3_8B = {
 
 # Where the weight is packed (pack_weight_tiles; the engine's pack_decode_weights) these come first:
 # in the decode graphs at P1's context the table's configs gain 0.6 points packed, these 1.0-1.1
-# (bench/results/README.md, seventeenth session; unpacked they lose 0.2).
+# (bench/results/README.md, seventeenth session; unpacked they lose 0.2). o_proj and down_proj: 64-row
+# tiles split over K in two, so each program re-reads half as much x from L2 for the same weight bytes:
+# +0.3 / +0.4 points over 500-step windows at 32 rows (twenty-third session).
 _LLAMA3_8B_PACKED = {
+    (4096, 4096): ((16, (32, 256, 4, 5)), (32, (64, 128, 4, 5, 2))),               # o_proj
     (28672, 4096): ((32, (128, 64, 8, 5)),),                                       # gate_up
-    (4096, 14336): ((32, (32, 256, 4, 5)),),                                       # down_proj
+    (4096, 14336): ((16, (32, 256, 4, 5)), (32, (64, 128, 4, 5, 2))),              # down_proj
 }
 
 
