@@ -19,7 +19,9 @@ def test_configs_are_the_engines_packed_configs_at_32_rows():
     shapes = linear_shapes(make_config("llama3-8b"))
     for name, cfg in gemm_ladder.CONFIGS.items():
         N, K, _ = shapes[name]
-        assert tuple(cfg) == pick_config(N, K, 32, packed=True), name
+        engine = pick_config(N, K, 32, packed=True)
+        splits_k = len(engine) > 4 and engine[4] > 1     # the rungs read all of K: the ladder keeps its tile
+        assert len(cfg) == 4 and (splits_k or tuple(cfg) == engine), name
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs the interpreter")

@@ -35,7 +35,9 @@ from .shapes import SHAPES, make_config
 
 fix_interpreter()
 
-# name -> the engine's config at M = 32 on a packed weight (skinny_gemm.pick_config(..., packed=True))
+# name -> the engine's config at M = 32 on a packed weight (skinny_gemm.pick_config(..., packed=True)),
+# where that config reads all of K: the rungs have no split-K, so o_proj and down keep the whole-K
+# tiles they had before the engine split them in two (twenty-third session)
 CONFIGS = {"qkv": (64, 128, 4, 5), "o_proj": (32, 256, 4, 5), "gate_up": (128, 64, 8, 5),
            "down": (32, 256, 4, 5), "lm_head": (64, 128, 4, 3)}
 # configs for the x_left rung (x as wgmma's 64-row left operand, half of it masked rows at M = 32, so

@@ -76,11 +76,25 @@ def resolve_backend(requested: str, device_type: str) -> str:
     return backend
 
 
+def _dot_in_k_order(a, b, out_dtype):
+    """a [..., M, K] @ b [..., K, N] summed over K in index order, so an output element's bits do
+    not depend on the tile's M or N. numpy's matmul goes to BLAS, whose kernel (and so summation
+    order) follows the matrix shape: OpenBLAS 0.3.31 gives a row other bits at M = 1 and M = 16,
+    which broke the tests that compare two kernels' tilings bit for bit."""
+    import numpy as np
+    a, b = a.astype(out_dtype), b.astype(out_dtype)
+    out = np.zeros(a.shape[:-1] + b.shape[-1:], out_dtype)
+    for k in range(a.shape[-1]):
+        out += a[..., :, k:k + 1] * b[..., k:k + 1, :]
+    return out
+
+
 def fix_interpreter() -> None:
-    """Under TRITON_INTERPRET=1 only. triton 3.6's interpreter holds scalars as 1-element numpy
+    """Under TRITON_INTERPRET=1 only. (1) triton 3.6's interpreter holds scalars as 1-element numpy
     arrays and gives them `__index__ = int(array)`, which numpy >= 2.3 rejects, so `range()` over
     runtime bounds (our KV loops) fails. Re-patch `__index__` after triton's own patching (its
-    scope restores attributes LIFO, so the original comes back after each launch)."""
+    scope restores attributes LIFO, so the original comes back after each launch). (2) tl.dot
+    sums in K order whatever the tile shape (_dot_in_k_order), as an MMA does within a tile."""
     import triton
     if not triton.knobs.runtime.interpret:
         return
@@ -95,6 +109,14 @@ def fix_interpreter() -> None:
 
     patched._rollout_fixed = True
     itp._patch_lang_tensor = patched
+    orig_dot = itp.InterpreterBuilder.create_dot
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if a.dtype.primitive_bitwidth == 8 or b.dtype.primitive_bitwidth == 8:    # fp8: triton's own path
+            return orig_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
+        return itp.TensorHandle(_dot_in_k_order(a.data, b.data, d.data.dtype) + d.data, d.dtype.scalar)
+
+    itp.InterpreterBuilder.create_dot = create_dot
 
 
 def __getattr__(name):
