@@ -214,8 +214,9 @@ def gluon_supported(q: torch.Tensor, k_cache: torch.Tensor, sliding_window: Opti
 
 def pick_decode(batch: int, num_kv_heads: int, num_sms: int = 132, gluon_ok: bool = False) -> tuple:
     """(splits, gluon): the Gluon kernel with one split where its grid (batch x KV heads programs)
-    is one wave at GLUON_PROGRAMS_PER_SM a SM yet more than one program a SM, so no SM can take
-    more than its share when the grid starts early under PDL, and no merge kernel runs (P1 and P5,
+    is more than one program a SM and at most GLUON_PROGRAMS_PER_SM, the range where it was
+    measured (the (64, 3) tile ran it as one wave at two a SM; the (128, 2) default runs it as two
+    waves of one), and no merge kernel runs (P1 and P5,
     B = 32 at the Llama-3-8B shape: +0.5 to +0.7 points of roofline in the decode graphs,
     bench/results/README.md, nineteenth session); elsewhere Triton's kernel at pick_num_splits."""
     if gluon_ok and GLUON_TILE and num_sms < batch * num_kv_heads <= GLUON_PROGRAMS_PER_SM * num_sms:
