@@ -41,6 +41,7 @@ def test_apply_parses_the_timing_bound_knobs_and_base_undoes_them(monkeypatch):
     monkeypatch.setattr(paged_decode, "pick_num_splits", paged_decode.pick_num_splits)
     monkeypatch.setattr(paged_decode, "DECODE_TILE", dict(paged_decode.DECODE_TILE))
     monkeypatch.setattr(paged_decode, "GLUON_TILE", paged_decode.GLUON_TILE)
+    monkeypatch.setattr(paged_decode, "GLUON_WARPS", paged_decode.GLUON_WARPS)
     monkeypatch.setattr(paged_decode, "pick_decode", paged_decode.pick_decode)
     monkeypatch.setattr(skinny_gemm, "_LLAMA3_8B", dict(skinny_gemm._LLAMA3_8B))
     monkeypatch.setattr(skinny_gemm, "_LLAMA3_8B_PACKED", dict(skinny_gemm._LLAMA3_8B_PACKED))
@@ -52,8 +53,9 @@ def test_apply_parses_the_timing_bound_knobs_and_base_undoes_them(monkeypatch):
     defaults = dict(rope=rope_kv.Q_HEADS_PER_PROGRAM, table=dict(skinny_gemm._LLAMA3_8B),
                     packed_table=dict(skinny_gemm._LLAMA3_8B_PACKED),
                     tile=dict(paged_decode.DECODE_TILE), splits=paged_decode.pick_num_splits,
-                    gluon_tile=paged_decode.GLUON_TILE, decode=paged_decode.pick_decode, splitk_norm=True,
-                    silu_gate_up=True, rope_in_qkv=True, add_norm=decoder.add_norm_of_linear, batch=32)
+                    gluon_tile=paged_decode.GLUON_TILE, gluon_warps=4, decode=paged_decode.pick_decode,
+                    splitk_norm=True, silu_gate_up=True, rope_in_qkv=True, add_norm=decoder.add_norm_of_linear,
+                    batch=32)
     try:
         step_variants.apply(eng, "late_wait=o,gate_up,down0+skip_norms=post+qkv=32,256,4,5", defaults)
         assert pdl._late == {"gemm:4096,4096", "gemm:28672,4096", "split0:4096,14336"}
@@ -72,7 +74,9 @@ def test_apply_parses_the_timing_bound_knobs_and_base_undoes_them(monkeypatch):
         step_variants.apply(eng, "gattn=32,6,1,1", defaults)
         assert paged_decode.GLUON_TILE == (32, 6, "warp_scores") and paged_decode.pick_decode(32, 8) == (1, True)
         step_variants.apply(eng, "gattn=64,3,1,2", defaults)
-        assert paged_decode.GLUON_TILE == (64, 3, "keys")
+        assert paged_decode.GLUON_TILE == (64, 3, "keys") and paged_decode.GLUON_WARPS == 4
+        step_variants.apply(eng, "gattn=128,2,1,2,8", defaults)
+        assert paged_decode.GLUON_TILE == (128, 2, "keys") and paged_decode.GLUON_WARPS == 8
         step_variants.apply(eng, "attn=2,64,4,2", defaults)
         assert paged_decode.GLUON_TILE is None and paged_decode.pick_num_splits(32, 8) == 2
         assert paged_decode.pick_decode(32, 8, gluon_ok=True) == (2, False)
@@ -87,6 +91,7 @@ def test_apply_parses_the_timing_bound_knobs_and_base_undoes_them(monkeypatch):
         step_variants.apply(eng, "base", defaults)
         assert eng.model.decode_megakernel is False
         assert paged_decode.GLUON_TILE == defaults["gluon_tile"] and paged_decode.pick_decode(32, 8, gluon_ok=True)[1]
+        assert paged_decode.GLUON_WARPS == 4
         assert packs[-1] == (32, False)
         assert pdl._late == frozenset() and decoder.add_norm_of_linear is defaults["add_norm"]
         assert skinny_gemm._LLAMA3_8B == defaults["table"] and skinny_gemm._LLAMA3_8B_PACKED == defaults["packed_table"]

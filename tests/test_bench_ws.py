@@ -138,6 +138,22 @@ def test_gluon_decode_keys_form_fits_two_programs_with_half_the_mmas(block_n, st
     assert 2 * k["mma.sync"] == rows["mma.sync"] and k["ex2"] < rows["ex2"]
 
 
+@pytest.mark.parametrize("warps", [4, 8])
+def test_gluon_decode_default_tile_runs_one_program_an_sm(warps):
+    """The default (128, 2, keys) tile: its 2-stage ring of 128-key K and V tiles (128 KB) holds
+    one program an SM, so P1's 256 programs run in two waves (measured faster anyway:
+    bench/results/README.md, twenty-third session); 8 warps fit the registers too."""
+    from rollout.kernels.paged_decode import GLUON_TILE
+    ptrs = {n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "out_ptr")} | {
+        "bt_ptr": "*i32", "lens_ptr": "*i32", "sm_scale_log2": "fp32"}
+    block_n, stages, form = GLUON_TILE
+    assert form == "keys"
+    k = _compile("rollout.kernels.gluon_decode", "_gluon_decode_keys_kernel", ptrs, GROUP=4, HEAD_DIM=128,
+                 PAGE_SIZE=16, BLOCK_N=block_n, STAGES=stages, PDL=2, num_warps=warps)
+    assert k["shared"] >= stages * 2 * block_n * 128 * 2 and SMEM_PER_SM // (k["shared"] + 1024) == 1
+    assert k["n_regs"] * 32 * warps <= 65536 and k["mma.sync"]
+
+
 def test_gluon_decode_copy_bound_keeps_the_ring_and_drops_the_math():
     """MATH False (bench.attn_ceiling's `gluon=...,nomath`): the same ring, so the same occupancy,
     with no MMA or exp left: what the copy stream alone reads at."""

@@ -15,10 +15,11 @@ ends with the baseline to show the drift. A variant is knobs joined by "+", on t
   qkv=BN,BK,W,S[,SK]  a skinny GEMM config for one weight at every M (also o, gate_up, down, lm_head;
                     "cublas" for F.linear)
   attn=NS,BN,W,S    decode attention: splits, key tile, warps, stages
-  gattn=BN,S[,NS[,F]]  decode attention's split kernel in Gluon (kernels/gluon_decode.py): key tile,
-                    ring stages, a split count (default: the engine's choice, paged_decode.pick_decode),
+  gattn=BN,S[,NS[,F[,W]]]  decode attention's split kernel in Gluon (kernels/gluon_decode.py): key
+                    tile, ring stages, a split count (default: the engine's choice, paged_decode.pick_decode),
                     form F (paged_decode.FORMS): 0 heads as the MMA's rows, 1 the same with every warp
-                    computing a tile's scores, 2 keys as the MMA's rows (one split)
+                    computing a tile's scores, 2 keys as the MMA's rows (one split); W warps a program
+                    (paged_decode.GLUON_WARPS, default 4)
   no_gattn          Triton's decode attention at every batch (attn= also)
   splitk_norm       split-K GEMMs (o_proj, down) leave their partials to the next add + RMSNorm
                     (the default; no_splitk_norm: the GEMM's own fix-up)
@@ -92,6 +93,7 @@ def apply(eng, variant: str, defaults: dict) -> None:
     skinny_gemm._LLAMA3_8B_PACKED = dict(defaults["packed_table"])
     paged_decode.DECODE_TILE = dict(defaults["tile"])
     paged_decode.GLUON_TILE = defaults["gluon_tile"]
+    paged_decode.GLUON_WARPS = defaults["gluon_warps"]
     paged_decode.pick_decode = defaults["decode"]
     paged_decode.pick_num_splits = defaults["splits"]
     eng.model.splitk_into_norm = defaults["splitk_norm"]
@@ -135,6 +137,8 @@ def apply(eng, variant: str, defaults: dict) -> None:
             paged_decode.GLUON_TILE = nums[:2] + (paged_decode.FORMS[nums[3] if len(nums) > 3 else 0],)
             if len(nums) > 2:
                 paged_decode.pick_decode = lambda *a, ns=nums[2], **k: (ns, True)
+            if len(nums) > 4:
+                paged_decode.GLUON_WARPS = nums[4]
         elif knob == "no_gattn":
             paged_decode.GLUON_TILE = None
         elif name == "attn":
@@ -225,7 +229,8 @@ def main(argv=None):
     defaults = dict(rope=rope_kv.Q_HEADS_PER_PROGRAM, table=dict(skinny_gemm._LLAMA3_8B),
                     packed_table=dict(skinny_gemm._LLAMA3_8B_PACKED),
                     tile=dict(paged_decode.DECODE_TILE), splits=paged_decode.pick_num_splits,
-                    gluon_tile=paged_decode.GLUON_TILE, decode=paged_decode.pick_decode,
+                    gluon_tile=paged_decode.GLUON_TILE, gluon_warps=paged_decode.GLUON_WARPS,
+                    decode=paged_decode.pick_decode,
                     splitk_norm=eng.model.splitk_into_norm, silu_gate_up=eng.model.silu_in_gate_up,
                     rope_in_qkv=eng.model.rope_in_qkv, add_norm=decoder.add_norm_of_linear, batch=B)
     rows = []

@@ -255,12 +255,12 @@ def _gluon_decode_keys_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, sm
 def decode_split(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  seq_lens: torch.Tensor, scale_log2: float, out: torch.Tensor, po: torch.Tensor, plse: torch.Tensor,
                  num_splits: int, block_n: int, stages: int, form: str = "heads", *, pdl: int,
-                 math: bool = True) -> None:
+                 math: bool = True, num_warps: int = 4) -> None:
     """paged_decode's split kernel on bf16, head_dim 128, GROUP <= 16, no sliding window: with one
     split the output `out` [B, Hq, D], else partial outputs po [B, Hq, num_splits, D] (fp32) and
     plse [B, Hq, num_splits] for its merge kernel. (block_n, stages, form): the tile,
     paged_decode.GLUON_TILE's (form: one of paged_decode.FORMS). math=False: the K / V copies only, no attention (a
-    timing bound for bench.attn_ceiling; its output is wrong)."""
+    timing bound for bench.attn_ceiling; its output is wrong). num_warps: paged_decode.GLUON_WARPS."""
     B, Hq, D = q.shape
     _, page_size, Hkv, _ = k_cache.shape
     assert q.dtype == k_cache.dtype == v_cache.dtype == out.dtype == torch.bfloat16 and D == 128
@@ -272,10 +272,10 @@ def decode_split(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         assert num_splits == 1 and math and Hq // Hkv <= HEADS and block_n % 64 == 0, "keys form: one split, GROUP <= 8"
         _gluon_decode_keys_kernel[(B, Hkv)](
             q, k_cache, v_cache, block_tables, seq_lens, out, scale_log2, *strides,
-            GROUP=Hq // Hkv, HEAD_DIM=D, PAGE_SIZE=page_size, BLOCK_N=block_n, STAGES=stages, PDL=pdl, num_warps=4,
-            launch_pdl=bool(pdl))
+            GROUP=Hq // Hkv, HEAD_DIM=D, PAGE_SIZE=page_size, BLOCK_N=block_n, STAGES=stages, PDL=pdl,
+            num_warps=num_warps, launch_pdl=bool(pdl))
         return
     _gluon_decode_split_kernel[(B, Hkv, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, po, plse, scale_log2, *strides,
         GROUP=Hq // Hkv, HEAD_DIM=D, PAGE_SIZE=page_size, BLOCK_N=block_n, STAGES=stages, NUM_SPLITS=num_splits,
-        PDL=pdl, MATH=math, WARP_SCORES=form == "warp_scores", num_warps=4, launch_pdl=bool(pdl))
+        PDL=pdl, MATH=math, WARP_SCORES=form == "warp_scores", num_warps=num_warps, launch_pdl=bool(pdl))

@@ -169,6 +169,9 @@ def gluon_tile_from_env(value: str) -> Optional[tuple]:
 # (bench/results/README.md, twenty-second and twenty-third sessions).
 GLUON_TILE = gluon_tile_from_env(os.environ.get("ROLLOUT_GLUON_DECODE", "1"))
 GLUON_PROGRAMS_PER_SM = 2
+# Warps a Gluon decode program: at the (128, 2) tile's one program an SM, 8 warps would give the
+# MMAs 16 keys a warp instead of 32; not yet timed (bench.step_variants gattn=BN,S,NS,F,W).
+GLUON_WARPS = 4
 
 
 @functools.lru_cache(maxsize=None)
@@ -267,7 +270,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         if form == "keys" and (num_splits > 1 or group > HEADS):   # the keys form: one split, GROUP <= 8
             form = "heads"
         decode_split(q, k_cache, v_cache, block_tables, seq_lens, scale * LOG2E, out, po, plse, num_splits,
-                     block_n, stages, form, pdl=min(pdl, 2))
+                     block_n, stages, form, pdl=min(pdl, 2), num_warps=GLUON_WARPS)
     else:
         _decode_split_kernel[(B, Hkv, num_splits)](
             q, k_cache, v_cache, block_tables, seq_lens, out, po, plse,

@@ -54,6 +54,22 @@ def test_matches_reference(gluon_tile, tile, Hq, Hkv, ps, num_splits):
     torch.testing.assert_close(out.float(), reference(q, clean, meta, D ** -0.5, None), **TOL)
 
 
+@pytest.mark.parametrize("tile,num_splits", [((128, 2, "keys"), 1), ((128, 2, "heads"), 2)])
+def test_eight_warps_match_reference(gluon_tile, monkeypatch, tile, num_splits):
+    """paged_decode.GLUON_WARPS = 8 (bench.step_variants gattn=...,8): both forms at the 128-key
+    tile, 16 keys a warp."""
+    monkeypatch.setattr(paged_decode, "GLUON_WARPS", 8)
+    D, Hq, Hkv, ps = 128, 32, 8, 16
+    clean, poisoned, bt = make_paged(LENS, Hkv, D, ps, torch.bfloat16, seed=num_splits, device="cuda", spare_pages=8)
+    q = torch.randn(len(LENS), Hq, D, device="cuda").bfloat16()
+    meta = meta_for(LENS, [1] * len(LENS), bt, ps)
+    gluon_tile(tile)
+    out = torch.full_like(q, float("nan"))
+    paged_decode.paged_decode_attention(q, *poisoned, bt, meta.seq_lens, D ** -0.5, None, num_splits, out=out,
+                                        gluon=True)
+    torch.testing.assert_close(out.float(), reference(q, clean, meta, D ** -0.5, None), **TOL)
+
+
 @pytest.mark.parametrize("tile", [(64, 3, "keys"), (64, 2, "keys"), (128, 2, "keys")])
 @pytest.mark.parametrize("Hq,Hkv,ps", [(32, 8, 16), (28, 4, 16), (16, 2, 64), (8, 8, 16)])
 def test_keys_form_matches_reference(gluon_tile, tile, Hq, Hkv, ps):
