@@ -42,9 +42,13 @@ def gluon_tile():
 @pytest.mark.parametrize("Hq,Hkv,ps,num_splits", [(32, 8, 16, 1), (32, 8, 16, 2), (32, 8, 64, 3), (28, 4, 16, 8),
                                                   (16, 1, 32, 1)])
 def test_matches_reference(gluon_tile, tile, Hq, Hkv, ps, num_splits):
+    _against_reference(gluon_tile, tile, Hq, Hkv, ps, num_splits, seed=Hq + ps + num_splits)
+
+
+def _against_reference(gluon_tile, tile, Hq, Hkv, ps, num_splits, seed):
+    """The kernel at `tile` on poisoned pages into a poisoned output, against the fp32 reference."""
     D = 128
-    clean, poisoned, bt = make_paged(LENS, Hkv, D, ps, torch.bfloat16, seed=Hq + ps + num_splits, device="cuda",
-                                     spare_pages=8)
+    clean, poisoned, bt = make_paged(LENS, Hkv, D, ps, torch.bfloat16, seed=seed, device="cuda", spare_pages=8)
     q = torch.randn(len(LENS), Hq, D, device="cuda").bfloat16()
     meta = meta_for(LENS, [1] * len(LENS), bt, ps)
     gluon_tile(tile)
@@ -59,15 +63,7 @@ def test_eight_warps_match_reference(gluon_tile, monkeypatch, tile, num_splits):
     """paged_decode.GLUON_WARPS = 8 (bench.step_variants gattn=...,8): both forms at the 128-key
     tile, 16 keys a warp."""
     monkeypatch.setattr(paged_decode, "GLUON_WARPS", 8)
-    D, Hq, Hkv, ps = 128, 32, 8, 16
-    clean, poisoned, bt = make_paged(LENS, Hkv, D, ps, torch.bfloat16, seed=num_splits, device="cuda", spare_pages=8)
-    q = torch.randn(len(LENS), Hq, D, device="cuda").bfloat16()
-    meta = meta_for(LENS, [1] * len(LENS), bt, ps)
-    gluon_tile(tile)
-    out = torch.full_like(q, float("nan"))
-    paged_decode.paged_decode_attention(q, *poisoned, bt, meta.seq_lens, D ** -0.5, None, num_splits, out=out,
-                                        gluon=True)
-    torch.testing.assert_close(out.float(), reference(q, clean, meta, D ** -0.5, None), **TOL)
+    _against_reference(gluon_tile, tile, 32, 8, 16, num_splits, seed=num_splits)
 
 
 @pytest.mark.parametrize("tile", [(64, 3, "keys"), (64, 2, "keys"), (128, 2, "keys")])
@@ -75,15 +71,7 @@ def test_eight_warps_match_reference(gluon_tile, monkeypatch, tile, num_splits):
 def test_keys_form_matches_reference(gluon_tile, tile, Hq, Hkv, ps):
     """Keys as the MMA's rows (one split, GROUP <= 8: 4, 7, 8 and 1 query heads a KV head), with
     lengths that end inside a tile, on a page boundary, and 0."""
-    D = 128
-    clean, poisoned, bt = make_paged(LENS, Hkv, D, ps, torch.bfloat16, seed=Hq + ps + tile[0], device="cuda",
-                                     spare_pages=8)
-    q = torch.randn(len(LENS), Hq, D, device="cuda").bfloat16()
-    meta = meta_for(LENS, [1] * len(LENS), bt, ps)
-    gluon_tile(tile)
-    out = torch.full_like(q, float("nan"))
-    paged_decode.paged_decode_attention(q, *poisoned, bt, meta.seq_lens, D ** -0.5, None, 1, out=out, gluon=True)
-    torch.testing.assert_close(out.float(), reference(q, clean, meta, D ** -0.5, None), **TOL)
+    _against_reference(gluon_tile, tile, Hq, Hkv, ps, 1, seed=Hq + ps + tile[0])
 
 
 def test_keys_form_gives_way_to_the_heads_form_where_it_does_not_apply(gluon_tile, monkeypatch):
