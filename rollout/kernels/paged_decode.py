@@ -148,7 +148,8 @@ FORMS = ("heads", "warp_scores", "keys")
 
 def gluon_tile_from_env(value: str) -> Optional[tuple]:
     """ROLLOUT_GLUON_DECODE: "0" Triton's kernel everywhere (None); "1" the default tile; or
-    "BLOCK_N,STAGES,FORM" (e.g. 32,6,heads, the tile before the twenty-second session)."""
+    "BLOCK_N,STAGES,FORM" (e.g. 64,3,keys, the tile before the twenty-third session; 32,6,heads, the
+    one before the twenty-second)."""
     if value in ("0", "1"):
         return None if value == "0" else (128, 2, "keys")
     try:

@@ -38,6 +38,7 @@ def gluon_tile():
 
 
 @pytest.mark.parametrize("tile", [(32, 3, "heads"), (32, 6, "heads"), (64, 2, "heads"), (64, 3, "heads"),
+                                  (128, 2, "heads"),   # the default tile's fallback (GROUP > 8, several splits)
                                   (32, 3, "warp_scores"), (32, 6, "warp_scores"), (64, 3, "warp_scores")])
 @pytest.mark.parametrize("Hq,Hkv,ps,num_splits", [(32, 8, 16, 1), (32, 8, 16, 2), (32, 8, 64, 3), (28, 4, 16, 8),
                                                   (16, 1, 32, 1)])
