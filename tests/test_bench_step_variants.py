@@ -27,10 +27,20 @@ def test_vs_base_compares_each_variant_with_the_mean_of_its_neighbouring_baselin
     assert all("vs_base" not in r for r in rows if r["variant"] == "base")
 
 
-def test_vs_base_without_a_baseline_leaves_rows_alone():
-    rows = [dict(variant="a", fraction=0.8), dict(variant="b", fraction=0.81)]
+def test_vs_base_takes_the_first_variant_as_the_baseline_and_interpolates_to_the_context():
+    """A sweep of packed variants: `packed` is the baseline; a window between two baselines is read
+    against the line through them at its own mean context (the fraction grows with it)."""
+    rows = [dict(variant="packed", fraction=0.819, mean_context=4610),
+            dict(variant="packed+o", fraction=0.827, mean_context=5115),
+            dict(variant="packed", fraction=0.833, mean_context=6125),
+            dict(variant="packed+down", fraction=0.80, mean_context=6630)]
     vs_base(rows)
-    assert all("vs_base" not in r for r in rows)
+    assert rows[1]["vs_base"] == pytest.approx(0.827 - (0.819 + 0.014 * 505 / 1515))
+    assert rows[3]["vs_base"] == pytest.approx(0.80 - 0.833)       # after the last baseline: that one
+    assert "vs_base" not in rows[0] and "vs_base" not in rows[2]
+    empty = [dict(variant="a", error="out of shared memory")]
+    vs_base(empty)
+    assert "vs_base" not in empty[0]
 
 
 def test_apply_parses_the_timing_bound_knobs_and_base_undoes_them(monkeypatch):

@@ -5,8 +5,9 @@
 B sequences are prefilled to `--context` tokens once; then, for each variant, the knobs are set,
 the decode graphs are captured again, and `--steps` steps are timed (CUDA-event busy time of the
 compute stream, as rollout.bench.profile). The context grows by one token per step, so each
-window is also given as a fraction of the roofline at its own mean context; the list starts and
-ends with the baseline to show the drift. A variant is knobs joined by "+", on top of the defaults:
+window is also given as a fraction of the roofline at its own mean context; the first variant is
+the baseline (vs_base), and the list should end with it too. A variant is knobs joined by "+", on
+top of the defaults:
   base              the defaults (PDL launch-then-wait, RoPE over head groups, swept tables,
                     split-K partials into the norm, SiLU and RoPE in GEMM epilogues)
   wait_first        PDL: wait, then let dependents launch (kernels/pdl.py mode 1)
@@ -187,18 +188,31 @@ def relayout_pages(eng, order: str, seed: int = 0) -> None:
 
 
 def vs_base(rows: list[dict]) -> None:
-    """Give each timed non-base row `vs_base`: its roofline fraction minus the mean of the nearest
-    timed `base` rows before and after it (one side where only one exists). Alternating base
-    with the variants keeps that comparison at nearly the same context and GPU state."""
+    """Give each timed row other than the baseline `vs_base`: its roofline fraction minus that of
+    the nearest timed baseline rows before and after it, interpolated linearly to its mean context
+    (the fraction grows with the context, ~0.1 points per 100 tokens in P1's 500-step windows:
+    bench/results/README.md, twenty-third session); one side where only one exists. The baseline
+    is the first timed row's variant: `base`, or e.g. `packed` in a sweep of packed variants.
+    Alternating the baseline with the variants keeps the comparison at nearly the same GPU state."""
     timed = [i for i, r in enumerate(rows) if "fraction" in r]
-    bases = [i for i in timed if rows[i]["variant"] == "base"]
+    if not timed:
+        return
+    baseline = rows[timed[0]]["variant"]
+    bases = [i for i in timed if rows[i]["variant"] == baseline]
     for i in timed:
-        if rows[i]["variant"] == "base":
+        if rows[i]["variant"] == baseline:
             continue
-        near = [max((b for b in bases if b < i), default=None), min((b for b in bases if b > i), default=None)]
-        near = [rows[b]["fraction"] for b in near if b is not None]
-        if near:
-            rows[i]["vs_base"] = rows[i]["fraction"] - sum(near) / len(near)
+        near = [b for b in (max((b for b in bases if b < i), default=None),
+                            min((b for b in bases if b > i), default=None)) if b is not None]
+        if not near:
+            continue
+        ctx = [rows[b].get("mean_context") for b in near] + [rows[i].get("mean_context")]
+        f = [rows[b]["fraction"] for b in near]
+        if len(near) == 2 and None not in ctx and ctx[0] != ctx[1]:
+            ref = f[0] + (f[1] - f[0]) * (ctx[2] - ctx[0]) / (ctx[1] - ctx[0])
+        else:
+            ref = sum(f) / len(f)
+        rows[i]["vs_base"] = rows[i]["fraction"] - ref
 
 
 def main(argv=None):

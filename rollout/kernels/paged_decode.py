@@ -165,8 +165,8 @@ def gluon_tile_from_env(value: str) -> Optional[tuple]:
 # (BLOCK_N, STAGES, form) of kernels/gluon_decode.py's split kernel (None: Triton's kernel everywhere;
 # form: FORMS). Keys as the MMA's rows (the heads form where GROUP > 8 or several splits). 128-key
 # tiles in 2 stages: a 130 KB ring, one program an SM, so P1's 256 programs run in two waves; in
-# P1's decode graphs over 500-step windows still +0.5 to +1.0 points over (64, 3) (two programs an
-# SM), which was itself +0.9 over the earlier (32, 6, "heads"); (64, 4) and (128, 3) lose 3-7 points
+# P1's decode graphs over 500-step windows still +0.5 to +1.1 points over (64, 3) (two programs an
+# SM), which was itself +0.9 over the earlier (32, 6, "heads"); (64, 4) and (128, 3) lose 6.4 and 2.6 points
 # (bench/results/README.md, twenty-second and twenty-third sessions).
 GLUON_TILE = gluon_tile_from_env(os.environ.get("ROLLOUT_GLUON_DECODE", "1"))
 GLUON_PROGRAMS_PER_SM = 2
