@@ -24,6 +24,8 @@ os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton")
 
 import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from fused_cases import fused_ops_cases  # noqa: E402
@@ -487,6 +489,19 @@ def test_gluon_call_takes_the_keys_form_only_where_it_applies(monkeypatch):
     assert calls == [(1, 64, 3, "keys"), (2, 64, 3, "heads"), (1, 64, 3, "heads"), (1, 64, 3, "keys")]
 
 
+def test_gluon_decode_refuses_more_warps_than_its_key_tile_spreads_over():
+    """gluon_decode.decode_split: every warp takes whole MMA tiles of keys (16 keys a warp as the
+    keys form's rows, 8 as the heads forms' columns), so 8 warps need 128- / 64-key tiles; refused
+    before any launch."""
+    from rollout.kernels import gluon_decode
+    q = torch.zeros(2, 32, 128, dtype=torch.bfloat16)
+    cache = torch.zeros(4, 16, 8, 128, dtype=torch.bfloat16)
+    bt, lens = torch.zeros(2, 4, dtype=torch.int32), torch.full((2,), 30, dtype=torch.int32)
+    for block_n, form in ((64, "keys"), (32, "heads")):
+        with pytest.raises(AssertionError, match="8 warps need key tiles"):
+            gluon_decode.decode_split(q, cache, cache, bt, lens, 0.1, q, q, q, 1, block_n, 2, form, pdl=0, num_warps=8)
+
+
 def test_compiles_for_sm90(tmp_path):
     """The interpreter runs kernels as Python: it misses compile-time errors (loop-carried
     constexprs, layout/shape rules of tl.dot). Compile each kernel ahead of time for sm_90 with
@@ -655,3 +670,31 @@ def test_gluon_tile_from_the_environment():
             gluon_tile_from_env(bad)
     for form in FORMS:
         assert gluon_tile_from_env(f"64,3,{form}")[2] == form
+
+
+@triton.jit
+def _tile_dot(x_ptr, w_ptr, o_ptr, M: tl.constexpr, K: tl.constexpr, N: tl.constexpr):
+    rm, rk, rn = tl.arange(0, M), tl.arange(0, K), tl.arange(0, N)
+    x = tl.load(x_ptr + rm[:, None] * K + rk[None, :])
+    w = tl.load(w_ptr + rk[:, None] * N + rn[None, :])
+    tl.store(o_ptr + rm[:, None] * N + rn[None, :], tl.dot(x, w))
+
+
+def test_interpreter_dot_sums_in_k_order_whatever_the_tile():
+    """kernels.fix_interpreter's tl.dot: a row has the same bits in a 16- or 64-row tile, those of
+    an fp32 sum in K order. numpy's matmul (BLAS) picks its summation order by shape: with
+    OpenBLAS 0.3.31 a row's bits differed between M = 1 and M = 16, breaking the bit-equality
+    tests above on some machines."""
+    from rollout.kernels import fix_interpreter
+    fix_interpreter()
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(64, 256, generator=g), torch.randn(256, 32, generator=g)
+    outs = {}
+    for M in (16, 64):
+        outs[M] = torch.empty(M, 32)
+        _tile_dot[(1,)](x[:M].contiguous(), w, outs[M], M=M, K=256, N=32)
+    assert torch.equal(outs[16], outs[64][:16])
+    want = torch.zeros(32)
+    for k in range(256):
+        want += x[0, k] * w[k]
+    assert torch.equal(outs[16][0], want)

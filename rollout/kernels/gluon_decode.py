@@ -266,6 +266,9 @@ def decode_split(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     assert q.dtype == k_cache.dtype == v_cache.dtype == out.dtype == torch.bfloat16 and D == 128
     assert Hq // Hkv <= ROWS and v_cache.stride(2) == k_cache.stride(2) and block_n >= 32 and stages >= 2
     assert form in FORMS, form
+    keys_a_warp = 16 if form == "keys" else 8       # the MMA's rows (keys form) or columns (heads forms)
+    assert block_n % (keys_a_warp * num_warps) == 0, \
+        f"{form} form: {num_warps} warps need key tiles of a multiple of {keys_a_warp * num_warps}, got {block_n}"
     strides = (q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                v_cache.stride(0), v_cache.stride(1), block_tables.stride(0), out.stride(0), out.stride(1))
     if form == "keys":
