@@ -60,3 +60,9 @@ def test_logged_summarizes_what_nvidia_smi_printed_while_the_block_ran(tmp_path,
     with clocks.logged() as g:
         pass
     assert g == {}
+
+
+def test_brief_is_the_tables_cell_for_a_summary():
+    g = clocks.summarize([(0.0, 1980.0, 600.0, 0), (0.1, 1500.0, 700.0, 0x4)])
+    assert clocks.brief(g) == "1740 MHz (min 1500), 650 W, 50%"
+    assert clocks.brief({}) == "n/a"                  # no nvidia-smi: the run still prints its row

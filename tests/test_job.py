@@ -25,12 +25,13 @@ register_configs()
 
 
 def make_cfg(tmp, *overrides):
+    # log_every_s=0: a W&B row every worker step. This ~300-token run can end inside any fixed
+    # interval on a fast CPU, leaving no row with sequences running.
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         return compose("config", overrides=[
             "+experiment=grpo", f"sampling.n={N}", f"data.limit={LIMIT}", f"batch_prompts={WAVE}",
             f"output_dir={tmp / 'out'}", "logging.mode=offline", f"logging.dir={tmp / 'wb'}",
-            "logging.log_every_s=0", *overrides])   # a row every worker step: this ~300-token run can end
-    # inside any fixed interval on a fast CPU, leaving no row with sequences running
+            "logging.log_every_s=0", *overrides])
 
 
 def rows_of(out) -> list[dict]:

@@ -357,11 +357,8 @@ def main(argv=None):
         r = result[f"ours_{mode}"]
         busy = (f"{100 * r['gpu_busy']:.1f}% ({100 * r['gpu_busy_steady_decode']:.1f}%)"
                 if r["gpu_busy"] is not None else "n/a")
-        g = r["gpu_clocks"]
-        power = (f"{g['sm_mhz']:.0f} MHz (min {g['sm_mhz_min']:.0f}), {g['watts']:.0f} W, "
-                 f"{100 * g['power_capped']:.0f}%" if g else "n/a")
         print(f"| ours {mode} | {r['wall_s']:.2f} | {r['tok_s']:.0f} | {100 * r['fraction_of_roofline']:.1f}% | {busy} "
-              f"| {power} |")
+              f"| {clocks.brief(r['gpu_clocks'])} |")
     for key in ("hf_generate", "hf_generate_batch"):
         h = result.get(key)
         if h and "tok_s" in h:

@@ -47,6 +47,13 @@ def summarize(samples: list[tuple]) -> dict:
                 power_capped=sum(bool(s[3] & SW_POWER_CAP) for s in samples) / n)
 
 
+def brief(g: dict) -> str:
+    """summarize()'s fields for a table cell: mean (min) SM clock, mean power, share at the limit."""
+    if not g:
+        return "n/a"
+    return f"{g['sm_mhz']:.0f} MHz (min {g['sm_mhz_min']:.0f}), {g['watts']:.0f} W, {100 * g['power_capped']:.0f}%"
+
+
 @contextlib.contextmanager
 def logged(gpu: int = 0, period_ms: int = 100):
     """nvidia-smi's clocks and power of GPU `gpu` every period_ms while the block runs. Yields a

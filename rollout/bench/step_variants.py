@@ -272,17 +272,16 @@ def main(argv=None):
                          gpu_clocks=gpu_clocks))
         print(f"{v:45s} {step_ms:7.3f} ms/step  {100 * roof_ms / step_ms:5.1f}% of roofline", flush=True)
     vs_base(rows)
-    print("\n| variant | mean context | ms/step | roofline ms | fraction | vs base | SM MHz, W, at the power limit |\n"
+    print("\n| variant | mean context | ms/step | roofline ms | fraction | vs base "
+          "| SM clock, power, time at the power limit |\n"
           "|---|---|---|---|---|---|---|")
     for r in rows:
         if "error" in r:
             print(f"| {r['variant']} | failed | | | | | |")
             continue
         delta = f"{100 * r['vs_base']:+.1f}" if "vs_base" in r else ""
-        g = r["gpu_clocks"]
-        power = f"{g['sm_mhz']:.0f}, {g['watts']:.0f} W, {100 * g['power_capped']:.0f}%" if g else "n/a"
         print(f"| {r['variant']} | {r['mean_context']:.0f} | {r['step_ms']:.3f} | {r['roofline_step_ms']:.3f} | "
-              f"{100 * r['fraction']:.1f}% | {delta} | {power} |")
+              f"{100 * r['fraction']:.1f}% | {delta} | {clocks.brief(r['gpu_clocks'])} |")
     write_json(dict(shape=args.shape, batch=B, context=C, pages=args.pages, rows=rows,
                     meta=run_meta("rollout.bench.step_variants", argv)), args.out)
 

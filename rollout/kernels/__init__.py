@@ -112,7 +112,7 @@ def fix_interpreter() -> None:
     orig_dot = itp.InterpreterBuilder.create_dot
 
     def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        if a.dtype.primitive_bitwidth == 8 or b.dtype.primitive_bitwidth == 8:    # fp8: triton's own path
+        if a.dtype.primitive_bitwidth == 8 or b.dtype.primitive_bitwidth == 8:    # 8-bit types: triton's path
             return orig_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
         return itp.TensorHandle(_dot_in_k_order(a.data, b.data, d.data.dtype) + d.data, d.dtype.scalar)
 

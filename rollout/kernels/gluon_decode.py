@@ -1,7 +1,7 @@
 """Split-KV paged decode attention in Gluon with a cp.async ring for the K / V tiles. CUDA (sm_90)
 only. The engine takes it where `paged_decode.pick_decode` says (one split, at one to two programs
-a SM); `paged_decode.GLUON_TILE` sets its tile (bench.step_variants knob
-`gattn=BLOCK_N,STAGES[,SPLITS[,FORM]]`; paged_decode.FORMS).
+a SM); `paged_decode.GLUON_TILE` sets its tile and `paged_decode.GLUON_WARPS` its warps
+(bench.step_variants knob `gattn=BLOCK_N,STAGES[,SPLITS[,FORM[,WARPS]]]`; paged_decode.FORMS).
 
 Same math and grid as paged_decode's split kernel (one program per sequence x KV head x split,
 the GROUP query heads of a KV head as the rows of a 16-row MMA tile, fp32 online softmax in the
@@ -19,9 +19,11 @@ Two forms of the math (paged_decode.FORMS): the GROUP query heads as the rows of
 exps for GROUP = 4).
 
 Why one split: the ring's shared memory sets how many programs share an SM (64-key tiles, 3
-stages, or 32-key tiles, 6: 96 KB, two). At two a SM a one-split grid of B x Hkv = 256 programs (P1) is one wave
-that cannot pile onto the SMs the QKV GEMM leaves first under PDL (the placement that cost
-Triton's one-split tiles, at four a SM, 15 points), and the merge kernel and its launch go.
+stages, or 32-key tiles, 6: 96 KB, two; the default 128-key tiles, 2 stages: 128 KB, one). A
+one-split grid of B x Hkv = 256 programs (P1) then cannot pile onto the SMs the QKV GEMM leaves
+first under PDL (the placement that cost Triton's one-split tiles, at four a SM, 15 points), and
+the merge kernel and its launch go. At one a SM it runs in two waves, and still measured faster
+than one wave of 64-key tiles (bench/results/README.md, twenty-third session).
 
 Copy groups: one per tile (K and V), committed in tile order, STAGES - 1 before the loop and one
 per iteration; when tile t is needed STAGES - 1 newer groups exist, so `wait_group(STAGES - 1)`.
