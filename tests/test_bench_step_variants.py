@@ -63,7 +63,8 @@ def test_apply_parses_the_timing_bound_knobs_and_base_undoes_them(monkeypatch):
     defaults = dict(rope=rope_kv.Q_HEADS_PER_PROGRAM, table=dict(skinny_gemm._LLAMA3_8B),
                     packed_table=dict(skinny_gemm._LLAMA3_8B_PACKED),
                     tile=dict(paged_decode.DECODE_TILE), splits=paged_decode.pick_num_splits,
-                    gluon_tile=paged_decode.GLUON_TILE, gluon_warps=4, decode=paged_decode.pick_decode,
+                    gluon_tile=paged_decode.GLUON_TILE, gluon_warps=paged_decode.GLUON_WARPS,
+                    decode=paged_decode.pick_decode,
                     splitk_norm=True, silu_gate_up=True, rope_in_qkv=True, add_norm=decoder.add_norm_of_linear,
                     batch=32)
     try:
@@ -87,6 +88,8 @@ def test_apply_parses_the_timing_bound_knobs_and_base_undoes_them(monkeypatch):
         assert paged_decode.GLUON_TILE == (64, 3, "keys") and paged_decode.GLUON_WARPS == 4
         step_variants.apply(eng, "gattn=128,2,1,2,8", defaults)
         assert paged_decode.GLUON_TILE == (128, 2, "keys") and paged_decode.GLUON_WARPS == 8
+        step_variants.apply(eng, "gattn=128,2,1,2", defaults)       # no W: 4 warps, not the last knob's
+        assert paged_decode.GLUON_TILE == (128, 2, "keys") and paged_decode.GLUON_WARPS == 4
         step_variants.apply(eng, "attn=2,64,4,2", defaults)
         assert paged_decode.GLUON_TILE is None and paged_decode.pick_num_splits(32, 8) == 2
         assert paged_decode.pick_decode(32, 8, gluon_ok=True) == (2, False)
@@ -101,7 +104,7 @@ def test_apply_parses_the_timing_bound_knobs_and_base_undoes_them(monkeypatch):
         step_variants.apply(eng, "base", defaults)
         assert eng.model.decode_megakernel is False
         assert paged_decode.GLUON_TILE == defaults["gluon_tile"] and paged_decode.pick_decode(32, 8, gluon_ok=True)[1]
-        assert paged_decode.GLUON_WARPS == 4
+        assert paged_decode.GLUON_WARPS == defaults["gluon_warps"] == 8
         assert packs[-1] == (32, False)
         assert pdl._late == frozenset() and decoder.add_norm_of_linear is defaults["add_norm"]
         assert skinny_gemm._LLAMA3_8B == defaults["table"] and skinny_gemm._LLAMA3_8B_PACKED == defaults["packed_table"]

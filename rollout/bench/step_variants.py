@@ -20,7 +20,7 @@ top of the defaults:
                     tile, ring stages, a split count (default: the engine's choice, paged_decode.pick_decode),
                     form F (paged_decode.FORMS): 0 heads as the MMA's rows, 1 the same with every warp
                     computing a tile's scores, 2 keys as the MMA's rows (one split); W warps a program
-                    (paged_decode.GLUON_WARPS, default 4)
+                    (paged_decode.GLUON_WARPS; 4 unless given, the default tile's is 8)
   no_gattn          Triton's decode attention at every batch (attn= also)
   splitk_norm       split-K GEMMs (o_proj, down) leave their partials to the next add + RMSNorm
                     (the default; no_splitk_norm: the GEMM's own fix-up)
@@ -138,8 +138,7 @@ def apply(eng, variant: str, defaults: dict) -> None:
             paged_decode.GLUON_TILE = nums[:2] + (paged_decode.FORMS[nums[3] if len(nums) > 3 else 0],)
             if len(nums) > 2:
                 paged_decode.pick_decode = lambda *a, ns=nums[2], **k: (ns, True)
-            if len(nums) > 4:
-                paged_decode.GLUON_WARPS = nums[4]
+            paged_decode.GLUON_WARPS = nums[4] if len(nums) > 4 else 4
         elif knob == "no_gattn":
             paged_decode.GLUON_TILE = None
         elif name == "attn":

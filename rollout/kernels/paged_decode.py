@@ -146,20 +146,24 @@ DECODE_TILE = dict(block_n=None, num_warps=4, num_stages=2)   # block_n None: 64
 FORMS = ("heads", "warp_scores", "keys")
 
 
-def gluon_tile_from_env(value: str) -> Optional[tuple]:
-    """ROLLOUT_GLUON_DECODE: "0" Triton's kernel everywhere (None); "1" the default tile; or
-    "BLOCK_N,STAGES,FORM" (e.g. 64,3,keys, the tile before the twenty-third session; 32,6,heads, the
-    one before the twenty-second)."""
+def gluon_tile_from_env(value: str) -> tuple[Optional[tuple], int]:
+    """ROLLOUT_GLUON_DECODE -> (tile, warps): "0" Triton's kernel everywhere (tile None); "1" the
+    default, (128, 2, "keys") with 8 warps; or "BLOCK_N,STAGES,FORM[,WARPS]" (warps 4 unless given;
+    e.g. 128,2,keys the default before the twenty-fourth session, 64,3,keys the one before the
+    twenty-third, 32,6,heads the one before the twenty-second)."""
     if value in ("0", "1"):
-        return None if value == "0" else (128, 2, "keys")
+        return (None, 4) if value == "0" else ((128, 2, "keys"), 8)
     try:
-        block_n, stages, form = value.split(",")
+        block_n, stages, form, *warps = value.split(",")
         tile = int(block_n), int(stages), form.strip()
+        (num_warps,) = [int(w) for w in warps] or [4]
     except ValueError:
-        raise ValueError(f"ROLLOUT_GLUON_DECODE={value!r}: expected 0, 1 or BLOCK_N,STAGES,FORM") from None
+        raise ValueError(f"ROLLOUT_GLUON_DECODE={value!r}: expected 0, 1 or BLOCK_N,STAGES,FORM[,WARPS]") from None
     if tile[2] not in FORMS:
         raise ValueError(f"ROLLOUT_GLUON_DECODE={value!r}: FORM must be one of {FORMS}")
-    return tile
+    if num_warps not in (1, 2, 4, 8):
+        raise ValueError(f"ROLLOUT_GLUON_DECODE={value!r}: WARPS must be 1, 2, 4 or 8")
+    return tile, num_warps
 
 
 # (BLOCK_N, STAGES, form) of kernels/gluon_decode.py's split kernel (None: Triton's kernel everywhere;
@@ -168,11 +172,10 @@ def gluon_tile_from_env(value: str) -> Optional[tuple]:
 # P1's decode graphs over 500-step windows still +0.5 to +1.1 points over (64, 3) (two programs an
 # SM), which was itself +0.9 over the earlier (32, 6, "heads"); (64, 4) and (128, 3) lose 6.4 and 2.6 points
 # (bench/results/README.md, twenty-second and twenty-third sessions).
-GLUON_TILE = gluon_tile_from_env(os.environ.get("ROLLOUT_GLUON_DECODE", "1"))
+# GLUON_WARPS: warps a program. At the 128-key tile's one program an SM, 8 warps (16 keys each for the
+# MMAs instead of 32) read +0.5 points over 4 in two 500-step windows (twenty-fourth session).
+GLUON_TILE, GLUON_WARPS = gluon_tile_from_env(os.environ.get("ROLLOUT_GLUON_DECODE", "1"))
 GLUON_PROGRAMS_PER_SM = 2
-# Warps a Gluon decode program: at the (128, 2) tile's one program an SM, 8 warps would give the
-# MMAs 16 keys a warp instead of 32; not yet timed (bench.step_variants gattn=BN,S,NS,F,W).
-GLUON_WARPS = 4
 
 
 @functools.lru_cache(maxsize=None)

@@ -26,15 +26,17 @@ TOL = dict(rtol=1e-2, atol=1e-2)
 LENS = [0, 1, 16, 17, 63, 65, 1000, 3001, 0]
 
 
-DEFAULT_TILE = paged_decode.GLUON_TILE
+DEFAULT_TILE, DEFAULT_WARPS = paged_decode.GLUON_TILE, paged_decode.GLUON_WARPS
 
 
 @pytest.fixture
 def gluon_tile():
-    def set_tile(tile):
-        paged_decode.GLUON_TILE = tile
+    """Sets a tile and its warps a program (4 unless given: what every tile but the default was
+    measured at); puts the defaults back."""
+    def set_tile(tile, warps=4):
+        paged_decode.GLUON_TILE, paged_decode.GLUON_WARPS = tile, warps
     yield set_tile
-    paged_decode.GLUON_TILE = DEFAULT_TILE
+    paged_decode.GLUON_TILE, paged_decode.GLUON_WARPS = DEFAULT_TILE, DEFAULT_WARPS
 
 
 @pytest.mark.parametrize("tile", [(32, 3, "heads"), (32, 6, "heads"), (64, 2, "heads"), (64, 3, "heads"),
@@ -46,13 +48,13 @@ def test_matches_reference(gluon_tile, tile, Hq, Hkv, ps, num_splits):
     _against_reference(gluon_tile, tile, Hq, Hkv, ps, num_splits, seed=Hq + ps + num_splits)
 
 
-def _against_reference(gluon_tile, tile, Hq, Hkv, ps, num_splits, seed):
-    """The kernel at `tile` on poisoned pages into a poisoned output, against the fp32 reference."""
+def _against_reference(gluon_tile, tile, Hq, Hkv, ps, num_splits, seed, warps=4):
+    """The kernel at `tile` and `warps` on poisoned pages into a poisoned output, against the fp32 reference."""
     D = 128
     clean, poisoned, bt = make_paged(LENS, Hkv, D, ps, torch.bfloat16, seed=seed, device="cuda", spare_pages=8)
     q = torch.randn(len(LENS), Hq, D, device="cuda").bfloat16()
     meta = meta_for(LENS, [1] * len(LENS), bt, ps)
-    gluon_tile(tile)
+    gluon_tile(tile, warps)
     out = torch.full_like(q, float("nan"))
     paged_decode.paged_decode_attention(q, *poisoned, bt, meta.seq_lens, D ** -0.5, None, num_splits, out=out,
                                         gluon=True)
@@ -60,11 +62,10 @@ def _against_reference(gluon_tile, tile, Hq, Hkv, ps, num_splits, seed):
 
 
 @pytest.mark.parametrize("tile,num_splits", [((128, 2, "keys"), 1), ((128, 2, "heads"), 2)])
-def test_eight_warps_match_reference(gluon_tile, monkeypatch, tile, num_splits):
-    """paged_decode.GLUON_WARPS = 8 (bench.step_variants gattn=...,8): both forms at the 128-key
-    tile, 16 keys a warp."""
-    monkeypatch.setattr(paged_decode, "GLUON_WARPS", 8)
-    _against_reference(gluon_tile, tile, 32, 8, 16, num_splits, seed=num_splits)
+def test_eight_warps_match_reference(gluon_tile, tile, num_splits):
+    """paged_decode.GLUON_WARPS = 8 (the default since the twenty-fourth session; bench.step_variants
+    gattn=...,8): both forms at the 128-key tile, 16 keys a warp."""
+    _against_reference(gluon_tile, tile, 32, 8, 16, num_splits, seed=num_splits, warps=8)
 
 
 @pytest.mark.parametrize("tile", [(64, 3, "keys"), (64, 2, "keys"), (128, 2, "keys")])
@@ -115,9 +116,10 @@ def test_engine_takes_it_at_p1s_batch_and_refuses_a_window(gluon_tile, monkeypat
         paged_decode.paged_decode_attention(q, *clean, bt, meta.seq_lens, 0.1, 50, 1, gluon=True)
 
 
-@pytest.mark.parametrize("tile,num_splits", [((32, 3, "heads"), 2), ((32, 6, "heads"), 1), ((32, 6, "warp_scores"), 1),
-                                             ((64, 3, "keys"), 1)])
-def test_graph_replay_with_pdl_equals_eager(gluon_tile, tile, num_splits):
+@pytest.mark.parametrize("tile,num_splits,warps", [((32, 3, "heads"), 2, 4), ((32, 6, "heads"), 1, 4),
+                                                   ((32, 6, "warp_scores"), 1, 4), ((64, 3, "keys"), 1, 4),
+                                                   ((128, 2, "keys"), 1, 8)])
+def test_graph_replay_with_pdl_equals_eager(gluon_tile, tile, num_splits, warps):
     """Captured once (PDL launches, as the engine's decode graphs), replayed after seq_lens and
     block tables change in place: the eager call's bits, and the reference."""
     Hq, Hkv, D, ps, B = 32, 8, 128, 16, 6
@@ -127,7 +129,7 @@ def test_graph_replay_with_pdl_equals_eager(gluon_tile, tile, num_splits):
     seq_lens = torch.tensor(lens0, dtype=torch.int32, device="cuda")
     bt = bt_big.flip(0).clone()
     out = torch.empty_like(q)
-    gluon_tile(tile)
+    gluon_tile(tile, warps)
     s = torch.cuda.Stream()
     with torch.cuda.stream(s):
         paged_decode.paged_decode_attention(q, *clean, bt, seq_lens, D ** -0.5, None, num_splits, out=out,
