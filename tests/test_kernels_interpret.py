@@ -663,15 +663,15 @@ def test_gluon_tile_from_the_environment():
     """ROLLOUT_GLUON_DECODE: 0 Triton only, 1 the default tile and warps, or an explicit tile with
     optional warps (4 unless given: the escape back to the earlier defaults); anything else is
     refused with the expected form named."""
-    from rollout.kernels.paged_decode import FORMS, gluon_tile_from_env
-    assert gluon_tile_from_env("0") == (None, 4) and gluon_tile_from_env("1") == ((128, 2, "keys"), 8)
-    assert gluon_tile_from_env("32,6,heads") == ((32, 6, "heads"), 4)
-    assert gluon_tile_from_env("128,2,keys,8") == ((128, 2, "keys"), 8)
+    from rollout.kernels.paged_decode import FORMS, gluon_tile_and_warps_from_env as from_env
+    assert from_env("0") == (None, 4) and from_env("1") == ((128, 2, "keys"), 8)
+    assert from_env("32,6,heads") == ((32, 6, "heads"), 4)
+    assert from_env("128,2,keys,8") == ((128, 2, "keys"), 8)
     for bad in ("32,6", "a,b,heads", "32,6,rows", "128,2,keys,3", "128,2,keys,8,1", "128,2,keys,x"):
         with pytest.raises(ValueError, match="ROLLOUT_GLUON_DECODE"):
-            gluon_tile_from_env(bad)
+            from_env(bad)
     for form in FORMS:
-        assert gluon_tile_from_env(f"64,3,{form}")[0][2] == form
+        assert from_env(f"64,3,{form}")[0][2] == form
 
 
 @triton.jit

@@ -146,7 +146,7 @@ DECODE_TILE = dict(block_n=None, num_warps=4, num_stages=2)   # block_n None: 64
 FORMS = ("heads", "warp_scores", "keys")
 
 
-def gluon_tile_from_env(value: str) -> tuple[Optional[tuple], int]:
+def gluon_tile_and_warps_from_env(value: str) -> tuple[Optional[tuple], int]:
     """ROLLOUT_GLUON_DECODE -> (tile, warps): "0" Triton's kernel everywhere (tile None); "1" the
     default, (128, 2, "keys") with 8 warps; or "BLOCK_N,STAGES,FORM[,WARPS]" (warps 4 unless given;
     e.g. 128,2,keys the default before the twenty-fourth session, 64,3,keys the one before the
@@ -174,7 +174,7 @@ def gluon_tile_from_env(value: str) -> tuple[Optional[tuple], int]:
 # (bench/results/README.md, twenty-second and twenty-third sessions).
 # GLUON_WARPS: warps a program. At the 128-key tile's one program an SM, 8 warps (16 keys each for the
 # MMAs instead of 32) read +0.5 points over 4 in two 500-step windows (twenty-fourth session).
-GLUON_TILE, GLUON_WARPS = gluon_tile_from_env(os.environ.get("ROLLOUT_GLUON_DECODE", "1"))
+GLUON_TILE, GLUON_WARPS = gluon_tile_and_warps_from_env(os.environ.get("ROLLOUT_GLUON_DECODE", "1"))
 GLUON_PROGRAMS_PER_SM = 2
 
 
