@@ -123,9 +123,19 @@ for s in $sections; do
       # and read at ~74% of copy bandwidth; its split-K configs timed so far ran 192 programs at one an SM, i.e.
       # 1.45 waves. These 192-program configs fit in one wave (sm_90a, ptxas: shared memory / registers ->
       # programs an SM): 64,128,4,3,2 (96 KB: 2), 32,128,4,5 (64 KB: 3), 64,64,4,6,2 (84 KB: 2), 32,256,4,3 (64 KB,
-      # 224 registers: 2); packed, over 500-step windows
+      # 224 registers: 2); packed, over 500-step windows. Then, if one gains over 0.3 points (mean vs_base), P1
+      # packed with it (ROLLOUT_SKINNY_CONFIGS)
       STEPS=500 VARIANTS="packed packed+qkv=64,128,4,3,2 packed+qkv=32,128,4,5 packed packed+qkv=64,64,4,6,2
-        packed+qkv=32,256,4,3 packed" bash $0 variants ;;
+        packed+qkv=32,256,4,3 packed" bash $0 variants
+      best=$(python3 -c "import json, sys, collections; g = collections.defaultdict(list); \
+        [g[r['variant']].append(r['vs_base']) for r in json.load(open(sys.argv[1]))['rows'] if 'qkv=' in r['variant'] and 'vs_base' in r]; \
+        v, d = max(((v, sum(d) / len(d)) for v, d in g.items()), key=lambda t: t[1]); print(v, round(100 * d, 2))" \
+        $OUT/step_variants_l8b_B32_C4352.json)
+      echo "best QKV variant, points: $best"
+      set -- $best
+      if python3 -c "import sys; sys.exit(float(sys.argv[1]) <= 0.3)" "$2"; then
+        ROLLOUT_SKINNY_CONFIGS="6144x4096=${1#*qkv=}" TAG=_packed_qkv P1_ARGS=--pack-decode-weights bash $0 p1
+      fi ;;
     x_traffic) # the small decode GEMMs re-read x [32, K] from L2 once per output tile: M / BLOCK_N of their
       # weight bytes (o_proj's 32-row tiles: 100%). Wider tiles with split-K (o_proj / down partials go to the
       # add + RMSNorm; QKV's last split program does the RoPE epilogue) cut that at the same program count;

@@ -659,6 +659,29 @@ def test_engine_with_triton_backend_matches_torch_backend(model_dir, tiny_tokeni
             assert max(abs(x - y) for x, y in zip(ca.logprobs, cb.logprobs)) < 1e-5
 
 
+def test_skinny_configs_from_the_environment():
+    """ROLLOUT_SKINNY_CONFIGS sets a weight shape's decode GEMM config at every row count, packed
+    or not (a cublas entry sends it to F.linear); bad entries are refused with the form named. The
+    tables are read at import, so the override is checked in a fresh interpreter."""
+    from rollout.kernels.skinny_gemm import configs_from_env
+    assert configs_from_env("") == {}
+    assert configs_from_env("6144x4096=64,128,4,3,2; 4096x4096=cublas") == {
+        (6144, 4096): (64, 128, 4, 3, 2), (4096, 4096): None}
+    for bad in ("6144=64,128,4,3", "6144x4096=64,128,4", "6144x4096=a,b,c,d", "6144x4096x1=64,128,4,3"):
+        with pytest.raises(ValueError, match="ROLLOUT_SKINNY_CONFIGS"):
+            configs_from_env(bad)
+    code = ("from rollout.kernels import skinny_gemm as sg; "
+            "print([sg.pick_config(6144, 4096, m, p) for m in (1, 32) for p in (False, True)], "
+            "sg.pick_config(4096, 4096, 32, True), sg.pick_config(4096, 14336, 32, True))")
+    env = dict(os.environ, ROLLOUT_SKINNY_CONFIGS="6144x4096=32,128,4,5 4096x4096=cublas")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert out.returncode == 0, out.stderr[-2000:]
+    # QKV's override everywhere, o_proj on cuBLAS even packed, down_proj's packed entry untouched
+    assert out.stdout.split("\n")[-2] == "[(32, 128, 4, 5), (32, 128, 4, 5), (32, 128, 4, 5), (32, 128, 4, 5)] None " \
+        "(64, 128, 4, 5, 2)"
+
+
 def test_gluon_tile_from_the_environment():
     """ROLLOUT_GLUON_DECODE: 0 Triton only, 1 the default tile and warps, or an explicit tile with
     optional warps (4 unless given: the escape back to the earlier defaults); anything else is

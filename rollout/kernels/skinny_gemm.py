@@ -23,6 +23,7 @@ entry (cuBLAS was faster, or the shape was not swept) the model calls F.linear.
 """
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -190,6 +191,30 @@ _LLAMA3_8B_PACKED = {
     (28672, 4096): ((32, (128, 64, 8, 5)),),                                       # gate_up
     (4096, 14336): ((16, (32, 256, 4, 5)), (32, (64, 128, 4, 5, 2))),              # down_proj
 }
+
+
+def configs_from_env(value: str) -> dict:
+    """ROLLOUT_SKINNY_CONFIGS, e.g. "6144x4096=64,128,4,3,2 4096x4096=cublas": for each weight
+    shape NxK, the config (BLOCK_N,BLOCK_K,warps,stages[,split_k], or cublas) its decode GEMM takes
+    at every row count, packed or not: one end-to-end run under a config a step_variants sweep
+    picked (bench.step_variants' `qkv=...` knobs do the same inside one process). {} if unset."""
+    out = {}
+    for item in value.replace(";", " ").split():
+        try:
+            shape, cfg = item.split("=")
+            n, k = (int(d) for d in shape.lower().split("x"))
+            nums = None if cfg == "cublas" else tuple(int(c) for c in cfg.split(","))
+        except ValueError:
+            raise ValueError(f"ROLLOUT_SKINNY_CONFIGS: {item!r} is not NxK=BN,BK,W,S[,SK] or NxK=cublas") from None
+        if nums is not None and len(nums) not in (4, 5):
+            raise ValueError(f"ROLLOUT_SKINNY_CONFIGS: {item!r} needs 4 or 5 numbers")
+        out[(n, k)] = nums
+    return out
+
+
+for _shape, _cfg in configs_from_env(os.environ.get("ROLLOUT_SKINNY_CONFIGS", "")).items():
+    _LLAMA3_8B[_shape] = ((MAX_M, _cfg),)
+    _LLAMA3_8B_PACKED.pop(_shape, None)
 
 
 def pick_config(N: int, K: int, M: int, packed: bool = False) -> Optional[tuple[int, ...]]:
