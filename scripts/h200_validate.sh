@@ -3,7 +3,7 @@
 # tool's output folder) or ./h200_out. Sections can be picked:
 #   bash scripts/h200_validate.sh tests kernels sampler q05 l8b_short l8b_fp32 seed p3 p5 weights
 #   (issue 7: pressure_ref0 pressure_ref1 pressured pressured_swap pressure_fp32_small; issue 9 on 2+ GPUs:
-#   fleet_scaling fleet_broadcast; issue 4: p1_pdl p5_pdl profile_p1 gemm_pdl sampler_trunc tests_sampler qkv_waves;
+#   fleet_scaling fleet_broadcast; issue 4: p1_pdl p5_pdl profile_p1 gemm_pdl sampler_trunc tests_sampler one_wave;
 #   batch-invariant mode: inv_cost tests_invariant p1_inv pressure_inv_ref0 pressure_inv_ref1 pressured_inv
 #   (KV_FRACTION), inv_refs_x2 on 2 GPUs (then pressured_inv with the npz in h200_ref/), inv_x4 on 4 GPUs;
 #   clocks and power: power_clocks; hardware counters: ncu_probe)
@@ -119,22 +119,24 @@ for s in $sections; do
       mv $OUT/gpu_tests_files.log $OUT/gpu_tests_compile_stalls.log
       TAG=${TAG:-_nocompile} bash $0 p3
       TEST_FILES=tests/gpu/test_fused_sampler_cuda.py bash $0 tests_files ;;
-    qkv_waves) # the QKV GEMM's 96 programs (64-row tiles, 144 KB of shared memory: one an SM) leave 36 SMs idle
+    one_wave) # the QKV GEMM's 96 programs (64-row tiles, 144 KB of shared memory: one an SM) leave 36 SMs idle
       # and read at ~74% of copy bandwidth; its split-K configs timed so far ran 192 programs at one an SM, i.e.
       # 1.45 waves. These 192-program configs fit in one wave (sm_90a, ptxas: shared memory / registers ->
       # programs an SM): 64,128,4,3,2 (96 KB: 2), 32,128,4,5 (64 KB: 3), 64,64,4,6,2 (84 KB: 2), 32,256,4,3 (64 KB,
-      # 224 registers: 2); packed, over 500-step windows. Then, if one gains over 0.3 points (mean vs_base), P1
-      # packed with it (ROLLOUT_SKINNY_CONFIGS)
+      # 224 registers: 2). Packed gate_up's 128,64,8,5 (120 KB: one an SM) runs its 224 programs in 1.7 waves;
+      # 128,64,8,4 (100 KB) fits two (unpacked, one wave tied: sixteenth session). Packed, 500-step windows; then,
+      # if the best gains over 0.3 points (mean vs_base), P1 packed with it (ROLLOUT_SKINNY_CONFIGS)
       STEPS=500 VARIANTS="packed packed+qkv=64,128,4,3,2 packed+qkv=32,128,4,5 packed packed+qkv=64,64,4,6,2
-        packed+qkv=32,256,4,3 packed" bash $0 variants
+        packed+qkv=32,256,4,3 packed packed+gate_up=128,64,8,4 packed" bash $0 variants
       best=$(python3 -c "import json, sys, collections; g = collections.defaultdict(list); \
-        [g[r['variant']].append(r['vs_base']) for r in json.load(open(sys.argv[1]))['rows'] if 'qkv=' in r['variant'] and 'vs_base' in r]; \
+        [g[r['variant']].append(r['vs_base']) for r in json.load(open(sys.argv[1]))['rows'] if 'vs_base' in r]; \
         v, d = max(((v, sum(d) / len(d)) for v, d in g.items()), key=lambda t: t[1]); print(v, round(100 * d, 2))" \
         $OUT/step_variants_l8b_B32_C4352.json)
-      echo "best QKV variant, points: $best"
+      echo "best variant, points: $best"
       set -- $best
-      if python3 -c "import sys; sys.exit(float(sys.argv[1]) <= 0.3)" "$2"; then
-        ROLLOUT_SKINNY_CONFIGS="6144x4096=${1#*qkv=}" TAG=_packed_qkv P1_ARGS=--pack-decode-weights bash $0 p1
+      knob=${1#packed+}; shape=$(case ${knob%%=*} in qkv) echo 6144x4096;; gate_up) echo 28672x4096;; esac)
+      if [ -n "$shape" ] && python3 -c "import sys; sys.exit(float(sys.argv[1]) <= 0.3)" "$2"; then
+        ROLLOUT_SKINNY_CONFIGS="$shape=${knob#*=}" TAG=_packed_${knob%%=*} P1_ARGS=--pack-decode-weights bash $0 p1
       fi ;;
     x_traffic) # the small decode GEMMs re-read x [32, K] from L2 once per output tile: M / BLOCK_N of their
       # weight bytes (o_proj's 32-row tiles: 100%). Wider tiles with split-K (o_proj / down partials go to the
