@@ -123,11 +123,13 @@ for s in $sections; do
       # and read at ~74% of copy bandwidth; its split-K configs timed so far ran 192 programs at one an SM, i.e.
       # 1.45 waves. These 192-program configs fit in one wave (sm_90a, ptxas: shared memory / registers ->
       # programs an SM): 64,128,4,3,2 (96 KB: 2), 32,128,4,5 (64 KB: 3), 64,64,4,6,2 (84 KB: 2), 32,256,4,3 (64 KB,
-      # 224 registers: 2). Packed gate_up's 128,64,8,5 (120 KB: one an SM) runs its 224 programs in 1.7 waves;
-      # 128,64,8,4 (100 KB) fits two (unpacked, one wave tied: sixteenth session). Packed, 500-step windows; then,
+      # 224 registers: 2); 384 programs, 32,128,4,5,2 (3 an SM: at most 3 x 128 KB of weight an SM against 512 KB
+      # now, if an SM's own stream is what limits). Packed gate_up's 128,64,8,5 (120 KB: one an SM) runs its 224
+      # programs in 1.7 waves; 128,64,8,4 (100 KB) fits two (unpacked, one wave tied: sixteenth session). Packed,
+      # 500-step windows; then,
       # if the best gains over 0.3 points (mean vs_base), P1 packed with it (ROLLOUT_SKINNY_CONFIGS)
       STEPS=500 VARIANTS="packed packed+qkv=64,128,4,3,2 packed+qkv=32,128,4,5 packed packed+qkv=64,64,4,6,2
-        packed+qkv=32,256,4,3 packed packed+gate_up=128,64,8,4 packed" bash $0 variants
+        packed+qkv=32,256,4,3 packed+qkv=32,128,4,5,2 packed packed+gate_up=128,64,8,4 packed" bash $0 variants
       best=$(python3 -c "import json, sys, collections; g = collections.defaultdict(list); \
         [g[r['variant']].append(r['vs_base']) for r in json.load(open(sys.argv[1]))['rows'] if 'vs_base' in r]; \
         v, d = max(((v, sum(d) / len(d)) for v, d in g.items()), key=lambda t: t[1]); print(v, round(100 * d, 2))" \
