@@ -59,8 +59,8 @@ def resources(fn, const: dict, num_warps: int, num_stages: int = 2, gluon: bool 
 
 
 def per_sm(shared: int, regs: int, num_warps: int) -> int:
-    """Programs of this size one SM holds at once (shared memory and registers; the 2,048-thread
-    limit never binds at <= 8 warps and 8 programs)."""
+    """Programs of this size one SM holds at once: what its shared memory, registers and 2,048
+    threads allow."""
     return min(SMEM_PER_SM // (shared + 1024), REGS_PER_SM // (regs * 32 * num_warps), 2048 // (32 * num_warps))
 
 
@@ -72,9 +72,10 @@ def decode_gemms(cfg) -> dict:
             "down": (h, cfg.intermediate_size), "lm_head": (cfg.vocab_size, h)}
 
 
-def rows(shape: str, batch: int, packed: bool, gemm_configs: dict) -> list[dict]:
-    """One row per decode GEMM and the decode attention at `batch` rows: its config, grid, shared
-    memory, registers, programs an SM and waves (on 132 SMs; main scales to --sms)."""
+def rows(shape: str, batch: int, packed: bool, gemm_configs: dict, sms: int = 132) -> list[dict]:
+    """One row per decode GEMM and the decode attention at `batch` rows on `sms` SMs: its config,
+    programs, shared memory, registers and programs an SM (main adds the waves). The QKV GEMM is
+    compiled with its RoPE epilogue and gate_up with its SiLU epilogue, the engine's defaults."""
     from ..kernels import paged_decode, rope_kv, skinny_gemm
     from ..kernels.gluon_decode import _gluon_decode_keys_kernel, _gluon_decode_split_kernel
     from .shapes import make_config
@@ -101,7 +102,7 @@ def rows(shape: str, batch: int, packed: bool, gemm_configs: dict) -> list[dict]
         out.append(dict(kernel=name, config=",".join(map(str, conf)), programs=-(-N // bn) * split_k, shared=shared,
                         regs=regs, per_sm=per_sm(shared, regs, warps)))
     hkv = cfg.num_key_value_heads
-    splits, gluon = paged_decode.pick_decode(batch, hkv, gluon_ok=True)
+    splits, gluon = paged_decode.pick_decode(batch, hkv, sms, gluon_ok=True)
     if gluon:
         (block_n, stages, form), warps = paged_decode.GLUON_TILE, paged_decode.GLUON_WARPS
         group = cfg.num_attention_heads // hkv
@@ -136,7 +137,7 @@ def main(argv=None) -> None:
     for g in args.gemm:
         name, _, nums = g.partition("=")
         configs[name] = tuple(int(n) for n in nums.split(","))
-    table = rows(args.shape, args.batch, args.packed, configs)
+    table = rows(args.shape, args.batch, args.packed, configs, args.sms)
     print(f"{args.shape}, {args.batch} rows{', packed' if args.packed else ''}, sm_90a, {args.sms} SMs")
     print("| kernel | config | programs | shared KB | registers | per SM | waves |\n|---|---|---|---|---|---|---|")
     for r in table:
