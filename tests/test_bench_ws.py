@@ -14,34 +14,22 @@ os.environ.setdefault("TRITON_INTERPRET", "1")     # as the other bench tests: w
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from rollout.bench.occupancy import SMEM_PER_SM  # noqa: E402  (bytes an SM; each CTA also takes 1 KB)
+
 pytest.importorskip("triton")
 
 SMEM_SM90 = 232448      # bytes of shared memory a CTA may use on an H100 / H200
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 COMPILE = textwrap.dedent("""
-    import importlib, json, os, re, subprocess, sys, tempfile
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
+    import importlib, json, sys
+    from rollout.bench.occupancy import compile_sm90
     module, kernel, ptrs, const = json.loads(sys.argv[1])
-    fn = getattr(importlib.import_module(module), kernel)
-    sig, attrs = {}, {}
-    for i, name in enumerate(fn.arg_names):
-        sig[name] = "constexpr" if name in const else ptrs.get(name, "i32")
-        if name.endswith("_ptr") or name == "N" or name.startswith("s_"):   # as the JIT specialises 16-divisible ints
-            attrs[(i,)] = [["tt.divisibility", 16]]
-    k = triton.compile(GluonASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs),
-                       target=GPUTarget("cuda", 90, 32), options=dict(num_warps=const["num_warps"]))
+    k, regs = compile_sm90(getattr(importlib.import_module(module), kernel), const, const["num_warps"], gluon=True,
+                           types=ptrs)
     ptx = k.asm["ptx"]
     ops = ("mma.sync", "ldmatrix", "cp.async.mbarrier.arrive.noinc", "mbarrier.init", "setmaxnreg", "ex2", "sqrt.rn",
            "cp.async.wait_group", "ld.shared", "bar.sync")
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-    with tempfile.TemporaryDirectory() as d:      # registers: ptxas -v (n_regs needs a GPU to load the kernel)
-        open(os.path.join(d, "k.ptx"), "w").write(ptx)
-        info = subprocess.run([ptxas, "-arch=sm_90a", "-v", os.path.join(d, "k.ptx"), "-o", os.path.join(d, "k.o")],
-                              capture_output=True, text=True, check=True).stderr
-    regs = max(int(r) for r in re.findall(r"Used (\\d+) registers", info))
     print(json.dumps(dict(shared=k.metadata.shared, n_regs=regs, **{op: ptx.count(op) for op in ops})))
 """)
 
@@ -99,7 +87,6 @@ def test_ws_layer_kernel_compiles_for_sm90(fold):
     assert k["sqrt.rn"] and k["ex2"]                         # the norm phases, the SiLU epilogue
 
 
-SMEM_PER_SM = 233472      # bytes of shared memory on one SM (H100 / H200); each CTA also takes 1 KB
 
 
 @pytest.mark.parametrize("block_n,stages,splits,warp_scores", [(32, 6, 1, False), (32, 5, 1, False), (64, 3, 1, False),

@@ -27,19 +27,23 @@ PTR_TYPES = {"bt_ptr": "*i32", "lens_ptr": "*i32", "pos_ptr": "*i64", "inv_freq_
              "slot_ptr": "*i64", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "po_ptr": "*fp32", "plse_ptr": "*fp32"}
 
 
-def resources(fn, const: dict, num_warps: int, num_stages: int = 2, gluon: bool = False) -> tuple[int, int]:
-    """(shared memory bytes, registers a thread) of kernel `fn` compiled for sm_90a at these
-    constexprs; pointer arguments bf16 unless PTR_TYPES says otherwise, scalars int32 (fp32 for
-    softmax scales), 16-divisible as the JIT specialises them."""
+def compile_sm90(fn, const: dict, num_warps: int, num_stages: int = 2, gluon: bool = False,
+                 types: dict | None = None) -> tuple:
+    """(compiled kernel, registers a thread from ptxas -v) of Triton or Gluon kernel `fn` for sm_90a
+    at these constexprs. Argument types: `types` (int32 for any it does not name) where given, else
+    pointers bf16 unless PTR_TYPES says otherwise, scalars int32 (fp32 for softmax scales); pointers,
+    N and strides 16-divisible, as the JIT specialises them."""
     import triton
     from triton.backends.compiler import GPUTarget
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in const:
             sig[name] = "constexpr"
+        elif types is not None:
+            sig[name] = types.get(name, "i32")
         else:
             sig[name] = PTR_TYPES.get(name, "*bf16" if name in PTR_ARGS else "fp32" if "scale" in name else "i32")
-        if name.endswith("_ptr") or name.startswith("s_"):
+        if name.endswith("_ptr") or name == "N" or name.startswith("s_"):
             attrs[(i,)] = [["tt.divisibility", 16]]
     if gluon:
         from triton.experimental.gluon._runtime import GluonASTSource as Source
@@ -50,12 +54,18 @@ def resources(fn, const: dict, num_warps: int, num_stages: int = 2, gluon: bool 
     k = triton.compile(Source(fn=fn, signature=sig, constexprs=const, attrs=attrs), target=GPUTarget("cuda", 90, 32),
                        options=options)
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-    with tempfile.TemporaryDirectory() as d:
+    with tempfile.TemporaryDirectory() as d:      # registers: ptxas -v (n_regs needs a GPU to load the kernel)
         with open(os.path.join(d, "k.ptx"), "w") as f:
             f.write(k.asm["ptx"])
         info = subprocess.run([ptxas, "-arch=sm_90a", "-v", f.name, "-o", os.path.join(d, "k.o")],
                               capture_output=True, text=True, check=True).stderr
-    return k.metadata.shared, max(int(r) for r in re.findall(r"Used (\d+) registers", info))
+    return k, max(int(r) for r in re.findall(r"Used (\d+) registers", info))
+
+
+def resources(fn, const: dict, num_warps: int, num_stages: int = 2, gluon: bool = False) -> tuple[int, int]:
+    """(shared memory bytes, registers a thread) of kernel `fn` compiled for sm_90a (compile_sm90)."""
+    k, regs = compile_sm90(fn, const, num_warps, num_stages, gluon)
+    return k.metadata.shared, regs
 
 
 def per_sm(shared: int, regs: int, num_warps: int) -> int:

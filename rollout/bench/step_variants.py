@@ -127,8 +127,7 @@ def apply(eng, variant: str, defaults: dict) -> None:
         elif knob == "rope_token":
             rope_kv.Q_HEADS_PER_PROGRAM = 0
         elif name in GEMMS:
-            skinny_gemm._LLAMA3_8B[GEMMS[name]] = ((64, nums),)
-            skinny_gemm._LLAMA3_8B_PACKED.pop(GEMMS[name], None)     # the knob's config, packed or not
+            skinny_gemm.set_config(*GEMMS[name], nums)     # the knob's config, packed or not
         elif knob == "packed":
             packed = True
         elif knob == "mega":

@@ -212,9 +212,15 @@ def configs_from_env(value: str) -> dict:
     return out
 
 
+def set_config(N: int, K: int, cfg: Optional[tuple[int, ...]]) -> None:
+    """From now on the [N, K] weight's decode GEMM takes `cfg` (None: cuBLAS) at every row count,
+    packed or not (ROLLOUT_SKINNY_CONFIGS; bench.step_variants' GEMM knobs)."""
+    _LLAMA3_8B[(N, K)] = ((MAX_M, cfg),)
+    _LLAMA3_8B_PACKED.pop((N, K), None)
+
+
 for _shape, _cfg in configs_from_env(os.environ.get("ROLLOUT_SKINNY_CONFIGS", "")).items():
-    _LLAMA3_8B[_shape] = ((MAX_M, _cfg),)
-    _LLAMA3_8B_PACKED.pop(_shape, None)
+    set_config(*_shape, _cfg)
 
 
 def pick_config(N: int, K: int, M: int, packed: bool = False) -> Optional[tuple[int, ...]]:
