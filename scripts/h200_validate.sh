@@ -41,8 +41,9 @@ for s in $sections; do
       for f in --batch-invariant; do timeout 150 python3 -m rollout.bench.profile --shape llama3-8b --batch 32 \
         --context 8448 $f --out $OUT/profile_l8b_B32_C8448${f:+_invariant}.json 2>&1 | grep -E "^\| (gemm|attention|\*\*step)"; done ;;
     profile_p1_nopdl) # as profile_p1 with PDL off: kernel spans no longer overlap, so the categories add up
-      ROLLOUT_PDL=0 timeout 200 python3 -m rollout.bench.profile --shape llama3-8b --batch 32 --context 4352 \
-        --out $OUT/profile_l8b_B32_C4352_pdl0.json 2>&1 | grep -A26 "^| part" ;;
+      # (PROFILE_ARGS: e.g. --pack-decode-weights, with TAG=_packed)
+      ROLLOUT_PDL=0 timeout 200 python3 -m rollout.bench.profile --shape llama3-8b --batch 32 --context 4352 ${PROFILE_ARGS:-} \
+        --out $OUT/profile_l8b_B32_C4352_pdl0${TAG:-}.json 2>&1 | grep -A26 "^| part" ;;
     profile)  # per-step breakdown, fused small ops off and on
       for f in --no-fused-ops ""; do timeout 150 python3 -m rollout.bench.profile --shape llama3-8b --batch 32 \
         --context 1024 $f --out $OUT/profile_l8b_B32_C1024${f:+_unfused}.json 2>&1 | grep -A26 "^| part"; done ;;
