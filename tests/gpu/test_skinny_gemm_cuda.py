@@ -212,9 +212,10 @@ def test_qkv_stream_k_at_8b_shape_eager_and_in_graphs():
     programs it is the plain kernel's bits, over 192 those of split_k = 2; over the SM count (a
     tile's K tiles in 2-3 uneven pieces) it gives the same bits every call, eager and in 20 graph
     replays, row 0 alone as in the batch, packed weights as plain, and matches the plain kernel
-    up to fp32 reassociation: a bf16 rounding (8-bit mantissa: 2^-8 relative) moved at most once
-    at the GEMM's output and once in each RoPE step, so 2^-6 relative plus 2^-8 near zero, and
-    few elements move at all."""
+    up to fp32 reassociation: a GEMM output's bf16 rounding moved by one ulp (2^-7 of its binade)
+    at most, carried through RoPE's rounded products and sum (one more ulp), so at most 2^-6 of
+    the tensor's largest |value| (RoPE's difference can cancel, so not of each element's own; the
+    first run measured 2^-6 absolute), and few elements move at all."""
     from rollout.kernels import skinny_gemm as sg
     from rollout.kernels.rope_kv import qkv_rope_and_write_kv
     D, ps, sms = 128, 16, torch.cuda.get_device_properties(0).multi_processor_count
@@ -246,7 +247,7 @@ def test_qkv_stream_k_at_8b_shape_eager_and_in_graphs():
         assert torch.equal(run(64, 128, 4, 5, rows=1, programs=sms)[0][0], got[0][0])
         for a, b in zip(got, plain):
             a, b = a.float(), b.float()
-            assert ((a - b).abs() <= b.abs() * 2.0 ** -6 + 2.0 ** -8).all(), (a - b).abs().max().item()
+            assert (a - b).abs().max() <= b.abs().max() * 2.0 ** -6, ((a - b).abs().max(), b.abs().max())
             assert (a == b).float().mean() > 0.9, M
     kc, vc = (torch.zeros((64, ps, 8, D), device="cuda", dtype=torch.bfloat16) for _ in range(2))
     call = lambda: qkv_rope_and_write_kv(x, w, 32, positions, inv_freq, kc, vc, slots, 64, 128, 4, 5,  # noqa: E731
