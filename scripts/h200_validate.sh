@@ -3,7 +3,7 @@
 # tool's output folder) or ./h200_out. Sections can be picked:
 #   bash scripts/h200_validate.sh tests kernels sampler q05 l8b_short l8b_fp32 seed p3 p5 weights
 #   (issue 7: pressure_ref0 pressure_ref1 pressured pressured_swap pressure_fp32_small; issue 9 on 2+ GPUs:
-#   fleet_scaling fleet_broadcast; issue 4: p1_pdl p5_pdl profile_p1 gemm_pdl sampler_trunc tests_sampler one_wave stream_k;
+#   fleet_scaling fleet_broadcast; issue 4: p1_pdl p5_pdl profile_p1 gemm_pdl sampler_trunc tests_sampler one_wave;
 #   batch-invariant mode: inv_cost tests_invariant p1_inv pressure_inv_ref0 pressure_inv_ref1 pressured_inv
 #   (KV_FRACTION), inv_refs_x2 on 2 GPUs (then pressured_inv with the npz in h200_ref/), inv_x4 on 4 GPUs;
 #   clocks and power: power_clocks; hardware counters: ncu_probe)
@@ -140,21 +140,6 @@ for s in $sections; do
       knob=${1#packed+}; shape=$(case ${knob%%=*} in qkv) echo 6144x4096;; gate_up) echo 28672x4096;; esac)
       if [ -n "$shape" ] && python3 -c "import sys; sys.exit(float(sys.argv[1]) <= 0.3)" "$2"; then
         ROLLOUT_SKINNY_CONFIGS="$shape=${knob#*=}" TAG=_packed_${knob%%=*} P1_ARGS=--pack-decode-weights bash $0 p1
-      fi ;;
-    stream_k) # the QKV + RoPE GEMM as stream-K over the SMs (rope_kv.STREAM_PROGRAMS): its GPU tests, then
-      # packed 500-step windows against the 96-tile kernel, then, if it gains over 0.3 points, P1 packed and
-      # default with ROLLOUT_QKV_STREAM=-1
-      TEST_FILES="tests/gpu/test_skinny_gemm_cuda.py::test_qkv_stream_k_at_8b_shape_eager_and_in_graphs
-        tests/gpu/test_bf16_vs_hf.py::test_qkv_stream_k_in_the_engine_matches_hf" bash $0 tests_files
-      STEPS=500 VARIANTS="packed packed+qkv_stream packed packed+qkv_stream=264+qkv=64,128,4,3 packed+qkv_stream
-        packed" bash $0 variants
-      gain=$(python3 -c "import json, sys; d = [r['vs_base'] for r in json.load(open(sys.argv[1]))['rows'] \
-        if r['variant'] == 'packed+qkv_stream' and 'vs_base' in r]; print(round(100 * sum(d) / len(d), 2))" \
-        $OUT/step_variants_l8b_B32_C4352.json)
-      echo "qkv_stream, points: $gain"
-      if python3 -c "import sys; sys.exit(float(sys.argv[1]) <= 0.3)" "$gain"; then
-        ROLLOUT_QKV_STREAM=-1 TAG=_packed_stream P1_ARGS=--pack-decode-weights bash $0 p1
-        ROLLOUT_QKV_STREAM=-1 TAG=_stream bash $0 p1
       fi ;;
     x_traffic) # the small decode GEMMs re-read x [32, K] from L2 once per output tile: M / BLOCK_N of their
       # weight bytes (o_proj's 32-row tiles: 100%). Wider tiles with split-K (o_proj / down partials go to the

@@ -179,69 +179,6 @@ def test_qkv_gemm_with_rope_epilogue_gives_the_two_kernel_bits(block_n, T, split
     assert not torch.equal(bad, want)
 
 
-def _qkv_case(T, seed, dtype=torch.float16):
-    """A small QKV + RoPE problem: 4 q heads, 2 k / v heads of D = 32, K = 256 (fp16 or fp32: the
-    interpreter's bf16 dot is broken); NaN caches so unwritten slots show. run(weight, *cfg,
-    rows=T, **kw) -> (q [rows, 4, 32], both caches flat) for the first `rows` tokens."""
-    Hq, Hkv, D, K = 4, 2, 32, 256
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(T, K, generator=g).to(dtype)
-    w = (torch.randn((Hq + 2 * Hkv) * D, K, generator=g) / 8).to(dtype)
-    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, D, 2).float() / D))
-    positions = torch.randint(0, 3000, (T,), generator=g)
-    slots = torch.tensor([3, -1, 40, 8, 17, 50, 22][:max(T - 1, 1)])
-
-    def run(weight, *cfg, rows=T, **kw):
-        from rollout.kernels.rope_kv import qkv_rope_and_write_kv
-        caches = [torch.full((4, 16, Hkv, D), float("nan"), dtype=dtype) for _ in range(2)]
-        q = qkv_rope_and_write_kv(x[:rows], weight, Hq, positions[:rows], inv_freq, *caches, slots[:rows], *cfg, **kw)
-        return q, torch.cat([c.nan_to_num(7.0).reshape(-1) for c in caches])
-    return x, w, run
-
-
-def _same(a, b):
-    return all(torch.equal(u, v) for u, v in zip(a, b))
-
-
-@pytest.mark.parametrize("T", [5, 1])
-def test_qkv_stream_k_bits(T):
-    """Stream-K QKV + RoPE (8 tiles of 4 K tiles here): over as many programs as tiles it is the
-    plain kernel's bits, over twice as many split_k = 2's; over 11 programs (a tile's K tiles in
-    up to 3 uneven pieces) and 32 (one K tile each) it is deterministic, resets its counters, gives
-    row 0 the same bits alone as in the batch, and matches the plain kernel up to fp32
-    reassociation: the pieces' sums differ from one K-ordered chain by ~1e-7 relative, which moves
-    an fp16 rounding (GEMM output, each RoPE product and sum) by one ulp at most (values below 16:
-    ulp <= 2^-7, two roundings in a row 2^-6), and rarely. In fp32 the reassociation shows (other
-    bits, within 1e-5 of the plain kernel's fp32 chain). Packed (tiled) weights give the plain
-    layout's bits. Bad program counts are refused."""
-    from rollout.kernels import skinny_gemm as sg
-    from rollout.kernels.rope_kv import STREAM_PROGRAMS
-    assert STREAM_PROGRAMS == 0, "ROLLOUT_QKV_STREAM set: the plain kernel below would stream"
-    x, w, run = _qkv_case(T, seed=T)
-    plain = run(w, 32, 64, 4, 2)
-    assert _same(run(w, 32, 64, 4, 2, programs=8), plain)
-    assert _same(run(w, 32, 64, 4, 2, programs=16), run(w, 32, 64, 4, 2, 2))
-    packed = sg.pack_weight_tiles(w, 32, 64, "rope", 32)
-    for n in (11, 32):
-        got = run(w, 32, 64, 4, 2, programs=n)
-        assert int(sg._COUNTERS[x.device][:8].abs().sum()) == 0
-        assert _same(run(w, 32, 64, 4, 2, programs=n), got)
-        assert _same(run(packed, 32, 64, 4, 2, tiled=True, programs=n), got)
-        assert torch.equal(run(w, 32, 64, 4, 2, rows=1, programs=n)[0][0], got[0][0])
-        for a, b in zip(got, plain):
-            torch.testing.assert_close(a, b, atol=2 ** -6, rtol=0)
-            assert (a == b).float().mean() > 0.95, n
-    _, w32, run32 = _qkv_case(T, seed=T, dtype=torch.float32)
-    got, want = run32(w32, 32, 64, 4, 2, programs=11), run32(w32, 32, 64, 4, 2)
-    assert not torch.equal(got[0], want[0])       # the pieces are summed apart
-    for a, b in zip(got, want):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
-    with pytest.raises(AssertionError, match="stream-K"):
-        run(w, 32, 64, 4, 2, 2, programs=11)      # stream-K takes unsplit configs
-    with pytest.raises(AssertionError, match="stream-K"):
-        run(w, 32, 64, 4, 2, programs=7)          # fewer programs than tiles
-
-
 def test_pack_weight_tiles_puts_each_programs_rows_in_reading_order():
     """pack_weight_tiles' strided views against the rows each program reads, written out: tile t,
     K tile j holds rows rows[t] and columns [j BK, (j + 1) BK). Packing into `out` keeps its storage."""

@@ -13,8 +13,6 @@ top of the defaults:
   wait_first        PDL: wait, then let dependents launch (kernels/pdl.py mode 1)
   no_pdl            no programmatic dependent launch (kernels/pdl.py off)
   rope_token        RoPE + KV write with one program per token
-  qkv_stream[=P]    the QKV + RoPE GEMM as stream-K over P programs (default -1: the SM count;
-                    kernels/rope_kv.py STREAM_PROGRAMS); configs without split-K only
   qkv=BN,BK,W,S[,SK]  a skinny GEMM config for one weight at every M (also o, gate_up, down, lm_head;
                     "cublas" for F.linear)
   attn=NS,BN,W,S    decode attention: splits, key tile, warps, stages
@@ -92,7 +90,6 @@ def apply(eng, variant: str, defaults: dict) -> None:
     pdl.set_late(())
     decoder.add_norm_of_linear = defaults["add_norm"]
     rope_kv.Q_HEADS_PER_PROGRAM = defaults["rope"]
-    rope_kv.STREAM_PROGRAMS = defaults["qkv_stream"]
     skinny_gemm._LLAMA3_8B = dict(defaults["table"])
     skinny_gemm._LLAMA3_8B_PACKED = dict(defaults["packed_table"])
     paged_decode.DECODE_TILE = dict(defaults["tile"])
@@ -129,8 +126,6 @@ def apply(eng, variant: str, defaults: dict) -> None:
             eng.model.silu_in_gate_up = knob == "silu_gate_up"
         elif knob == "rope_token":
             rope_kv.Q_HEADS_PER_PROGRAM = 0
-        elif name == "qkv_stream":
-            rope_kv.STREAM_PROGRAMS = int(val or -1)
         elif name in GEMMS:
             skinny_gemm.set_config(*GEMMS[name], nums)     # the knob's config, packed or not
         elif knob == "packed":
@@ -243,8 +238,7 @@ def main(argv=None):
     if args.pages != "prefilled":
         relayout_pages(eng, args.pages)
     from ..kernels import paged_decode, rope_kv, skinny_gemm
-    defaults = dict(rope=rope_kv.Q_HEADS_PER_PROGRAM, qkv_stream=rope_kv.STREAM_PROGRAMS,
-                    table=dict(skinny_gemm._LLAMA3_8B),
+    defaults = dict(rope=rope_kv.Q_HEADS_PER_PROGRAM, table=dict(skinny_gemm._LLAMA3_8B),
                     packed_table=dict(skinny_gemm._LLAMA3_8B_PACKED),
                     tile=dict(paged_decode.DECODE_TILE), splits=paged_decode.pick_num_splits,
                     gluon_tile=paged_decode.GLUON_TILE, gluon_warps=paged_decode.GLUON_WARPS,

@@ -17,19 +17,9 @@ halves as one weight tile, rounds the products to the activation dtype as the GE
 them, then rotates them with the same helpers, so q and the cache get the same bits with one
 kernel fewer per layer. With split-K the tile's last program to arrive does it, after the
 skinny GEMM's fix-up (`splitk_fixup`, the same summation order).
-
-Stream-K (`programs`, STREAM_PROGRAMS): the 8B QKV's 96 tiles leave 36 of 132 SMs idle at one
-program an SM, and its 192-program split-K configs lose (192 tiles at one an SM are 1.45 waves;
-configs fitting one wave re-read more x or sit unevenly, bench/results/README.md). Instead
-`programs` programs share the tiles x K-tiles iterations evenly, each one contiguous run of them
-(at most two tiles when programs >= tiles); each tile's pieces are summed in piece order by the
-last to arrive, as in split-K. programs = tiles gives the plain kernel's bits, 2 x tiles those of
-split_k = 2; any other count is deterministic and M-independent for that count.
 """
 from __future__ import annotations
 
-import functools
-import os
 from typing import Optional
 
 import torch
@@ -47,9 +37,6 @@ fix_interpreter()
 # the interpreter has no libdevice, numpy's fp32 cos/sin are accurate there too.
 PRECISE = tl.constexpr(not triton.knobs.runtime.interpret)
 Q_HEADS_PER_PROGRAM = 8   # a power of two; 0: every q head of a token in one program
-# qkv_rope_and_write_kv's stream-K program count where the caller gives none: 0 off, -1 the SM
-# count where the tiles are fewer (ROLLOUT_QKV_STREAM; bench.step_variants' qkv_stream= knob)
-STREAM_PROGRAMS = int(os.environ.get("ROLLOUT_QKV_STREAM", "0"))
 
 
 @triton.jit
@@ -159,7 +146,10 @@ def _qkv_rope_kernel(
     pid = tl.program_id(0)
     if TILED:     # w packed by pack_weight_tiles (order "rope"): this program's run
         w_ptr += pid.to(tl.int64) * BLOCK_N * K
-    head, f, w_rows = _tile_rows(pid, HALF, BLOCK_N)
+    head = pid // (HALF // P)                    # q heads, then k heads, then v heads
+    f = (pid % (HALF // P)) * P + tl.arange(0, P)
+    r = tl.arange(0, BLOCK_N)
+    w_rows = head * 2 * HALF + (pid % (HALF // P)) * P + r % P + (r >= P).to(tl.int32) * HALF   # halves 1, 2
     rm = tl.arange(0, BLOCK_M)
     N = (HQ + 2 * HKV) * 2 * HALF
     per = tl.cdiv(K // BLOCK_K, SPLIT_K)         # this program's K tiles, as in the skinny GEMM
@@ -173,99 +163,6 @@ def _qkv_rope_kernel(
     if last:
         _rope_epilogue(acc, qo_ptr, pos_ptr, inv_freq_ptr, kc_ptr, vc_ptr, slot_ptr, n_slots, M, head, f, rm,
                        s_qot, s_qoh, s_kcs, s_kch, s_vcs, s_vch, HQ, HKV, HALF, BLOCK_M, P, PRECISE)
-
-
-@triton.jit
-def _tile_rows(tile, HALF: tl.constexpr, BLOCK_N: tl.constexpr):
-    """QKV tile `tile`'s head (q heads, then k, then v), its BLOCK_N / 2 frequency pairs f, and
-    its weight rows: those pairs' first-half rows, then their second-half rows."""
-    P: tl.constexpr = BLOCK_N // 2
-    head = tile // (HALF // P)
-    f = (tile % (HALF // P)) * P + tl.arange(0, P)
-    r = tl.arange(0, BLOCK_N)
-    w_rows = head * 2 * HALF + (tile % (HALF // P)) * P + r % P + (r >= P).to(tl.int32) * HALF
-    return head, f, w_rows
-
-
-@triton.jit
-def _qkv_rope_stream_kernel(
-        x_ptr, w_ptr, qo_ptr, pos_ptr, inv_freq_ptr, kc_ptr, vc_ptr, slot_ptr, ws_ptr, cnt_ptr, n_slots, M, K,
-        s_xm, s_wn, s_qot, s_qoh, s_kcs, s_kch, s_vcs, s_vch, n_prog, s_max,
-        HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        BLOCK_K: tl.constexpr, PRECISE: tl.constexpr, PDL: tl.constexpr, TILED: tl.constexpr):
-    """Stream-K form of _qkv_rope_kernel: program p takes iterations [p T / n, (p + 1) T / n) of
-    the T = tiles x K-tiles, tile-major; n >= tiles, so that is the end of one tile and the start
-    of the next at most."""
-    pid = tl.program_id(0)
-    KT = K // BLOCK_K
-    total = (HQ + 2 * HKV) * 2 * HALF // BLOCK_N * KT
-    it0 = pid * total // n_prog
-    it1 = (pid + 1) * total // n_prog
-    tile = it0 // KT
-    end = tl.minimum(it1 - tile * KT, KT)
-    _stream_piece(x_ptr, w_ptr, qo_ptr, pos_ptr, inv_freq_ptr, kc_ptr, vc_ptr, slot_ptr, ws_ptr, cnt_ptr, n_slots,
-                  M, K, s_xm, s_wn, s_qot, s_qoh, s_kcs, s_kch, s_vcs, s_vch, n_prog, s_max, total, tile,
-                  it0 - tile * KT, end, HQ, HKV, HALF, BLOCK_M, BLOCK_N, BLOCK_K, PRECISE, PDL, TILED)
-    if tile * KT + end < it1:       # the rest of the run: the next tile's first K tiles (PDL waited above)
-        _stream_piece(x_ptr, w_ptr, qo_ptr, pos_ptr, inv_freq_ptr, kc_ptr, vc_ptr, slot_ptr, ws_ptr, cnt_ptr,
-                      n_slots, M, K, s_xm, s_wn, s_qot, s_qoh, s_kcs, s_kch, s_vcs, s_vch, n_prog, s_max, total,
-                      tile + 1, tl.full((), 0, tl.int32), it1 - (tile + 1) * KT, HQ, HKV, HALF, BLOCK_M, BLOCK_N,
-                      BLOCK_K, PRECISE, 0, TILED)
-
-
-@triton.jit
-def _stream_piece(x_ptr, w_ptr, qo_ptr, pos_ptr, inv_freq_ptr, kc_ptr, vc_ptr, slot_ptr, ws_ptr, cnt_ptr, n_slots,
-                  M, K, s_xm, s_wn, s_qot, s_qoh, s_kcs, s_kch, s_vcs, s_vch, n_prog, s_max, total, tile, kt0, kt1,
-                  HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, BLOCK_M: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISE: tl.constexpr, PDL: tl.constexpr,
-                  TILED: tl.constexpr):
-    """K tiles [kt0, kt1) of `tile`: the partial product, then, by the tile's last piece to
-    arrive, the sum of its pieces in order and the RoPE epilogue."""
-    if TILED:
-        w_ptr += tile.to(tl.int64) * BLOCK_N * K
-    head, f, w_rows = _tile_rows(tile, HALF, BLOCK_N)
-    rm = tl.arange(0, BLOCK_M)
-    N = (HQ + 2 * HKV) * 2 * HALF
-    acc = weight_rows_times_x(x_ptr, w_ptr, w_rows, w_rows, rm, M, N, s_xm, s_wn, kt0, kt1,
-                              BLOCK_M, BLOCK_N, BLOCK_K, True, PDL, TILED)
-    before_store(PDL)
-    # The programs holding this tile's K tiles: the first whose run holds its first iteration
-    # (the largest p with p T / n <= tile KT), to the one holding its last.
-    KT = K // BLOCK_K
-    first = ((tile * KT + 1) * n_prog + total - 1) // total - 1
-    final = ((tile + 1) * KT * n_prog + total - 1) // total - 1
-    acc, last = _piece_fixup(acc, ws_ptr, cnt_ptr, tile, tl.program_id(0) - first, final - first + 1, s_max,
-                             BLOCK_M, BLOCK_N)
-    if last:
-        _rope_epilogue(acc, qo_ptr, pos_ptr, inv_freq_ptr, kc_ptr, vc_ptr, slot_ptr, n_slots, M, head, f, rm,
-                       s_qot, s_qoh, s_kcs, s_kch, s_vcs, s_vch, HQ, HKV, HALF, BLOCK_M, BLOCK_N // 2, PRECISE)
-
-
-@triton.jit
-def _piece_fixup(acc, ws_ptr, cnt_ptr, tile, piece, pieces, s_max, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """splitk_fixup for pieces of uneven K ranges: store this piece's fp32 partial at [tile, piece];
-    the tile's last piece to arrive adds all `pieces` in piece order (from zero, as splitk_fixup)
-    and resets the tile's counter. Returns (the sum, or acc elsewhere; is_last)."""
-    at = ws_ptr + tile * s_max * BLOCK_N * BLOCK_M + tl.arange(0, BLOCK_N)[:, None] * BLOCK_M \
-        + tl.arange(0, BLOCK_M)[None, :]
-    tl.store(at + piece * BLOCK_N * BLOCK_M, acc)
-    tl.debug_barrier()                        # every thread's partial before the release
-    last = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel") == pieces - 1
-    if last:
-        acc = tl.zeros_like(acc)
-        for i in range(pieces):                # .cg: from L2, where the other SMs wrote
-            acc += tl.load(at + i * BLOCK_N * BLOCK_M, cache_modifier=".cg")
-        tl.atomic_xchg(cnt_ptr + tile, 0)
-    return acc, last
-
-
-@functools.lru_cache(maxsize=64)
-def stream_pieces_max(tiles: int, k_tiles: int, programs: int) -> int:
-    """The most programs any tile's K tiles are shared among, under _qkv_rope_stream_kernel's split."""
-    total = tiles * k_tiles
-    first = [((t * k_tiles + 1) * programs + total - 1) // total - 1 for t in range(tiles)]
-    final = [((t + 1) * k_tiles * programs + total - 1) // total - 1 for t in range(tiles)]
-    return max(b - a + 1 for a, b in zip(first, final))
 
 
 @triton.jit
@@ -300,14 +197,11 @@ def _rope_epilogue(acc, qo_ptr, pos_ptr, inv_freq_ptr, kc_ptr, vc_ptr, slot_ptr,
 def qkv_rope_and_write_kv(x: torch.Tensor, w: torch.Tensor, num_heads: int, positions: torch.Tensor,
                           inv_freq: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           slot_mapping: torch.Tensor, block_n: int, block_k: int, num_warps: int = 4,
-                          num_stages: int = 4, split_k: int = 1, tiled: bool = False,
-                          programs: Optional[int] = None) -> torch.Tensor:
+                          num_stages: int = 4, split_k: int = 1, tiled: bool = False) -> torch.Tensor:
     """The fused QKV projection x [T, K] @ w.T (w [(Hq + 2 Hkv) D, K], no bias; q, k, v heads in
     order), RoPE on q and k, and the K/V write: the result of skinny_gemm (with the same split_k)
     then rope_and_write_kv, in one kernel. T <= 64 (one row tile). Returns RoPE'd q [T, Hq, D].
-    tiled: w is skinny_gemm.pack_weight_tiles(weight, block_n, block_k, "rope", D) (same bits).
-    programs: stream-K over that many programs (split_k 1; tiles <= programs <= tiles x K tiles);
-    None: STREAM_PROGRAMS; 0: off."""
+    tiled: w is skinny_gemm.pack_weight_tiles(weight, block_n, block_k, "rope", D) (same bits)."""
     T, K = x.shape
     Hkv, D = k_cache.shape[2], k_cache.shape[3]
     half, pairs = D // 2, block_n // 2
@@ -324,20 +218,6 @@ def qkv_rope_and_write_kv(x: torch.Tensor, w: torch.Tensor, num_heads: int, posi
         return out_q
     pdl = pdl_for(x, late=("qkv",))
     tiles, bm = (num_heads + 2 * Hkv) * (half // pairs), max(16, triton.next_power_of_2(T))
-    programs = stream_programs(x.device, tiles, split_k) if programs is None else programs
-    if programs:
-        assert split_k == 1 and tiles <= programs <= tiles * (K // block_k), \
-            f"stream-K: {programs} programs for {tiles} tiles of {K // block_k} K tiles, split_k {split_k}"
-        s_max = stream_pieces_max(tiles, K // block_k, programs)
-        ws = torch.empty((tiles * s_max * block_n * bm,), dtype=torch.float32, device=x.device)
-        _qkv_rope_stream_kernel[(programs,)](
-            x, w, out_q, positions, inv_freq.float().contiguous(), k_cache, v_cache, slot_mapping, ws,
-            split_counters(x.device, tiles), slot_mapping.numel(),
-            T, K, x.stride(0), w.stride(0), out_q.stride(0), out_q.stride(1), k_cache.stride(1), k_cache.stride(2),
-            v_cache.stride(1), v_cache.stride(2), programs, s_max, HQ=num_heads, HKV=Hkv, HALF=half,
-            BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k, PRECISE=PRECISE, PDL=pdl, TILED=tiled,
-            num_warps=num_warps, num_stages=num_stages, launch_pdl=bool(pdl), enable_fp_fusion=False)
-        return out_q
     if split_k > 1:   # fp32 partials [split, row tile, N]; torch.empty is graph-safe
         ws = torch.empty((split_k, bm, w.shape[0]), dtype=torch.float32, device=x.device)
         cnt = split_counters(x.device, tiles)
@@ -352,15 +232,3 @@ def qkv_rope_and_write_kv(x: torch.Tensor, w: torch.Tensor, num_heads: int, posi
         num_warps=num_warps, num_stages=num_stages, launch_pdl=bool(pdl),
         enable_fp_fusion=False)   # the rotation rounds each product, as rope_and_write_kv (the MMA is unaffected)
     return out_q
-
-
-def stream_programs(device: torch.device, tiles: int, split_k: int) -> int:
-    """STREAM_PROGRAMS for a call of `tiles` tiles: -1 means the SM count where that is more
-    than the tiles (else off), and stream-K only runs unsplit configs."""
-    if split_k > 1 or not STREAM_PROGRAMS:
-        return 0
-    if STREAM_PROGRAMS > 0:
-        return STREAM_PROGRAMS
-    from . import sm_count
-    sms = sm_count(device)
-    return sms if sms > tiles else 0

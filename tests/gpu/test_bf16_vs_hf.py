@@ -165,35 +165,6 @@ def test_gluon_decode_attention_in_the_engine_matches_hf(tmp_path, monkeypatch):
     assert eng.kv.alloc.num_used == 0
 
 
-@pytest.mark.parametrize("pack", [False, True])
-def test_qkv_stream_k_in_the_engine_matches_hf(tmp_path, monkeypatch, pack):
-    """ROLLOUT_QKV_STREAM=-1 (rope_kv.STREAM_PROGRAMS): the 8B-shape QKV + RoPE GEMM (hidden 4096,
-    32 / 8 heads of 128: 96 tiles) runs as stream-K over the SM count in the decode steps, plain
-    and packed weights; logprobs against HF's bf16 forward, with the bounds above."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from rollout.kernels import rope_kv
-    monkeypatch.setattr(rope_kv, "STREAM_PROGRAMS", -1)
-    seen = []
-    real = rope_kv.stream_programs
-    monkeypatch.setattr(rope_kv, "stream_programs", lambda *a: seen.append(real(*a)) or seen[-1])
-    cfg = AutoConfig.for_model("llama", vocab_size=1024, hidden_size=4096, intermediate_size=2048,
-                               num_hidden_layers=2, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                               max_position_embeddings=1024)
-    torch.manual_seed(0)
-    hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).cuda().eval()
-    hf.save_pretrained(tmp_path)
-    eng = _engine(tmp_path, num_kv_pages=1024, max_num_seqs=32, pack_decode_weights=pack)
-    prompts = _prompts(32, 5, 200, seed=4)
-    outs = eng.generate(prompts, SamplingParams(max_new_tokens=32, temperature=0, ignore_eos=True), use_tqdm=False)
-    stats = _agreement(hf, prompts, outs, 1.0)
-    _report(f"qkv_stream_k_greedy[pack={pack}]", {**stats, "stream_programs": sorted(set(seen))})
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    assert seen and set(seen) == {sms}                        # every decode QKV call streamed
-    assert stats["mean_abs_dlogp"] < MEAN_TOL and stats["max_abs_dlogp"] < MAX_TOL
-    assert eng.kv.alloc.num_used == 0
-
-
 def test_decode_megakernel_in_the_engine_matches_hf(tmp_path, monkeypatch):
     """decode_megakernel=True (every layer of a decode step in one kernel, the norms folded: x * n
     before the GEMM, 1 / rms after it), 32 sequences, norm weights 1 +- 0.2 so the fold matters:
