@@ -5,6 +5,7 @@ from rollout.bench.profile import categorize
 def test_kernel_names_fall_into_the_step_breakdown_categories():
     assert categorize("_decode_split_kernel") == categorize("_decode_merge_kernel") == "attention"
     assert categorize("_gluon_decode_split_kernel") == "attention"      # kernels/gluon_decode.py
+    assert categorize("_gluon_decode_keys_kernel") == "attention"       # its keys form, the default
     assert categorize("_skinny_gemm_kernel") == categorize("nvjet_tst_128x64_64x8") == "gemm"
     assert categorize("_qkv_rope_kernel") == "gemm"          # the QKV GEMM with its RoPE epilogue
     assert categorize("_add_rmsnorm_kernel") == categorize("_rope_kv_kernel") == "fused small ops"

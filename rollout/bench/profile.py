@@ -24,7 +24,7 @@ from .roofline import model_sizes, step_time_s
 from .shapes import SHAPES, make_config
 
 CATEGORIES = (   # first match wins; names as CUDA reports them
-    ("attention", r"_decode_split|_decode_merge|_prefill_kernel"),
+    ("attention", r"_decode_split|_decode_keys|_decode_merge|_prefill_kernel"),
     ("sampling", r"_sample_kernel|_merge_kernel|_trunc_kernel|_split_(step|final|merge)_kernel|sort|topk|softmax|"
                  r"gather|argmax|cumsum"),
     # _qkv_rope: the QKV GEMM with its RoPE epilogue
