@@ -44,7 +44,7 @@ def test_vs_base_takes_the_first_variant_as_the_baseline_and_interpolates_to_the
 
 
 def test_apply_parses_the_timing_bound_knobs_and_base_undoes_them(monkeypatch):
-    """late_wait / skip_norms values are kinds, not the numbers of a GEMM config (a run of the
+    """late_wait / no_trigger / skip_norms values are kinds, not the numbers of a GEMM config (a run of the
     GPU bench failed on exactly that; "qkv" names the QKV + RoPE kernel, not a skinny GEMM
     shape), and every variant starts from the defaults."""
     monkeypatch.setattr(step_variants, "recapture_graphs", lambda eng: None)
@@ -73,9 +73,13 @@ def test_apply_parses_the_timing_bound_knobs_and_base_undoes_them(monkeypatch):
         assert decoder.add_norm_of_linear.keywords == {"skip": "post"}
         assert skinny_gemm._LLAMA3_8B[(6144, 4096)] == ((64, (32, 256, 4, 5)),)
         step_variants.apply(eng, "late_wait+skip_norms", defaults)
-        assert pdl._late == {"gemm", "qkv", "attn"}
+        assert pdl._late == {"gemm", "qkv", "attn"} and pdl._no_trigger == frozenset()
         assert decoder.add_norm_of_linear.keywords == {"skip": ("pre", "post")}
-        assert packs == [(32, False), (32, False)]
+        step_variants.apply(eng, "no_trigger", defaults)
+        assert pdl._no_trigger == {"qkv"} and pdl._late == frozenset()
+        step_variants.apply(eng, "no_trigger=attn,o", defaults)
+        assert pdl._no_trigger == {"attn", "gemm:4096,4096"}
+        assert packs == [(32, False)] * 4
         step_variants.apply(eng, "packed+down=64,128,4,5,2", defaults)
         assert packs[-1] == (32, True) and skinny_gemm._LLAMA3_8B[(4096, 14336)] == ((64, (64, 128, 4, 5, 2)),)
         assert skinny_gemm.pick_config(4096, 14336, 32, packed=True) == (64, 128, 4, 5, 2)
@@ -106,12 +110,13 @@ def test_apply_parses_the_timing_bound_knobs_and_base_undoes_them(monkeypatch):
         assert paged_decode.GLUON_TILE == defaults["gluon_tile"] and paged_decode.pick_decode(32, 8, gluon_ok=True)[1]
         assert paged_decode.GLUON_WARPS == defaults["gluon_warps"] == 8
         assert packs[-1] == (32, False)
-        assert pdl._late == frozenset() and decoder.add_norm_of_linear is defaults["add_norm"]
+        assert pdl._late == pdl._no_trigger == frozenset() and decoder.add_norm_of_linear is defaults["add_norm"]
         assert skinny_gemm._LLAMA3_8B == defaults["table"] and skinny_gemm._LLAMA3_8B_PACKED == defaults["packed_table"]
         with pytest.raises(SystemExit, match="unknown knob"):
             step_variants.apply(eng, "late_wiat", defaults)
     finally:
         pdl.set_late(())
+        pdl.set_no_trigger(())
         decoder.add_norm_of_linear = defaults["add_norm"]
 
 

@@ -508,7 +508,8 @@ def test_compiles_for_sm90(tmp_path):
     triton's bundled ptxas, in a subprocess without the interpreter. No GPU needed.
     The decode kernels are also compiled with programmatic dependent launch (kernels/pdl.py),
     and their PTX must keep its rule: `griddepcontrol.wait` before the first global store, and
-    (except the GEMM, which loads its first weight tile early) before the first global load."""
+    (except the GEMM, which loads its first weight tile early) before the first global load;
+    `griddepcontrol.launch_dependents` in every mode but set_no_trigger's (5)."""
     code = textwrap.dedent("""
         import re
         import triton
@@ -538,7 +539,8 @@ def test_compiles_for_sm90(tmp_path):
             if pdl:
                 ptx = k.asm["ptx"]
                 wait = ptx.find("griddepcontrol.wait")
-                assert wait >= 0 and "griddepcontrol.launch_dependents" in ptx, fn.__name__
+                assert wait >= 0, fn.__name__        # mode 5 (set_no_trigger): never launches dependents
+                assert ("griddepcontrol.launch_dependents" in ptx) == (pdl != 5), fn.__name__
                 first = lambda *ops: min([ptx.find(op) for op in ops if op in ptx] or [len(ptx)])
                 assert wait < first("st.global"), fn.__name__ + ": a store before the wait"
                 if not early_loads:
@@ -587,6 +589,8 @@ def test_compiles_for_sm90(tmp_path):
         compile_(pd._decode_split_kernel, 3, early_loads=True, GROUP=4, GROUP_PAD=16, NUM_SPLITS=2,
                  USE_WINDOW=False, **common)
         compile_(rk._qkv_rope_kernel, 3, early_loads=True, HQ=32, HKV=8, HALF=64, BLOCK_M=32, BLOCK_N=64,
+                 BLOCK_K=128, SPLIT_K=1, PRECISE=True, ptrs={"ws_ptr": "*bf16", "cnt_ptr": "*bf16"})
+        compile_(rk._qkv_rope_kernel, 5, early_loads=True, HQ=32, HKV=8, HALF=64, BLOCK_M=32, BLOCK_N=64,
                  BLOCK_K=128, SPLIT_K=1, PRECISE=True, ptrs={"ws_ptr": "*bf16", "cnt_ptr": "*bf16"})
         for mode in (3, 4):   # 4: split 0's programs late, the others wait in enter
             compile_(sg._skinny_gemm_kernel, mode, early_loads=True, BLOCK_M=32, BLOCK_N=64, BLOCK_K=128,

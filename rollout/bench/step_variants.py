@@ -34,6 +34,9 @@ top of the defaults:
                     both tables' entries)
   mega              every layer of a decode step in one kernel (kernels/decode_layers.py, the
                     engine's decode_megakernel; its weights stay stacked for the later variants)
+  no_trigger[=K,..] kernels of kinds K (as late_wait below; default qkv) never let the next kernel
+                    launch before they exit (kernels/pdl.py set_no_trigger; right results): what
+                    the early launch behind them is worth
 Two knobs are timing bounds, not modes to run (their tokens are wrong):
   late_wait[=K,..]  kernels of kinds K (gemm: o_proj, gate_up, down, lm_head; qkv; attn; one of
                     o, gate_up, down, lm_head; down0: down's split-0 programs; default the first
@@ -88,6 +91,7 @@ def apply(eng, variant: str, defaults: dict) -> None:
     from ..kernels import paged_decode, pdl, rope_kv, skinny_gemm
     pdl.set_enabled(True, launch_first=True)
     pdl.set_late(())
+    pdl.set_no_trigger(())
     decoder.add_norm_of_linear = defaults["add_norm"]
     rope_kv.Q_HEADS_PER_PROGRAM = defaults["rope"]
     skinny_gemm._LLAMA3_8B = dict(defaults["table"])
@@ -116,6 +120,9 @@ def apply(eng, variant: str, defaults: dict) -> None:
             kinds = val.split(",") if val else ("gemm", "qkv", "attn")
             pdl.set_late([f"gemm:{GEMMS[k][0]},{GEMMS[k][1]}" if k in GEMMS and k != "qkv" else
                           f"split0:{GEMMS['down'][0]},{GEMMS['down'][1]}" if k == "down0" else k for k in kinds])
+        elif name == "no_trigger":
+            pdl.set_no_trigger([f"gemm:{GEMMS[k][0]},{GEMMS[k][1]}" if k in GEMMS and k != "qkv" else k
+                                for k in (val.split(",") if val else ("qkv",))])
         elif name == "skip_norms":
             decoder.add_norm_of_linear = functools.partial(_linear_without_norm, skip=val or ("pre", "post"))
         elif knob in ("splitk_norm", "no_splitk_norm"):

@@ -28,6 +28,10 @@ wrapper passes as `late`) then wait only before their first store (modes 3 and 4
 `before_store`), so their main loops read the previous kernel's output before it exists. Their
 results are wrong; the step time says what any overlap of a kernel's main loop with the
 previous kernel's tail could gain (bench.step_variants' `late_wait`).
+
+`set_no_trigger(kinds)` is the opposite bound (right results, less overlap): kernels of those
+kinds wait but never let their dependents launch early (mode 5), so the next kernel launches
+only once they exit: what the early launch behind them is worth (`no_trigger`).
 """
 from __future__ import annotations
 
@@ -42,6 +46,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 _enabled = os.environ.get("ROLLOUT_PDL", "2") != "0"
 _launch_first = os.environ.get("ROLLOUT_PDL", "2") != "1"
 _late: frozenset = frozenset()
+_no_trigger: frozenset = frozenset()
 
 
 def set_enabled(on: bool, launch_first: bool | None = None) -> None:
@@ -58,6 +63,13 @@ def set_late(kinds=()) -> None:
     launched from now on wait only before their first store. () turns it off."""
     global _late
     _late = frozenset(kinds)
+
+
+def set_no_trigger(kinds=()) -> None:
+    """Kernels of these kinds (set_late's names) launched from now on do not let their
+    dependents launch before they exit (module docstring). () turns it off."""
+    global _no_trigger
+    _no_trigger = frozenset(kinds)
 
 
 def enabled() -> bool:
@@ -79,12 +91,15 @@ def pdl_for(t: torch.Tensor, late: tuple = ()) -> int:
     then launch dependents, 2 launch dependents then wait. Under `set_late`, for a kernel that
     calls `before_store` and names a kind in `late` that is set: 3, launch dependents and wait
     before the first store, or 4 for a "split0:..." kind, the same for programs of split 0
-    (program_id(1) == 0) only. Truthy = launch with PDL."""
+    (program_id(1) == 0) only. Under `set_no_trigger`, for a kind in `late` that is set: 5,
+    wait and never launch dependents early. Truthy = launch with PDL."""
     on = (_enabled and t.is_cuda and not triton.knobs.runtime.interpret
           and sm90_or_later(t))
     for kind in late if on else ():
         if kind in _late:
             return 4 if kind.startswith("split0:") else 3
+        if kind in _no_trigger:
+            return 5
     return (2 if _launch_first else 1) if on else 0
 
 
@@ -92,7 +107,9 @@ def pdl_for(t: torch.Tensor, late: tuple = ()) -> int:
 def enter(PDL: tl.constexpr):
     """Wait for the previous grid (its writes visible) and let the next grid launch (PDL: the
     mode from pdl_for, in its order)."""
-    if PDL >= 3:
+    if PDL == 5:
+        gdc_wait()
+    elif PDL >= 3:
         gdc_launch_dependents()
         if PDL == 4 and tl.program_id(1) != 0:
             gdc_wait()
