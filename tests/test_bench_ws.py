@@ -29,7 +29,7 @@ COMPILE = textwrap.dedent("""
                            types=ptrs)
     ptx = k.asm["ptx"]
     ops = ("mma.sync", "ldmatrix", "cp.async.mbarrier.arrive.noinc", "mbarrier.init", "setmaxnreg", "ex2", "sqrt.rn",
-           "cp.async.wait_group", "ld.shared", "bar.sync")
+           "cp.async.wait_group", "ld.shared", "bar.sync", "griddepcontrol.wait", "griddepcontrol.launch_dependents")
     print(json.dumps(dict(shared=k.metadata.shared, n_regs=regs, **{op: ptx.count(op) for op in ops})))
 """)
 
@@ -139,6 +139,19 @@ def test_gluon_decode_default_tile_runs_one_program_an_sm(warps):
                  PAGE_SIZE=16, BLOCK_N=block_n, STAGES=stages, PDL=2, num_warps=warps)
     assert k["shared"] >= stages * 2 * block_n * 128 * 2 and SMEM_PER_SM // (k["shared"] + 1024) == 1
     assert k["n_regs"] * 32 * warps <= 65536 and k["mma.sync"]
+    assert k["griddepcontrol.wait"] and k["griddepcontrol.launch_dependents"]      # PDL 2: both
+
+
+@pytest.mark.parametrize("kernel", ["_gluon_decode_keys_kernel", "_gluon_decode_split_kernel"])
+def test_gluon_decode_no_trigger_mode_waits_and_launches_no_dependents(kernel):
+    """PDL mode 5 (pdl.set_no_trigger, step_variants' no_trigger=attn): the Gluon kernels still
+    wait for the previous grid but never let the next one launch early."""
+    ptrs = {n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "out_ptr", "po_ptr", "plse_ptr")} | {
+        "bt_ptr": "*i32", "lens_ptr": "*i32", "sm_scale_log2": "fp32"}
+    split = dict(NUM_SPLITS=1, MATH=True, WARP_SCORES=False) if "split" in kernel else {}
+    k = _compile("rollout.kernels.gluon_decode", kernel, ptrs, GROUP=4, HEAD_DIM=128, PAGE_SIZE=16, BLOCK_N=64,
+                 STAGES=2, PDL=5, num_warps=4, **split)
+    assert k["griddepcontrol.wait"] and not k["griddepcontrol.launch_dependents"]
 
 
 def test_gluon_decode_copy_bound_keeps_the_ring_and_drops_the_math():

@@ -122,6 +122,8 @@ def _gluon_decode_split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, p
         _asm("griddepcontrol.launch_dependents; griddepcontrol.wait;", b)
     elif PDL == 1:
         _asm("griddepcontrol.wait; griddepcontrol.launch_dependents;", b)
+    elif PDL == 5:                             # pdl.set_no_trigger: dependents launch when this grid exits
+        _asm("griddepcontrol.wait;", b)
     seq_len = gl.load(lens_ptr + b)
     split_len = (((seq_len + NUM_SPLITS - 1) // NUM_SPLITS + BLOCK_N - 1) // BLOCK_N) * BLOCK_N
     start = split * split_len
@@ -205,6 +207,8 @@ def _gluon_decode_keys_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, sm
         _asm("griddepcontrol.launch_dependents; griddepcontrol.wait;", b)
     elif PDL == 1:
         _asm("griddepcontrol.wait; griddepcontrol.launch_dependents;", b)
+    elif PDL == 5:                             # pdl.set_no_trigger: dependents launch when this grid exits
+        _asm("griddepcontrol.wait;", b)
     end = gl.load(lens_ptr + b)
     n_tiles = (end + BLOCK_N - 1) // BLOCK_N
 
