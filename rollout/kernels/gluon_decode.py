@@ -49,6 +49,19 @@ def _asm(code: gl.constexpr, t):
 
 
 @gluon.jit
+def _enter(PDL: gl.constexpr, b):
+    """kernels/pdl.py's `enter` in Gluon: wait for the previous grid and let the next launch, in
+    pdl_for's order (1 wait first; 5 never let it launch early). There is no before_store here,
+    so set_late's modes 3 and 4 run as 2. b: any scalar int32."""
+    if PDL == 1:
+        _asm("griddepcontrol.wait; griddepcontrol.launch_dependents;", b)
+    elif PDL == 5:
+        _asm("griddepcontrol.wait;", b)
+    elif PDL:
+        _asm("griddepcontrol.launch_dependents; griddepcontrol.wait;", b)
+
+
+@gluon.jit
 def _tile_pages(bt_ptr, row_b, n0, rows, end, PAGE_SIZE: gl.constexpr):
     """The page of each key n0 + rows (0 past the split's end: the trash page, never read as data)."""
     pos = n0 + rows
@@ -118,12 +131,7 @@ def _gluon_decode_split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, p
     kvh = gl.program_id(1)
     split = gl.program_id(2)
     num_q_heads = gl.num_programs(1) * GROUP
-    if PDL == 2:                               # kernels/pdl.py's orders; q and the cache are the last kernels' output
-        _asm("griddepcontrol.launch_dependents; griddepcontrol.wait;", b)
-    elif PDL == 1:
-        _asm("griddepcontrol.wait; griddepcontrol.launch_dependents;", b)
-    elif PDL == 5:                             # pdl.set_no_trigger: dependents launch when this grid exits
-        _asm("griddepcontrol.wait;", b)
+    _enter(PDL, b)                             # q and the cache are the last kernels' output
     seq_len = gl.load(lens_ptr + b)
     split_len = (((seq_len + NUM_SPLITS - 1) // NUM_SPLITS + BLOCK_N - 1) // BLOCK_N) * BLOCK_N
     start = split * split_len
@@ -203,12 +211,7 @@ def _gluon_decode_keys_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, sm
     (bench.attn_ceiling `gluon=BN,S,keys`): less work, and less energy at the board's power limit."""
     b = gl.program_id(0)
     kvh = gl.program_id(1)
-    if PDL == 2:
-        _asm("griddepcontrol.launch_dependents; griddepcontrol.wait;", b)
-    elif PDL == 1:
-        _asm("griddepcontrol.wait; griddepcontrol.launch_dependents;", b)
-    elif PDL == 5:                             # pdl.set_no_trigger: dependents launch when this grid exits
-        _asm("griddepcontrol.wait;", b)
+    _enter(PDL, b)
     end = gl.load(lens_ptr + b)
     n_tiles = (end + BLOCK_N - 1) // BLOCK_N
 

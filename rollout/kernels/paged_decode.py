@@ -274,7 +274,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         if form == "keys" and (num_splits > 1 or group > HEADS):   # the keys form: one split, GROUP <= 8
             form = "heads"
         decode_split(q, k_cache, v_cache, block_tables, seq_lens, scale * LOG2E, out, po, plse, num_splits,
-                     block_n, stages, form, pdl=pdl if pdl == 5 else min(pdl, 2), num_warps=GLUON_WARPS)
+                     block_n, stages, form, pdl=pdl, num_warps=GLUON_WARPS)
     else:
         _decode_split_kernel[(B, Hkv, num_splits)](
             q, k_cache, v_cache, block_tables, seq_lens, out, po, plse,
