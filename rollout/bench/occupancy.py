@@ -119,6 +119,7 @@ def rows(shape: str, batch: int, packed: bool, gemm_configs: dict, sms: int = 13
         const = dict(GROUP=group, HEAD_DIM=d, PAGE_SIZE=16, BLOCK_N=block_n, STAGES=stages, PDL=2)
         if form == "keys":
             fn = _gluon_decode_keys_kernel
+            const.update(EARLY=paged_decode.GLUON_EARLY)
         else:
             fn = _gluon_decode_split_kernel
             const.update(NUM_SPLITS=splits, MATH=True, WARP_SCORES=form == "warp_scores")

@@ -83,22 +83,27 @@ def _issue_tile(k_ring, v_ring, slot, k_ptr, v_ptr, pages, n0, rows, dims, end, 
 
 
 @gluon.jit
-def _ring_start(k_ptr, v_ptr, bt_ptr, row_b, kv_off, start, end, s_kp, s_ks, s_vp, s_vs, PAGE_SIZE: gl.constexpr,
-                BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
-    """Allocate the K and V rings, issue the first STAGES - 1 tiles from key `start` on, and look up
-    the pages of the next: (k_ring, v_ring, rows, dims, pages_next) for the loop."""
+def _ring_alloc(BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+    """The K and V rings and the copy layout's key rows and head dims: (k_ring, v_ring, rows, dims)."""
     ld: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // HEAD_DIM, HEAD_DIM // 8], [num_warps, 1], [1, 0])
     smem: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 8, order=[1, 0])
     k_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, HEAD_DIM], smem)
     v_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, HEAD_DIM], smem)
     rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld))
     dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, ld))
+    return k_ring, v_ring, rows, dims
+
+
+@gluon.jit
+def _ring_fill(k_ring, v_ring, rows, dims, k_ptr, v_ptr, bt_ptr, row_b, kv_off, start, end, s_kp, s_ks, s_vp, s_vs,
+               PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """Issue the first STAGES - 1 tiles from key `start` on (one copy group each); return the pages
+    of the tile after them."""
     for j in gl.static_range(STAGES - 1):
         n0 = start + j * BLOCK_N
         _issue_tile(k_ring, v_ring, j, k_ptr, v_ptr, _tile_pages(bt_ptr, row_b, n0, rows, end, PAGE_SIZE), n0, rows,
                     dims, end, kv_off, s_kp, s_ks, s_vp, s_vs, PAGE_SIZE)
-    pages_next = _tile_pages(bt_ptr, row_b, start + (STAGES - 1) * BLOCK_N, rows, end, PAGE_SIZE)
-    return k_ring, v_ring, rows, dims, pages_next
+    return _tile_pages(bt_ptr, row_b, start + (STAGES - 1) * BLOCK_N, rows, end, PAGE_SIZE)
 
 
 @gluon.jit
@@ -140,8 +145,9 @@ def _gluon_decode_split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, p
 
     row_b = b * s_bt
     kv_off = (kvh * s_kh).to(gl.int64)
-    k_ring, v_ring, rows, dims, pages_next = _ring_start(k_ptr, v_ptr, bt_ptr, row_b, kv_off, start, end, s_kp, s_ks,
-                                                         s_vp, s_vs, PAGE_SIZE, BLOCK_N, HEAD_DIM, STAGES, num_warps)
+    k_ring, v_ring, rows, dims = _ring_alloc(BLOCK_N, HEAD_DIM, STAGES, num_warps)
+    pages_next = _ring_fill(k_ring, v_ring, rows, dims, k_ptr, v_ptr, bt_ptr, row_b, kv_off, start, end, s_kp, s_ks,
+                            s_vp, s_vs, PAGE_SIZE, BLOCK_N, STAGES)
 
     # p @ V: the warps split the head dim. q . k: so do they the keys, or (WARP_SCORES) every warp
     # computes all of a tile's scores itself (its 16 rows repeat over the warps' M slots), so the
@@ -204,21 +210,39 @@ HEADS = gl.constexpr(8)   # keys-as-rows form: the query heads of a KV head are 
 def _gluon_decode_keys_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, sm_scale_log2,
                               s_qb, s_qh, s_kp, s_ks, s_kh, s_vp, s_vs, s_bt, s_ob, s_oh,
                               GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, PAGE_SIZE: gl.constexpr,
-                              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr, num_warps: gl.constexpr):
+                              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr,
+                              EARLY: gl.constexpr, num_warps: gl.constexpr):
     """The one-split kernel with the MMAs transposed: s^T = K q^T and o^T = V^T p^T, keys and the
     head dim as the MMA's M (16 a warp), the GROUP query heads as its N (8). The split kernel pads
     GROUP = 4 heads to 16 rows; here to 8 columns, so half the MMAs and exps for the same tile
-    (bench.attn_ceiling `gluon=BN,S,keys`): less work, and less energy at the board's power limit."""
+    (bench.attn_ceiling `gluon=BN,S,keys`): less work, and less energy at the board's power limit.
+
+    EARLY (paged_decode.GLUON_EARLY): the ring's first STAGES - 1 tiles are issued before the PDL
+    wait where they cannot hold the step's own key (context > their keys), so a program that
+    launched early (on an SM the QKV GEMM leaves idle, or as its CTAs drain) has K / V in flight
+    when the wait ends. Only the previous steps' keys are read early; seq_lens and block tables
+    must not be the previous kernel's output (the engine copies them in before the step)."""
     b = gl.program_id(0)
     kvh = gl.program_id(1)
-    _enter(PDL, b)
-    end = gl.load(lens_ptr + b)
-    n_tiles = (end + BLOCK_N - 1) // BLOCK_N
-
     row_b = b * s_bt
     kv_off = (kvh * s_kh).to(gl.int64)
-    k_ring, v_ring, rows, dims, pages_next = _ring_start(k_ptr, v_ptr, bt_ptr, row_b, kv_off, 0, end, s_kp, s_ks,
-                                                         s_vp, s_vs, PAGE_SIZE, BLOCK_N, HEAD_DIM, STAGES, num_warps)
+    k_ring, v_ring, rows, dims = _ring_alloc(BLOCK_N, HEAD_DIM, STAGES, num_warps)
+    if EARLY:
+        end = gl.load(lens_ptr + b)
+        if end > (STAGES - 1) * BLOCK_N:         # both branches commit STAGES - 1 copy groups
+            pages_next = _ring_fill(k_ring, v_ring, rows, dims, k_ptr, v_ptr, bt_ptr, row_b, kv_off, 0, end, s_kp,
+                                    s_ks, s_vp, s_vs, PAGE_SIZE, BLOCK_N, STAGES)
+            _enter(PDL, b)
+        else:
+            _enter(PDL, b)
+            pages_next = _ring_fill(k_ring, v_ring, rows, dims, k_ptr, v_ptr, bt_ptr, row_b, kv_off, 0, end, s_kp,
+                                    s_ks, s_vp, s_vs, PAGE_SIZE, BLOCK_N, STAGES)
+    else:
+        _enter(PDL, b)
+        end = gl.load(lens_ptr + b)
+        pages_next = _ring_fill(k_ring, v_ring, rows, dims, k_ptr, v_ptr, bt_ptr, row_b, kv_off, 0, end, s_kp, s_ks,
+                                s_vp, s_vs, PAGE_SIZE, BLOCK_N, STAGES)
+    n_tiles = (end + BLOCK_N - 1) // BLOCK_N
 
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, 8])
     a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
@@ -264,12 +288,13 @@ def _gluon_decode_keys_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, sm
 def decode_split(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  seq_lens: torch.Tensor, scale_log2: float, out: torch.Tensor, po: torch.Tensor, plse: torch.Tensor,
                  num_splits: int, block_n: int, stages: int, form: str = "heads", *, pdl: int,
-                 math: bool = True, num_warps: int = 4) -> None:
+                 math: bool = True, num_warps: int = 4, early: bool = False) -> None:
     """paged_decode's split kernel on bf16, head_dim 128, GROUP <= 16, no sliding window: with one
     split the output `out` [B, Hq, D], else partial outputs po [B, Hq, num_splits, D] (fp32) and
     plse [B, Hq, num_splits] for its merge kernel. (block_n, stages, form): the tile,
     paged_decode.GLUON_TILE's (form: one of paged_decode.FORMS). math=False: the K / V copies only, no attention (a
-    timing bound for bench.attn_ceiling; its output is wrong). num_warps: paged_decode.GLUON_WARPS."""
+    timing bound for bench.attn_ceiling; its output is wrong). num_warps: paged_decode.GLUON_WARPS.
+    early: the keys form issues its first tiles before the PDL wait (paged_decode.GLUON_EARLY)."""
     B, Hq, D = q.shape
     _, page_size, Hkv, _ = k_cache.shape
     assert q.dtype == k_cache.dtype == v_cache.dtype == out.dtype == torch.bfloat16 and D == 128
@@ -285,7 +310,7 @@ def decode_split(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         _gluon_decode_keys_kernel[(B, Hkv)](
             q, k_cache, v_cache, block_tables, seq_lens, out, scale_log2, *strides,
             GROUP=Hq // Hkv, HEAD_DIM=D, PAGE_SIZE=page_size, BLOCK_N=block_n, STAGES=stages, PDL=pdl,
-            num_warps=num_warps, launch_pdl=bool(pdl))
+            EARLY=early and bool(pdl), num_warps=num_warps, launch_pdl=bool(pdl))
         return
     _gluon_decode_split_kernel[(B, Hkv, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, po, plse, scale_log2, *strides,

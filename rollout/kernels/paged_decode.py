@@ -175,6 +175,9 @@ def gluon_tile_and_warps_from_env(value: str) -> tuple[Optional[tuple], int]:
 # GLUON_WARPS: warps a program. At the 128-key tile's one program an SM, 8 warps (16 keys each for the
 # MMAs instead of 32) read +0.5 points over 4 in two 500-step windows (twenty-fourth session).
 GLUON_TILE, GLUON_WARPS = gluon_tile_and_warps_from_env(os.environ.get("ROLLOUT_GLUON_DECODE", "1"))
+# GLUON_EARLY: the keys form issues its first K / V tiles before its PDL wait (gluon_decode's EARLY;
+# ROLLOUT_GLUON_EARLY=1, step_variants knob attn_early). Off until timed.
+GLUON_EARLY = os.environ.get("ROLLOUT_GLUON_EARLY", "0") == "1"
 GLUON_PROGRAMS_PER_SM = 2
 
 
@@ -274,7 +277,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         if form == "keys" and (num_splits > 1 or group > HEADS):   # the keys form: one split, GROUP <= 8
             form = "heads"
         decode_split(q, k_cache, v_cache, block_tables, seq_lens, scale * LOG2E, out, po, plse, num_splits,
-                     block_n, stages, form, pdl=pdl, num_warps=GLUON_WARPS)
+                     block_n, stages, form, pdl=pdl, num_warps=GLUON_WARPS, early=GLUON_EARLY)
     else:
         _decode_split_kernel[(B, Hkv, num_splits)](
             q, k_cache, v_cache, block_tables, seq_lens, out, po, plse,

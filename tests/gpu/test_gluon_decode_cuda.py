@@ -150,3 +150,61 @@ def test_graph_replay_with_pdl_equals_eager(gluon_tile, tile, num_splits, warps)
         assert torch.equal(out, eager)
         ref = reference(q, clean, meta_for(lens, [1] * B, bt, ps), D ** -0.5, None)
         torch.testing.assert_close(out.float(), ref, **TOL)
+
+
+def test_early_tiles_in_a_graph_behind_the_qkv_kernel_that_writes_the_step_key(gluon_tile):
+    """paged_decode.GLUON_EARLY: in a CUDA graph behind the QKV + RoPE GEMM at the 8B shape (96
+    programs, so attention programs launch early under PDL on the idle SMs and issue their first
+    tiles while the GEMM still runs), with the step's K / V slots poisoned before every replay:
+    the GEMM's writes are what the attention reads (a tile holding the step's key issued before
+    the wait would read NaN), and the bits equal the kernel without EARLY. Lengths around the
+    128-key tile's edge (128: the step's key is the tile's last; 129: the next tile's first)."""
+    from rollout.kernels.rope_kv import qkv_rope_and_write_kv
+    from rollout.kernels.skinny_gemm import pick_config
+    Hq, Hkv, D, ps, K = 32, 8, 128, 16, 4096
+    lens = [1, 2, 127, 128, 129, 130, 255, 256, 257, 1000, 3001, 4352] * 2 + [4096, 17, 64, 65, 300, 700, 2048, 8]
+    B = len(lens)
+    clean, _, bt = make_paged(lens, Hkv, D, ps, torch.bfloat16, seed=21, device="cuda", spare_pages=4)
+    pos = torch.tensor([n - 1 for n in lens], device="cuda")
+    slots = bt[torch.arange(B, device="cuda"), pos // ps].long() * ps + pos % ps
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(3)
+    x = torch.randn(B, K, device="cuda", generator=g).bfloat16()
+    w = (torch.randn((Hq + 2 * Hkv) * D, K, device="cuda", generator=g) * K ** -0.5).bfloat16()
+    inv_freq = 1.0 / (500000.0 ** (torch.arange(0, D, 2, device="cuda").float() / D))
+    cfg = pick_config(w.shape[0], K, B)
+    assert cfg is not None and w.shape[0] // cfg[0] * (cfg[4] if len(cfg) > 4 else 1) < 132   # SMs left idle
+    gluon_tile((128, 2, "keys"), 8)
+    outs, early_default = {}, paged_decode.GLUON_EARLY
+    try:
+        for early in (False, True):
+            paged_decode.GLUON_EARLY = early
+            kc, vc = clean[0].clone(), clean[1].clone()
+            out = torch.empty(B, Hq, D, device="cuda", dtype=torch.bfloat16)
+
+            def step():
+                q = qkv_rope_and_write_kv(x, w, Hq, pos, inv_freq, kc, vc, slots, *cfg)
+                paged_decode.paged_decode_attention(q, kc, vc, bt, seq_lens, D ** -0.5, None, 1, out=out, gluon=True)
+                return q
+            s = torch.cuda.Stream()
+            with torch.cuda.stream(s):
+                step()                                       # compile, split counters
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, stream=s):
+                    q = step()
+            torch.cuda.synchronize()
+            for _ in range(20):
+                kc.view(-1, Hkv, D)[slots] = float("nan")
+                vc.view(-1, Hkv, D)[slots] = float("nan")
+                out.fill_(float("nan"))
+                graph.replay()
+                torch.cuda.synchronize()
+                assert not out.isnan().any(), f"early={early}: a poisoned slot was read"
+                if early in outs:
+                    assert torch.equal(out, outs[early])
+                outs[early] = out.clone()
+            ref = reference(q, [kc, vc], meta_for(lens, [1] * B, bt, ps), D ** -0.5, None)
+            torch.testing.assert_close(out.float(), ref, **TOL)
+    finally:
+        paged_decode.GLUON_EARLY = early_default
+    assert torch.equal(outs[True], outs[False])
