@@ -176,8 +176,9 @@ def gluon_tile_and_warps_from_env(value: str) -> tuple[Optional[tuple], int]:
 # MMAs instead of 32) read +0.5 points over 4 in two 500-step windows (twenty-fourth session).
 GLUON_TILE, GLUON_WARPS = gluon_tile_and_warps_from_env(os.environ.get("ROLLOUT_GLUON_DECODE", "1"))
 # GLUON_EARLY: the keys form issues its first K / V tiles before its PDL wait (gluon_decode's EARLY;
-# ROLLOUT_GLUON_EARLY=1, step_variants knob attn_early). Off until timed.
-GLUON_EARLY = os.environ.get("ROLLOUT_GLUON_EARLY", "0") == "1"
+# ROLLOUT_GLUON_EARLY=0 turns it off, step_variants knob attn_early). +0.6 points of P1's roofline in each
+# of three packed 500-step windows (bench/results/README.md, twenty-sixth session).
+GLUON_EARLY = os.environ.get("ROLLOUT_GLUON_EARLY", "1") == "1"
 # GLUON_PAIR: KV heads one keys-form program takes in turn through one ring (gluon_decode's PAIR;
 # ROLLOUT_GLUON_PAIR, step_variants knob attn_pair=N): P1's 256 (sequence, KV head) pairs as one wave of
 # 128 programs instead of two waves. 1 until timed.
