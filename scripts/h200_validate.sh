@@ -3,7 +3,7 @@
 # tool's output folder) or ./h200_out. Sections can be picked:
 #   bash scripts/h200_validate.sh tests kernels sampler q05 l8b_short l8b_fp32 seed p3 p5 weights
 #   (issue 7: pressure_ref0 pressure_ref1 pressured pressured_swap pressure_fp32_small; issue 9 on 2+ GPUs:
-#   fleet_scaling fleet_broadcast; issue 4: p1_pdl p5_pdl profile_p1 gemm_pdl sampler_trunc tests_sampler one_wave no_trigger attn_early attn_pair;
+#   fleet_scaling fleet_broadcast; issue 4: p1_pdl p5_pdl profile_p1 gemm_pdl sampler_trunc tests_sampler one_wave no_trigger attn_early;
 #   batch-invariant mode: inv_cost tests_invariant p1_inv pressure_inv_ref0 pressure_inv_ref1 pressured_inv
 #   (KV_FRACTION), inv_refs_x2 on 2 GPUs (then pressured_inv with the npz in h200_ref/), inv_x4 on 4 GPUs;
 #   clocks and power: power_clocks; hardware counters: ncu_probe)
@@ -150,9 +150,6 @@ for s in $sections; do
       # the programs that launch early (QKV leaves 36 SMs idle; more as its CTAs drain) start their stream
       # while the GEMM runs. Packed 500-step windows
       STEPS=500 VARIANTS="packed packed+attn_early packed packed+attn_early packed" bash $0 variants ;;
-    attn_pair) # decode attention with two KV heads a program through one ring (paged_decode.GLUON_PAIR): P1's
-      # 256 (sequence, KV head) pairs as one wave of 128 programs instead of two waves (132 + 124)
-      STEPS=500 VARIANTS="packed packed+attn_pair packed packed+attn_pair+attn_early packed" bash $0 variants ;;
     x_traffic) # the small decode GEMMs re-read x [32, K] from L2 once per output tile: M / BLOCK_N of their
       # weight bytes (o_proj's 32-row tiles: 100%). Wider tiles with split-K (o_proj / down partials go to the
       # add + RMSNorm; QKV's last split program does the RoPE epilogue) cut that at the same program count;

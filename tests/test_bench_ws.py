@@ -118,7 +118,7 @@ def test_gluon_decode_keys_form_fits_two_programs_with_half_the_mmas(block_n, st
     ptrs = {n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "out_ptr")} | {
         "bt_ptr": "*i32", "lens_ptr": "*i32", "sm_scale_log2": "fp32"}
     k = _compile("rollout.kernels.gluon_decode", "_gluon_decode_keys_kernel", ptrs, GROUP=4, HEAD_DIM=128,
-                 PAGE_SIZE=16, BLOCK_N=block_n, STAGES=stages, PDL=2, EARLY=False, PAIR=1, num_warps=4)
+                 PAGE_SIZE=16, BLOCK_N=block_n, STAGES=stages, PDL=2, EARLY=False, num_warps=4)
     rows = _compile("rollout.kernels.gluon_decode", "_gluon_decode_split_kernel",
                     ptrs | {"po_ptr": "*bf16", "plse_ptr": "*bf16"}, GROUP=4, HEAD_DIM=128, PAGE_SIZE=16,
                     BLOCK_N=block_n, STAGES=stages, NUM_SPLITS=1, PDL=2, MATH=True, WARP_SCORES=False, num_warps=4)
@@ -137,22 +137,10 @@ def test_gluon_decode_default_tile_runs_one_program_an_sm(warps):
     block_n, stages, form = GLUON_TILE
     assert form == "keys"
     k = _compile("rollout.kernels.gluon_decode", "_gluon_decode_keys_kernel", ptrs, GROUP=4, HEAD_DIM=128,
-                 PAGE_SIZE=16, BLOCK_N=block_n, STAGES=stages, PDL=2, EARLY=False, PAIR=1, num_warps=warps)
+                 PAGE_SIZE=16, BLOCK_N=block_n, STAGES=stages, PDL=2, EARLY=False, num_warps=warps)
     assert k["shared"] >= stages * 2 * block_n * 128 * 2 and SMEM_PER_SM // (k["shared"] + 1024) == 1
     assert k["n_regs"] * 32 * warps <= 65536 and k["mma.sync"]
     assert k["griddepcontrol.wait"] and k["griddepcontrol.launch_dependents"]      # PDL 2: both
-
-
-def test_gluon_decode_keys_pair_keeps_one_ring_and_one_program_an_sm():
-    """PAIR 2 (paged_decode.GLUON_PAIR): two KV heads a program through the same ring, so the same
-    shared memory (one program an SM at the default tile) and registers that still fit 8 warps."""
-    ptrs = {n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "out_ptr")} | {
-        "bt_ptr": "*i32", "lens_ptr": "*i32", "sm_scale_log2": "fp32"}
-    const = dict(GROUP=4, HEAD_DIM=128, PAGE_SIZE=16, BLOCK_N=128, STAGES=2, PDL=2, EARLY=True, num_warps=8)
-    one = _compile("rollout.kernels.gluon_decode", "_gluon_decode_keys_kernel", ptrs, PAIR=1, **const)
-    two = _compile("rollout.kernels.gluon_decode", "_gluon_decode_keys_kernel", ptrs, PAIR=2, **const)
-    assert two["shared"] == one["shared"] and SMEM_PER_SM // (two["shared"] + 1024) == 1
-    assert two["n_regs"] * 32 * 8 <= 65536 and two["mma.sync"] == 2 * one["mma.sync"]   # the loop body twice
 
 
 def test_gluon_decode_early_issues_copies_on_both_sides_of_the_wait():
@@ -160,7 +148,7 @@ def test_gluon_decode_early_issues_copies_on_both_sides_of_the_wait():
     the context allows, after it where not (two paths); without EARLY every copy follows the wait."""
     ptrs = {n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "out_ptr")} | {
         "bt_ptr": "*i32", "lens_ptr": "*i32", "sm_scale_log2": "fp32"}
-    const = dict(GROUP=4, HEAD_DIM=128, PAGE_SIZE=16, BLOCK_N=128, STAGES=2, PDL=2, PAIR=1, num_warps=8)
+    const = dict(GROUP=4, HEAD_DIM=128, PAGE_SIZE=16, BLOCK_N=128, STAGES=2, PDL=2, num_warps=8)
     on = _compile("rollout.kernels.gluon_decode", "_gluon_decode_keys_kernel", ptrs, EARLY=True, **const)
     off = _compile("rollout.kernels.gluon_decode", "_gluon_decode_keys_kernel", ptrs, EARLY=False, **const)
 
@@ -178,7 +166,7 @@ def test_gluon_decode_no_trigger_mode_waits_and_launches_no_dependents(kernel):
     wait for the previous grid but never let the next one launch early."""
     ptrs = {n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "out_ptr", "po_ptr", "plse_ptr")} | {
         "bt_ptr": "*i32", "lens_ptr": "*i32", "sm_scale_log2": "fp32"}
-    split = dict(NUM_SPLITS=1, MATH=True, WARP_SCORES=False) if "split" in kernel else dict(EARLY=False, PAIR=1)
+    split = dict(NUM_SPLITS=1, MATH=True, WARP_SCORES=False) if "split" in kernel else dict(EARLY=False)
     k = _compile("rollout.kernels.gluon_decode", kernel, ptrs, GROUP=4, HEAD_DIM=128, PAGE_SIZE=16, BLOCK_N=64,
                  STAGES=2, PDL=5, num_warps=4, **split)
     assert k["griddepcontrol.wait"] and not k["griddepcontrol.launch_dependents"]

@@ -117,17 +117,15 @@ def rows(shape: str, batch: int, packed: bool, gemm_configs: dict, sms: int = 13
         (block_n, stages, form), warps = paged_decode.GLUON_TILE, paged_decode.GLUON_WARPS
         group = cfg.num_attention_heads // hkv
         const = dict(GROUP=group, HEAD_DIM=d, PAGE_SIZE=16, BLOCK_N=block_n, STAGES=stages, PDL=2)
-        pair = 1
         if form == "keys":
-            fn, pair = _gluon_decode_keys_kernel, paged_decode.keys_pair(hkv)
-            const.update(EARLY=paged_decode.GLUON_EARLY, PAIR=pair)
+            fn = _gluon_decode_keys_kernel
+            const.update(EARLY=paged_decode.GLUON_EARLY)
         else:
             fn = _gluon_decode_split_kernel
             const.update(NUM_SPLITS=splits, MATH=True, WARP_SCORES=form == "warp_scores")
         shared, regs = resources(fn, dict(const, num_warps=warps), warps, gluon=True)
         out.append(dict(kernel="attention (gluon)", config=f"{block_n},{stages},{form},{warps}",
-                        programs=batch * hkv * splits // pair, shared=shared, regs=regs,
-                        per_sm=per_sm(shared, regs, warps)))
+                        programs=batch * hkv * splits, shared=shared, regs=regs, per_sm=per_sm(shared, regs, warps)))
     else:
         out.append(dict(kernel="attention (triton)", config=f"{splits} splits", programs=batch * hkv * splits))
     return out

@@ -24,8 +24,6 @@ top of the defaults:
   no_gattn          Triton's decode attention at every batch (attn= also)
   attn_early        the Gluon keys-form attention issues its first K / V tiles before its PDL wait
                     (paged_decode.GLUON_EARLY; right results)
-  attn_pair[=N]     a keys-form attention program takes N (default 2) KV heads of its sequence in
-                    turn through one ring (paged_decode.GLUON_PAIR; same bits)
   splitk_norm       split-K GEMMs (o_proj, down) leave their partials to the next add + RMSNorm
                     (the default; no_splitk_norm: the GEMM's own fix-up)
   silu_gate_up      SiLU * up in the gate_up GEMM's epilogue, no SiLU kernel (the default;
@@ -104,7 +102,6 @@ def apply(eng, variant: str, defaults: dict) -> None:
     paged_decode.GLUON_TILE = defaults["gluon_tile"]
     paged_decode.GLUON_WARPS = defaults["gluon_warps"]
     paged_decode.GLUON_EARLY = defaults["gluon_early"]
-    paged_decode.GLUON_PAIR = defaults["gluon_pair"]
     paged_decode.pick_decode = defaults["decode"]
     paged_decode.pick_num_splits = defaults["splits"]
     eng.model.splitk_into_norm = defaults["splitk_norm"]
@@ -153,8 +150,6 @@ def apply(eng, variant: str, defaults: dict) -> None:
             paged_decode.GLUON_WARPS = nums[4] if len(nums) > 4 else 4
         elif knob == "attn_early":
             paged_decode.GLUON_EARLY = True
-        elif name == "attn_pair":
-            paged_decode.GLUON_PAIR = int(val or 2)
         elif knob == "no_gattn":
             paged_decode.GLUON_TILE = None
         elif name == "attn":
@@ -259,7 +254,7 @@ def main(argv=None):
                     packed_table=dict(skinny_gemm._LLAMA3_8B_PACKED),
                     tile=dict(paged_decode.DECODE_TILE), splits=paged_decode.pick_num_splits,
                     gluon_tile=paged_decode.GLUON_TILE, gluon_warps=paged_decode.GLUON_WARPS,
-                    gluon_early=paged_decode.GLUON_EARLY, gluon_pair=paged_decode.GLUON_PAIR,
+                    gluon_early=paged_decode.GLUON_EARLY,
                     decode=paged_decode.pick_decode,
                     splitk_norm=eng.model.splitk_into_norm, silu_gate_up=eng.model.silu_in_gate_up,
                     rope_in_qkv=eng.model.rope_in_qkv, add_norm=decoder.add_norm_of_linear, batch=B)

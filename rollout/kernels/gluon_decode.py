@@ -207,47 +207,15 @@ HEADS = gl.constexpr(8)   # keys-as-rows form: the query heads of a KV head are 
 
 
 @gluon.jit
-def _keys_issue(k_ring, v_ring, g, pages, n_tiles, h0, k_ptr, v_ptr, bt_ptr, row_b, rows, dims, end, s_kp, s_ks,
-                s_kh, s_vp, s_vs, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                PAIR: gl.constexpr):
-    """The keys kernel's copy of its g-th tile (KV head h0 + g // n_tiles, keys of tile g % n_tiles;
-    zero-filled past the program's PAIR heads) into slot g % STAGES, whose pages the caller looked
-    up; returns the pages of tile g + 1. PAIR 1: the split kernel's order (tile g, then nothing)."""
-    nt = gl.maximum(n_tiles, 1)
-    head = g // nt
-    end_g = gl.where(head < PAIR, end, 0)
-    kv_off = ((h0 + gl.minimum(head, PAIR - 1)) * s_kh).to(gl.int64)
-    _issue_tile(k_ring, v_ring, g % STAGES, k_ptr, v_ptr, pages, (g - head * nt) * BLOCK_N, rows, dims, end_g, kv_off,
-                s_kp, s_ks, s_vp, s_vs, PAGE_SIZE)
-    return _tile_pages(bt_ptr, row_b, ((g + 1) % nt) * BLOCK_N, rows, end, PAGE_SIZE)
-
-
-@gluon.jit
-def _keys_fill(k_ring, v_ring, n_tiles, h0, k_ptr, v_ptr, bt_ptr, row_b, rows, dims, end, s_kp, s_ks, s_kh, s_vp,
-               s_vs, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PAIR: gl.constexpr):
-    """The keys kernel's first STAGES - 1 tiles (one copy group each); returns the next tile's pages."""
-    pages = _tile_pages(bt_ptr, row_b, 0, rows, end, PAGE_SIZE)
-    for g in gl.static_range(STAGES - 1):
-        pages = _keys_issue(k_ring, v_ring, g, pages, n_tiles, h0, k_ptr, v_ptr, bt_ptr, row_b, rows, dims, end, s_kp,
-                            s_ks, s_kh, s_vp, s_vs, PAGE_SIZE, BLOCK_N, STAGES, PAIR)
-    return pages
-
-
-@gluon.jit
 def _gluon_decode_keys_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, sm_scale_log2,
                               s_qb, s_qh, s_kp, s_ks, s_kh, s_vp, s_vs, s_bt, s_ob, s_oh,
                               GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, PAGE_SIZE: gl.constexpr,
                               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr,
-                              EARLY: gl.constexpr, PAIR: gl.constexpr, num_warps: gl.constexpr):
+                              EARLY: gl.constexpr, num_warps: gl.constexpr):
     """The one-split kernel with the MMAs transposed: s^T = K q^T and o^T = V^T p^T, keys and the
     head dim as the MMA's M (16 a warp), the GROUP query heads as its N (8). The split kernel pads
     GROUP = 4 heads to 16 rows; here to 8 columns, so half the MMAs and exps for the same tile
     (bench.attn_ceiling `gluon=BN,S,keys`): less work, and less energy at the board's power limit.
-
-    PAIR (paged_decode.GLUON_PAIR): one program takes PAIR KV heads of its sequence, one after the
-    other through one ring (the next head's first tiles are in flight while this one's last are
-    computed; the pages are the same), so B x Hkv / PAIR programs: at P1 one wave of 128 instead
-    of two of 132 and 124. Each head's math and bits are PAIR 1's.
 
     EARLY (paged_decode.GLUON_EARLY): the ring's first STAGES - 1 tiles are issued before the PDL
     wait where they cannot hold the step's own key (context > their keys), so a program that
@@ -255,26 +223,26 @@ def _gluon_decode_keys_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, sm
     when the wait ends. Only the previous steps' keys are read early; seq_lens and block tables
     must not be the previous kernel's output (the engine copies them in before the step)."""
     b = gl.program_id(0)
-    h0 = gl.program_id(1) * PAIR
+    kvh = gl.program_id(1)
     row_b = b * s_bt
+    kv_off = (kvh * s_kh).to(gl.int64)
     k_ring, v_ring, rows, dims = _ring_alloc(BLOCK_N, HEAD_DIM, STAGES, num_warps)
     if EARLY:
         end = gl.load(lens_ptr + b)
-        n_tiles = (end + BLOCK_N - 1) // BLOCK_N
         if end > (STAGES - 1) * BLOCK_N:         # both branches commit STAGES - 1 copy groups
-            pages_next = _keys_fill(k_ring, v_ring, n_tiles, h0, k_ptr, v_ptr, bt_ptr, row_b, rows, dims, end, s_kp,
-                                    s_ks, s_kh, s_vp, s_vs, PAGE_SIZE, BLOCK_N, STAGES, PAIR)
+            pages_next = _ring_fill(k_ring, v_ring, rows, dims, k_ptr, v_ptr, bt_ptr, row_b, kv_off, 0, end, s_kp,
+                                    s_ks, s_vp, s_vs, PAGE_SIZE, BLOCK_N, STAGES)
             _enter(PDL, b)
         else:
             _enter(PDL, b)
-            pages_next = _keys_fill(k_ring, v_ring, n_tiles, h0, k_ptr, v_ptr, bt_ptr, row_b, rows, dims, end, s_kp,
-                                    s_ks, s_kh, s_vp, s_vs, PAGE_SIZE, BLOCK_N, STAGES, PAIR)
+            pages_next = _ring_fill(k_ring, v_ring, rows, dims, k_ptr, v_ptr, bt_ptr, row_b, kv_off, 0, end, s_kp,
+                                    s_ks, s_vp, s_vs, PAGE_SIZE, BLOCK_N, STAGES)
     else:
         _enter(PDL, b)
         end = gl.load(lens_ptr + b)
-        n_tiles = (end + BLOCK_N - 1) // BLOCK_N
-        pages_next = _keys_fill(k_ring, v_ring, n_tiles, h0, k_ptr, v_ptr, bt_ptr, row_b, rows, dims, end, s_kp, s_ks,
-                                s_kh, s_vp, s_vs, PAGE_SIZE, BLOCK_N, STAGES, PAIR)
+        pages_next = _ring_fill(k_ring, v_ring, rows, dims, k_ptr, v_ptr, bt_ptr, row_b, kv_off, 0, end, s_kp, s_ks,
+                                s_vp, s_vs, PAGE_SIZE, BLOCK_N, STAGES)
+    n_tiles = (end + BLOCK_N - 1) // BLOCK_N
 
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, 8])
     a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
@@ -282,52 +250,51 @@ def _gluon_decode_keys_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, sm
     q_ld: gl.constexpr = gl.BlockedLayout([8, 1], [16, 2], [1, num_warps], [0, 1])
     qd = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(1, q_ld))
     qh = gl.arange(0, HEADS, layout=gl.SliceLayout(0, q_ld))
+    q_t = gl.load(q_ptr + b * s_qb + (kvh * GROUP + qh)[None, :] * s_qh + qd[:, None], mask=(qh < GROUP)[None, :],
+                  other=0.0)
+    q_t = gl.convert_layout(q_t, b_op)                        # [HEAD_DIM, HEADS], the B operand
+
     keys = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
+    m_i = gl.full([HEADS], float("-inf"), gl.float32, gl.SliceLayout(0, mma))
+    l_rows = gl.zeros([BLOCK_N, HEADS], gl.float32, mma)     # running sums, per key row
+    acc = gl.zeros([HEAD_DIM, HEADS], gl.float32, mma)       # o^T
+    for t in range(n_tiles):
+        n_issue = (t + STAGES - 1) * BLOCK_N
+        _issue_tile(k_ring, v_ring, (t + STAGES - 1) % STAGES, k_ptr, v_ptr, pages_next, n_issue, rows, dims, end,
+                    kv_off, s_kp, s_ks, s_vp, s_vs, PAGE_SIZE)
+        pages_next = _tile_pages(bt_ptr, row_b, n_issue + BLOCK_N, rows, end, PAGE_SIZE)
+        async_copy.wait_group(STAGES - 1)
+        slot = t % STAGES
+        s = mma_v2(k_ring.index(slot).load(a_op), q_t, gl.zeros([BLOCK_N, HEADS], gl.float32, mma)) * sm_scale_log2
+        s = gl.where(((t * BLOCK_N + keys) < end)[:, None], s, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, 0))
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+        p = gl.exp2(s - m_use[None, :])
+        alpha = gl.exp2(m_i - m_use)
+        l_rows = l_rows * alpha[None, :] + p
+        m_i = m_new
+        v_t = v_ring.index(slot).permute((1, 0)).load(a_op)   # V^T [HEAD_DIM, BLOCK_N], the A operand
+        acc = mma_v2(v_t, gl.convert_layout(p.to(gl.bfloat16), b_op), acc * alpha[None, :])
+    async_copy.wait_group(0)
+
+    l_i = gl.sum(l_rows, 0)
+    o = acc / gl.where(l_i > 0.0, l_i, 1.0)[None, :]         # padding row (length 0): output 0
     od = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(1, mma))
     oh = gl.arange(0, HEADS, layout=gl.SliceLayout(0, mma))
-    for j in gl.static_range(PAIR):
-        kvh = h0 + j
-        q_t = gl.load(q_ptr + b * s_qb + (kvh * GROUP + qh)[None, :] * s_qh + qd[:, None], mask=(qh < GROUP)[None, :],
-                      other=0.0)
-        q_t = gl.convert_layout(q_t, b_op)                        # [HEAD_DIM, HEADS], the B operand
-        m_i = gl.full([HEADS], float("-inf"), gl.float32, gl.SliceLayout(0, mma))
-        l_rows = gl.zeros([BLOCK_N, HEADS], gl.float32, mma)     # running sums, per key row
-        acc = gl.zeros([HEAD_DIM, HEADS], gl.float32, mma)       # o^T
-        for t in range(n_tiles):
-            g = j * n_tiles + t                                  # this program's tile count so far
-            pages_next = _keys_issue(k_ring, v_ring, g + STAGES - 1, pages_next, n_tiles, h0, k_ptr, v_ptr, bt_ptr,
-                                     row_b, rows, dims, end, s_kp, s_ks, s_kh, s_vp, s_vs, PAGE_SIZE, BLOCK_N, STAGES,
-                                     PAIR)
-            async_copy.wait_group(STAGES - 1)
-            slot = g % STAGES
-            s = mma_v2(k_ring.index(slot).load(a_op), q_t, gl.zeros([BLOCK_N, HEADS], gl.float32, mma)) * sm_scale_log2
-            s = gl.where(((t * BLOCK_N + keys) < end)[:, None], s, float("-inf"))
-            m_new = gl.maximum(m_i, gl.max(s, 0))
-            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-            p = gl.exp2(s - m_use[None, :])
-            alpha = gl.exp2(m_i - m_use)
-            l_rows = l_rows * alpha[None, :] + p
-            m_i = m_new
-            v_t = v_ring.index(slot).permute((1, 0)).load(a_op)   # V^T [HEAD_DIM, BLOCK_N], the A operand
-            acc = mma_v2(v_t, gl.convert_layout(p.to(gl.bfloat16), b_op), acc * alpha[None, :])
-        l_i = gl.sum(l_rows, 0)
-        o = acc / gl.where(l_i > 0.0, l_i, 1.0)[None, :]         # padding row (length 0): output 0
-        gl.store(out_ptr + b * s_ob + (kvh * GROUP + oh)[None, :] * s_oh + od[:, None], o.to(gl.bfloat16),
-                 mask=(oh < GROUP)[None, :])
-    async_copy.wait_group(0)                                     # the zero-filled tail copies, before exit
+    gl.store(out_ptr + b * s_ob + (kvh * GROUP + oh)[None, :] * s_oh + od[:, None], o.to(gl.bfloat16),
+             mask=(oh < GROUP)[None, :])
 
 
 def decode_split(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  seq_lens: torch.Tensor, scale_log2: float, out: torch.Tensor, po: torch.Tensor, plse: torch.Tensor,
                  num_splits: int, block_n: int, stages: int, form: str = "heads", *, pdl: int,
-                 math: bool = True, num_warps: int = 4, early: bool = False, pair: int = 1) -> None:
+                 math: bool = True, num_warps: int = 4, early: bool = False) -> None:
     """paged_decode's split kernel on bf16, head_dim 128, GROUP <= 16, no sliding window: with one
     split the output `out` [B, Hq, D], else partial outputs po [B, Hq, num_splits, D] (fp32) and
     plse [B, Hq, num_splits] for its merge kernel. (block_n, stages, form): the tile,
     paged_decode.GLUON_TILE's (form: one of paged_decode.FORMS). math=False: the K / V copies only, no attention (a
     timing bound for bench.attn_ceiling; its output is wrong). num_warps: paged_decode.GLUON_WARPS.
-    early: the keys form issues its first tiles before the PDL wait (paged_decode.GLUON_EARLY).
-    pair: KV heads a keys-form program takes (paged_decode.GLUON_PAIR; Hkv % pair == 0)."""
+    early: the keys form issues its first tiles before the PDL wait (paged_decode.GLUON_EARLY)."""
     B, Hq, D = q.shape
     _, page_size, Hkv, _ = k_cache.shape
     assert q.dtype == k_cache.dtype == v_cache.dtype == out.dtype == torch.bfloat16 and D == 128
@@ -340,11 +307,10 @@ def decode_split(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                v_cache.stride(0), v_cache.stride(1), block_tables.stride(0), out.stride(0), out.stride(1))
     if form == "keys":
         assert num_splits == 1 and math and Hq // Hkv <= HEADS and block_n % 64 == 0, "keys form: one split, GROUP <= 8"
-        assert Hkv % pair == 0, f"pair {pair}: {Hkv} KV heads"
-        _gluon_decode_keys_kernel[(B, Hkv // pair)](
+        _gluon_decode_keys_kernel[(B, Hkv)](
             q, k_cache, v_cache, block_tables, seq_lens, out, scale_log2, *strides,
             GROUP=Hq // Hkv, HEAD_DIM=D, PAGE_SIZE=page_size, BLOCK_N=block_n, STAGES=stages, PDL=pdl,
-            EARLY=early and bool(pdl), PAIR=pair, num_warps=num_warps, launch_pdl=bool(pdl))
+            EARLY=early and bool(pdl), num_warps=num_warps, launch_pdl=bool(pdl))
         return
     _gluon_decode_split_kernel[(B, Hkv, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, po, plse, scale_log2, *strides,

@@ -179,15 +179,6 @@ GLUON_TILE, GLUON_WARPS = gluon_tile_and_warps_from_env(os.environ.get("ROLLOUT_
 # ROLLOUT_GLUON_EARLY=0 turns it off, step_variants knob attn_early). +0.6 points of P1's roofline in each
 # of three packed 500-step windows (bench/results/README.md, twenty-sixth session).
 GLUON_EARLY = os.environ.get("ROLLOUT_GLUON_EARLY", "1") == "1"
-# GLUON_PAIR: KV heads one keys-form program takes in turn through one ring (gluon_decode's PAIR;
-# ROLLOUT_GLUON_PAIR, step_variants knob attn_pair=N): P1's 256 (sequence, KV head) pairs as one wave of
-# 128 programs instead of two waves. 1 until timed.
-GLUON_PAIR = int(os.environ.get("ROLLOUT_GLUON_PAIR", "1"))
-
-
-def keys_pair(num_kv_heads: int) -> int:
-    """The keys form's KV heads a program: GLUON_PAIR where it divides the KV heads, else 1."""
-    return GLUON_PAIR if GLUON_PAIR > 1 and num_kv_heads % GLUON_PAIR == 0 else 1
 GLUON_PROGRAMS_PER_SM = 2
 
 
@@ -287,8 +278,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         if form == "keys" and (num_splits > 1 or group > HEADS):   # the keys form: one split, GROUP <= 8
             form = "heads"
         decode_split(q, k_cache, v_cache, block_tables, seq_lens, scale * LOG2E, out, po, plse, num_splits,
-                     block_n, stages, form, pdl=pdl, num_warps=GLUON_WARPS, early=GLUON_EARLY,
-                     pair=keys_pair(Hkv) if form == "keys" else 1)
+                     block_n, stages, form, pdl=pdl, num_warps=GLUON_WARPS, early=GLUON_EARLY)
     else:
         _decode_split_kernel[(B, Hkv, num_splits)](
             q, k_cache, v_cache, block_tables, seq_lens, out, po, plse,

@@ -76,28 +76,6 @@ def test_keys_form_matches_reference(gluon_tile, tile, Hq, Hkv, ps):
     _against_reference(gluon_tile, tile, Hq, Hkv, ps, 1, seed=Hq + ps + tile[0])
 
 
-@pytest.mark.parametrize("pair,Hq,Hkv,ps", [(2, 32, 8, 16), (4, 32, 8, 16), (2, 16, 2, 64), (8, 64, 8, 16)])
-def test_keys_pair_gives_the_bits_of_one_head_a_program(gluon_tile, monkeypatch, pair, Hq, Hkv, ps):
-    """paged_decode.GLUON_PAIR: a program takes `pair` KV heads in turn through one ring (the next
-    head's first tiles issued during this one's last): every head's output has the bits of one
-    head a program, against the reference too, on poisoned pages and output, with lengths that
-    end inside a tile, on its edge, and 0 (n_tiles 0 for both heads)."""
-    D = 128
-    clean, poisoned, bt = make_paged(LENS, Hkv, D, ps, torch.bfloat16, seed=pair + Hkv, device="cuda", spare_pages=8)
-    q = torch.randn(len(LENS), Hq, D, device="cuda").bfloat16()
-    meta = meta_for(LENS, [1] * len(LENS), bt, ps)
-    gluon_tile((128, 2, "keys"), 8)
-    outs = []
-    for p in (1, pair):
-        monkeypatch.setattr(paged_decode, "GLUON_PAIR", p)
-        assert paged_decode.keys_pair(Hkv) == p
-        out = torch.full_like(q, float("nan"))
-        paged_decode.paged_decode_attention(q, *poisoned, bt, meta.seq_lens, D ** -0.5, None, 1, out=out, gluon=True)
-        outs.append(out)
-    assert torch.equal(outs[0], outs[1])
-    torch.testing.assert_close(outs[1].float(), reference(q, clean, meta, D ** -0.5, None), **TOL)
-
-
 def test_keys_form_gives_way_to_the_heads_form_where_it_does_not_apply(gluon_tile, monkeypatch):
     """With the keys form set, several splits or GROUP > 8 run the heads form at the same tile (and
     match the reference); one split at GROUP <= 8 runs the keys form."""
@@ -138,10 +116,10 @@ def test_engine_takes_it_at_p1s_batch_and_refuses_a_window(gluon_tile, monkeypat
         paged_decode.paged_decode_attention(q, *clean, bt, meta.seq_lens, 0.1, 50, 1, gluon=True)
 
 
-@pytest.mark.parametrize("tile,num_splits,warps,pair", [((32, 3, "heads"), 2, 4, 1), ((32, 6, "heads"), 1, 4, 1),
-                                                        ((32, 6, "warp_scores"), 1, 4, 1), ((64, 3, "keys"), 1, 4, 1),
-                                                        ((128, 2, "keys"), 1, 8, 1), ((128, 2, "keys"), 1, 8, 2)])
-def test_graph_replay_with_pdl_equals_eager(gluon_tile, monkeypatch, tile, num_splits, warps, pair):
+@pytest.mark.parametrize("tile,num_splits,warps", [((32, 3, "heads"), 2, 4), ((32, 6, "heads"), 1, 4),
+                                                   ((32, 6, "warp_scores"), 1, 4), ((64, 3, "keys"), 1, 4),
+                                                   ((128, 2, "keys"), 1, 8)])
+def test_graph_replay_with_pdl_equals_eager(gluon_tile, tile, num_splits, warps):
     """Captured once (PDL launches, as the engine's decode graphs), replayed after seq_lens and
     block tables change in place: the eager call's bits, and the reference."""
     Hq, Hkv, D, ps, B = 32, 8, 128, 16, 6
@@ -152,7 +130,6 @@ def test_graph_replay_with_pdl_equals_eager(gluon_tile, monkeypatch, tile, num_s
     bt = bt_big.flip(0).clone()
     out = torch.empty_like(q)
     gluon_tile(tile, warps)
-    monkeypatch.setattr(paged_decode, "GLUON_PAIR", pair)
     s = torch.cuda.Stream()
     with torch.cuda.stream(s):
         paged_decode.paged_decode_attention(q, *clean, bt, seq_lens, D ** -0.5, None, num_splits, out=out,
@@ -175,15 +152,13 @@ def test_graph_replay_with_pdl_equals_eager(gluon_tile, monkeypatch, tile, num_s
         torch.testing.assert_close(out.float(), ref, **TOL)
 
 
-@pytest.mark.parametrize("pair", [1, 2])
-def test_early_tiles_in_a_graph_behind_the_qkv_kernel_that_writes_the_step_key(gluon_tile, monkeypatch, pair):
+def test_early_tiles_in_a_graph_behind_the_qkv_kernel_that_writes_the_step_key(gluon_tile):
     """paged_decode.GLUON_EARLY: in a CUDA graph behind the QKV + RoPE GEMM at the 8B shape (96
     programs, so attention programs launch early under PDL on the idle SMs and issue their first
     tiles while the GEMM still runs), with the step's K / V slots poisoned before every replay:
     the GEMM's writes are what the attention reads (a tile holding the step's key issued before
     the wait would read NaN), and the bits equal the kernel without EARLY. Lengths around the
-    128-key tile's edge (128: the step's key is the tile's last; 129: the next tile's first). With
-    pair 2 (GLUON_PAIR) too: its graph's bits equal pair 1's eager call."""
+    128-key tile's edge (128: the step's key is the tile's last; 129: the next tile's first)."""
     from rollout.kernels.rope_kv import qkv_rope_and_write_kv
     from rollout.kernels.skinny_gemm import pick_config
     Hq, Hkv, D, ps, K = 32, 8, 128, 16, 4096
@@ -200,7 +175,6 @@ def test_early_tiles_in_a_graph_behind_the_qkv_kernel_that_writes_the_step_key(g
     cfg = pick_config(w.shape[0], K, B)
     assert cfg is not None and w.shape[0] // cfg[0] * (cfg[4] if len(cfg) > 4 else 1) < 132   # SMs left idle
     gluon_tile((128, 2, "keys"), 8)
-    monkeypatch.setattr(paged_decode, "GLUON_PAIR", pair)
     outs, early_default = {}, paged_decode.GLUON_EARLY
     try:
         for early in (False, True):
@@ -231,10 +205,6 @@ def test_early_tiles_in_a_graph_behind_the_qkv_kernel_that_writes_the_step_key(g
                 outs[early] = out.clone()
             ref = reference(q, [kc, vc], meta_for(lens, [1] * B, bt, ps), D ** -0.5, None)
             torch.testing.assert_close(out.float(), ref, **TOL)
-            monkeypatch.setattr(paged_decode, "GLUON_PAIR", 1)
-            one = paged_decode.paged_decode_attention(q, kc, vc, bt, seq_lens, D ** -0.5, None, 1, gluon=True)
-            assert torch.equal(out, one)
-            monkeypatch.setattr(paged_decode, "GLUON_PAIR", pair)
     finally:
         paged_decode.GLUON_EARLY = early_default
     assert torch.equal(outs[True], outs[False])
