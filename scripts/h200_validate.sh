@@ -149,9 +149,8 @@ for s in $sections; do
     attn_early) # decode attention issuing its first K / V tiles before its PDL wait (paged_decode.GLUON_EARLY):
       # the programs that launch early (QKV leaves 36 SMs idle; more as its CTAs drain) start their stream
       # while the GEMM runs. Packed 500-step windows
-      # (the default since the twenty-sixth session; attn_early=2: every ring slot, no_attn_early: off)
-      STEPS=500 VARIANTS="packed packed+attn_early=2 packed packed+no_attn_early packed packed+attn_early=2 packed" \
-        bash $0 variants ;;
+      # (the default since the twenty-sixth session; no_attn_early: after the wait)
+      STEPS=500 VARIANTS="packed packed+no_attn_early packed packed+no_attn_early packed" bash $0 variants ;;
     x_traffic) # the small decode GEMMs re-read x [32, K] from L2 once per output tile: M / BLOCK_N of their
       # weight bytes (o_proj's 32-row tiles: 100%). Wider tiles with split-K (o_proj / down partials go to the
       # add + RMSNorm; QKV's last split program does the RoPE epilogue) cut that at the same program count;

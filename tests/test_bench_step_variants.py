@@ -65,7 +65,7 @@ def test_apply_parses_the_timing_bound_knobs_and_base_undoes_them(monkeypatch):
                     packed_table=dict(skinny_gemm._LLAMA3_8B_PACKED),
                     tile=dict(paged_decode.DECODE_TILE), splits=paged_decode.pick_num_splits,
                     gluon_tile=paged_decode.GLUON_TILE, gluon_warps=paged_decode.GLUON_WARPS,
-                    gluon_early=1, decode=paged_decode.pick_decode,
+                    gluon_early=True, decode=paged_decode.pick_decode,
                     splitk_norm=True, silu_gate_up=True, rope_in_qkv=True, add_norm=decoder.add_norm_of_linear,
                     batch=32)
     try:
@@ -95,12 +95,10 @@ def test_apply_parses_the_timing_bound_knobs_and_base_undoes_them(monkeypatch):
         assert paged_decode.GLUON_TILE == (128, 2, "keys") and paged_decode.GLUON_WARPS == 8
         step_variants.apply(eng, "gattn=128,2,1,2", defaults)       # no W: 4 warps, not the last knob's
         assert paged_decode.GLUON_TILE == (128, 2, "keys") and paged_decode.GLUON_WARPS == 4
-        step_variants.apply(eng, "packed+attn_early=2", defaults)
-        assert paged_decode.GLUON_EARLY == 2 and packs[-1] == (32, True)
-        step_variants.apply(eng, "no_attn_early", defaults)
-        assert paged_decode.GLUON_EARLY == 0
+        step_variants.apply(eng, "packed+no_attn_early", defaults)
+        assert paged_decode.GLUON_EARLY is False and packs[-1] == (32, True)
         step_variants.apply(eng, "attn=2,64,4,2", defaults)
-        assert paged_decode.GLUON_EARLY == 1
+        assert paged_decode.GLUON_EARLY is True
         assert paged_decode.GLUON_TILE is None and paged_decode.pick_num_splits(32, 8) == 2
         assert paged_decode.pick_decode(32, 8, gluon_ok=True) == (2, False)
         step_variants.apply(eng, "no_gattn", defaults)

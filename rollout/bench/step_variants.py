@@ -22,8 +22,8 @@ top of the defaults:
                     computing a tile's scores, 2 keys as the MMA's rows (one split); W warps a program
                     (paged_decode.GLUON_WARPS; 4 unless given, the default tile's is 8)
   no_gattn          Triton's decode attention at every batch (attn= also)
-  attn_early[=2]    the Gluon keys-form attention issues its first K / V tiles (2: every ring slot)
-                    before its PDL wait (paged_decode.GLUON_EARLY, the default at 1; no_attn_early: off)
+  attn_early        the Gluon keys-form attention issues its first K / V tiles before its PDL wait
+                    (paged_decode.GLUON_EARLY; the default; no_attn_early: after it)
   splitk_norm       split-K GEMMs (o_proj, down) leave their partials to the next add + RMSNorm
                     (the default; no_splitk_norm: the GEMM's own fix-up)
   silu_gate_up      SiLU * up in the gate_up GEMM's epilogue, no SiLU kernel (the default;
@@ -148,10 +148,8 @@ def apply(eng, variant: str, defaults: dict) -> None:
             if len(nums) > 2:
                 paged_decode.pick_decode = lambda *a, ns=nums[2], **k: (ns, True)
             paged_decode.GLUON_WARPS = nums[4] if len(nums) > 4 else 4
-        elif name == "attn_early":
-            paged_decode.GLUON_EARLY = int(val or 1)
-        elif knob == "no_attn_early":
-            paged_decode.GLUON_EARLY = 0
+        elif knob in ("attn_early", "no_attn_early"):
+            paged_decode.GLUON_EARLY = knob == "attn_early"
         elif knob == "no_gattn":
             paged_decode.GLUON_TILE = None
         elif name == "attn":

@@ -217,30 +217,23 @@ def _gluon_decode_keys_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, sm
     GROUP = 4 heads to 16 rows; here to 8 columns, so half the MMAs and exps for the same tile
     (bench.attn_ceiling `gluon=BN,S,keys`): less work, and less energy at the board's power limit.
 
-    EARLY (paged_decode.GLUON_EARLY): the ring's first STAGES - 1 tiles (EARLY 2: STAGES, every
-    slot) are issued before the PDL
-    wait where they cannot hold the step's own key (context > their keys), so a program that
-    launched early (on an SM the QKV GEMM leaves idle, or as its CTAs drain) has K / V in flight
-    when the wait ends. Only the previous steps' keys are read early; seq_lens and block tables
-    must not be the previous kernel's output (the engine copies them in before the step)."""
+    EARLY (paged_decode.GLUON_EARLY, the default): the ring's first STAGES - 1 tiles are issued
+    before the PDL wait where they cannot hold the step's own key (context > their keys), so a
+    program that launched early (on an SM the QKV GEMM leaves idle, or as its CTAs drain) has K / V
+    in flight when the wait ends. Only the previous steps' keys are read early; seq_lens and block
+    tables must not be the previous kernel's output (the engine copies them in before the step).
+    Issuing every slot early (the loop's first tile too, behind a branch in the loop) lost 9-11
+    points (bench/results/README.md, twenty-sixth session)."""
     b = gl.program_id(0)
     kvh = gl.program_id(1)
     row_b = b * s_bt
     kv_off = (kvh * s_kh).to(gl.int64)
     k_ring, v_ring, rows, dims = _ring_alloc(BLOCK_N, HEAD_DIM, STAGES, num_warps)
-    ahead = 0                                    # EARLY 2: the loop's first tile was issued before the wait
     if EARLY:
         end = gl.load(lens_ptr + b)
         if end > (STAGES - 1) * BLOCK_N:         # both branches commit STAGES - 1 copy groups
             pages_next = _ring_fill(k_ring, v_ring, rows, dims, k_ptr, v_ptr, bt_ptr, row_b, kv_off, 0, end, s_kp,
                                     s_ks, s_vp, s_vs, PAGE_SIZE, BLOCK_N, STAGES)
-            if EARLY == 2:                       # every slot: the loop's first tile too, where it is old keys
-                if end > STAGES * BLOCK_N:
-                    n0 = (STAGES - 1) * BLOCK_N
-                    _issue_tile(k_ring, v_ring, STAGES - 1, k_ptr, v_ptr, pages_next, n0, rows, dims, end, kv_off,
-                                s_kp, s_ks, s_vp, s_vs, PAGE_SIZE)
-                    pages_next = _tile_pages(bt_ptr, row_b, n0 + BLOCK_N, rows, end, PAGE_SIZE)
-                    ahead = 1
             _enter(PDL, b)
         else:
             _enter(PDL, b)
@@ -269,10 +262,9 @@ def _gluon_decode_keys_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, sm
     acc = gl.zeros([HEAD_DIM, HEADS], gl.float32, mma)       # o^T
     for t in range(n_tiles):
         n_issue = (t + STAGES - 1) * BLOCK_N
-        if t >= ahead:                           # one copy group a tile, in tile order, either way
-            _issue_tile(k_ring, v_ring, (t + STAGES - 1) % STAGES, k_ptr, v_ptr, pages_next, n_issue, rows, dims,
-                        end, kv_off, s_kp, s_ks, s_vp, s_vs, PAGE_SIZE)
-            pages_next = _tile_pages(bt_ptr, row_b, n_issue + BLOCK_N, rows, end, PAGE_SIZE)
+        _issue_tile(k_ring, v_ring, (t + STAGES - 1) % STAGES, k_ptr, v_ptr, pages_next, n_issue, rows, dims, end,
+                    kv_off, s_kp, s_ks, s_vp, s_vs, PAGE_SIZE)
+        pages_next = _tile_pages(bt_ptr, row_b, n_issue + BLOCK_N, rows, end, PAGE_SIZE)
         async_copy.wait_group(STAGES - 1)
         slot = t % STAGES
         s = mma_v2(k_ring.index(slot).load(a_op), q_t, gl.zeros([BLOCK_N, HEADS], gl.float32, mma)) * sm_scale_log2
@@ -298,14 +290,13 @@ def _gluon_decode_keys_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, sm
 def decode_split(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  seq_lens: torch.Tensor, scale_log2: float, out: torch.Tensor, po: torch.Tensor, plse: torch.Tensor,
                  num_splits: int, block_n: int, stages: int, form: str = "heads", *, pdl: int,
-                 math: bool = True, num_warps: int = 4, early: int = 0) -> None:
+                 math: bool = True, num_warps: int = 4, early: bool = False) -> None:
     """paged_decode's split kernel on bf16, head_dim 128, GROUP <= 16, no sliding window: with one
     split the output `out` [B, Hq, D], else partial outputs po [B, Hq, num_splits, D] (fp32) and
     plse [B, Hq, num_splits] for its merge kernel. (block_n, stages, form): the tile,
     paged_decode.GLUON_TILE's (form: one of paged_decode.FORMS). math=False: the K / V copies only, no attention (a
     timing bound for bench.attn_ceiling; its output is wrong). num_warps: paged_decode.GLUON_WARPS.
-    early: the keys form issues its first tiles (2: every ring slot) before the PDL wait
-    (paged_decode.GLUON_EARLY)."""
+    early: the keys form issues its first tiles before the PDL wait (paged_decode.GLUON_EARLY)."""
     B, Hq, D = q.shape
     _, page_size, Hkv, _ = k_cache.shape
     assert q.dtype == k_cache.dtype == v_cache.dtype == out.dtype == torch.bfloat16 and D == 128
@@ -321,7 +312,7 @@ def decode_split(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         _gluon_decode_keys_kernel[(B, Hkv)](
             q, k_cache, v_cache, block_tables, seq_lens, out, scale_log2, *strides,
             GROUP=Hq // Hkv, HEAD_DIM=D, PAGE_SIZE=page_size, BLOCK_N=block_n, STAGES=stages, PDL=pdl,
-            EARLY=early if pdl else 0, num_warps=num_warps, launch_pdl=bool(pdl))
+            EARLY=early and bool(pdl), num_warps=num_warps, launch_pdl=bool(pdl))
         return
     _gluon_decode_split_kernel[(B, Hkv, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, po, plse, scale_log2, *strides,

@@ -177,9 +177,8 @@ def gluon_tile_and_warps_from_env(value: str) -> tuple[Optional[tuple], int]:
 GLUON_TILE, GLUON_WARPS = gluon_tile_and_warps_from_env(os.environ.get("ROLLOUT_GLUON_DECODE", "1"))
 # GLUON_EARLY: the keys form issues its first K / V tiles before its PDL wait (gluon_decode's EARLY;
 # ROLLOUT_GLUON_EARLY=0 turns it off, step_variants knob attn_early). +0.6 points of P1's roofline in each
-# of three packed 500-step windows (bench/results/README.md, twenty-sixth session). 2: every ring slot
-# (the loop's first tile too), an A/B (ROLLOUT_GLUON_EARLY=2, knob attn_early=2).
-GLUON_EARLY = int(os.environ.get("ROLLOUT_GLUON_EARLY", "1"))
+# of three packed 500-step windows, +0.4 in a fourth on another board (bench/results/README.md, twenty-sixth session).
+GLUON_EARLY = os.environ.get("ROLLOUT_GLUON_EARLY", "1") == "1"
 GLUON_PROGRAMS_PER_SM = 2
 
 
