@@ -10,7 +10,7 @@ from typing import Optional, Sequence as Seq, Union
 
 import torch
 
-from .graphs import MODES
+from .config import EngineConfig
 from .kernels import resolve_backend
 from .kv_cache import KVCacheManager, PageAllocator
 from .models.loader import build_model, init_random, load_model, parameter_bytes, resolve_dtype
@@ -31,75 +31,68 @@ def _default_device(device) -> torch.device:
 
 
 class RolloutEngine:
-    def __init__(self, model, hf_config, *, tokenizer=None, generation_config=None,
-                 max_model_len: Optional[int] = None, kv_cache_memory: Optional[int] = None,
-                 num_kv_pages: Optional[int] = None, page_size: int = 16, max_num_seqs: int = 256,
-                 max_num_batched_tokens: int = 2048, seed: int = 0, kv_dtype=None,
-                 async_pipeline: Optional[bool] = None, kv_reserve_fraction: float = 1.0,
-                 attention_backend: str = "auto", cuda_graphs: bool = True,
-                 cuda_graph_max_batch: Optional[int] = None, cuda_graph_modes: Seq[str] = MODES,
-                 preemption_mode: str = "recompute", swap_space_gb: float = 0.0, batch_invariant: bool = False,
-                 reserve_memory: Union[int, str] = 0, pack_decode_weights: bool = False,
-                 decode_megakernel: bool = False):
+    """The engine over a loaded model. Options: an EngineConfig, and / or keyword overrides of its
+    fields (`RolloutEngine.from_pretrained(path, max_num_seqs=64)`). Not thread-safe: call it
+    from one thread, or through RolloutWorker (a lock) or the HTTP server (one engine thread)."""
+
+    def __init__(self, model, hf_config, config: Optional[EngineConfig] = None, *, tokenizer=None,
+                 generation_config=None, **overrides):
+        cfg = (config or EngineConfig()).replace(**overrides).validate()
+        self.config = cfg
         self.model = model
         self.hf_config = hf_config
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.vocab_size = hf_config.vocab_size
-        self.max_model_len = int(max_model_len or getattr(hf_config, "max_position_embeddings", 4096))
-        self.page_size = page_size
-        kv_dtype = kv_dtype or self.dtype
+        self.max_model_len = int(cfg.max_model_len or getattr(hf_config, "max_position_embeddings", 4096))
+        self.page_size = page_size = cfg.page_size
+        kv_dtype = self.dtype
         # "auto": the Triton kernels (attention, fused sampler) on CUDA, the torch reference on CPU.
-        attention_backend = resolve_backend(attention_backend, self.device.type)
-        if batch_invariant:
+        attention_backend = resolve_backend(cfg.attention_backend, self.device.type)
+        if attention_backend == "triton" and page_size & (page_size - 1):
+            raise ValueError(f"page_size must be a power of two for the Triton kernels, got {page_size}")
+        model.use_kernel_switches(cfg.kernels)
+        if cfg.batch_invariant:
             self._check_batch_invariant(attention_backend)
-        if decode_megakernel:            # decode steps of <= 32 rows: every layer in one kernel
-            if self.device.type != "cuda" or attention_backend != "triton" or batch_invariant:
-                raise ValueError("decode_megakernel=True needs the Triton kernels on a CUDA device "
-                                 "(and not batch_invariant)")
-            if kv_dtype != torch.bfloat16:
-                raise ValueError(f"decode_megakernel=True needs a bfloat16 KV cache, got kv_dtype={kv_dtype}")
-            from .kernels import sm_count
-            model.use_decode_megakernel(sm_count(self.device))
-        if pack_decode_weights:          # before the KV cache takes the free memory
-            self._pack_decode_weights(attention_backend, batch_invariant, max_num_seqs)
-        num_pages = self._size_kv(num_kv_pages, kv_cache_memory, page_size, kv_dtype, max_num_seqs,
-                                  parameter_bytes(model) if reserve_memory == "weights" else reserve_memory)
+        if cfg.pack_decode_weights:      # before the KV cache takes the free memory
+            self._pack_decode_weights(attention_backend, cfg.batch_invariant, cfg.max_num_seqs)
+        reserve = parameter_bytes(model) if cfg.reserve_memory == "weights" else cfg.reserve_memory
+        num_pages = self._size_kv(cfg.num_kv_pages, cfg.kv_cache_memory, page_size, kv_dtype, cfg.max_num_seqs, reserve)
         self.kv = KVCacheManager(num_pages, page_size)
         if self.kv.alloc.num_usable < self.kv.pages_for(self.max_model_len):
             raise ValueError(f"KV cache of {self.kv.alloc.num_usable} pages x {page_size} tokens cannot "
                              f"hold one sequence of max_model_len={self.max_model_len}")
         self.eos_token_ids = self._eos_ids(hf_config, generation_config, tokenizer)
         page_bytes = ModelRunner.kv_bytes_per_page(hf_config, page_size, kv_dtype)
-        num_host_pages = int(swap_space_gb * 1e9) // page_bytes
+        num_host_pages = int(cfg.swap_space_gb * 1e9) // page_bytes
         swap_page_s, recompute_token_s = self._preemption_costs(page_bytes)
         self.scheduler = Scheduler(
-            self.kv, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            self.kv, max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
             max_model_len=self.max_model_len, eos_token_ids=self.eos_token_ids, tokenizer=tokenizer,
-            admission_reserve_pages=max(1, num_pages // 100), reserve_fraction=kv_reserve_fraction,
-            preemption_mode=preemption_mode,
+            admission_reserve_pages=max(1, num_pages // 100), reserve_fraction=cfg.kv_reserve_fraction,
+            preemption_mode=cfg.preemption_mode,
             host_pages=PageAllocator(num_host_pages + 1, page_size) if num_host_pages else None,
             swap_page_s=swap_page_s, recompute_token_s=recompute_token_s)
         self.runner = ModelRunner(model, num_pages=num_pages, page_size=page_size, kv_dtype=kv_dtype,
-                                  attention_backend=attention_backend, batch_invariant=batch_invariant,
+                                  attention_backend=attention_backend, batch_invariant=cfg.batch_invariant,
                                   num_host_pages=num_host_pages if self.scheduler.host is not None else 0)
         # Both modes run the same one-step-lag schedule; async overlaps the CPU with the GPU
         # (default on CUDA). CPU always runs synchronously. Decode steps replay CUDA graphs
         # when the Triton backend runs on CUDA (captured here, before serving).
         cuda = self.device.type == "cuda"
         self.pipeline = DevicePipeline(
-            self.runner, self.kv, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+            self.runner, self.kv, max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.max_num_seqs,
             max_pages_per_seq=self.kv.pages_for(self.max_model_len),
-            async_mode=cuda if async_pipeline is None else bool(async_pipeline),
-            cuda_graphs=cuda and cuda_graphs and attention_backend == "triton", graph_max_batch=cuda_graph_max_batch,
-            graph_modes=tuple(cuda_graph_modes))
+            async_mode=cuda if cfg.async_pipeline is None else cfg.async_pipeline,
+            cuda_graphs=cuda and cfg.cuda_graphs and attention_backend == "triton",
+            graph_max_batch=cfg.cuda_graph_max_batch, graph_modes=tuple(cfg.cuda_graph_modes))
         self.pipeline.capture_graphs()
         self._inflight: Optional[InFlight] = None
         self.policy_version = 0      # stamped on every launched batch; the RL worker bumps it
         self.cpu_spans: Optional[list] = None   # (name, start_s, end_s) while tracing
         self._ready: list[RequestOutput] = []     # finished while draining, handed out by step()
-        self._rng = random.Random(seed)
+        self._rng = random.Random(cfg.seed)
         self._next_id = 0
         self.requests: dict[int, Request] = {}
         self.metrics = {"steps": 0, "generated_tokens": 0, "prefill_tokens": 0, "failed_steps": 0}
@@ -109,11 +102,7 @@ class RolloutEngine:
         p = self.pipeline
         graph_s = p.graphs.capture_s if p.graphs is not None else 0.0
         sch = self.scheduler
-        extra = {}
-        if getattr(self.model, "decode_megakernel", False):     # megakernel waits that gave up: 0 unless broken
-            from .kernels.decode_layers import counters
-            extra["megakernel_wait_timeouts"] = int(counters(self.device)[1].item())
-        return {**self.metrics, **p.counts, **extra, "gpu_busy_ms": p.busy_ms, "graph_capture_s": graph_s,
+        return {**self.metrics, **p.counts, "gpu_busy_ms": p.busy_ms, "graph_capture_s": graph_s,
                 "preemptions": sch.num_preemptions, "swap_outs": sch.num_swap_outs,
                 "swapped_pages": sch.num_swapped_pages, "recomputed_tokens": sch.num_recomputed_tokens}
 
@@ -158,36 +147,35 @@ class RolloutEngine:
 
     # ---- construction --------------------------------------------------------------------
     @classmethod
-    def from_pretrained(cls, path: Union[str, Path], *, device=None, dtype="auto", tokenizer=None,
-                        **kwargs) -> "RolloutEngine":
+    def from_pretrained(cls, path: Union[str, Path], config: Optional[EngineConfig] = None, *, tokenizer=None,
+                        **overrides) -> "RolloutEngine":
         """Load a local Hugging Face folder. `tokenizer`: None = load from the folder if it has
         tokenizer files, False = none, or a tokenizer object."""
+        cfg = (config or EngineConfig()).replace(**overrides).validate()
         path = Path(path)
-        device = _default_device(device)
-        model, hf_config = load_model(path, dtype, device)
+        model, hf_config = load_model(path, cfg.dtype, _default_device(cfg.device))
         if tokenizer is None:
             tokenizer = _load_tokenizer(path)
         gen_cfg = None
         if (path / "generation_config.json").exists():
             from transformers import GenerationConfig
             gen_cfg = GenerationConfig.from_pretrained(str(path), local_files_only=True)
-        return cls(model, hf_config, tokenizer=tokenizer or None, generation_config=gen_cfg, **kwargs)
+        return cls(model, hf_config, cfg, tokenizer=tokenizer or None, generation_config=gen_cfg)
 
     @classmethod
-    def from_config(cls, hf_config, *, seed: int = 0, device=None, dtype="auto", tokenizer=None,
-                    **kwargs) -> "RolloutEngine":
-        """Seeded random weights from a transformers config (benchmarks, tests)."""
-        device = _default_device(device)
-        model = build_model(hf_config, resolve_dtype(dtype, hf_config, device), device)
-        init_random(model, seed)
-        return cls(model, hf_config, tokenizer=tokenizer, seed=seed, **kwargs)
+    def from_config(cls, hf_config, config: Optional[EngineConfig] = None, *, tokenizer=None,
+                    **overrides) -> "RolloutEngine":
+        """Seeded random weights (EngineConfig.seed) from a transformers config (benchmarks, tests)."""
+        cfg = (config or EngineConfig()).replace(**overrides).validate()
+        device = _default_device(cfg.device)
+        model = build_model(hf_config, resolve_dtype(cfg.dtype, hf_config, device), device)
+        init_random(model, cfg.seed)
+        return cls(model, hf_config, cfg, tokenizer=tokenizer)
 
     def _size_kv(self, num_pages, mem, page_size, kv_dtype, max_num_seqs, reserve: int = 0) -> int:
         """Pages: num_kv_pages, else kv_cache_memory bytes, else (CUDA) 85% of free memory less 2 GiB
         of headroom for activations and logits and less `reserve` (reserve_memory: bytes, or
         "weights" for one copy of the parameters, a full staged update; explicit sizes ignore it)."""
-        if isinstance(reserve, bool) or not isinstance(reserve, int) or reserve < 0:
-            raise ValueError(f"reserve_memory must be bytes >= 0 or 'weights', got {reserve!r}")
         if num_pages is not None:
             return int(num_pages) + 1      # + the trash page
         per_page = ModelRunner.kv_bytes_per_page(self.hf_config, page_size, kv_dtype)

@@ -35,6 +35,7 @@ from typing import Any
 import ray
 import torch
 
+from .config import EngineConfig
 from .request import RequestOutput, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -45,10 +46,10 @@ _ACTOR_DEATH = tuple(e for e in (getattr(ray.exceptions, "RayActorError", None),
 
 @dataclass
 class EngineSpec:
-    """How each actor builds its engine: RolloutEngine.from_pretrained(model, **engine_kwargs),
-    or factory() -> RolloutEngine when given (must be picklable)."""
+    """How each actor builds its engine: RolloutEngine.from_pretrained(model, config), or
+    factory() -> RolloutEngine when given (must be picklable)."""
     model: str | None = None
-    engine_kwargs: dict = field(default_factory=dict)
+    config: EngineConfig = field(default_factory=EngineConfig)
     factory: Callable[[], Any] | None = None
     worker_kwargs: dict = field(default_factory=dict)      # RolloutWorker(engine, **worker_kwargs)
 
@@ -58,7 +59,7 @@ class EngineSpec:
             return self.factory()
         if self.model is None:
             raise ValueError("EngineSpec needs a model path or a factory")
-        return RolloutEngine.from_pretrained(self.model, **self.engine_kwargs)
+        return RolloutEngine.from_pretrained(self.model, self.config)
 
 
 @dataclass
@@ -261,8 +262,8 @@ class RolloutFleet:
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
         self.spec = self._spec(engine)
-        if num_gpus_per_worker and "device" not in self.spec.engine_kwargs and self.spec.factory is None:
-            self.spec.engine_kwargs["device"] = "cuda"      # Ray sets CUDA_VISIBLE_DEVICES per actor
+        if num_gpus_per_worker and self.spec.config.device is None and self.spec.factory is None:
+            self.spec.config = self.spec.config.replace(device="cuda")   # Ray sets CUDA_VISIBLE_DEVICES per actor
         if not ray.is_initialized():
             ray.init(include_dashboard=False)
         self.num_gpus_per_worker = num_gpus_per_worker
@@ -293,12 +294,12 @@ class RolloutFleet:
             return engine
         if isinstance(engine, (str, os.PathLike)):
             return EngineSpec(model=str(engine))
-        if isinstance(engine, dict):
+        if isinstance(engine, dict):     # {"model": path, EngineConfig fields..., "worker_kwargs": {...}}
             kw = dict(engine)
             model = kw.pop("model", None) or kw.pop("path", None)
             worker_kwargs = kw.pop("worker_kwargs", {})
-            return EngineSpec(model=str(model) if model is not None else None, engine_kwargs=kw,
-                              worker_kwargs=worker_kwargs)
+            return EngineSpec(model=str(model) if model is not None else None,
+                              config=EngineConfig().replace(**kw).validate(), worker_kwargs=worker_kwargs)
         if callable(engine):
             return EngineSpec(factory=engine)
         raise TypeError(f"engine must be an EngineSpec, a dict, a model path or a factory, got {type(engine)}")

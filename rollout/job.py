@@ -37,6 +37,8 @@ from typing import Any, Optional
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 
+from rollout.config import EngineConfig
+from rollout.request import SamplingParams
 from rollout.metrics import MetricsSink
 
 log = logging.getLogger(__name__)
@@ -70,46 +72,6 @@ class LoggingConfig:                     # keyword arguments of rollout.metrics.
 
 
 @dataclass
-class EngineConfig:                      # keyword arguments of RolloutEngine.from_pretrained
-    dtype: str = "auto"
-    max_model_len: Optional[int] = None
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    page_size: int = 16
-    num_kv_pages: Optional[int] = None
-    kv_cache_memory: Optional[int] = None    # bytes
-    async_pipeline: Optional[bool] = None
-    kv_reserve_fraction: float = 1.0         # admission by expected total length (1 = never overcommit)
-    preemption_mode: str = "recompute"       # recompute | swap | auto (swap where cheaper); swap needs:
-    swap_space_gb: float = 0.0               # host memory for swapped-out KV pages
-    attention_backend: str = "auto"          # auto (Triton on CUDA, torch on CPU) | torch | triton
-    batch_invariant: bool = False            # bits independent of batch-mates (CUDA + Triton, bf16/fp16)
-    cuda_graphs: bool = True                 # decode CUDA graphs (CUDA + Triton)
-    cuda_graph_max_batch: Optional[int] = None
-    reserve_memory: Any = 0                  # bytes the automatic KV sizing leaves free, or "weights" (updates)
-    pack_decode_weights: bool = False        # decode GEMMs read packed weight copies (CUDA, 8B shapes; 2x memory)
-    decode_megakernel: bool = False          # decode steps of <= 32 rows: every layer in one kernel (CUDA, Llama)
-
-
-@dataclass
-class SamplingConfig:                    # rollout.SamplingParams, less top_logprobs/detokenize (not stored)
-    n: int = 1
-    max_new_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    seed: Optional[int] = None
-    stop_token_ids: list[int] = field(default_factory=list)
-    stop: list[str] = field(default_factory=list)
-    ignore_eos: bool = False
-    stale_kv: str = "keep"
-    max_staleness: Optional[int] = None
-    on_stale: str = "finish"
-
-
-@dataclass
 class FleetConfig:                       # several RolloutWorkers as Ray actors (rollout.fleet.RolloutFleet)
     num_workers: int = 1                 # 1 = one worker in this process, Ray never imported
     num_gpus_per_worker: Optional[float] = None   # null = 1 if device is cuda, or device is null and
@@ -126,11 +88,9 @@ class JobConfig:
     data: DataConfig = field(default_factory=DataConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
-    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    sampling: SamplingParams = field(default_factory=SamplingParams)
     fleet: FleetConfig = field(default_factory=FleetConfig)
     output_dir: str = "outputs/rollout"
-    seed: int = 0
-    device: Optional[str] = None
     torch_threads: Optional[int] = None
     batch_prompts: int = 64
     reward: Optional[str] = None
@@ -274,8 +234,8 @@ def _rows(outs: dict[int, Any], prompts, reward_fn) -> list[dict]:
 
 
 # ---- where the rollouts run: one worker here, or a Ray fleet -------------------------------------
-def _engine_kwargs(cfg) -> dict:
-    return {"seed": cfg.seed, **OmegaConf.to_container(cfg.engine, resolve=True)}
+def _engine_config(cfg, device: str) -> EngineConfig:
+    return OmegaConf.to_object(cfg.engine).replace(device=device)
 
 
 class _LocalRollouts:
@@ -283,7 +243,7 @@ class _LocalRollouts:
 
     def __init__(self, cfg, model_path, device: str):
         from rollout import RolloutEngine
-        self.engine = RolloutEngine.from_pretrained(model_path, device=device, **_engine_kwargs(cfg))
+        self.engine = RolloutEngine.from_pretrained(model_path, _engine_config(cfg, device))
         self.tokenizer, self.vocab_size = self.engine.tokenizer, self.engine.vocab_size
 
     def start(self) -> None:
@@ -345,21 +305,21 @@ class _FleetRollouts:
 
     def _placement(self, cluster_gpus: float) -> tuple[str, float]:
         """(worker device, GPUs per actor) from device and fleet.num_gpus_per_worker."""
-        dev, gpus = self.cfg.device, self.fc.num_gpus_per_worker
+        dev, gpus = self.cfg.engine.device, self.fc.num_gpus_per_worker
         if dev is None:
             dev = "cuda" if (cluster_gpus if gpus is None else gpus) > 0 else "cpu"
         dev = "cuda" if dev.startswith("cuda") else dev      # an actor sees its own GPUs from cuda:0
         if gpus is None:
             gpus = 1 if dev == "cuda" else 0
         if (dev == "cuda") != (gpus > 0):
-            raise ValueError(f"device={dev} with fleet.num_gpus_per_worker={gpus:g}: CUDA workers need GPUs "
+            raise ValueError(f"engine.device={dev} with fleet.num_gpus_per_worker={gpus:g}: CUDA workers need GPUs "
                              f"and CPU workers none (Ray hides the GPUs an actor did not ask for)")
         return dev, float(gpus)
 
     def start(self) -> None:
         import ray
 
-        from rollout.fleet import RolloutFleet
+        from rollout.fleet import EngineSpec, RolloutFleet
         fc = self.fc
         if ray.is_initialized():
             log.info("using the Ray cluster this process is already connected to (fleet.ray_address ignored)")
@@ -374,8 +334,8 @@ class _FleetRollouts:
                              f"but the Ray cluster has {have.get('CPU', 0):g} and {have.get('GPU', 0):g}; lower "
                              f"fleet.num_workers or fleet.num_cpus_per_worker, or add nodes")
         threads = self.cfg.torch_threads or (1 if dev == "cpu" else None)
-        self.fleet = RolloutFleet(fc.num_workers, {"model": self.model_path, "device": dev, **_engine_kwargs(self.cfg),
-                                                   "worker_kwargs": {"expects_updates": False}},
+        spec = EngineSpec(self.model_path, _engine_config(self.cfg, dev), worker_kwargs={"expects_updates": False})
+        self.fleet = RolloutFleet(fc.num_workers, spec,
                                   num_gpus_per_worker=gpus, num_cpus_per_worker=fc.num_cpus_per_worker,
                                   restart_dead=fc.restart_dead, torch_threads=threads)
         self.cuda = dev == "cuda"
@@ -511,7 +471,7 @@ def run(cfg) -> dict:
 
     if cfg.fleet.num_workers < 1:
         raise ValueError(f"fleet.num_workers must be >= 1, got {cfg.fleet.num_workers}")
-    device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = cfg.engine.device or ("cuda" if torch.cuda.is_available() else "cpu")
     # Small models are overhead-bound on CPU, where OpenMP threads spin: 1 thread ran the
     # embedded model ~10x faster than 2 on a 2-core machine.
     threads = cfg.torch_threads or (1 if device == "cpu" else None)

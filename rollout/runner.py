@@ -62,8 +62,7 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         self.page_size = page_size
         shape = (num_pages, page_size, model.num_kv_heads, model.head_dim)
-        # One allocation, each layer's K and V caches views of it: the decode megakernel
-        # (kernels/decode_layers.py) reaches every layer's cache from one pointer.
+        # One allocation, each layer's K and V caches views of it (freed or swapped as one).
         self.kv_pool = torch.zeros((len(model.layers), 2) + shape, dtype=kv_dtype, device=self.device)
         self.kv_caches = [(pool[0], pool[1]) for pool in self.kv_pool]
         # Swap space: host pages (pinned on CUDA) with the device pages' layout, slot 0 unused.

@@ -246,9 +246,10 @@ def test_automatic_kv_sizing_leaves_reserve_memory_free(monkeypatch):
     assert eng._size_kv(100, None, 16, torch.bfloat16, 8, reserve=8 << 30) == 101     # explicit sizes: as given
     with pytest.raises(ValueError, match="no device memory left for the KV cache"):
         eng._size_kv(None, None, 16, torch.bfloat16, 8, reserve=32 << 30)
-    for bad in (-1, "all", 1.5):
+    from rollout.config import EngineConfig
+    for bad in (-1, "all", 1.5, True):
         with pytest.raises(ValueError, match="reserve_memory must be bytes >= 0 or 'weights'"):
-            eng._size_kv(None, None, 16, torch.bfloat16, 8, reserve=bad)
+            EngineConfig(reserve_memory=bad).validate()
 
 
 def test_reserve_memory_weights_is_one_copy_of_the_parameters(model_dir, monkeypatch):

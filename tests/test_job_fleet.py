@@ -98,7 +98,7 @@ def test_fleet_config_errors(ray_cluster, tmp_path):
     with pytest.raises(ValueError, match="needs 200 CPUs and 0 GPUs but the Ray cluster has 4"):
         run(make_cfg(tmp_path, FLEET, "fleet.num_cpus_per_worker=100"))
     with pytest.raises(ValueError, match="CUDA workers need GPUs"):
-        run(make_cfg(tmp_path, FLEET, "device=cuda", "fleet.num_gpus_per_worker=0"))
+        run(make_cfg(tmp_path, FLEET, "engine.device=cuda", "fleet.num_gpus_per_worker=0"))
     assert not (tmp_path / "out").exists() and not (tmp_path / "wb").exists()   # nothing written
     assert ray_cluster.is_initialized() and not ray_cluster.util.list_named_actors()
 

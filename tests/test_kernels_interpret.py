@@ -509,7 +509,7 @@ def test_compiles_for_sm90(tmp_path):
     The decode kernels are also compiled with programmatic dependent launch (kernels/pdl.py),
     and their PTX must keep its rule: `griddepcontrol.wait` before the first global store, and
     (except the GEMM, which loads its first weight tile early) before the first global load;
-    `griddepcontrol.launch_dependents` in every mode but set_no_trigger's (5)."""
+    and `griddepcontrol.launch_dependents`."""
     code = textwrap.dedent("""
         import re
         import triton
@@ -517,7 +517,6 @@ def test_compiles_for_sm90(tmp_path):
         from triton.compiler import ASTSource
         from rollout.kernels import paged_decode as pd, paged_prefill as pp, rope_kv as rk, fused_ops as fo
         from rollout.kernels import skinny_gemm as sg
-        from rollout.bench import chain
         PTR = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "out_ptr": "*bf16", "qo_ptr": "*bf16",
                "kc_ptr": "*bf16", "vc_ptr": "*bf16", "po_ptr": "*fp32", "plse_ptr": "*fp32", "bt_ptr": "*i32",
                "lens_ptr": "*i32", "qsl_ptr": "*i32", "pos_ptr": "*i64", "inv_freq_ptr": "*fp32", "slot_ptr": "*i64",
@@ -539,14 +538,11 @@ def test_compiles_for_sm90(tmp_path):
             if pdl:
                 ptx = k.asm["ptx"]
                 wait = ptx.find("griddepcontrol.wait")
-                assert wait >= 0, fn.__name__        # mode 5 (set_no_trigger): never launches dependents
-                assert ("griddepcontrol.launch_dependents" in ptx) == (pdl != 5), fn.__name__
+                assert wait >= 0 and "griddepcontrol.launch_dependents" in ptx, fn.__name__
                 first = lambda *ops: min([ptx.find(op) for op in ops if op in ptx] or [len(ptx)])
                 assert wait < first("st.global"), fn.__name__ + ": a store before the wait"
                 if not early_loads:
                     assert wait < first("ld.global", "cp.async"), fn.__name__ + ": a load before the wait"
-                if pdl == 3:     # set_late's timing bound: the main loop's loads come before the wait
-                    assert first("ld.global", "cp.async") < wait, fn.__name__ + ": mode 3 waits at the start"
         common = dict(HEAD_DIM=128, PAGE_SIZE=16, BLOCK_N=64, DOT_PREC="tf32")
         compile_(pd._decode_split_kernel, GROUP=4, GROUP_PAD=16, NUM_SPLITS=2, USE_WINDOW=True, **common)
         compile_(pd._decode_merge_kernel, HEAD_DIM=128, NUM_SPLITS=3, SPLITS_PAD=4)
@@ -557,16 +553,10 @@ def test_compiles_for_sm90(tmp_path):
         compile_(rk._rope_kv_kernel, HQ=28, HKV=4, Q_HEADS=8, HKV_PAD=4, HALF=64, PRECISE=True)
         compile_(fo._add_rmsnorm_kernel, HAS_DELTA=True, DELTA_PARTIALS=0, BLOCK=4096)
         compile_(fo._silu_mul_kernel, BLOCK=1024)
-        compile_(pd._decode_merge_kernel, 1, HEAD_DIM=128, NUM_SPLITS=3, SPLITS_PAD=4)   # wait, then launch
-        for pdl in (0, 2):    # off; launch dependents, then wait (pdl_for's default mode)
+        for pdl in (0, 1):    # off; launch dependents, then wait
             compile_(pd._decode_split_kernel, pdl, GROUP=4, GROUP_PAD=16, NUM_SPLITS=3, USE_WINDOW=False, **common)
             compile_(pd._decode_merge_kernel, pdl, HEAD_DIM=128, NUM_SPLITS=3, SPLITS_PAD=4)
             compile_(rk._rope_kv_kernel, pdl, HQ=32, HKV=8, Q_HEADS=8, HKV_PAD=8, HALF=64, PRECISE=False)
-            if not pdl:              # bench.chain's persistent GEMM chain (a grid barrier, launched without PDL)
-                for prefetch in (False, True):   # True: L2 bulk prefetch of the first tile (inline PTX)
-                    for kern in (chain._chain_kernel, chain._chain_queue_kernel):
-                        compile_(kern, ptrs={"bar_ptr": "*i32", "cnt_ptr": "*i32", "err_ptr": "*i32"}, BLOCK_M=32,
-                                 BLOCK_N=32, BLOCK_K=256, SPIN=1 << 20, PREFETCH=prefetch)
             for split in (1, 2):     # QKV GEMM + RoPE + K/V write epilogue (after the split-K fix-up)
                 compile_(rk._qkv_rope_kernel, pdl, early_loads=True, HQ=32, HKV=8, HALF=64, BLOCK_M=32,
                          BLOCK_N=64 * split, BLOCK_K=128, SPLIT_K=split, PRECISE=True, TILED=split == 2,
@@ -585,16 +575,6 @@ def test_compiles_for_sm90(tmp_path):
                      PARTIALS=False, SILU_MUL=False)
             compile_(sg._skinny_gemm_kernel, pdl, early_loads=True, BLOCK_M=32, BLOCK_N=128, BLOCK_K=128,   # gate_up
                      EVEN_N=True, HAS_BIAS=False, SPLIT_K=1, PARTIALS=False, SILU_MUL=True)    # + SiLU epilogue
-        # Mode 3 (pdl.set_late, a timing bound): the kernels that name a `late` kind wait only before storing.
-        compile_(pd._decode_split_kernel, 3, early_loads=True, GROUP=4, GROUP_PAD=16, NUM_SPLITS=2,
-                 USE_WINDOW=False, **common)
-        compile_(rk._qkv_rope_kernel, 3, early_loads=True, HQ=32, HKV=8, HALF=64, BLOCK_M=32, BLOCK_N=64,
-                 BLOCK_K=128, SPLIT_K=1, PRECISE=True, ptrs={"ws_ptr": "*bf16", "cnt_ptr": "*bf16"})
-        compile_(rk._qkv_rope_kernel, 5, early_loads=True, HQ=32, HKV=8, HALF=64, BLOCK_M=32, BLOCK_N=64,
-                 BLOCK_K=128, SPLIT_K=1, PRECISE=True, ptrs={"ws_ptr": "*bf16", "cnt_ptr": "*bf16"})
-        for mode in (3, 4):   # 4: split 0's programs late, the others wait in enter
-            compile_(sg._skinny_gemm_kernel, mode, early_loads=True, BLOCK_M=32, BLOCK_N=64, BLOCK_K=128,
-                     EVEN_N=True, HAS_BIAS=False, SPLIT_K=2, PARTIALS=True, SILU_MUL=False, ptrs={"cnt_ptr": "*bf16"})
         print("ok")
     """)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -667,13 +647,15 @@ def test_skinny_configs_from_the_environment():
     """ROLLOUT_SKINNY_CONFIGS sets a weight shape's decode GEMM config at every row count, packed
     or not (a cublas entry sends it to F.linear); bad entries are refused with the form named. The
     tables are read at import, so the override is checked in a fresh interpreter."""
-    from rollout.kernels.skinny_gemm import configs_from_env
-    assert configs_from_env("") == {}
-    assert configs_from_env("6144x4096=64,128,4,3,2; 4096x4096=cublas") == {
+    from rollout.env import KernelSwitches, parse_skinny_configs
+    assert parse_skinny_configs("") == {}
+    assert parse_skinny_configs("6144x4096=64,128,4,3,2; 4096x4096=cublas") == {
         (6144, 4096): (64, 128, 4, 3, 2), (4096, 4096): None}
     for bad in ("6144=64,128,4,3", "6144x4096=64,128,4", "6144x4096=a,b,c,d", "6144x4096x1=64,128,4,3"):
         with pytest.raises(ValueError, match="ROLLOUT_SKINNY_CONFIGS"):
-            configs_from_env(bad)
+            parse_skinny_configs(bad)
+        with pytest.raises(ValueError, match="ROLLOUT_SKINNY_CONFIGS"):
+            KernelSwitches(skinny_configs=bad)
     code = ("from rollout.kernels import skinny_gemm as sg; "
             "print([sg.pick_config(6144, 4096, m, p) for m in (1, 32) for p in (False, True)], "
             "sg.pick_config(4096, 4096, 32, True), sg.pick_config(4096, 14336, 32, True))")
@@ -686,19 +668,13 @@ def test_skinny_configs_from_the_environment():
         "(64, 128, 4, 5, 2)"
 
 
-def test_gluon_tile_from_the_environment():
-    """ROLLOUT_GLUON_DECODE: 0 Triton only, 1 the default tile and warps, or an explicit tile with
-    optional warps (4 unless given: the escape back to the earlier defaults); anything else is
-    refused with the expected form named."""
-    from rollout.kernels.paged_decode import FORMS, gluon_tile_and_warps_from_env as from_env
-    assert from_env("0") == (None, 4) and from_env("1") == ((128, 2, "keys"), 8)
-    assert from_env("32,6,heads") == ((32, 6, "heads"), 4)
-    assert from_env("128,2,keys,8") == ((128, 2, "keys"), 8)
-    for bad in ("32,6", "a,b,heads", "32,6,rows", "128,2,keys,3", "128,2,keys,8,1", "128,2,keys,x"):
-        with pytest.raises(ValueError, match="ROLLOUT_GLUON_DECODE"):
-            from_env(bad)
-    for form in FORMS:
-        assert from_env(f"64,3,{form}")[0][2] == form
+def test_kernel_switches_from_the_environment():
+    """Every ROLLOUT_* kernel switch is read by rollout.env: "0" turns one off, anything else leaves it on."""
+    from rollout.env import KernelSwitches
+    assert KernelSwitches.from_environ({}) == KernelSwitches()
+    off = KernelSwitches.from_environ({"ROLLOUT_GLUON_DECODE": "0", "ROLLOUT_GLUON_EARLY": "0", "ROLLOUT_SPLITK_NORM": "0",
+                                       "ROLLOUT_SILU_GATE_UP": "0", "ROLLOUT_ROPE_QKV": "0"})
+    assert not any([off.gluon_decode, off.gluon_early, off.splitk_into_norm, off.silu_in_gate_up, off.rope_in_qkv])
 
 
 @triton.jit

@@ -15,7 +15,6 @@ import argparse
 import contextlib
 import datetime
 import json
-import os
 import platform
 import statistics
 import subprocess
@@ -24,6 +23,7 @@ import time
 
 import torch
 
+from .. import env
 from ..engine import RolloutEngine
 from ..models.loader import build_model, copy_hf_tensors
 from ..request import SamplingParams
@@ -38,9 +38,8 @@ def _sync():
 
 
 def _git_commit() -> str:
-    import os
-    if os.environ.get("ROLLOUT_GIT_COMMIT"):   # the GPU machine's copy of the tree has no .git
-        return os.environ["ROLLOUT_GIT_COMMIT"]
+    if env.GIT_COMMIT:    # the GPU machine's copy of the tree has no .git
+        return env.GIT_COMMIT
     try:
         return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True).strip()
     except Exception:
@@ -54,8 +53,7 @@ def run_meta(module: str, argv) -> dict:
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu",
             "torch": torch.__version__, "transformers": __import__("transformers").__version__,
             # the switches a run can be under (ROLLOUT_PDL, ROLLOUT_GLUON_DECODE, ...): not in the command line
-            "environment": {k: v for k, v in sorted(os.environ.items())
-                            if k.startswith("ROLLOUT_") and k != "ROLLOUT_GIT_COMMIT"}}
+            "environment": env.rollout_variables()}
 
 
 def write_json(result: dict, path) -> None:
@@ -176,8 +174,6 @@ def main(argv=None):
                     help="engine batch_invariant=True (to measure what bit-stable outputs cost)")
     ap.add_argument("--pack-decode-weights", action="store_true",
                     help="engine pack_decode_weights=True (decode GEMMs read packed weight copies)")
-    ap.add_argument("--decode-megakernel", action="store_true",
-                    help="engine decode_megakernel=True (decode steps of <= 32 rows: every layer in one kernel)")
     ap.add_argument("--check-seqs", type=int, default=4, help="sequences checked against HF's forward")
     ap.add_argument("--check-gen-len", type=int, default=128, help="new tokens of the checked sequences")
     ap.add_argument("--fp32-reference", action="store_true",
@@ -212,15 +208,14 @@ def main(argv=None):
                            max_num_batched_tokens=max(2048, P * 4), seed=args.seed,
                            attention_backend=args.attention_backend, cuda_graphs=not args.no_graphs,
                            cuda_graph_modes=("greedy", "truncate"),   # what this bench samples with
-                           batch_invariant=args.batch_invariant, pack_decode_weights=args.pack_decode_weights,
-                           decode_megakernel=args.decode_megakernel)
+                           batch_invariant=args.batch_invariant, pack_decode_weights=args.pack_decode_weights)
     engine_init_s = time.perf_counter() - t_engine
     gen = torch.Generator().manual_seed(args.seed)
     prompts = torch.randint(10, cfg.vocab_size - 10, (B, P), generator=gen).tolist()
     greedy = SamplingParams(n=n, max_new_tokens=G, temperature=0.0, ignore_eos=True)
     result = {"shape": args.shape, "attention_backend": engine.runner.attention_backend,
               "cuda_graphs": engine.pipeline.graphs is not None, "batch_invariant": args.batch_invariant,
-              "pack_decode_weights": args.pack_decode_weights, "decode_megakernel": args.decode_megakernel,
+              "pack_decode_weights": args.pack_decode_weights,
               "batch": B, "n": n, "prompt_len": P,
               "gen_len": G, "dtype": args.dtype, "engine_init_s": engine_init_s,
               "bf16_reduced_precision_reduction": bool(args.bf16_reduced_precision_reduction),

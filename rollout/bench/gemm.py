@@ -22,7 +22,7 @@ import sys
 import torch
 
 from .__main__ import run_meta, write_json
-from .kernels import copy_bandwidth
+from .roofline import copy_bandwidth
 from .shapes import SHAPES, make_config
 
 L2_BYTES = 64 << 20

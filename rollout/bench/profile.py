@@ -135,7 +135,7 @@ def main(argv=None):
             per_name[ev.name][1] += 1 / steps
     kernels_ms = sum(per_cat.values())
     sizes = model_sizes(cfg)
-    from .kernels import copy_bandwidth
+    from .roofline import copy_bandwidth
     copy_Bps = copy_bandwidth() * 1e9
     # A group's prompt pages are read by its n rows; counted once (the rows run side by side).
     kv_bytes = (B // args.n * P + B * (C - P + 2 * K)) * sizes["kv_bytes_per_token"]

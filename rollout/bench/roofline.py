@@ -44,3 +44,13 @@ def roofline(cfg, B: int, P: int, G: int, prefill_seqs: int | None = None, dtype
     return {"bytes_per_step": s["weight_bytes"] + B * c * s["kv_bytes_per_token"] + 4 * B * s["vocab"],
             "mean_context": c, "step_ms": 1e3 * t_step, "prefill_s": prefill, "wall_s": total,
             "tok_s": B * G / total, "hbm_bytes_s": bw, "flops": flops}
+
+
+def copy_bandwidth(nbytes: int = 2 << 30) -> float:
+    """Measured device-to-device copy rate in GB/s, read + write bytes (as HBM bandwidth is quoted)."""
+    import torch
+    from triton.testing import do_bench
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = do_bench(lambda: dst.copy_(src), return_mode="median")
+    return 2 * nbytes / (ms * 1e-3) / 1e9

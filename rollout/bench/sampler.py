@@ -26,22 +26,14 @@ import datetime
 import json
 import os
 import platform
-import subprocess
 import sys
 
 import torch
 
+from .__main__ import _git_commit
+
 TRUNC_MODES = {"top_p": {"top_p": 0.9}, "top_k": {"top_k": 50}, "min_p": {"min_p": 0.05},
                "combined": {"top_k": 50, "top_p": 0.9, "min_p": 0.05}}
-
-
-def _git_commit() -> str:
-    if os.environ.get("ROLLOUT_GIT_COMMIT"):  # the GPU machine's copy of the tree has no .git
-        return os.environ["ROLLOUT_GIT_COMMIT"]
-    try:
-        return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True, stderr=subprocess.DEVNULL).strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def make_logits(R: int, V: int, dist: str, gen: torch.Generator) -> torch.Tensor:

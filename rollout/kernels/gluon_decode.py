@@ -1,19 +1,18 @@
 """Split-KV paged decode attention in Gluon with a cp.async ring for the K / V tiles. CUDA (sm_90)
 only. The engine takes it where `paged_decode.pick_decode` says (one split, at one to two programs
-a SM); `paged_decode.GLUON_TILE` sets its tile and `paged_decode.GLUON_WARPS` its warps
-(bench.step_variants knob `gattn=BLOCK_N,STAGES[,SPLITS[,FORM[,WARPS]]]`; paged_decode.FORMS).
+a SM), at `paged_decode.GLUON_TILE` and `GLUON_WARPS`.
 
 Same math and grid as paged_decode's split kernel (one program per sequence x KV head x split,
 the GROUP query heads of a KV head as the rows of a 16-row MMA tile, fp32 online softmax in the
 log2 domain); with several splits it leaves the same partials for paged_decode's merge kernel,
 with one it writes the output. What differs is how keys arrive. Triton 3.6 pipelines the
 block-table load in front of the K / V copies, so K and V get one shared-memory buffer and
-nothing streams while a tile is computed (bench/results/README.md, fourteenth session). Here each
+nothing streams while a tile is computed. Here each
 program keeps STAGES - 1 tiles in flight: tile t + STAGES - 1 is issued (cp.async, 16 bytes a
 thread, rows past the split's end zero-filled) before tile t is waited for, and the pages of the
 tile after that are looked up one iteration early.
 
-Two forms of the math (paged_decode.FORMS): the GROUP query heads as the rows of a 16-row MMA tile
+Two forms of the math (FORMS): the GROUP query heads as the rows of a 16-row MMA tile
 (_gluon_decode_split_kernel, any split count), or, the default where it applies (one split, GROUP
 <= 8), keys as the rows and the heads as 8 columns (_gluon_decode_keys_kernel: half the MMAs and
 exps for GROUP = 4).
@@ -23,7 +22,7 @@ stages, or 32-key tiles, 6: 96 KB, two; the default 128-key tiles, 2 stages: 128
 one-split grid of B x Hkv = 256 programs (P1) then cannot pile onto the SMs the QKV GEMM leaves
 first under PDL (the placement that cost Triton's one-split tiles, at four a SM, 15 points), and
 the merge kernel and its launch go. At one a SM it runs in two waves, and still measured faster
-than one wave of 64-key tiles (bench/results/README.md, twenty-third session).
+than one wave of 64-key tiles.
 
 Copy groups: one per tile (K and V), committed in tile order, STAGES - 1 before the loop and one
 per iteration; when tile t is needed STAGES - 1 newer groups exist, so `wait_group(STAGES - 1)`.
@@ -37,8 +36,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
-from .paged_decode import FORMS
-
+FORMS = ("heads", "keys")   # what is the MMA's rows: the query heads, or the keys (one split, GROUP <= 8)
 ROWS = gl.constexpr(16)   # query rows per program: the MMA's M (GROUP <= 16)
 
 
@@ -50,14 +48,9 @@ def _asm(code: gl.constexpr, t):
 
 @gluon.jit
 def _enter(PDL: gl.constexpr, b):
-    """kernels/pdl.py's `enter` in Gluon: wait for the previous grid and let the next launch, in
-    pdl_for's order (1 wait first; 5 never let it launch early). There is no before_store here,
-    so set_late's modes 3 and 4 run as 2. b: any scalar int32."""
-    if PDL == 1:
-        _asm("griddepcontrol.wait; griddepcontrol.launch_dependents;", b)
-    elif PDL == 5:
-        _asm("griddepcontrol.wait;", b)
-    elif PDL:
+    """kernels/pdl.py's `enter` in Gluon: let the next grid launch, then wait for the previous
+    one. b: any scalar int32."""
+    if PDL:
         _asm("griddepcontrol.launch_dependents; griddepcontrol.wait;", b)
 
 
@@ -117,7 +110,7 @@ def key_scores(q, k_t, n0, end, cols, scale_log2, mma: gl.constexpr, ROWS: gl.co
 def softmax_step(s, m_i, l_cols):
     """One key tile of the online softmax over scores s: (new running max, the tile's weights p,
     the factor alpha that rescales what came before, per-column row sums). The caller adds
-    p @ V to its accumulator scaled by alpha. Also kernels.decode_layers'."""
+    p @ V to its accumulator scaled by alpha."""
     m_new = gl.maximum(m_i, gl.max(s, 1))
     m_use = gl.where(m_new == float("-inf"), 0.0, m_new)   # all-masked row: no NaN from -inf - -inf
     p = gl.exp2(s - m_use[:, None])
@@ -130,8 +123,7 @@ def _gluon_decode_split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, p
                                s_qb, s_qh, s_kp, s_ks, s_kh, s_vp, s_vs, s_bt, s_ob, s_oh,
                                GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, PAGE_SIZE: gl.constexpr,
                                BLOCK_N: gl.constexpr, STAGES: gl.constexpr, NUM_SPLITS: gl.constexpr,
-                               PDL: gl.constexpr, MATH: gl.constexpr, WARP_SCORES: gl.constexpr,
-                               num_warps: gl.constexpr):
+                               PDL: gl.constexpr, num_warps: gl.constexpr):
     b = gl.program_id(0)
     kvh = gl.program_id(1)
     split = gl.program_id(2)
@@ -149,14 +141,11 @@ def _gluon_decode_split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, p
     pages_next = _ring_fill(k_ring, v_ring, rows, dims, k_ptr, v_ptr, bt_ptr, row_b, kv_off, start, end, s_kp, s_ks,
                             s_vp, s_vs, PAGE_SIZE, BLOCK_N, STAGES)
 
-    # p @ V: the warps split the head dim. q . k: so do they the keys, or (WARP_SCORES) every warp
-    # computes all of a tile's scores itself (its 16 rows repeat over the warps' M slots), so the
-    # softmax's max and p need no exchange between warps: 4x the q . k MMAs, two fewer CTA barriers a tile.
+    # p @ V: the warps split the head dim; q . k: the keys.
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, num_warps], instr_shape=[16, 8])
     a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     b_op: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
-    mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[num_warps, 1] if WARP_SCORES
-                                                    else [1, num_warps], instr_shape=[16, 8])
+    mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, num_warps], instr_shape=[16, 8])
     a_s: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_s, k_width=2)
     b_s: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma_s, k_width=2)
     q_ld: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0])
@@ -176,14 +165,13 @@ def _gluon_decode_split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, p
                     kv_off, s_kp, s_ks, s_vp, s_vs, PAGE_SIZE)
         pages_next = _tile_pages(bt_ptr, row_b, n_issue + BLOCK_N, rows, end, PAGE_SIZE)
         async_copy.wait_group(STAGES - 1)
-        if MATH:                               # MATH False: a timing bound, the copy stream alone (wrong output)
-            slot = t % STAGES
-            k_t = k_ring.index(slot).permute((1, 0)).load(b_s)
-            s = key_scores(q, k_t, start + t * BLOCK_N, end, cols, sm_scale_log2, mma_s, ROWS, BLOCK_N)
-            m_i, p, alpha, l_cols = softmax_step(s, m_i, l_cols)
-            v_t = v_ring.index(slot).load(b_op)
-            alpha = gl.convert_layout(alpha, gl.SliceLayout(1, mma))
-            acc = mma_v2(gl.convert_layout(p.to(gl.bfloat16), a_op), v_t, acc * alpha[:, None])
+        slot = t % STAGES
+        k_t = k_ring.index(slot).permute((1, 0)).load(b_s)
+        s = key_scores(q, k_t, start + t * BLOCK_N, end, cols, sm_scale_log2, mma_s, ROWS, BLOCK_N)
+        m_i, p, alpha, l_cols = softmax_step(s, m_i, l_cols)
+        v_t = v_ring.index(slot).load(b_op)
+        alpha = gl.convert_layout(alpha, gl.SliceLayout(1, mma))
+        acc = mma_v2(gl.convert_layout(p.to(gl.bfloat16), a_op), v_t, acc * alpha[:, None])
     async_copy.wait_group(0)                   # the zero-filled tail copies, before the program exits
 
     l_i = gl.convert_layout(gl.sum(l_cols, 1), gl.SliceLayout(1, mma))
@@ -214,8 +202,8 @@ def _gluon_decode_keys_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, sm
                               EARLY: gl.constexpr, num_warps: gl.constexpr):
     """The one-split kernel with the MMAs transposed: s^T = K q^T and o^T = V^T p^T, keys and the
     head dim as the MMA's M (16 a warp), the GROUP query heads as its N (8). The split kernel pads
-    GROUP = 4 heads to 16 rows; here to 8 columns, so half the MMAs and exps for the same tile
-    (bench.attn_ceiling `gluon=BN,S,keys`): less work, and less energy at the board's power limit.
+    GROUP = 4 heads to 16 rows; here to 8 columns, so half the MMAs and exps for the same tile:
+    less work, and less energy at the board's power limit.
 
     EARLY (paged_decode.GLUON_EARLY, the default): the ring's first STAGES - 1 tiles are issued
     before the PDL wait where they cannot hold the step's own key (context > their keys), so a
@@ -223,7 +211,7 @@ def _gluon_decode_keys_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, sm
     in flight when the wait ends. Only the previous steps' keys are read early; seq_lens and block
     tables must not be the previous kernel's output (the engine copies them in before the step).
     Issuing every slot early (the loop's first tile too, behind a branch in the loop) lost 9-11
-    points (bench/results/README.md, twenty-sixth session)."""
+    points of P1's roofline."""
     b = gl.program_id(0)
     kvh = gl.program_id(1)
     row_b = b * s_bt
@@ -290,12 +278,11 @@ def _gluon_decode_keys_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, sm
 def decode_split(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  seq_lens: torch.Tensor, scale_log2: float, out: torch.Tensor, po: torch.Tensor, plse: torch.Tensor,
                  num_splits: int, block_n: int, stages: int, form: str = "heads", *, pdl: int,
-                 math: bool = True, num_warps: int = 4, early: bool = False) -> None:
+                 num_warps: int = 4, early: bool = False) -> None:
     """paged_decode's split kernel on bf16, head_dim 128, GROUP <= 16, no sliding window: with one
     split the output `out` [B, Hq, D], else partial outputs po [B, Hq, num_splits, D] (fp32) and
     plse [B, Hq, num_splits] for its merge kernel. (block_n, stages, form): the tile,
-    paged_decode.GLUON_TILE's (form: one of paged_decode.FORMS). math=False: the K / V copies only, no attention (a
-    timing bound for bench.attn_ceiling; its output is wrong). num_warps: paged_decode.GLUON_WARPS.
+    paged_decode.GLUON_TILE's (form: one of FORMS). num_warps: paged_decode.GLUON_WARPS.
     early: the keys form issues its first tiles before the PDL wait (paged_decode.GLUON_EARLY)."""
     B, Hq, D = q.shape
     _, page_size, Hkv, _ = k_cache.shape
@@ -308,7 +295,7 @@ def decode_split(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     strides = (q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                v_cache.stride(0), v_cache.stride(1), block_tables.stride(0), out.stride(0), out.stride(1))
     if form == "keys":
-        assert num_splits == 1 and math and Hq // Hkv <= HEADS and block_n % 64 == 0, "keys form: one split, GROUP <= 8"
+        assert num_splits == 1 and Hq // Hkv <= HEADS and block_n % 64 == 0, "keys form: one split, GROUP <= 8"
         _gluon_decode_keys_kernel[(B, Hkv)](
             q, k_cache, v_cache, block_tables, seq_lens, out, scale_log2, *strides,
             GROUP=Hq // Hkv, HEAD_DIM=D, PAGE_SIZE=page_size, BLOCK_N=block_n, STAGES=stages, PDL=pdl,
@@ -317,4 +304,4 @@ def decode_split(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     _gluon_decode_split_kernel[(B, Hkv, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, po, plse, scale_log2, *strides,
         GROUP=Hq // Hkv, HEAD_DIM=D, PAGE_SIZE=page_size, BLOCK_N=block_n, STAGES=stages, NUM_SPLITS=num_splits,
-        PDL=pdl, MATH=math, WARP_SCORES=form == "warp_scores", num_warps=num_warps, launch_pdl=bool(pdl))
+        PDL=pdl, num_warps=num_warps, launch_pdl=bool(pdl))

@@ -18,15 +18,15 @@ split) where its grid is one wave at two programs a SM, Triton's kernel elsewher
 from __future__ import annotations
 
 import functools
-import os
 from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
+from .. import env
 from . import fix_interpreter
-from .pdl import before_store, enter, pdl_for, sm90_or_later
+from .pdl import enter, pdl_for, sm90_or_later
 
 fix_interpreter()
 
@@ -85,7 +85,6 @@ def _decode_split_kernel(
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)       # empty split / padding row -> acc 0, output 0
     o = acc / l_safe[:, None]
-    before_store(PDL)
     if NUM_SPLITS == 1:
         tl.store(out_ptr + b * s_ob + heads[:, None] * s_oh + dims[None, :], o.to(out_ptr.dtype.element_ty),
                  mask=row_ok[:, None])
@@ -140,45 +139,17 @@ def _decode_merge_kernel(po_ptr, plse_ptr, out_ptr, s_ob, s_oh,
 DECODE_TILE = dict(block_n=None, num_warps=4, num_stages=2)   # block_n None: 64 (16 in fp32)
 
 
-# The forms of kernels/gluon_decode.py's math, by what is the MMA's rows: query heads (split among the
-# warps by key columns, or whole in every warp: warp_scores), or keys (its keys kernel: one split,
-# GROUP <= 8). Here, not there: this module reads the tile from the environment where Gluon is absent.
-FORMS = ("heads", "warp_scores", "keys")
-
-
-def gluon_tile_and_warps_from_env(value: str) -> tuple[Optional[tuple], int]:
-    """ROLLOUT_GLUON_DECODE -> (tile, warps): "0" Triton's kernel everywhere (tile None); "1" the
-    default, (128, 2, "keys") with 8 warps; or "BLOCK_N,STAGES,FORM[,WARPS]" (warps 4 unless given;
-    e.g. 128,2,keys the default before the twenty-fourth session, 64,3,keys the one before the
-    twenty-third, 32,6,heads the one before the twenty-second)."""
-    if value in ("0", "1"):
-        return (None, 4) if value == "0" else ((128, 2, "keys"), 8)
-    try:
-        block_n, stages, form, *warps = value.split(",")
-        tile = int(block_n), int(stages), form.strip()
-        (num_warps,) = [int(w) for w in warps] or [4]
-    except ValueError:
-        raise ValueError(f"ROLLOUT_GLUON_DECODE={value!r}: expected 0, 1 or BLOCK_N,STAGES,FORM[,WARPS]") from None
-    if tile[2] not in FORMS:
-        raise ValueError(f"ROLLOUT_GLUON_DECODE={value!r}: FORM must be one of {FORMS}")
-    if num_warps not in (1, 2, 4, 8):
-        raise ValueError(f"ROLLOUT_GLUON_DECODE={value!r}: WARPS must be 1, 2, 4 or 8")
-    return tile, num_warps
-
-
-# (BLOCK_N, STAGES, form) of kernels/gluon_decode.py's split kernel (None: Triton's kernel everywhere;
-# form: FORMS). Keys as the MMA's rows (the heads form where GROUP > 8 or several splits). 128-key
-# tiles in 2 stages: a 130 KB ring, one program an SM, so P1's 256 programs run in two waves; in
-# P1's decode graphs over 500-step windows still +0.5 to +1.1 points over (64, 3) (two programs an
-# SM), which was itself +0.9 over the earlier (32, 6, "heads"); (64, 4) and (128, 3) lose 6.4 and 2.6 points
-# (bench/results/README.md, twenty-second and twenty-third sessions).
-# GLUON_WARPS: warps a program. At the 128-key tile's one program an SM, 8 warps (16 keys each for the
-# MMAs instead of 32) read +0.5 points over 4 in two 500-step windows (twenty-fourth session).
-GLUON_TILE, GLUON_WARPS = gluon_tile_and_warps_from_env(os.environ.get("ROLLOUT_GLUON_DECODE", "1"))
+# (BLOCK_N, STAGES, form) of kernels/gluon_decode.py's split kernel, or None for Triton's kernel
+# everywhere (ROLLOUT_GLUON_DECODE=0). Keys as the MMA's rows (the heads form where GROUP > 8 or
+# several splits). 128-key tiles in 2 stages: a 130 KB ring, one program an SM, so P1's 256
+# programs run in two waves; in P1's decode graphs over 500-step windows +0.5 to +1.1 points over
+# (64, 3) (two programs an SM). GLUON_WARPS: 8 warps (16 keys each for the MMAs) read +0.5 points
+# over 4.
+GLUON_TILE = (128, 2, "keys") if env.SWITCHES.gluon_decode else None
+GLUON_WARPS = 8
 # GLUON_EARLY: the keys form issues its first K / V tiles before its PDL wait (gluon_decode's EARLY;
-# ROLLOUT_GLUON_EARLY=0 turns it off, step_variants knob attn_early). +0.6 points of P1's roofline in each
-# of three packed 500-step windows, +0.4 in a fourth on another board (bench/results/README.md, twenty-sixth session).
-GLUON_EARLY = os.environ.get("ROLLOUT_GLUON_EARLY", "1") == "1"
+# ROLLOUT_GLUON_EARLY=0 turns it off): +0.4 to +0.6 points of P1's roofline in 500-step windows.
+GLUON_EARLY = env.SWITCHES.gluon_early
 GLUON_PROGRAMS_PER_SM = 2
 
 
@@ -267,7 +238,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         po = plse = out  # unused
     # fp32 inputs: ieee dot (default would be tf32, ~1e-3 error); bf16/fp16 ignore this.
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
-    pdl = pdl_for(q, late=("attn",))
+    pdl = pdl_for(q)
     if gluon:
         if not (GLUON_TILE and gluon_supported(q, k_cache, sliding_window)):
             raise ValueError(f"the Gluon decode kernel takes bf16, head_dim 128, GQA groups <= 16, no window, sm_90+ "

@@ -28,7 +28,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from . import fix_interpreter
-from .pdl import before_store, enter, pdl_for
+from .pdl import enter, pdl_for
 from .skinny_gemm import packed_as_rows, split_counters, splitk_fixup, weight_rows_times_x
 
 fix_interpreter()
@@ -156,7 +156,6 @@ def _qkv_rope_kernel(
     kt0 = tl.program_id(1) * per
     acc = weight_rows_times_x(x_ptr, w_ptr, w_rows, w_rows, rm, M, N, s_xm, s_wn,
                               kt0, tl.minimum(kt0 + per, K // BLOCK_K), BLOCK_M, BLOCK_N, BLOCK_K, True, PDL, TILED)
-    before_store(PDL)
     last = True
     if SPLIT_K > 1:   # the tile's last split program sums the partials (skinny_gemm's order) and goes on
         acc, last = splitk_fixup(acc, ws_ptr, cnt_ptr, pid, w_rows, rm, N, BLOCK_M, SPLIT_K)
@@ -216,7 +215,7 @@ def qkv_rope_and_write_kv(x: torch.Tensor, w: torch.Tensor, num_heads: int, posi
     out_q = torch.empty((T, num_heads, D), dtype=x.dtype, device=x.device)
     if T == 0:
         return out_q
-    pdl = pdl_for(x, late=("qkv",))
+    pdl = pdl_for(x)
     tiles, bm = (num_heads + 2 * Hkv) * (half // pairs), max(16, triton.next_power_of_2(T))
     if split_k > 1:   # fp32 partials [split, row tile, N]; torch.empty is graph-safe
         ws = torch.empty((split_k, bm, w.shape[0]), dtype=torch.float32, device=x.device)

@@ -23,16 +23,16 @@ entry (cuBLAS was faster, or the shape was not swept) the model calls F.linear.
 """
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
+from .. import env
 from . import fix_interpreter
 from .fused_ops import silu_times
-from .pdl import before_store, enter, pdl_for
+from .pdl import enter, pdl_for
 
 fix_interpreter()
 
@@ -57,7 +57,6 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, s_
     kt0 = tl.program_id(1) * per
     acc = weight_rows_times_x(x_ptr, w_ptr, w_rows, rn, rm, M, N, s_xm, s_wn, kt0, tl.minimum(kt0 + per, k_tiles),
                               BLOCK_M, BLOCK_N, BLOCK_K, EVEN_N, PDL, TILED)
-    before_store(PDL)
     if SPLIT_K > 1:
         if PARTIALS:   # the consumer kernel adds them (in split order)
             tl.store(ws_ptr + (tl.program_id(1) * BLOCK_M + rm[None, :]) * N + rn[:, None], acc, mask=rn[:, None] < N)
@@ -193,25 +192,6 @@ _LLAMA3_8B_PACKED = {
 }
 
 
-def configs_from_env(value: str) -> dict:
-    """ROLLOUT_SKINNY_CONFIGS, e.g. "6144x4096=64,128,4,3,2 4096x4096=cublas": for each weight
-    shape NxK, the config (BLOCK_N,BLOCK_K,warps,stages[,split_k], or cublas) its decode GEMM takes
-    at every row count, packed or not: one end-to-end run under a config a step_variants sweep
-    picked (bench.step_variants' `qkv=...` knobs do the same inside one process). {} if unset."""
-    out = {}
-    for item in value.replace(";", " ").split():
-        try:
-            shape, cfg = item.split("=")
-            n, k = (int(d) for d in shape.lower().split("x"))
-            nums = None if cfg == "cublas" else tuple(int(c) for c in cfg.split(","))
-        except ValueError:
-            raise ValueError(f"ROLLOUT_SKINNY_CONFIGS: {item!r} is not NxK=BN,BK,W,S[,SK] or NxK=cublas") from None
-        if nums is not None and len(nums) not in (4, 5):
-            raise ValueError(f"ROLLOUT_SKINNY_CONFIGS: {item!r} needs 4 or 5 numbers")
-        out[(n, k)] = nums
-    return out
-
-
 def set_config(N: int, K: int, cfg: Optional[tuple[int, ...]]) -> None:
     """From now on the [N, K] weight's decode GEMM takes `cfg` (None: cuBLAS) at every row count,
     packed or not (ROLLOUT_SKINNY_CONFIGS; bench.step_variants' GEMM knobs)."""
@@ -219,7 +199,7 @@ def set_config(N: int, K: int, cfg: Optional[tuple[int, ...]]) -> None:
     _LLAMA3_8B_PACKED.pop((N, K), None)
 
 
-for _shape, _cfg in configs_from_env(os.environ.get("ROLLOUT_SKINNY_CONFIGS", "")).items():
+for _shape, _cfg in env.SWITCHES.gemm_overrides().items():
     set_config(*_shape, _cfg)
 
 
@@ -327,7 +307,7 @@ def skinny_gemm(x: torch.Tensor, w: torch.Tensor, block_n: int, block_k: int, nu
     bm, tiles = block_m or pick_block_m(M), triton.cdiv(N, cols_per_tile)
     ws = torch.empty((split_k, bm, N), dtype=torch.float32, device=x.device) if split_k > 1 else out
     if M:
-        pdl = pdl_for(x, late=("gemm", f"gemm:{w.shape[0]},{K}", f"split0:{w.shape[0]},{K}"))
+        pdl = pdl_for(x)
         cnt = split_counters(x.device, tiles) if split_k > 1 and not partials else out   # else unused
         _skinny_gemm_kernel[(tiles, split_k, triton.cdiv(M, bm))](
             x, w, bias if bias is not None else w, out, ws, cnt, M, N, K, x.stride(0), w.stride(0), out.stride(0),

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import env
 from ..attention import AttentionMetadata, attend, write_kv
 
 SUPPORTED_ARCHITECTURES = {
@@ -275,10 +275,6 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-def _env_on(name: str) -> bool:
-    return os.environ.get(name, "1") != "0"
-
-
 class DecoderLM(nn.Module):
     def __init__(self, cfg):
         super().__init__()
@@ -296,17 +292,18 @@ class DecoderLM(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(cfg, attn.head_dim), persistent=False)
         self.fused_small_ops = True   # with the Triton backend; the profile bench turns it off to compare
         self.skinny_gemm = True       # decode GEMMs on the fused path: Triton where it beats cuBLAS
-        # Decode-GEMM epilogue fusions, each one kernel fewer per layer with the same bits; in-graph
-        # H200 A/Bs against the plain kernels (bench/results/README.md). Env "0" turns one off.
-        # Split-K o_proj / down_proj partials summed by the next add + RMSNorm: +0.4-0.6% of the step.
-        self.splitk_into_norm = _env_on("ROLLOUT_SPLITK_NORM")
-        # SiLU * up in the gate_up GEMM's epilogue: +0.1-0.2%.
-        self.silu_in_gate_up = _env_on("ROLLOUT_SILU_GATE_UP")
-        # RoPE + the K/V write in the QKV GEMM's epilogue (no qk-norm, no bias): +0.2-0.3%.
-        self.rope_in_qkv = _env_on("ROLLOUT_ROPE_QKV")
+        self.use_kernel_switches(env.SWITCHES)
         self.batch_invariant = False  # set by the engine: every GEMM through invariant_linear
-        self.decode_weights = None    # use_decode_megakernel: the stacked weights the megakernel reads
-        self.decode_megakernel = False  # decode steps of <= 32 rows in one kernel (use_decode_megakernel)
+
+    def use_kernel_switches(self, switches: env.KernelSwitches) -> None:
+        """Decode-GEMM epilogue fusions, each one kernel fewer per layer with the same bits (H200, in
+        the decode graphs): split-K o_proj / down_proj partials summed by the next add + RMSNorm
+        (+0.4-0.6% of the step), SiLU * up in the gate_up GEMM's epilogue (+0.1-0.2%), RoPE + the
+        K/V write in the QKV GEMM's epilogue (no qk-norm, no bias; +0.2-0.3%)."""
+        self.kernels = switches
+        self.splitk_into_norm = switches.splitk_into_norm
+        self.silu_in_gate_up = switches.silu_in_gate_up
+        self.rope_in_qkv = switches.rope_in_qkv
 
     def _linear(self):
         if self.batch_invariant:
@@ -333,17 +330,9 @@ class DecoderLM(nn.Module):
         """Same math as `forward` with ~6 kernels per layer instead of ~35: each residual add
         is fused into the RMSNorm that follows it (the next layer's input norm, or the final
         norm), SiLU * up and RoPE + K/V write are kernels of their own or GEMM epilogues
-        (`silu_in_gate_up`, `rope_in_qkv`). Decode steps of at most 32 rows run every layer in
-        one kernel where `use_decode_megakernel` was called."""
+        (`silu_in_gate_up`, `rope_in_qkv`)."""
         from ..kernels.fused_ops import add_rmsnorm
         residual = self.embed_tokens(input_ids)
-        if self.decode_megakernel and meta.decode_only and input_ids.shape[0] <= 32:
-            from ..kernels.decode_layers import decode_layers, stacked_kv
-            attn = self.layers[0].self_attn
-            residual = decode_layers(residual, positions, self.inv_freq, self.decode_weights, stacked_kv(kv_caches),
-                                     meta.block_tables, meta.seq_lens, meta.slot_mapping, self.norm.eps, attn.scale,
-                                     attn.num_heads)
-            return add_rmsnorm(residual, self.norm.weight, self.norm.eps)[0]
         linear = self._linear()
         norms = [layer.input_layernorm for layer in self.layers] + [self.norm]
         h, _ = add_rmsnorm(residual, norms[0].weight, norms[0].eps)
@@ -399,39 +388,6 @@ class DecoderLM(nn.Module):
                 t = getattr(lin, "weight_tiles", None)
                 if t is not None:
                     pack_weight_tiles(lin.weight, t.shape[2], t.shape[3], lin.weight_tiles_order, self.head_dim, out=t)
-
-    def use_decode_megakernel(self, num_sms: int) -> None:
-        """Decode steps of at most 32 rows from now on run every layer in one kernel
-        (kernels/decode_layers.py). It reads each weight kind of all layers as one [L, ...] tensor:
-        the layers' parameters become views of stacked copies (same memory once the originals are
-        freed; weight updates, which write the parameters in place, land in them). Raises where the
-        model is not one the kernel takes."""
-        from ..kernels.decode_layers import supported
-        a, m = self.layers[0].self_attn, self.layers[0].mlp
-        why = supported(self.config.hidden_size, m.inter, a.num_heads, a.num_kv_heads, a.head_dim, 32, num_sms)
-        if not why and (a.qk_norm or a.sliding_window or a.qkv_proj.bias is not None or a.o_proj.bias is not None
-                        or m.gate_up_proj.bias is not None or m.down_proj.bias is not None):
-            why = "QKV / o_proj / MLP bias, q/k norms or a sliding window"
-        if not why and self.embed_tokens.weight.dtype != torch.bfloat16:
-            why = f"dtype {self.embed_tokens.weight.dtype} (needs bfloat16)"
-        if why:
-            raise ValueError(f"decode_megakernel: the kernel does not take this model: {why}")
-        self.decode_megakernel = True
-        if self.decode_weights is not None:
-            return
-        groups = dict(wqkv=[layer.self_attn.qkv_proj.weight for layer in self.layers],
-                      wo=[layer.self_attn.o_proj.weight for layer in self.layers],
-                      wgu=[layer.mlp.gate_up_proj.weight for layer in self.layers],
-                      wd=[layer.mlp.down_proj.weight for layer in self.layers],
-                      n_in=[layer.input_layernorm.weight for layer in self.layers] + [self.norm.weight],
-                      n_post=[layer.post_attention_layernorm.weight for layer in self.layers])
-        self.decode_weights = {}
-        with torch.no_grad():
-            for name, params in groups.items():
-                stacked = torch.stack([p.data for p in params])
-                for i, p in enumerate(params):
-                    p.data = stacked[i]
-                self.decode_weights[name] = stacked
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         head = self.embed_tokens if self.tie_word_embeddings else self.lm_head

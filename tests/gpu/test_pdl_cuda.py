@@ -13,7 +13,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
                                 reason="needs an sm_90+ GPU")
-MODES = (0, 1, 2)   # pdl_for's modes: off, wait then launch dependents, launch dependents then wait
+MODES = (0, 1)   # pdl_for's values: off, on (launch dependents, then wait)
 
 
 def _mlp_chain(x, norm_w, w_gu, w_down, layers):
@@ -38,8 +38,8 @@ def test_kernel_chain_in_a_graph_equal_bits_with_and_without_pdl():
     outs = {}
     was = pdl.pdl_for(x)
     try:
-        for on in MODES:       # off, wait-then-launch, launch-then-wait
-            pdl.set_enabled(on > 0, launch_first=on == 2)
+        for on in MODES:
+            pdl.set_enabled(bool(on))
             assert pdl.pdl_for(x) == on
             _mlp_chain(x, norm_w, w_gu, w_down, 2)          # compile outside the capture
             torch.cuda.synchronize()
@@ -55,7 +55,7 @@ def test_kernel_chain_in_a_graph_equal_bits_with_and_without_pdl():
             outs[on] = replays
             del graph
     finally:
-        pdl.set_enabled(was > 0, launch_first=was == 2)
+        pdl.set_enabled(bool(was))
     ref = outs[0][0]
     assert torch.isfinite(ref.float()).all()
     for on in MODES:
@@ -73,9 +73,9 @@ def test_engine_decode_graphs_equal_bits_with_and_without_pdl():
     was = pdl.pdl_for(torch.empty(0, device="cuda"))
     try:   # each mode set before its engine captures its graphs
         outs = generate_per_setting(
-            model, cfg, {on: lambda on=on: pdl.set_enabled(on > 0, launch_first=on == 2) for on in MODES},
+            model, cfg, {on: lambda on=on: pdl.set_enabled(bool(on)) for on in MODES},
             prompt_lens=(5, 90), max_new_tokens=48, seed=0, max_model_len=256, num_kv_pages=512)
     finally:
-        pdl.set_enabled(was > 0, launch_first=was == 2)
+        pdl.set_enabled(bool(was))
     for on in MODES[1:]:
         assert_same_tokens_and_logprobs(outs[0], outs[on])
