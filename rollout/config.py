@@ -23,6 +23,8 @@ class EngineConfig:
     device: Optional[str] = None                 # None: cuda if available, else cpu
     dtype: str = "auto"                          # auto: the checkpoint's dtype (bf16 on CUDA, fp32 on CPU if none)
     seed: int = 0                                # random weights (from_config) and requests without a seed
+    cpu_threads: Optional[int] = None            # CPU: torch threads the engine sets; None: 1 under 100M parameters
+                                                 # (overhead-bound: more threads only spin), torch's default above
     # lengths and batch
     max_model_len: Optional[int] = None          # prompt + completion; None: the model's max_position_embeddings
     max_num_seqs: int = 256                      # sequences in flight (a group of n counts n)
@@ -62,6 +64,7 @@ class EngineConfig:
         if self.dtype not in DTYPES and not _is_torch_dtype(self.dtype):
             bad("dtype", f"one of {DTYPES}")
         integer("seed", 0)
+        integer("cpu_threads", 1, optional=True)
         integer("max_model_len", 2, optional=True)
         integer("max_num_seqs", 1)
         integer("max_num_batched_tokens", 1)

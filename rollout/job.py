@@ -91,7 +91,6 @@ class JobConfig:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     fleet: FleetConfig = field(default_factory=FleetConfig)
     output_dir: str = "outputs/rollout"
-    torch_threads: Optional[int] = None
     batch_prompts: int = 64
     reward: Optional[str] = None
 
@@ -333,11 +332,10 @@ class _FleetRollouts:
             raise ValueError(f"fleet.num_workers={fc.num_workers} needs {need['CPU']:g} CPUs and {need['GPU']:g} GPUs "
                              f"but the Ray cluster has {have.get('CPU', 0):g} and {have.get('GPU', 0):g}; lower "
                              f"fleet.num_workers or fleet.num_cpus_per_worker, or add nodes")
-        threads = self.cfg.torch_threads or (1 if dev == "cpu" else None)
         spec = EngineSpec(self.model_path, _engine_config(self.cfg, dev), worker_kwargs={"expects_updates": False})
         self.fleet = RolloutFleet(fc.num_workers, spec,
                                   num_gpus_per_worker=gpus, num_cpus_per_worker=fc.num_cpus_per_worker,
-                                  restart_dead=fc.restart_dead, torch_threads=threads)
+                                  restart_dead=fc.restart_dead)
         self.cuda = dev == "cuda"
         log.info("fleet: %d workers on %s (%g GPUs, %g CPUs each)", fc.num_workers, dev, gpus, fc.num_cpus_per_worker)
 
@@ -472,11 +470,6 @@ def run(cfg) -> dict:
     if cfg.fleet.num_workers < 1:
         raise ValueError(f"fleet.num_workers must be >= 1, got {cfg.fleet.num_workers}")
     device = cfg.engine.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    # Small models are overhead-bound on CPU, where OpenMP threads spin: 1 thread ran the
-    # embedded model ~10x faster than 2 on a 2-core machine.
-    threads = cfg.torch_threads or (1 if device == "cpu" else None)
-    if threads:
-        torch.set_num_threads(threads)
 
     # Everything that can be wrong is checked before the output dir is touched.
     model_path = cfg.model.path or arith.ensure_default_model()
