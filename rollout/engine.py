@@ -2,8 +2,11 @@
 requests -> scheduler -> batch builder -> model runner (model + sampler) -> outputs."""
 from __future__ import annotations
 
+import functools
 import logging
+import math
 import random
+import threading
 import time
 from pathlib import Path
 from typing import Optional, Sequence as Seq, Union
@@ -14,7 +17,7 @@ from .config import EngineConfig
 from .kernels import resolve_backend
 from .kv_cache import KVCacheManager, PageAllocator
 from .models.loader import build_model, init_random, load_model, parameter_bytes, resolve_dtype
-from .request import Request, RequestOutput, SamplingParams
+from .request import MIN_TEMPERATURE, Request, RequestOutput, SamplingParams, _is_int
 from .pipeline import DevicePipeline, InFlight
 from .runner import ModelRunner
 from .sampler import SamplerOutput
@@ -22,6 +25,16 @@ from .scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 
 Prompt = Union[str, list[int]]
 log = logging.getLogger(__name__)
+
+
+def _serialized(method):
+    """Engine calls from several threads run one at a time (a generate call holds the engine for
+    its whole run), so no two interleave their steps."""
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+    return call
 
 
 def _default_device(device) -> torch.device:
@@ -32,13 +45,15 @@ def _default_device(device) -> torch.device:
 
 class RolloutEngine:
     """The engine over a loaded model. Options: an EngineConfig, and / or keyword overrides of its
-    fields (`RolloutEngine.from_pretrained(path, max_num_seqs=64)`). Not thread-safe: call it
-    from one thread, or through RolloutWorker (a lock) or the HTTP server (one engine thread)."""
+    fields (`RolloutEngine.from_pretrained(path, max_num_seqs=64)`). Its public calls may come
+    from several threads: they run one at a time (a `generate` holds the engine until it returns).
+    For concurrent callers that should share batches use RolloutWorker or the HTTP server."""
 
     def __init__(self, model, hf_config, config: Optional[EngineConfig] = None, *, tokenizer=None,
                  generation_config=None, **overrides):
         cfg = (config or EngineConfig()).replace(**overrides).validate()
         self.config = cfg
+        self._lock = threading.RLock()
         self.model = model
         self.hf_config = hf_config
         self.tokenizer = tokenizer
@@ -207,35 +222,58 @@ class RolloutEngine:
 
     # ---- input validation (before any state changes) -----------------------------------
     def _prepare(self, prompts, sampling_params) -> list[tuple[list[int], SamplingParams, Optional[str]]]:
+        """(token ids, a validated copy of the params, text) per prompt; ValueError naming the first
+        bad prompt or field, before anything is queued."""
+        if _is_array(prompts) and getattr(prompts, "ndim", 0) == 2:
+            prompts = prompts.tolist()        # a 2-D integer array: one prompt per row
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, (list, tuple)):
-            raise ValueError("prompts must be a list of strings or a list of token-id lists")
+            raise ValueError(f"prompts must be a list of prompts (strings or token-id lists), got "
+                             f"{type(prompts).__name__}; wrap a single prompt in a list")
         if sampling_params is None:
             sampling_params = SamplingParams()
-        params = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        if isinstance(sampling_params, (list, tuple)):
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        else:
+            params = [sampling_params] * len(prompts)
         out = []
         for i, (prompt, p) in enumerate(zip(prompts, params)):
-            text = None
+            if not isinstance(p, SamplingParams):
+                raise ValueError(f"sampling_params for prompt {i} must be a rollout.SamplingParams, "
+                                 f"got {type(p).__name__}")
+            p = p.checked(self.vocab_size)
+            if p.n > self.scheduler.max_num_seqs:
+                raise ValueError(f"prompt {i}: n={p.n} samples exceed max_num_seqs={self.scheduler.max_num_seqs} "
+                                 f"(a group's samples run together); raise max_num_seqs or split the group")
+            text, ids = None, self._token_ids(i, prompt)
             if isinstance(prompt, str):
-                if self.tokenizer is None:
-                    raise ValueError(f"prompt {i} is text but the engine has no tokenizer; pass token ids")
-                text, ids = prompt, self.tokenizer(prompt).input_ids
-            else:
-                ids = list(prompt)
+                text = prompt
             if len(ids) == 0:
                 raise ValueError(f"prompt {i} is empty")
             if len(ids) >= self.max_model_len:
                 raise ValueError(f"prompt {i} has {len(ids)} tokens; max_model_len={self.max_model_len} "
                                  f"leaves no room to generate")
-            bad = [t for t in ids if not isinstance(t, int) or not (0 <= t < self.vocab_size)]
-            if bad:
-                raise ValueError(f"prompt {i} has token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
-            p.validate(self.vocab_size)
             out.append((ids, p, text))
         return out
 
+    def _token_ids(self, i: int, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"prompt {i} is text but the engine has no tokenizer; pass token ids")
+            return self.tokenizer(prompt).input_ids
+        if prompt is None or isinstance(prompt, (bytes, bytearray)) or \
+                not (isinstance(prompt, (list, tuple)) or (_is_array(prompt) and prompt.ndim == 1)):
+            raise ValueError(f"prompt {i} must be a string or a list of token ids, got {type(prompt).__name__}")
+        ids = prompt.tolist() if _is_array(prompt) else list(prompt)
+        bad = [t for t in ids if not _is_int(t) or not (0 <= t < self.vocab_size)]
+        if bad:
+            raise ValueError(f"prompt {i} has token ids outside the vocabulary [0, {self.vocab_size}) "
+                             f"(or not integers): {bad[:5]}")
+        return [int(t) for t in ids]
+
     # ---- request lifecycle ----------------------------------------------------------------
+    @_serialized
     def add_requests(self, prompts, sampling_params=None) -> list[int]:
         prepared = self._prepare(prompts, sampling_params)
         ids = []
@@ -251,6 +289,7 @@ class RolloutEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or self._inflight is not None or bool(self._ready)
 
+    @_serialized
     def step(self) -> list[RequestOutput]:
         """Schedule and launch batch k, then wait for batch k-1 and process its outputs
         (stops, freed pages). Returns the requests that finished."""
@@ -267,7 +306,7 @@ class RolloutEngine:
             except Exception as exc:          # a fault in this step fails only its requests
                 self._fail(sched, exc)
         elif self._inflight is None and self.scheduler.has_work():
-            raise RuntimeError("the scheduler made no progress (KV cache too small for any waiting request)")
+            self._fail_stuck()      # not reachable for validated requests; never let one wedge the engine
         prev, self._inflight = self._inflight, launched
         t1 = time.perf_counter()
         finished = self._complete(prev) if prev is not None else []
@@ -299,6 +338,16 @@ class RolloutEngine:
                 self.scheduler.abort_request(req, "error")
                 self._ready.append(self._finish(req))
 
+    def _fail_stuck(self) -> None:
+        """Nothing could be scheduled and nothing is in flight: fail the request at the head of the
+        queue (or the running ones) with finish_reason "error" instead of stopping every later call."""
+        sch = self.scheduler
+        stuck = [sch.waiting[0]] if sch.waiting else list(sch.running)
+        exc = RuntimeError("the scheduler could not make progress with this request (KV cache, max_num_seqs "
+                           "or max_num_batched_tokens too small for it)")
+        self._fail(SchedulerOutput(items=[ScheduledSeq(seq, 0, 0) for seq in stuck]), exc)
+
+    @_serialized
     def drain(self) -> list[RequestOutput]:
         """Finish the batch in flight; return every finished request not yet handed out."""
         if self._inflight is not None:
@@ -322,6 +371,12 @@ class RolloutEngine:
         return (out.token_ids.tolist(), out.logprobs.tolist(), out.processed_logprobs.tolist(),
                 out.kept_mass.tolist(), tops)
 
+    @_serialized
+    def pending(self, request_id: int) -> bool:
+        """Not yet handed out: queued, running, or finished and held for the next step() to return."""
+        return request_id in self.requests or any(o.request_id == request_id for o in self._ready)
+
+    @_serialized
     def progress(self, request_id: int) -> Optional[RequestOutput]:
         """The request's output so far (tokens whose values are known; none still in flight), or
         None once it finished and was handed out. For streaming: call between steps."""
@@ -333,19 +388,24 @@ class RolloutEngine:
             del c.token_ids[len(c.logprobs):]
         return out
 
+    @_serialized
     def abort(self, request_ids: Seq[int], reason: str = "abort") -> list[RequestOutput]:
         """Finish the given requests now (finish_reason `reason`); their pages are freed and
         the partial outputs returned. Tokens still in flight for them are discarded when
         their batch completes."""
+        if isinstance(request_ids, (str, bytes)) or not isinstance(request_ids, (list, tuple, set)) \
+                or not all(_is_int(r) for r in request_ids):
+            raise ValueError(f"request_ids must be a list of integer request ids, got {request_ids!r}")
         outs = []
         for rid in request_ids:
-            req = self.requests.get(rid)
+            req = self.requests.get(int(rid))
             if req is None:
                 continue
             self.scheduler.abort_request(req, reason)
             outs.append(self._finish(req))
         return outs
 
+    @_serialized
     def generate(self, prompts: Seq[Prompt], sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
         """One RequestOutput per prompt, in input order."""
         ids = self.add_requests(prompts, sampling_params)
@@ -370,20 +430,19 @@ class RolloutEngine:
         return [done[i] for i in ids]
 
     # ---- scoring --------------------------------------------------------------------------
+    @_serialized
     def score(self, sequences: Seq[list[int]], temperature: float = 1.0) -> list[list[float]]:
         """Per-token logprobs of given sequences: out[i][j] = log p(seq[j+1] | seq[:j+1]) under
         log_softmax(logits / temperature), fp32 (length len(seq) - 1). Runs between steps on
         its own pages, so it never disturbs scheduled requests."""
-        if not temperature > 0:
-            raise ValueError(f"temperature must be > 0 for scoring, got {temperature}")
-        prepared = self._prepare([list(s) for s in sequences], SamplingParams())
+        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) \
+                or not math.isfinite(temperature) or temperature < MIN_TEMPERATURE:
+            raise ValueError(f"temperature must be a finite number >= {MIN_TEMPERATURE} for scoring, got {temperature!r}")
+        prepared = self._prepare(sequences, SamplingParams())
+        if any(len(ids) < 2 for ids, _, _ in prepared):
+            raise ValueError("score needs sequences of at least 2 tokens")
         self._ready += self.drain()      # handed out by the next step()
-        results = []
-        for ids, _, _ in prepared:
-            if len(ids) < 2:
-                raise ValueError("score needs sequences of at least 2 tokens")
-            results.append(self._score_one(ids, temperature))
-        return results
+        return [self._score_one(ids, float(temperature)) for ids, _, _ in prepared]
 
     def _score_one(self, ids: list[int], temperature: float) -> list[float]:
         req = Request(-1, ids, SamplingParams(), 0)
@@ -408,6 +467,11 @@ class RolloutEngine:
         finally:
             self.kv.free(seq)
         return out
+
+
+def _is_array(x) -> bool:
+    """A numpy array or torch tensor (of any dtype: the id checks follow)."""
+    return hasattr(x, "tolist") and hasattr(x, "ndim") and hasattr(x, "dtype")
 
 
 def _load_tokenizer(path: Path):

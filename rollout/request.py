@@ -8,8 +8,33 @@ from __future__ import annotations
 
 import enum
 import itertools
+import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Optional
+
+
+# Below this a temperature overflows log_softmax(logits / T) for large logits: use 0 for greedy.
+MIN_TEMPERATURE = 1e-5
+
+
+def _is_int(v) -> bool:
+    """Python, numpy and 0-d torch integers; not booleans."""
+    if isinstance(v, bool) or getattr(v, "dtype", None) is not None and str(v.dtype) == "torch.bool":
+        return False
+    return isinstance(v, numbers.Integral) or (hasattr(v, "dtype") and getattr(v, "ndim", 1) == 0
+                                               and "int" in str(v.dtype))
+
+
+def _is_number(v) -> bool:
+    if isinstance(v, bool):
+        return False
+    return isinstance(v, numbers.Real) or (hasattr(v, "dtype") and getattr(v, "ndim", 1) == 0
+                                           and ("int" in str(v.dtype) or "float" in str(v.dtype)))
+
+
+def _is_sequence(v) -> bool:
+    return isinstance(v, (list, tuple)) or (hasattr(v, "tolist") and getattr(v, "ndim", 0) == 1)
 
 
 @dataclass
@@ -34,37 +59,56 @@ class SamplingParams:
 
     def validate(self, vocab_size: int) -> None:
         """Raise ValueError naming the first bad field; called before anything is scheduled."""
-        def bad(msg):
-            raise ValueError(f"invalid SamplingParams: {msg}")
-        if not isinstance(self.n, int) or self.n < 1:
-            bad(f"n must be an integer >= 1, got {self.n!r}")
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
-            bad(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
-        if not (self.temperature >= 0):  # also rejects NaN
-            bad(f"temperature must be >= 0, got {self.temperature!r}")
-        if not (0 < self.top_p <= 1):
-            bad(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            bad(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
-        if not (0 <= self.min_p <= 1):
-            bad(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if not (self.repetition_penalty > 0):
-            bad(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
-            bad(f"seed must be a non-negative integer or None, got {self.seed!r}")
-        if not isinstance(self.top_logprobs, int) or not (0 <= self.top_logprobs <= vocab_size):
-            bad(f"top_logprobs must be an integer in [0, vocab size], got {self.top_logprobs!r}")
-        if isinstance(self.stop, str) or any(not isinstance(s, str) or not s for s in self.stop):
-            bad(f"stop must be a list of non-empty strings, got {self.stop!r}")
-        if self.stale_kv not in ("keep", "recompute"):
-            bad(f"stale_kv must be 'keep' or 'recompute', got {self.stale_kv!r}")
-        if self.on_stale not in ("finish", "abort"):
-            bad(f"on_stale must be 'finish' or 'abort', got {self.on_stale!r}")
-        if self.max_staleness is not None and (not isinstance(self.max_staleness, int) or self.max_staleness < 0):
-            bad(f"max_staleness must be a non-negative integer or None, got {self.max_staleness!r}")
-        for t in self.stop_token_ids:
-            if not isinstance(t, int) or not (0 <= t < vocab_size):
-                bad(f"stop_token_ids must be ids in [0, {vocab_size}), got {t!r}")
+        self.checked(vocab_size)
+
+    def checked(self, vocab_size: int) -> "SamplingParams":
+        """A validated copy with plain Python values (numpy / torch integers and floats accepted),
+        so later changes to this object touch nothing already queued. Raises ValueError naming
+        the first bad field."""
+        def bad(name, want):
+            raise ValueError(f"invalid SamplingParams: {name} must be {want}, got {getattr(self, name)!r}")
+
+        def integer(name, lo, hi=None, optional=False):
+            v = getattr(self, name)
+            if v is None and optional:
+                return None
+            if not _is_int(v) or v < lo or (hi is not None and v > hi):
+                bad(name, f"an integer >= {lo}" + (f" and <= {hi}" if hi is not None else "")
+                    + (" or None" if optional else ""))
+            return int(v)
+
+        def number(name, ok, want):
+            v = getattr(self, name)
+            if not _is_number(v) or not math.isfinite(v) or not ok(float(v)):
+                bad(name, want)
+            return float(v)
+
+        def choice(name, options):
+            if getattr(self, name) not in options:
+                bad(name, " or ".join(repr(o) for o in options))
+            return getattr(self, name)
+
+        temperature = number("temperature", lambda t: t == 0 or t >= MIN_TEMPERATURE,
+                             f"0 (greedy) or a finite number >= {MIN_TEMPERATURE}")
+        stop_ids = self.stop_token_ids
+        if isinstance(stop_ids, (str, bytes)) or not _is_sequence(stop_ids) \
+                or not all(_is_int(t) and 0 <= t < vocab_size for t in stop_ids):
+            bad("stop_token_ids", f"a list of token ids in [0, {vocab_size})")
+        stop = self.stop
+        if isinstance(stop, str) or not _is_sequence(stop) or any(not isinstance(x, str) or not x for x in stop):
+            bad("stop", "a list of non-empty strings")
+        for name in ("ignore_eos", "detokenize"):
+            if not isinstance(getattr(self, name), bool):
+                bad(name, "True or False")
+        return SamplingParams(
+            n=integer("n", 1), max_new_tokens=integer("max_new_tokens", 1), temperature=temperature,
+            top_p=number("top_p", lambda x: 0 < x <= 1, "a number in (0, 1]"),
+            top_k=min(integer("top_k", 0), vocab_size), min_p=number("min_p", lambda x: 0 <= x <= 1, "a number in [0, 1]"),
+            repetition_penalty=number("repetition_penalty", lambda x: x > 0, "a finite number > 0"),
+            seed=integer("seed", 0, optional=True), stop_token_ids=[int(t) for t in stop_ids], stop=list(stop),
+            ignore_eos=self.ignore_eos, top_logprobs=integer("top_logprobs", 0, vocab_size),
+            detokenize=self.detokenize, stale_kv=choice("stale_kv", ("keep", "recompute")),
+            max_staleness=integer("max_staleness", 0, optional=True), on_stale=choice("on_stale", ("finish", "abort")))
 
     @property
     def greedy(self) -> bool:

@@ -3,7 +3,8 @@
     validate   every name, shape and dtype, before anything changes (atomic: a bad
                update is rejected whole and the old weights keep serving)
     stage      copy into standby buffers on a side stream while decoding goes on;
-               checksum what was sent
+               checksum what was sent (fp64 sums: also how NaN / inf are found, one
+               host sync per update, after which the update is accepted or refused whole)
     commit     at a batch boundary: the compute stream waits on the staging event and
                copies IN PLACE into the parameters (CUDA graphs keep their pointers);
                batches already enqueued finish on the old weights
@@ -34,10 +35,13 @@ class WeightUpdateError(ValueError):
 class _Staged:
     version: int
     tensors: dict[str, torch.Tensor]
-    sent_sums: torch.Tensor                 # [n] fp64 checksums of what was sent, on the device
-    event: object = None                    # CUDA event: staging copies done
-    bytes: int = 0
+    sums: dict[str, torch.Tensor]           # name -> 0-d fp64 checksum of what was sent, on the device
+    event: object = None                    # CUDA event: staging copies and sums done
     staging_ms: float = 0.0
+
+    @property
+    def bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
 
 @dataclass
@@ -58,6 +62,10 @@ def free_bytes(device: torch.device) -> Optional[int]:
         return None
     free, _ = torch.cuda.mem_get_info(device)
     return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+
+
+def _sums_of(st: _Staged, names: list[str]) -> torch.Tensor:
+    return torch.stack([st.sums[n] for n in names]) if names else torch.zeros(0)
 
 
 def _checksums(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -85,9 +93,15 @@ class WeightSync:
 
     # ---- validate + stage ----------------------------------------------------------------
     def validate(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
-        items = list(named_tensors)     # consumed before returning (trainer ranks run in lockstep)
+        try:
+            items = [(name, t) for name, t in named_tensors]  # consumed before returning (ranks run in lockstep)
+        except (TypeError, ValueError):
+            raise WeightUpdateError("weight update rejected: expected (name, tensor) pairs") from None
         seen = set()
         for name, t in items:
+            if not isinstance(name, str) or not isinstance(t, torch.Tensor):
+                raise WeightUpdateError(f"weight update rejected: expected (name, tensor) pairs, got "
+                                        f"({type(name).__name__}, {type(t).__name__}) for {name!r}")
             if name not in self.targets:
                 raise WeightUpdateError(f"weight update rejected: unknown tensor {name!r}")
             if name in seen:
@@ -108,21 +122,32 @@ class WeightSync:
         return items
 
     def stage(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, adopt: bool = False) -> None:
-        """Validate, then copy into standby buffers (side stream on CUDA). A newer staged
-        update merges over one not yet committed. adopt: tensors already on this device are
-        kept as the standby buffers, not copied (the caller hands them over, e.g. freshly
-        received buckets): an 8B update then needs one extra copy of the weights, not two."""
+        """Validate, copy into standby buffers and check them (prepare, check_finite, install in one
+        call; RolloutWorker runs the check without holding its lock)."""
+        self.install(self.check_finite(self.prepare(named_tensors, version, adopt)))
+
+    def _check_version(self, version) -> None:
+        if isinstance(version, bool) or not isinstance(version, int):
+            raise WeightUpdateError(f"weight update rejected: version must be an integer, got {version!r}")
         if self.pending is not None and version <= self.pending.version:
             raise WeightUpdateError(f"weight update rejected: version {version} is not newer than "
                                     f"staged version {self.pending.version}")
         if version <= self.engine.policy_version:
             raise WeightUpdateError(f"weight update rejected: version {version} is not newer than "
                                     f"live version {self.engine.policy_version}")
+
+    def prepare(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int,
+                adopt: bool = False) -> _Staged:
+        """Validate names, shapes and dtypes, then copy into standby buffers and checksum them (a
+        side stream on CUDA; nothing waits here). adopt: tensors already on this device are kept as
+        the standby buffers, not copied (the caller hands them over, e.g. freshly received buckets):
+        an 8B update then needs one extra copy of the weights, not two."""
+        self._check_version(version)
         items = self.validate(named_tensors)
         copied = [name for name, t in items if not (adopt and t.device == self.device)]
         self._check_room(sum(self.targets[n].numel() * self.targets[n].element_size() for n in copied))
         t0 = time.perf_counter()
-        staged = dict(self.pending.tensors) if self.pending is not None else {}
+        staged = {}
         ctx = torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext()
         with ctx:
             if self.cuda:      # adopted tensors were written on the caller's stream
@@ -134,14 +159,35 @@ class WeightSync:
                 buf = torch.empty_like(self.targets[name])
                 buf.copy_(t, non_blocking=True)
                 staged[name] = buf
-            names = list(staged)
-            sums = _checksums([staged[n] for n in names])
+            sums = dict(zip(staged, _checksums(list(staged.values()))))
             event = None
             if self.cuda:
                 event = torch.cuda.Event()
                 event.record()
-        nbytes = sum(t.numel() * t.element_size() for t in staged.values())
-        self.pending = _Staged(version, staged, sums, event, nbytes, (time.perf_counter() - t0) * 1e3)
+        return _Staged(version, staged, sums, event, (time.perf_counter() - t0) * 1e3)
+
+    @staticmethod
+    def check_finite(st: _Staged) -> _Staged:
+        """Refuse the update whole, naming a tensor, if any element is NaN or inf: an fp64 sum of
+        bf16 / fp16 / fp32 values is finite exactly when every element is (their largest values
+        times any tensor size stay far below fp64's range). One host sync for the whole update."""
+        if st.event is not None:
+            st.event.synchronize()
+        names = list(st.sums)
+        ok = torch.stack([st.sums[n] for n in names]).isfinite().tolist() if names else []
+        bad = [n for n, good in zip(names, ok) if not good]
+        if bad:
+            raise WeightUpdateError(f"weight update rejected: {len(bad)} tensors hold NaN or inf, e.g. {bad[:3]}; "
+                                    f"nothing was applied")
+        return st
+
+    def install(self, st: _Staged) -> None:
+        """Make a checked update the pending one (merged over one staged earlier, not yet live)."""
+        self._check_version(st.version)
+        if self.pending is not None:
+            st = _Staged(st.version, {**self.pending.tensors, **st.tensors}, {**self.pending.sums, **st.sums},
+                         st.event, self.pending.staging_ms + st.staging_ms)
+        self.pending = st
 
     def _short_of_room(self, nbytes: int) -> Optional[str]:
         """Why staging `nbytes` would not fit on the device now, or None if it would (or on CPU)."""
@@ -190,13 +236,13 @@ class WeightSync:
                 landed = _checksums([self.targets[n] for n in names])
                 done = torch.cuda.Event()
                 done.record()
-            self._landing = _Landing(st.version, names, st.sent_sums, landed, st.tensors, done, (start, end))
+            self._landing = _Landing(st.version, names, _sums_of(st, names), landed, st.tensors, done, (start, end))
         else:
             t0 = time.perf_counter()
             for n in names:
                 self.targets[n].copy_(st.tensors[n])
             self.metrics["barrier_ms"] += (time.perf_counter() - t0) * 1e3
-            self._landing = _Landing(st.version, names, st.sent_sums,
+            self._landing = _Landing(st.version, names, _sums_of(st, names),
                                      _checksums([self.targets[n] for n in names]))
         moved = {n: t.data_ptr() for n, t in self.targets.items() if t.data_ptr() != self._ptrs[n]}
         if moved:

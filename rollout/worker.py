@@ -33,9 +33,15 @@ class RolloutWorker:
         self._waiting = 0                       # callers blocked in locked(); the loop yields to them
         self._waiting_guard = threading.Lock()
         self._futures: dict[int, tuple[Future, list[int], dict]] = {}
+        # generate() callers' requests: id -> its RequestOutput (or the exception that failed it) once
+        # finished, whichever thread's step finished it; _arrived wakes the callers.
+        self._waited: dict[int, object] = {}
+        self._arrived = threading.Condition(self._lock)
         self._thread: Optional[threading.Thread] = None
         self._stop = False
-        self.finished: list[RequestOutput] = []   # inline mode: outputs not yet collected
+        # outputs of requests added with add_requests that a generate() or background step finished: the
+        # caller collects them here (step() returns them directly to its own caller)
+        self.finished: list[RequestOutput] = []
         self.metrics = {"stale_finished": 0, "stale_recomputed": 0}
         if expects_updates:          # a standalone rollout job takes no updates: no warning
             self.weights.warn_if_no_room()
@@ -70,10 +76,15 @@ class RolloutWorker:
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int,
                        adopt: bool = False) -> None:
         """Stage an update (validated whole first); it goes live at the next batch boundary.
-        Raises WeightUpdateError, leaving the live weights untouched, on a bad update.
-        adopt: the tensors become the staging buffers (see WeightSync.stage)."""
+        Raises WeightUpdateError, leaving the live weights untouched, on a bad update (unknown
+        name, wrong shape or dtype, a NaN or inf anywhere, an old version, no room). Returns once
+        the staged copy is on the device and checked; decoding goes on meanwhile.
+        adopt: the tensors become the staging buffers (see WeightSync.prepare)."""
         with self.locked():
-            self.weights.stage(named_tensors, version, adopt=adopt)
+            staged = self.weights.prepare(named_tensors, version, adopt=adopt)
+        self.weights.check_finite(staged)      # waits for the copies: outside the lock, so steps go on
+        with self.locked():
+            self.weights.install(staged)
             self._wake.notify_all()
 
     def _commit_and_apply_policies(self) -> list[RequestOutput]:
@@ -97,37 +108,84 @@ class RolloutWorker:
         return outs
 
     # ---- stepping ----------------------------------------------------------------------------
+    def _step(self) -> list[RequestOutput]:
+        outs = self._commit_and_apply_policies()
+        outs += self.engine.step()
+        self.weights.verify()
+        return outs
+
     def step(self) -> list[RequestOutput]:
+        """One worker step. Returns the finished requests that no generate() / submit() caller waits for."""
         with self.locked():
-            outs = self._commit_and_apply_policies()
-            outs += self.engine.step()
-            self.weights.verify()
-            return outs
+            return self._route(self._step())
+
+    def _route(self, outs: list[RequestOutput]) -> list[RequestOutput]:
+        """Hand finished outputs to the generate() callers and submit() futures waiting for them;
+        return the rest."""
+        rest = []
+        for o in outs:
+            if o.request_id in self._waited:
+                self._waited[o.request_id] = o
+            else:
+                rest.append(o)
+        if len(rest) < len(outs):
+            self._arrived.notify_all()
+        self._resolve(outs)
+        return rest
 
     def add_requests(self, prompts, sampling_params=None) -> list[int]:
         with self.locked():
             return self.engine.add_requests(prompts, sampling_params)
 
+    def abort(self, request_ids) -> list[RequestOutput]:
+        """Finish the given requests now (partial outputs, pages freed). Callers and futures waiting
+        for them get the aborted outputs too. Abort through here, not engine.abort, when others wait."""
+        with self.locked():
+            outs = self.engine.abort(request_ids)
+            self._route(outs)
+            return outs
+
     def generate(self, prompts, sampling_params=None, use_tqdm: bool = False) -> list[RequestOutput]:
-        """Inline generation through worker steps (weight updates staged meanwhile, e.g. by
-        another thread, land between steps)."""
-        ids = self.add_requests(prompts, sampling_params)
-        want, done = set(ids), {}
+        """Run prompts to completion through worker steps and return their outputs in input order.
+        Safe from several threads at once: every caller gets its own outputs (the steps are shared;
+        with the background loop running, callers wait for it instead of stepping). Weight updates
+        staged meanwhile land between steps."""
+        with self.locked():
+            ids = self.engine.add_requests(prompts, sampling_params)
+            for i in ids:
+                self._waited[i] = None
+            self._wake.notify_all()
         bar = None
         if use_tqdm:
             from tqdm.auto import tqdm
             bar = tqdm(total=len(ids), desc="rollout", unit="req")
-        while want - done.keys():
-            for o in self.step():
-                if o.request_id in want:
-                    done[o.request_id] = o
+        try:
+            while True:
+                with self.locked():
+                    done = sum(self._waited[i] is not None for i in ids)
                     if bar is not None:
-                        bar.update(1)
-                else:
-                    self.finished.append(o)
-        if bar is not None:
-            bar.close()
-        return [done[i] for i in ids]
+                        bar.update(done - bar.n)
+                    if done == len(ids):
+                        break
+                    lost = [i for i in ids if self._waited[i] is None and not self.engine.pending(i)]
+                    if lost:
+                        raise RuntimeError(f"requests {lost} finished outside this worker (engine.abort?); "
+                                           f"use RolloutWorker.abort so that waiting callers get the output")
+                    if self._thread is not None and self._thread.is_alive():
+                        self._arrived.wait(timeout=0.5)       # the loop steps and routes our outputs
+                    else:
+                        self.finished += self._route(self._step())
+            outs = [self._waited[i] for i in ids]
+        finally:
+            with self.locked():
+                for i in ids:
+                    self._waited.pop(i, None)
+            if bar is not None:
+                bar.close()
+        for o in outs:
+            if isinstance(o, BaseException):
+                raise o
+        return outs
 
     # ---- background loop ---------------------------------------------------------------------
     def start(self) -> None:
@@ -159,15 +217,17 @@ class RolloutWorker:
                 if self._stop:
                     return
                 try:
-                    outs = self.step()
-                except Exception as exc:     # fail the waiting futures, keep the worker up
+                    self.finished += self._route(self._step())
+                except Exception as exc:     # fail the waiting futures and callers, keep the worker up
                     log.exception("rollout step failed")
                     for fut, _, _ in self._futures.values():
                         if not fut.done():
                             fut.set_exception(exc)
                     self._futures.clear()
-                    continue
-                self._resolve(outs)
+                    for i, o in self._waited.items():
+                        if o is None:
+                            self._waited[i] = exc
+                    self._arrived.notify_all()
 
     def _resolve(self, outs: list[RequestOutput]) -> None:
         by_id = {o.request_id: o for o in outs}
@@ -195,7 +255,7 @@ class RolloutWorker:
             outs = self.engine.drain()
             if abort_pending:
                 outs += self.engine.abort(list(self.engine.requests))
-            self._resolve(outs)
+            self._route(outs)
             return outs
 
     def __enter__(self):
