@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from rollout.kv_cache import KVCacheManager, PageAllocator
 from rollout.request import PLACEHOLDER, Request, SamplingParams, Status
-from rollout.scheduler import SampledRow, Scheduler
+from rollout.scheduler import Scheduler
 
 PAGE, MAX_LEN, EOS, VOCAB = 4, 48, 2, 50
 
@@ -79,13 +79,13 @@ def test_random_schedules_keep_invariants_and_outputs(reqs, num_pages, budget, r
         out.policy_version = version
         launched = None
         if out.items:
-            rows = [SampledRow(fake_token(t.seq.request.seed, t.seq.sample_index, t.pos), -1.0, -1.0, 0.0)
-                    for t in out.targets]
-            launched = (out, rows)
+            n = out.num_rows
+            tokens = [fake_token(t.seq.request.seed, t.seq.sample_index, t.pos) for t in out.targets]
+            launched = (out, tokens, [-1.0] * n, [-1.0] * n, [0.0] * n)
         elif inflight is None:
             assert not sched.has_work(), "no progress with work left"
         if inflight is not None:
-            for r in sched.update(*inflight):
+            for r in sched.update_columns(*inflight):
                 ended[r.request_id] = ended.get(r.request_id, 0) + 1
         inflight = launched
         live = [s for r in requests for s in r.seqs if s.status != Status.FINISHED]
