@@ -3,8 +3,7 @@ fixed-size host buffers (allocated once, pinned on CUDA), so a device pipeline c
 copy them in one go and a captured graph can read them at stable addresses.
 
 Python lists are gathered per field and written with one numpy slice assignment each
-(numpy views share the pinned memory): per-item torch ops cost ~10 us apiece and, at
-B = 64, were most of the host's time per decode step.
+(numpy views share the pinned memory), not with per-item torch ops (~10 us apiece).
 """
 from __future__ import annotations
 
@@ -104,8 +103,8 @@ class BatchBuilder:
                      for name, (key, dtype) in STEP_FIELDS.items()}
         self.np = {name: t.numpy() for name, t in self.host.items()}
         # (seq_id, table_version) each block-table row holds: a row is rewritten only when its
-        # sequence or that sequence's pages changed (a new page every page_size decode steps),
-        # which was the largest host cost of a 512-sequence decode step.
+        # sequence or that sequence's pages changed (a new page every page_size decode steps);
+        # rewriting every row would be the largest host cost of a 512-sequence decode step.
         self._rows: list = [None] * max_num_seqs
         # The sequence whose sampling parameters each row holds (decode steps only; see
         # `_build_decode`); None where another path wrote the row.

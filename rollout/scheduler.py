@@ -122,8 +122,7 @@ class Scheduler:
         # A preempted sequence comes back only when all it will hold (its recompute and the
         # rest of its generation) fits beside what the running sequences still need. Taken
         # back by its next chunk alone, it is the newest, so the first victim again, often
-        # before its recompute is done: on the H200 (8B, 64 x 16K, KV for half) that
-        # re-preemption loop fell to a fifth of the expected rate and did not finish in 10 min.
+        # before its recompute is done: a re-preemption loop that can stall long generations.
         f = 1.0 if seq.num_preemptions else self.reserve_fraction
         if f == 0.0 or not self.running:
             return True
