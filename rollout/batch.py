@@ -163,12 +163,13 @@ class BatchBuilder:
             for _ in range(item.num_samples):
                 # A group's prefill samples all n first tokens from its last position.
                 target = next(targets)
-                ts = target.seq
                 logits_idx.append(qsl[-1] - 1)
                 row_src.append((p, target))
                 if p.repetition_penalty != 1.0:
                     # In-flight tokens are encoded as -(2 + previous row) and carried over too.
-                    row = [x if x != PLACEHOLDER else -2 - carried(ts, i) for i, x in enumerate(ts.token_ids[:target.pos])]
+                    ts = target.seq
+                    row = [x if x != PLACEHOLDER else -2 - carried(ts, i)
+                           for i, x in enumerate(ts.token_ids[:target.pos])]
                     has_carry |= any(x <= -2 for x in row)
                     penalty_rows.append(row)
                 else:
