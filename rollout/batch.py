@@ -182,7 +182,7 @@ class BatchBuilder:
         for name, values in (("input_ids", ids), ("carry", carry), ("positions", positions),
                              ("slot_mapping", kv_pos), ("query_start_loc", qsl), ("seq_lens", seq_lens),
                              ("logits_indices", logits_idx),
-                             *((name, [f.value(p, t) for p, t in row_src]) for name, f in SAMPLING_FIELDS.items()),
+                             *((name, [f.value(*src) for src in row_src]) for name, f in SAMPLING_FIELDS.items()),
                              ("copy_src", [x[0] for x in sched.copies]), ("copy_dst", [x[1] for x in sched.copies])):
             npb[name][:len(values)] = values
         penalty = None
