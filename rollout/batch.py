@@ -3,20 +3,40 @@ fixed-size host buffers (allocated once, pinned on CUDA), so a device pipeline c
 copy them in one go and a captured graph can read them at stable addresses.
 
 Python lists are gathered per field and written with one numpy slice assignment each
-(numpy views share the pinned memory): per-item torch ops cost ~10 us apiece and, at
-B = 64, were most of the host's time per decode step.
+(numpy views share the pinned memory), not with per-item torch ops (~10 us apiece).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable, NamedTuple
 
 import numpy as np
 import torch
 
 from .kv_cache import TRASH_PAGE, KVCacheManager
-from .request import PLACEHOLDER
+from .request import PLACEHOLDER, SamplingParams
 from .sampler import SamplingTensors
-from .scheduler import SchedulerOutput
+from .scheduler import SampleTarget, SchedulerOutput
+
+
+class RowField(NamedTuple):
+    """A per-row sampling input (a SamplingTensors field) and where a row's value comes from."""
+    dtype: torch.dtype
+    inert: object               # padding rows' value: a greedy, untruncated sample nobody reads
+    value: Callable[[SamplingParams, SampleTarget], object]   # (request's params, row's target) -> value
+    per_step: bool = False      # else fixed per sequence: the decode path rewrites it only on a new one
+
+
+# The per-row sampling inputs, one line each (builders, padding and device buffers iterate it).
+SAMPLING_FIELDS = {
+    "temperature": RowField(torch.float32, 0.0, lambda p, t: p.temperature),
+    "top_k": RowField(torch.int64, 0, lambda p, t: p.top_k),
+    "top_p": RowField(torch.float32, 1.0, lambda p, t: p.top_p),
+    "min_p": RowField(torch.float32, 0.0, lambda p, t: p.min_p),
+    "repetition_penalty": RowField(torch.float32, 1.0, lambda p, t: p.repetition_penalty),
+    "seeds": RowField(torch.int64, 0, lambda p, t: t.seq.request.sample_seed(t.seq.sample_index)),
+    "counters": RowField(torch.int64, 0, lambda p, t: t.pos, per_step=True),   # position of the sampled token
+}
 
 # Host buffers of the builder, also mirrored on the device per slot: name -> (dim key, dtype).
 # Dim keys: T tokens, S sequences (+1 for query_start_loc), R rows, C copy-on-write pairs.
@@ -24,11 +44,9 @@ STEP_FIELDS = {
     "input_ids": ("T", torch.int64), "carry": ("T", torch.int64), "positions": ("T", torch.int64),
     "slot_mapping": ("T", torch.int64), "query_start_loc": ("S1", torch.int32), "seq_lens": ("S", torch.int32),
     "block_tables": ("SP", torch.int32), "logits_indices": ("R", torch.int64),
-    "temperature": ("R", torch.float32), "top_k": ("R", torch.int64), "top_p": ("R", torch.float32),
-    "min_p": ("R", torch.float32), "repetition_penalty": ("R", torch.float32), "seeds": ("R", torch.int64),
-    "counters": ("R", torch.int64), "copy_src": ("S", torch.int64), "copy_dst": ("S", torch.int64),
+    **{name: ("R", f.dtype) for name, f in SAMPLING_FIELDS.items()},
+    "copy_src": ("S", torch.int64), "copy_dst": ("S", torch.int64),
 }
-SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seeds", "counters")
 
 
 def field_shape(key: str, T: int, S: int, P: int) -> tuple[int, ...]:
@@ -84,19 +102,18 @@ class BatchBuilder:
         self.host = {name: torch.zeros(field_shape(key, *self.dims), dtype=dtype, pin_memory=pin_memory)
                      for name, (key, dtype) in STEP_FIELDS.items()}
         self.np = {name: t.numpy() for name, t in self.host.items()}
-        self.max_pages_per_seq = max_pages_per_seq
         # (seq_id, table_version) each block-table row holds: a row is rewritten only when its
-        # sequence or that sequence's pages changed (a new page every page_size decode steps),
-        # which was the largest host cost of a 512-sequence decode step.
+        # sequence or that sequence's pages changed (a new page every page_size decode steps);
+        # rewriting every row would be the largest host cost of a 512-sequence decode step.
         self._rows: list = [None] * max_num_seqs
         # The sequence whose sampling parameters each row holds (decode steps only; see
         # `_build_decode`); None where another path wrote the row.
         self._param_rows: list = [None] * max_num_seqs
-        self.fast_decode = True       # tests turn it off to compare the two paths
+        self.fast_decode = True       # off: the general path only (its comparison test, bench.host)
 
     def build(self, sched: SchedulerOutput) -> Batch:
         """Flatten one scheduled step. Tokens sampled by the previous batch (still in
-        flight) are PLACEHOLDERs on the host: their slot gets id 0 and a carry-over entry
+        flight) are PLACEHOLDERs on the host: their input gets id 0 and a carry-over entry
         naming the previous batch's output row, which the device gathers before the forward."""
         if self.fast_decode and not sched.copies:
             batch = self._build_decode(sched)
@@ -107,9 +124,9 @@ class BatchBuilder:
         ids: list[int] = []
         carry: list[int] = []
         positions: list[int] = []
-        slots: list[int] = []
+        kv_pos: list[int] = []
         qsl, seq_lens = [0], []
-        rows = {f: [] for f in SAMPLING_FIELDS}
+        row_src: list[tuple] = []       # (params, target) of each sampled row
         logits_idx: list[int] = []
         penalty_rows: list[list[int]] = []
         any_trunc = any_pen = has_carry = False
@@ -135,7 +152,7 @@ class BatchBuilder:
                     carry.append(-1)
             positions.extend(range(start, start + n))
             table = seq.block_table
-            slots.extend(table[p // ps] * ps + p % ps for p in range(start, start + n))
+            kv_pos.extend(table[p // ps] * ps + p % ps for p in range(start, start + n))
             key = (seq.seq_id, seq.table_version)
             if self._rows[s] != key:
                 npb["block_tables"][s, :len(table)] = table
@@ -146,18 +163,13 @@ class BatchBuilder:
             for _ in range(item.num_samples):
                 # A group's prefill samples all n first tokens from its last position.
                 target = next(targets)
-                ts = target.seq
                 logits_idx.append(qsl[-1] - 1)
-                rows["temperature"].append(p.temperature)
-                rows["top_k"].append(p.top_k)
-                rows["top_p"].append(p.top_p)
-                rows["min_p"].append(p.min_p)
-                rows["repetition_penalty"].append(p.repetition_penalty)
-                rows["seeds"].append(ts.request.sample_seed(ts.sample_index))
-                rows["counters"].append(target.pos)      # position of the token being sampled
+                row_src.append((p, target))
                 if p.repetition_penalty != 1.0:
                     # In-flight tokens are encoded as -(2 + previous row) and carried over too.
-                    row = [x if x != PLACEHOLDER else -2 - carried(ts, i) for i, x in enumerate(ts.token_ids[:target.pos])]
+                    ts = target.seq
+                    row = [x if x != PLACEHOLDER else -2 - carried(ts, i)
+                           for i, x in enumerate(ts.token_ids[:target.pos])]
                     has_carry |= any(x <= -2 for x in row)
                     penalty_rows.append(row)
                 else:
@@ -168,8 +180,9 @@ class BatchBuilder:
                 top_n = max(top_n, p.top_logprobs)
         t, s, r, c = len(ids), len(seq_lens), len(logits_idx), len(sched.copies)
         for name, values in (("input_ids", ids), ("carry", carry), ("positions", positions),
-                             ("slot_mapping", slots), ("query_start_loc", qsl), ("seq_lens", seq_lens),
-                             ("logits_indices", logits_idx), *rows.items(),
+                             ("slot_mapping", kv_pos), ("query_start_loc", qsl), ("seq_lens", seq_lens),
+                             ("logits_indices", logits_idx),
+                             *((name, [f.value(*src) for src in row_src]) for name, f in SAMPLING_FIELDS.items()),
                              ("copy_src", [x[0] for x in sched.copies]), ("copy_dst", [x[1] for x in sched.copies])):
             npb[name][:len(values)] = values
         penalty = None
@@ -197,19 +210,17 @@ class BatchBuilder:
             decode_only=decode_only)
 
     def _build_decode(self, sched: SchedulerOutput) -> Batch | None:
-        """The same buffers as the general path for a step where every sequence computes one
-        token and samples one row (steady decode, most steps of a long generation). Per item
-        it reads only what changes from step to step (the input token or its carry-over row,
-        the position, a block-table row when its pages changed); positions, slots, lengths and
-        row indices are then computed with numpy, and a row's sampling parameters are written
-        only when the row changes sequence. At 512 sequences this is ~3x faster than the
-        general path. None (nothing written that the general path relies on) when an item is
-        not a one-token, one-row decode, or has a repetition penalty (its token lists are built
-        per step)."""
+        """The general path's buffers for a step where every sequence computes one token and
+        samples one row (steady decode). Per item it reads only what changes from step to step
+        (input token or carry-over row, position, a block-table row when its pages changed);
+        KV positions, lengths and row indices come from numpy, and a row's per-sequence sampling
+        fields are written only when the row changes sequence (~3x faster at 512 sequences).
+        None, having written nothing the general path relies on, when an item is not a
+        one-token, one-row decode or has a repetition penalty (its token lists grow per step)."""
         npb, ps, prm = self.np, self.kv.page_size, self._param_rows
         items, targets = sched.items, sched.targets
         S = len(items)
-        ids, carry, starts, counters = [], [], [], []
+        ids, carry, starts, params, fresh = [], [], [], [], []
         prev = sched.batch_id - 1
         has_carry = any_trunc = False
         all_greedy = True
@@ -230,16 +241,14 @@ class BatchBuilder:
                 ids.append(tok)
                 carry.append(-1)
             starts.append(start)
-            counters.append(targets[s].pos)
+            params.append(p)
             key = (seq.seq_id, seq.table_version)
             if self._rows[s] != key:
                 table = seq.block_table
                 npb["block_tables"][s, :len(table)] = table
                 self._rows[s] = key
             if prm[s] is not seq:
-                npb["temperature"][s], npb["top_k"][s], npb["top_p"][s] = p.temperature, p.top_k, p.top_p
-                npb["min_p"][s], npb["repetition_penalty"][s] = p.min_p, p.repetition_penalty
-                npb["seeds"][s] = seq.request.sample_seed(seq.sample_index)
+                fresh.append(s)
                 prm[s] = seq
             any_trunc |= p.truncates
             all_greedy &= p.greedy
@@ -252,21 +261,24 @@ class BatchBuilder:
         npb["query_start_loc"][:S + 1] = np.arange(S + 1)
         npb["seq_lens"][:S] = pos + 1
         npb["logits_indices"][:S] = np.arange(S)
-        npb["counters"][:S] = counters
+        for name, f in SAMPLING_FIELDS.items():
+            if f.per_step:
+                npb[name][:S] = [f.value(p, t) for p, t in zip(params, targets)]
+            elif fresh:
+                npb[name][fresh] = [f.value(params[s], targets[s]) for s in fresh]
         return self._batch(S, S, S, 0, [x + 1 for x in starts], list(range(S + 1)), None, top_n, all_greedy,
                            any_trunc, False, has_carry, S > 0)
 
     def pad(self, batch: Batch, size: int) -> None:
         """Fill rows [B, size) of a decode batch with inert entries for a graph of `size` rows:
         token 0 written to the trash page, context length 0 (attention reads nothing and
-        writes zeros), no carry-over, a greedy sample that nobody reads."""
+        writes zeros), no carry-over, each sampling field's inert value."""
         B = batch.num_rows
         assert batch.decode_only and B <= size <= self.dims[1]
         npb = self.np
         for name, value in (("input_ids", 0), ("carry", -1), ("positions", 0),
                             ("slot_mapping", TRASH_PAGE * self.kv.page_size), ("seq_lens", 0),
-                            ("temperature", 0.0), ("top_k", 0), ("top_p", 1.0), ("min_p", 0.0),
-                            ("repetition_penalty", 1.0), ("seeds", 0), ("counters", 0)):
+                            *((name, f.inert) for name, f in SAMPLING_FIELDS.items())):
             npb[name][B:size] = value
         npb["query_start_loc"][B + 1:size + 1] = np.arange(B + 1, size + 1)
         npb["logits_indices"][B:size] = np.arange(B, size)

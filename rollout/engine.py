@@ -96,7 +96,7 @@ class RolloutEngine:
             swap_page_s=swap_page_s, recompute_token_s=recompute_token_s)
         self.runner = ModelRunner(model, num_pages=num_pages, page_size=page_size, kv_dtype=kv_dtype,
                                   attention_backend=attention_backend, batch_invariant=cfg.batch_invariant,
-                                  num_host_pages=num_host_pages if self.scheduler.host is not None else 0)
+                                  num_host_pages=num_host_pages if self.scheduler.host_pages is not None else 0)
         # Both modes run the same one-step-lag schedule; async overlaps the CPU with the GPU
         # (default on CUDA). CPU always runs synchronously. Decode steps replay CUDA graphs
         # when the Triton backend runs on CUDA (captured here, before serving).

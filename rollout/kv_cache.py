@@ -113,15 +113,15 @@ class KVCacheManager:
         seq.table_version += 1
 
     def swap_out(self, seq: Sequence, host: PageAllocator, moves: list[tuple[int, int]]) -> None:
-        """Give the sequence's pages up for host slots: (device page, host slot) pairs are
+        """Give the sequence's device pages up for host pages: (device page, host page) pairs are
         queued in `moves` (copied before the next step's forward, after the step in flight)."""
-        slots = [host.allocate() for _ in seq.block_table]
-        moves.extend(zip(seq.block_table, slots))
+        host_pages = [host.allocate() for _ in seq.block_table]
+        moves.extend(zip(seq.block_table, host_pages))
         self.free(seq)
-        seq.host_table = slots
+        seq.host_table = host_pages
 
     def swap_in(self, seq: Sequence, host: PageAllocator, moves: list[tuple[int, int]]) -> None:
-        """Fresh pages for a swapped-out sequence; (host slot, device page) pairs into `moves`."""
+        """Fresh device pages for a swapped-out sequence; (host page, device page) pairs into `moves`."""
         pages = [self.alloc.allocate() for _ in seq.host_table]
         moves.extend(zip(seq.host_table, pages))
         self.drop_swapped(seq, host)
@@ -130,9 +130,7 @@ class KVCacheManager:
 
     @staticmethod
     def drop_swapped(seq: Sequence, host: PageAllocator) -> None:
+        """Free the host pages of a swapped-out sequence."""
         for h in seq.host_table:
             host.decref(h)
         seq.host_table = []
-
-    def slot(self, seq: Sequence, pos: int) -> int:
-        return seq.block_table[pos // self.page_size] * self.page_size + pos % self.page_size

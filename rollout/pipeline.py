@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-from .batch import STEP_FIELDS, BatchBuilder, field_lengths
+from .batch import SAMPLING_FIELDS, STEP_FIELDS, BatchBuilder, field_lengths
 from .graphs import MODES, DecodeGraphs, default_buckets, mode_of
 from .kv_cache import KVCacheManager
 from .runner import DeviceBatch, ModelRunner
@@ -113,8 +113,8 @@ class DevicePipeline:
         sizes = field_lengths(bucket, bucket, bucket)
         dev = {name: bufs[name][:0 if name.startswith("copy_") else sizes[key]]
                for name, (key, _) in STEP_FIELDS.items()}
-        flags = SamplingTensors(*([None] * 8), num_top_logprobs=0, all_greedy=mode == "greedy",
-                                any_truncation=mode == "truncate", any_penalty=False)
+        flags = SamplingTensors(**dict.fromkeys(SAMPLING_FIELDS), penalty_token_ids=None, num_top_logprobs=0,
+                                all_greedy=mode == "greedy", any_truncation=mode == "truncate", any_penalty=False)
         self._compute(s, self.runner.device_batch(dev, flags, decode_only=True, has_carry=True))
 
     def launch(self, sched: SchedulerOutput) -> InFlight:

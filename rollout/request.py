@@ -169,7 +169,7 @@ class Sequence:
         self.num_prompt = num_prompt
         self.num_computed = 0             # tokens whose KV is in the cache
         self.block_table: list[int] = []  # physical page ids
-        self.host_table: list[int] = []   # host swap slots holding its KV while swapped out
+        self.host_table: list[int] = []   # host pages holding its KV while swapped out
         self.table_version = 0            # bumped on every block-table change (kv_cache.py)
         self.status = Status.WAITING
         self.fork_count = 1               # >1 only for a group's shared prefill

@@ -65,7 +65,7 @@ class ModelRunner:
         # One allocation, each layer's K and V caches views of it (freed or swapped as one).
         self.kv_pool = torch.zeros((len(model.layers), 2) + shape, dtype=kv_dtype, device=self.device)
         self.kv_caches = [(pool[0], pool[1]) for pool in self.kv_pool]
-        # Swap space: host pages (pinned on CUDA) with the device pages' layout, slot 0 unused.
+        # Swap space: host pages (pinned on CUDA) with the device pages' layout, host page 0 unused.
         pin = self.device.type == "cuda"
         self.host_kv = [(torch.empty((num_host_pages + 1,) + shape[1:], dtype=kv_dtype, pin_memory=pin),
                          torch.empty((num_host_pages + 1,) + shape[1:], dtype=kv_dtype, pin_memory=pin))

@@ -1,7 +1,6 @@
 """Continuous-batching scheduler (CPU): admission by free KV pages under a per-step
 token budget, chunked prefill, preemption (by recompute, or by swapping pages to host
-slots), and output processing
-(filling sampled tokens, stop checks, freeing pages).
+memory), and output processing (filling sampled tokens, stop checks, freeing pages).
 
 One step = a list of (sequence, tokens to compute, rows to sample). Decodes are
 just sequences with one token left to compute, so prefill chunks and decodes mix.
@@ -43,8 +42,8 @@ class SampleTarget:
 class SchedulerOutput:
     items: list[ScheduledSeq]
     copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst) pages
-    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device page, host slot)
-    swap_in: list[tuple[int, int]] = field(default_factory=list)   # (host slot, device page)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device page, host page)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)   # (host page, device page)
     targets: list[SampleTarget] = field(default_factory=list)    # one per sampled row, in row order
     batch_id: int = 0
     policy_version: int = 0   # weights live on the compute stream when the batch was launched
@@ -56,15 +55,6 @@ class SchedulerOutput:
     @property
     def num_rows(self) -> int:
         return len(self.targets)
-
-
-@dataclass
-class SampledRow:
-    token_id: int
-    logprob: float
-    processed_logprob: float
-    kept_mass: float
-    top: Optional[dict[int, float]] = None
 
 
 class Scheduler:
@@ -88,15 +78,15 @@ class Scheduler:
         # pages. 1.0 = never preempt while the KV fits; 0.0 = admit by the next chunk only.
         self.reserve_fraction = reserve_fraction
         # Preemption frees a victim's pages. "recompute": it prefills prompt + tokens again
-        # later. "swap": its pages go to host slots (`host_pages`) and come back before it runs
+        # later. "swap": its pages are copied to host pages (`host_pages`) and back before it runs
         # again. "auto": swap where moving its pages out and back (swap_page_s each) costs less
-        # than prefilling its tokens (recompute_token_s each). No host slot free: recompute.
+        # than prefilling its tokens (recompute_token_s each). Too few free host pages: recompute.
         if preemption_mode not in ("recompute", "swap", "auto"):
             raise ValueError(f"preemption_mode must be 'recompute', 'swap' or 'auto', got {preemption_mode!r}")
         if preemption_mode != "recompute" and (host_pages is None or host_pages.num_usable < 1):
             raise ValueError(f"preemption_mode={preemption_mode!r} needs host swap space (swap_space_gb > 0)")
         self.preemption_mode = preemption_mode
-        self.host = host_pages if preemption_mode != "recompute" else None
+        self.host_pages = host_pages if preemption_mode != "recompute" else None
         self.swap_page_s, self.recompute_token_s = swap_page_s, recompute_token_s
         self.num_swap_outs = 0
         self.num_swapped_pages = 0
@@ -132,15 +122,14 @@ class Scheduler:
         # A preempted sequence comes back only when all it will hold (its recompute and the
         # rest of its generation) fits beside what the running sequences still need. Taken
         # back by its next chunk alone, it is the newest, so the first victim again, often
-        # before its recompute is done: on the H200 (8B, 64 x 16K, KV for half) that
-        # re-preemption loop fell to a fifth of the expected rate and did not finish in 10 min.
+        # before its recompute is done: a re-preemption loop that can stall long generations.
         f = 1.0 if seq.num_preemptions else self.reserve_fraction
         if f == 0.0 or not self.running:
             return True
         need = f * (self._final_pages(seq) + self._outstanding_pages())
         return need <= self.kv.alloc.num_free
 
-    def _slots_used(self) -> int:
+    def _num_seqs_running(self) -> int:
         return sum(s.fork_count for s in self.running)
 
     def recompute(self, seq: Sequence) -> None:
@@ -149,7 +138,7 @@ class Scheduler:
         if seq.status == Status.RUNNING:
             self._preempt(seq)
         elif seq.host_table:
-            self.kv.drop_swapped(seq, self.host)
+            self.kv.drop_swapped(seq, self.host_pages)
             self._recompute_from_scratch(seq)
 
     def _recompute_from_scratch(self, seq: Sequence) -> None:
@@ -158,8 +147,8 @@ class Scheduler:
 
     def _swaps(self, seq: Sequence) -> bool:
         """Whether preempting `seq` now swaps its pages out instead of dropping them."""
-        if self.host is None or seq.fork_count > 1 or not seq.block_table \
-                or len(seq.block_table) > self.host.num_free:
+        if self.host_pages is None or seq.fork_count > 1 or not seq.block_table \
+                or len(seq.block_table) > self.host_pages.num_free:
             return False          # an unforked group re-prefills one shared prompt: cheap
         return self.preemption_mode == "swap" or \
             len(seq.block_table) * self.swap_page_s < seq.num_computed * self.recompute_token_s
@@ -169,14 +158,14 @@ class Scheduler:
         ignored) and sampled again later; the counter-keyed RNG makes it the same token.
         Recompute: its pages are freed and it re-prefills prompt + generated tokens. Swap
         (only while scheduling `out`, whose step copies the pages out first): its KV waits in
-        host slots, and it recomputes just its last token to sample the dropped one again."""
+        host pages, and it recomputes just its last token to sample the dropped one again."""
         self.running.remove(seq)
         swap = out is not None and self._swaps(seq)
         seq.drop_placeholders()
         if swap:
             self.num_swapped_pages += len(seq.block_table)
             self.num_swap_outs += 1
-            self.kv.swap_out(seq, self.host, out.swap_out)
+            self.kv.swap_out(seq, self.host_pages, out.swap_out)
             seq.num_computed = min(seq.num_computed, seq.num_tokens - 1)
         else:
             self.kv.free(seq)
@@ -224,10 +213,10 @@ class Scheduler:
             self._add_item(out, seq, num_new)
             budget -= num_new
             i += 1
-        # Then new (or preempted) sequences, FIFO, while pages, slots and budget allow.
+        # Then new (or preempted) sequences, FIFO, while pages, max_num_seqs and budget allow.
         while self.waiting and budget > 0 and not preempted:
             seq = self.waiting[0]
-            if self._slots_used() + seq.fork_count > self.max_num_seqs:
+            if self._num_seqs_running() + seq.fork_count > self.max_num_seqs:
                 break
             num_new = min(seq.num_tokens - seq.num_computed, budget)
             if not self._admissible(seq, num_new):
@@ -236,7 +225,7 @@ class Scheduler:
             seq.status = Status.RUNNING
             self.running.append(seq)
             if seq.host_table:       # swapped out: its pages come back before this step's forward
-                self.kv.swap_in(seq, self.host, out.swap_in)
+                self.kv.swap_in(seq, self.host_pages, out.swap_in)
             self._add_item(out, seq, num_new)
             budget -= num_new
         return out
@@ -259,17 +248,11 @@ class Scheduler:
         out.items.append(item)
 
     # ---- outputs -------------------------------------------------------------------
-    def update(self, sched: SchedulerOutput, rows: list[SampledRow]) -> list[Request]:
-        """Fill the batch's sampled tokens in; return requests that finished with it."""
-        return self.update_columns(sched, [r.token_id for r in rows], [r.logprob for r in rows],
-                                   [r.processed_logprob for r in rows], [r.kept_mass for r in rows],
-                                   [r.top for r in rows])
-
     def update_columns(self, sched: SchedulerOutput, tokens: list[int], logprobs: list[float],
                        processed: list[float], kept: list[float],
                        tops: Optional[list[Optional[dict]]] = None) -> list[Request]:
-        """`update` with one list per field in row order, as the engine has them (no per-row
-        objects: at 512 rows a step that saves a few hundred microseconds)."""
+        """Fill the batch's sampled tokens in (one list per field, in row order); return the
+        requests that finished with it."""
         assert len(tokens) == len(sched.targets), (len(tokens), len(sched.targets))
         finished: list[Request] = []
         running, version = Status.RUNNING, sched.policy_version
@@ -355,7 +338,7 @@ class Scheduler:
             if seq in self.waiting:
                 self.waiting.remove(seq)
             if seq.host_table:
-                self.kv.drop_swapped(seq, self.host)
+                self.kv.drop_swapped(seq, self.host_pages)
             if seq.fork_count > 1:   # never forked: materialise the missing samples
                 seq.fork_count = 1
                 for k in range(1, req.params.n):

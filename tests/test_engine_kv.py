@@ -63,7 +63,7 @@ def test_preemption_gives_identical_output_and_no_leak(model_dir, tiny_tokenizer
     params = [SamplingParams(n=2 if i % 3 == 0 else 1, max_new_tokens=60, temperature=temperature, seed=11,
                              ignore_eos=True) for i in range(len(prompts))]
     roomy = _engine(path).generate(prompts, params, use_tqdm=False)
-    # 20 pages x 16 = 320 token slots for 8 sequences of up to ~120 tokens: must preempt.
+    # 20 pages x 16 = 320 token positions for 8 sequences of up to ~120 tokens: must preempt.
     tight = _engine(path, num_kv_pages=20, max_num_batched_tokens=32, kv_reserve_fraction=0.0)
     outs = tight.generate(prompts, params, use_tqdm=False)
     assert tight.scheduler.num_preemptions > 0
@@ -120,8 +120,8 @@ def test_full_reservation_admission_avoids_preemption(model_dir, tiny_tokenizer)
 @pytest.mark.parametrize("mode", ["swap", "auto"])
 def test_preemption_by_swap_gives_identical_output_and_no_leak(model_dir, tiny_tokenizer, mode):
     """The same tight KV as the recompute test, with host swap space: victims keep their KV in
-    host slots and recompute only their last token; outputs equal the roomy run, no device page
-    or host slot is left in use."""
+    host pages and recompute only their last token; outputs equal the roomy run, no device page
+    or host page is left in use."""
     path = model_dir("llama")
     prompts = random_prompts(tiny_tokenizer, 6, 10, 60, seed=3)
     params = [SamplingParams(n=2 if i % 3 == 0 else 1, max_new_tokens=60, temperature=t, seed=11,
@@ -142,7 +142,7 @@ def test_preemption_by_swap_gives_identical_output_and_no_leak(model_dir, tiny_t
         assert [c.token_ids for c in a.completions] == [c.token_ids for c in b.completions]
         for ca, cb in zip(a.completions, b.completions):
             assert max(abs(x - y) for x, y in zip(ca.logprobs, cb.logprobs)) < 1e-4   # fp32 reduction order
-    host = tight.scheduler.host
+    host = tight.scheduler.host_pages
     assert tight.kv.alloc.num_used == 0 and host.num_used == 0
     assert all(r == 0 for r in tight.kv.alloc.refcount) and all(r == 0 for r in host.refcount)
 
@@ -157,10 +157,11 @@ def test_auto_swaps_only_where_cheaper_and_recomputes_without_host_room(model_di
     assert not sch._swaps(seq)
     sch.swap_page_s = 0.001                                # 7 ms to swap
     assert sch._swaps(seq)
-    taken = [sch.host.allocate() for _ in range(sch.host.num_free - 6)]   # 6 host slots left, 7 needed
+    host = sch.host_pages
+    taken = [host.allocate() for _ in range(host.num_free - 6)]   # 6 host pages left, 7 needed
     assert not sch._swaps(seq)
     for h in taken:
-        sch.host.decref(h)
+        host.decref(h)
     seq.fork_count = 2                                     # an unforked group: always recompute
     assert not sch._swaps(seq)
 
@@ -191,10 +192,10 @@ def test_pack_decode_weights_needs_cuda_triton_and_leaves_the_model_alone(model_
     assert all(getattr(m, "weight_tiles", None) is None for m in eng.model.modules())
 
 
-def test_swapped_out_sequence_recomputed_on_request_and_abort_frees_host_slots(model_dir, tiny_tokenizer):
+def test_swapped_out_sequence_recomputed_on_request_and_abort_frees_host_pages(model_dir, tiny_tokenizer):
     """What the RL worker's stale_kv="recompute" policy does at a weight update: a sequence
-    waiting with its KV in host slots drops it and re-prefills (same tokens: same weights
-    here). And aborting a request whose sequence is swapped out frees its host slots."""
+    waiting with its KV in host pages drops it and re-prefills (same tokens: same weights
+    here). And aborting a request whose sequence is swapped out frees its host pages."""
     from rollout.request import Status
     path = model_dir("llama")
     prompts = random_prompts(tiny_tokenizer, 6, 10, 60, seed=3)
@@ -211,12 +212,12 @@ def test_swapped_out_sequence_recomputed_on_request_and_abort_frees_host_slots(m
         assert all(s.status == Status.WAITING and not s.block_table for s in swapped)
         if abort:
             outs += eng.abort([s.request.request_id for s in swapped])
-            assert eng.scheduler.host.num_used == 0
+            assert eng.scheduler.host_pages.num_used == 0
         else:
             before = eng.scheduler.num_recomputed_tokens
             for s in swapped:
                 eng.scheduler.recompute(s)
-            assert eng.scheduler.host.num_used == 0 and all(s.num_computed == 0 for s in swapped)
+            assert eng.scheduler.host_pages.num_used == 0 and all(s.num_computed == 0 for s in swapped)
             assert eng.scheduler.num_recomputed_tokens > before
         while eng.has_unfinished():
             outs += eng.step()
@@ -227,7 +228,7 @@ def test_swapped_out_sequence_recomputed_on_request_and_abort_frees_host_slots(m
                 assert got.token_ids == ref.completions[0].token_ids[:len(got.token_ids)]
             else:
                 assert got.token_ids == ref.completions[0].token_ids
-        assert eng.kv.alloc.num_used == 0 and eng.scheduler.host.num_used == 0
+        assert eng.kv.alloc.num_used == 0 and eng.scheduler.host_pages.num_used == 0
 
 
 def test_automatic_kv_sizing_leaves_reserve_memory_free(monkeypatch):
@@ -275,12 +276,12 @@ def test_model_pack_decode_weights_packs_refills_in_place_and_drops(monkeypatch)
     cfg = make_config("tiny")
     model = build_model(cfg, torch.float32, torch.device("cpu"))
     init_random(model, 0)
-    H, I, D = cfg.hidden_size, cfg.intermediate_size, model.head_dim
+    H, F, D = cfg.hidden_size, cfg.intermediate_size, model.head_dim
     qkv_n = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * D
     monkeypatch.setattr(sg, "_LLAMA3_8B", {(qkv_n, H): ((32, (32, 64, 4, 2)),), (H, H): ((32, (32, 64, 4, 2, 2)),),
-                                           (2 * I, H): ((32, (64, 64, 4, 2)),), (H, I): ((32, (32, 64, 4, 2)),),
+                                           (2 * F, H): ((32, (64, 64, 4, 2)),), (H, F): ((32, (32, 64, 4, 2)),),
                                            (cfg.vocab_size, H): ((32, (64, 64, 4, 2)),)})
-    monkeypatch.setattr(sg, "_LLAMA3_8B_PACKED", {(H, I): ((32, (16, 128, 4, 2)),)})   # down: the packed entry
+    monkeypatch.setattr(sg, "_LLAMA3_8B_PACKED", {(H, F): ((32, (16, 128, 4, 2)),)})   # down: the packed entry
     nbytes = model.pack_decode_weights(32)
     lins = list(model._decode_linears())
     assert nbytes == sum(lin.weight.numel() * 4 for lin, _ in lins)

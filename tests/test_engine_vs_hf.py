@@ -144,7 +144,7 @@ def test_sharded_checkpoint_and_top_logprobs(model_dir, sharded_model_dir, tiny_
 @pytest.mark.parametrize("shape", ["llama3-8b", "qwen2.5-0.5b"])
 def test_bf16_model_keeps_fp32_rope_frequencies(shape):
     """Casting the model to bf16 must not round the RoPE frequencies (a bf16 inv_freq puts
-    angles ~1 rad off by position 300: it was the 8B bf16 drift of issue 2)."""
+    angles ~1 rad off by position 300)."""
     from rollout.bench.shapes import make_config
     from rollout.models.decoder import rope_inv_freq
     from rollout.models.loader import build_model

@@ -2,7 +2,7 @@
 budget and chunking, group fork, preemption order, abort."""
 from rollout.kv_cache import KVCacheManager
 from rollout.request import Request, SamplingParams, Status
-from rollout.scheduler import SampledRow, Scheduler
+from rollout.scheduler import Scheduler
 
 EOS = 2
 
@@ -19,8 +19,8 @@ def _req(i, n_prompt=5, **kw):
 
 def _run_step(s, token=7):
     out = s.schedule()
-    rows = [SampledRow(token, -1.0, -0.5, 0.0) for _ in range(out.num_rows)]
-    return out, s.update(out, rows)
+    n = out.num_rows
+    return out, s.update_columns(out, [token] * n, [-1.0] * n, [-0.5] * n, [0.0] * n)
 
 
 def test_eos_stops_unless_ignored_and_length_cut_appends_nothing():

@@ -3,8 +3,8 @@
 A fake device samples token f(seed, sample, position) for every row, so the expected
 completion of every request is known in closed form whatever the schedule. Hypothesis
 draws arrivals, prompt and output lengths, group sizes, KV sizes, token budgets,
-admission reservation, preemption by recompute or by swap (host slots), aborts and
-weight-version bumps; after every step the page refcounts (device pages and host slots)
+admission reservation, preemption by recompute or by swap (to host pages), aborts and
+weight-version bumps; after every step the page refcounts (device and host pages)
 must equal the block-table references exactly, and at the end every request must have
 finished exactly once, with the unpressured output unless it was aborted.
 """
@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from rollout.kv_cache import KVCacheManager, PageAllocator
 from rollout.request import PLACEHOLDER, Request, SamplingParams, Status
-from rollout.scheduler import SampledRow, Scheduler
+from rollout.scheduler import Scheduler
 
 PAGE, MAX_LEN, EOS, VOCAB = 4, 48, 2, 50
 
@@ -50,11 +50,11 @@ def check_refcounts(alloc: PageAllocator, tables: list[list[int]]) -> None:
 @settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(reqs=st.lists(request_st, min_size=1, max_size=6), num_pages=st.integers(13, 60),
        budget=st.integers(4, 64), reserve=st.sampled_from([0.0, 0.5, 1.0]), max_seqs=st.integers(1, 8),
-       bumps=st.sets(st.integers(0, 60), max_size=4), swap_slots=st.none() | st.integers(1, 40))
+       bumps=st.sets(st.integers(0, 60), max_size=4), num_host_pages=st.none() | st.integers(1, 40))
 def test_random_schedules_keep_invariants_and_outputs(reqs, num_pages, budget, reserve, max_seqs, bumps,
-                                                      swap_slots):
+                                                      num_host_pages):
     kv = KVCacheManager(num_pages, PAGE)
-    host = PageAllocator(swap_slots + 1, PAGE) if swap_slots else None
+    host = PageAllocator(num_host_pages + 1, PAGE) if num_host_pages else None
     sched = Scheduler(kv, max_num_seqs=max_seqs, max_num_batched_tokens=budget, max_model_len=MAX_LEN,
                       eos_token_ids={EOS}, reserve_fraction=reserve, preemption_mode="swap" if host else "recompute",
                       host_pages=host)
@@ -79,13 +79,13 @@ def test_random_schedules_keep_invariants_and_outputs(reqs, num_pages, budget, r
         out.policy_version = version
         launched = None
         if out.items:
-            rows = [SampledRow(fake_token(t.seq.request.seed, t.seq.sample_index, t.pos), -1.0, -1.0, 0.0)
-                    for t in out.targets]
-            launched = (out, rows)
+            n = out.num_rows
+            tokens = [fake_token(t.seq.request.seed, t.seq.sample_index, t.pos) for t in out.targets]
+            launched = (out, tokens, [-1.0] * n, [-1.0] * n, [0.0] * n)
         elif inflight is None:
             assert not sched.has_work(), "no progress with work left"
         if inflight is not None:
-            for r in sched.update(*inflight):
+            for r in sched.update_columns(*inflight):
                 ended[r.request_id] = ended.get(r.request_id, 0) + 1
         inflight = launched
         live = [s for r in requests for s in r.seqs if s.status != Status.FINISHED]
