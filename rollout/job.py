@@ -134,8 +134,6 @@ def load_prompts(data, tokenizer, max_model_len: Optional[int] = None,
     message list goes through the tokenizer's chat template (which adds its own special
     tokens, so its text is tokenized without more). With max_model_len / vocab_size, a row
     whose prompt leaves no room to generate, or has ids outside the vocabulary, is an error."""
-    if data.limit is not None and data.limit < 1:
-        raise ValueError(f"data.limit must be >= 1 or null (every row), got {data.limit}")
     path = Path(data.path) if data.path else SHIPPED_PROMPTS
     ds = _load_dataset(path, data.split)
     if data.prompt_field not in ds.column_names:
@@ -169,7 +167,8 @@ def load_prompts(data, tokenizer, max_model_len: Optional[int] = None,
             raise ValueError(f"{path} row {i}: the prompt has {len(t)} tokens; engine.max_model_len={max_model_len} "
                              f"leaves no room to generate")
         if vocab_size is not None and not 0 <= min(t) <= max(t) < vocab_size:
-            raise ValueError(f"{path} row {i}: the prompt has token ids outside the model's vocabulary [0, {vocab_size})")
+            raise ValueError(f"{path} row {i}: the prompt has token ids outside the model's vocabulary "
+                             f"[0, {vocab_size})")
     return list(zip(texts, ids))
 
 
@@ -538,6 +537,8 @@ def run(cfg) -> dict:
         raise ValueError(f"fleet.num_workers must be >= 1, got {cfg.fleet.num_workers}")
     if cfg.batch_prompts < 1:
         raise ValueError(f"batch_prompts must be >= 1, got {cfg.batch_prompts}")
+    if cfg.data.limit is not None and cfg.data.limit < 1:
+        raise ValueError(f"data.limit must be >= 1 or null (every row), got {cfg.data.limit}")
     reward_fn = _reward_fn(cfg.reward)
     device = cfg.engine.device or ("cuda" if torch.cuda.is_available() else "cpu")
     model_path = cfg.model.path or arith.ensure_default_model()

@@ -166,7 +166,7 @@ def main(argv=None) -> dict:
     except OSError:
         commit = None
     result = {
-        "command": cmd, "git_commit": commit, "wall_time_s": round(wall, 1), "threads": args.threads,
+        "command": cmd, "git_commit": commit, "wall_time_s": round(wall, 1), "threads": torch.get_num_threads(),
         "machine": f"{platform.machine()} {os.cpu_count()} cpus", "trl": trl.__version__, "torch": torch.__version__,
         "config": {k_: v for k_, v in vars(args).items() if k_ not in ("plot", "json", "output_dir")},
         "steps": steps, "reward": rewards,

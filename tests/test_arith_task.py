@@ -120,7 +120,8 @@ def test_write_prompts(tmp_path):
 def shipped():
     path = default_model_path()
     assert (path / "config.json").is_file(), (
-        f"{path} is missing; build it with: python scripts/make_tiny_model.py --out rollout/assets/arith-tiny --minutes 3"
+        f"{path} is missing; build it with: "
+        "python scripts/make_tiny_model.py --out rollout/assets/arith-tiny --minutes 3"
     )
     return path
 

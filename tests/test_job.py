@@ -125,7 +125,8 @@ def test_resume_after_sigkill(tmp_path):
            "data.limit=128", "batch_prompts=4", f"output_dir={out}", "logging=none"]
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=child_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     parts, deadline = out / "rollouts", time.time() + 120
-    while not (parts.exists() and list(parts.glob("part-*.parquet"))) and proc.poll() is None and time.time() < deadline:
+    while not (parts.exists() and list(parts.glob("part-*.parquet"))) and proc.poll() is None \
+            and time.time() < deadline:
         time.sleep(0.01)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
@@ -213,7 +214,8 @@ def test_prompt_sources(tmp_path):
     ds.to_parquet(str(tmp_path / "p.parquet"))
     ds.save_to_disk(str(tmp_path / "folder"))
     for src in ("p.parquet", "folder"):
-        data = make_cfg(tmp_path, "data=jsonl", f"data.path={tmp_path / src}", "data.prompt_field=q", "data.limit=1").data
+        data = make_cfg(tmp_path, "data=jsonl", f"data.path={tmp_path / src}", "data.prompt_field=q",
+                        "data.limit=1").data
         assert load_prompts(data, tok) == [("7+7=", tok("7+7=").input_ids)]   # tokenized as the engine does
     with pytest.raises(ValueError, match="no column 'prompt'"):
         load_prompts(make_cfg(tmp_path, "data=jsonl", f"data.path={tmp_path / 'p.parquet'}").data, tok)

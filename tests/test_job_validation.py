@@ -104,7 +104,8 @@ def test_garbage_config_json_names_the_file(tmp_path, model_copy):
     ("no_such_module_xyz:score", r"reward='no_such_module_xyz:score': cannot load 'score' from module "
                                  r"'no_such_module_xyz': ModuleNotFoundError"),
     ("rollout.tasks.arith:no_such_fn", r"reward='rollout.tasks.arith:no_such_fn': cannot load 'no_such_fn'"),
-    ("rollout.tasks.arith:OPS", r"reward='rollout.tasks.arith:OPS': rollout.tasks.arith:OPS is a tuple, not a function"),
+    ("rollout.tasks.arith:OPS", r"reward='rollout.tasks.arith:OPS': rollout.tasks.arith:OPS is a tuple, "
+                                r"not a function"),
     ("rollout.tasks.arith:solve", r"reward='rollout.tasks.arith:solve': rollout.tasks.arith:solve must take "
                                   r"\(prompt, completion\)"),
     ("rollout.tasks.arith", r"reward='rollout.tasks.arith': expected 'arith', 'package.module:function' or null"),

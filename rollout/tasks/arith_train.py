@@ -177,7 +177,8 @@ def train_tiny_model(
         model = build_model(seed, **(model_kwargs or {}))
         n_params = sum(p.numel() for p in model.parameters())
         print(
-            f"[arith-tiny] params={n_params:,} threads={torch.get_num_threads()} budget={minutes}min max_steps={max_steps}",
+            f"[arith-tiny] params={n_params:,} threads={torch.get_num_threads()} budget={minutes}min "
+            f"max_steps={max_steps}",
             flush=True,
         )
 
@@ -307,7 +308,8 @@ Made with:
 ```
 
 - seed: {stats["seed"]}, steps: {stats["steps"]} (batch {stats["batch_size"]}, AdamW lr {stats["lr"]:g}, warmup + cosine
-  over the time budget), training time: {stats["train_seconds"]} s on {stats["threads"]} CPU thread(s), torch {stats["torch_version"]}
+  over the time budget), training time: {stats["train_seconds"]} s on {stats["threads"]} CPU thread(s), \
+torch {stats["torch_version"]}
 - parameters: {stats["params"]:,} (float32)
 - architecture: LlamaForCausalLM, hidden {cfg.hidden_size}, {cfg.num_hidden_layers} layers,
   {cfg.num_attention_heads} heads / {cfg.num_key_value_heads} KV heads, intermediate {cfg.intermediate_size},
