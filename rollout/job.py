@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import importlib
+import inspect
 import json
 import logging
 import os
@@ -67,7 +68,7 @@ class LoggingConfig:                     # keyword arguments of rollout.metrics.
     project: str = "rollout"
     name: Optional[str] = None
     dir: Optional[str] = None            # null = output_dir
-    log_every_s: float = 10.0
+    log_every_s: float = 10.0            # a row per committed part, and this often within a wave
     samples_table_size: int = 64
 
 
@@ -107,50 +108,97 @@ def _load_dataset(path: Path, split: str):
     datasets.disable_progress_bars()
     if path.is_dir():
         ds = datasets.load_from_disk(str(path))
-        return ds[split] if isinstance(ds, datasets.DatasetDict) else ds
-    if not path.is_file():
+        ds = ds[split] if isinstance(ds, datasets.DatasetDict) else ds
+    elif not path.is_file():
         raise FileNotFoundError(f"data.path {str(path)!r} does not exist")
-    kind = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}.get(path.suffix)
-    if kind is None:
-        raise ValueError(f"data.path {str(path)!r}: expected .json, .jsonl, .parquet or a dataset folder")
-    return datasets.load_dataset(kind, data_files=str(path), split="train")
+    else:
+        kind = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}.get(path.suffix)
+        if kind is None:
+            raise ValueError(f"data.path {str(path)!r}: expected .json, .jsonl, .parquet or a dataset folder")
+        # datasets fails on an empty file with a bare StopIteration or ArrowInvalid: say what it is
+        if kind == "parquet":
+            import pyarrow.parquet as pq
+            empty = pq.read_metadata(path).num_rows == 0
+        else:
+            empty = path.stat().st_size < 4096 and path.read_bytes().strip() in (b"", b"[]")
+        ds = [] if empty else datasets.load_dataset(kind, data_files=str(path), split="train")
+    if len(ds) == 0:
+        raise ValueError(f"data.path {str(path)!r} has no rows")
+    return ds
 
 
-def load_prompts(data, tokenizer) -> list[tuple[str, Any]]:
-    """[(prompt text, engine input)]: a string row is used as is; a message list goes through
-    the tokenizer's chat template (the template adds its own special tokens, so the ids are
-    tokenized without adding more)."""
+def load_prompts(data, tokenizer, max_model_len: Optional[int] = None,
+                 vocab_size: Optional[int] = None) -> list[tuple[str, list[int]]]:
+    """[(prompt text, token ids)] for every row, all checked before any generation: a string
+    row is tokenized as the engine tokenizes text (with the tokenizer's special tokens); a
+    message list goes through the tokenizer's chat template (which adds its own special
+    tokens, so its text is tokenized without more). With max_model_len / vocab_size, a row
+    whose prompt leaves no room to generate, or has ids outside the vocabulary, is an error."""
     path = Path(data.path) if data.path else SHIPPED_PROMPTS
     ds = _load_dataset(path, data.split)
     if data.prompt_field not in ds.column_names:
         raise ValueError(f"{path}: no column {data.prompt_field!r} (columns: {ds.column_names}); set data.prompt_field")
+    if tokenizer is None:
+        raise ValueError("the model has no tokenizer files (tokenizer.json / tokenizer_config.json); "
+                         "the job needs one to tokenize its prompts")
     if data.limit is not None:
         ds = ds.select(range(min(data.limit, len(ds))))
-    out = []
+    texts, templated = [], []
     for i, p in enumerate(ds[data.prompt_field]):
         if isinstance(p, str):
-            out.append((p, p))
+            texts.append(p)
         elif isinstance(p, list) and p and all(isinstance(m, dict) and "role" in m for m in p):
-            if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-                raise ValueError(f"row {i}: {data.prompt_field!r} is a message list but the tokenizer has no chat template")
-            text = tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True)
-            out.append((text, tokenizer(text, add_special_tokens=False).input_ids))
+            if not getattr(tokenizer, "chat_template", None):
+                raise ValueError(f"{path} row {i}: {data.prompt_field!r} is a message list but the tokenizer "
+                                 f"has no chat template")
+            texts.append(tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True))
+            templated.append(i)
         else:
-            raise ValueError(f"row {i}: {data.prompt_field!r} must be a string or a list of chat messages, got {p!r:.80}")
-    return out
+            raise ValueError(f"{path} row {i}: {data.prompt_field!r} must be a string or a list of chat messages, "
+                             f"got {p!r:.80}")
+    ids = tokenizer(texts).input_ids
+    if templated:
+        for i, t in zip(templated, tokenizer([texts[i] for i in templated], add_special_tokens=False).input_ids):
+            ids[i] = t
+    for i, t in enumerate(ids):
+        if not t:
+            raise ValueError(f"{path} row {i}: the prompt has no tokens")
+        if max_model_len is not None and len(t) >= max_model_len:
+            raise ValueError(f"{path} row {i}: the prompt has {len(t)} tokens; engine.max_model_len={max_model_len} "
+                             f"leaves no room to generate")
+        if vocab_size is not None and not 0 <= min(t) <= max(t) < vocab_size:
+            raise ValueError(f"{path} row {i}: the prompt has token ids outside the model's vocabulary "
+                             f"[0, {vocab_size})")
+    return list(zip(texts, ids))
 
 
 def _reward_fn(name: Optional[str]):
-    """`arith` (the embedded task), `package.module:function`, or null (no reward column)."""
+    """The `reward` setting: `arith` (rollout.tasks.arith.reward), `package.module:function`, or
+    null (no reward column). The function is called as fn(prompt, completion) -> float, once per
+    completion, in the job's process, when the completion's wave is complete and before its part
+    is written: `prompt` is the prompt's text (a chat prompt as its template rendered it),
+    `completion` the completion's decoded text (special tokens skipped, cut at a stop string).
+    The number goes into the part's `reward` column. Checked here, at start-up: importable,
+    callable with two arguments."""
     if not name:
         return None
-    if name == "arith":
-        from rollout.tasks.arith import reward
-        return reward
-    mod, sep, fn = name.partition(":")
-    if not sep:
-        raise ValueError(f"reward {name!r}: expected 'arith', 'package.module:function' or null")
-    return getattr(importlib.import_module(mod), fn)
+    target = "rollout.tasks.arith:reward" if name == "arith" else name
+    mod, sep, attr = target.partition(":")
+    if not (mod and sep and attr):
+        raise ValueError(f"reward={name!r}: expected 'arith', 'package.module:function' or null")
+    try:
+        fn = getattr(importlib.import_module(mod), attr)
+    except Exception as exc:  # noqa: BLE001  any import failure: name the setting, keep the cause
+        raise ValueError(f"reward={name!r}: cannot load {attr!r} from module {mod!r}: {exc!r}") from exc
+    if not callable(fn):
+        raise ValueError(f"reward={name!r}: {target} is a {type(fn).__name__}, not a function")
+    try:
+        inspect.signature(fn).bind("prompt", "completion")
+    except TypeError as exc:
+        raise ValueError(f"reward={name!r}: {target} must take (prompt, completion): {exc}") from exc
+    except ValueError:
+        pass                                 # no introspectable signature (a builtin)
+    return fn
 
 
 def _prompt_seed(seed: int, index: int) -> int:
@@ -163,7 +211,7 @@ def _schema():
     import pyarrow as pa
     ints, floats = pa.list_(pa.int32()), pa.list_(pa.float32())     # float32: the logprobs are fp32
     return pa.schema([("prompt_index", pa.int64()), ("prompt", pa.string()), ("prompt_ids", ints),
-                      ("group", pa.int32()), ("completion_ids", ints), ("text", pa.string()),
+                      ("sample_index", pa.int32()), ("completion_ids", ints), ("text", pa.string()),
                       ("logprobs", floats), ("processed_logprobs", floats),
                       ("policy_versions", pa.list_(pa.int64())), ("finish_reason", pa.string()),
                       ("reward", pa.float64())])
@@ -190,8 +238,10 @@ def scan_parts(parts_dir: Path, n: int, prompts: list[tuple[str, Any]]) -> tuple
     nxt = 0
     for p in sorted(parts_dir.glob("part-*.parquet")):
         nxt = max(nxt, int(p.stem.split("-")[1]) + 1)
-        t = pq.read_table(p, columns=["prompt_index", "group", "prompt"]).to_pydict()
-        for i, g, text in zip(t["prompt_index"], t["group"], t["prompt"]):
+        # parts written before `sample_index` had the name `group` for it
+        sample = "sample_index" if "sample_index" in pq.read_schema(p).names else "group"
+        t = pq.read_table(p, columns=["prompt_index", sample, "prompt"]).to_pydict()
+        for i, g, text in zip(t["prompt_index"], t[sample], t["prompt"]):
             if i < len(prompts) and text != prompts[i][0]:
                 raise ValueError(f"{p}: prompt {i} is {text!r} but the data has {prompts[i][0]!r}; "
                                  f"use a new output_dir")
@@ -212,11 +262,21 @@ def _check_fingerprint(out: Path, cfg) -> None:
     if path.exists():
         old = json.loads(path.read_text())
         if old != fp:
-            raise ValueError(f"{out} holds rollouts of another config ({path}: {old} != {fp}); "
-                             f"use a new output_dir")
+            diff = "; ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in _changed(old, fp))
+            raise ValueError(f"{out} holds rollouts of another config ({path}): {diff}; use a new output_dir")
     else:
         out.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(fp, indent=1))
+
+
+def _changed(old: dict, new: dict, prefix: str = "") -> Iterator[tuple[str, Any, Any]]:
+    """(dotted key, old value, new value) for each leaf that differs."""
+    for k in sorted(old.keys() | new.keys()):
+        a, b = old.get(k), new.get(k)
+        if isinstance(a, dict) and isinstance(b, dict):
+            yield from _changed(a, b, f"{prefix}{k}.")
+        elif a != b:
+            yield f"{prefix}{k}", a, b
 
 
 def _rows(outs: dict[int, Any], prompts, reward_fn) -> list[dict]:
@@ -224,7 +284,7 @@ def _rows(outs: dict[int, Any], prompts, reward_fn) -> list[dict]:
     for i in sorted(outs):
         o, prompt = outs[i], prompts[i][0]
         for g, c in enumerate(o.completions):       # completions come in sample order
-            rows.append({"prompt_index": i, "prompt": prompt, "prompt_ids": o.prompt_token_ids, "group": g,
+            rows.append({"prompt_index": i, "prompt": prompt, "prompt_ids": o.prompt_token_ids, "sample_index": g,
                          "completion_ids": c.token_ids, "text": c.text, "logprobs": c.logprobs,
                          "processed_logprobs": c.processed_logprobs, "policy_versions": c.policy_versions,
                          "finish_reason": c.finish_reason,
@@ -244,6 +304,7 @@ class _LocalRollouts:
         from rollout import RolloutEngine
         self.engine = RolloutEngine.from_pretrained(model_path, _engine_config(cfg, device))
         self.tokenizer, self.vocab_size = self.engine.tokenizer, self.engine.vocab_size
+        self.max_model_len = self.engine.max_model_len
 
     def start(self) -> None:
         from rollout.worker import RolloutWorker
@@ -283,7 +344,7 @@ class _LocalRollouts:
 
 class _FleetRollouts:
     """fleet.num_workers > 1: a RolloutFleet of Ray actors builds the engines; this process
-    holds only the tokenizer (chat templates) and the vocabulary size (validation)."""
+    holds only the tokenizer (chat templates) and the model's config.json (prompt validation)."""
 
     def __init__(self, cfg, model_path):
         import importlib.util
@@ -293,13 +354,16 @@ class _FleetRollouts:
         from rollout.engine import _load_tokenizer
         if importlib.util.find_spec("ray") is None:
             raise ImportError(f"fleet.num_workers={cfg.fleet.num_workers} runs workers as Ray actors: "
-                              f"pip install 'rollout[fleet]' (or fleet.num_workers=1)")
+                              f"pip install -e '.[fleet]' in the rollout checkout (or fleet.num_workers=1)")
         path = Path(model_path)
         if not (path / "config.json").exists():
             raise FileNotFoundError(f"{path} is not a local Hugging Face checkpoint folder (no config.json)")
         self.cfg, self.fc, self.model_path = cfg, cfg.fleet, str(path)
         self.tokenizer = _load_tokenizer(path)
-        self.vocab_size = AutoConfig.from_pretrained(str(path), local_files_only=True).vocab_size
+        hf = AutoConfig.from_pretrained(str(path), local_files_only=True)
+        self.vocab_size = hf.vocab_size
+        # RolloutEngine's rule for its max_model_len, without building an engine here
+        self.max_model_len = cfg.engine.max_model_len or getattr(hf, "max_position_embeddings", 4096)
         self.fleet, self.own_ray, self.cuda, self.tokens = None, False, False, 0
 
     def _placement(self, cluster_gpus: float) -> tuple[str, float]:
@@ -467,20 +531,22 @@ def run(cfg) -> dict:
     from rollout import SamplingParams
     from rollout.tasks import arith
 
+    # Everything that can be wrong is checked before the output dir is touched: the cheap
+    # settings first, then the model, then every prompt (tokenized, lengths, vocabulary).
     if cfg.fleet.num_workers < 1:
         raise ValueError(f"fleet.num_workers must be >= 1, got {cfg.fleet.num_workers}")
+    if cfg.batch_prompts < 1:
+        raise ValueError(f"batch_prompts must be >= 1, got {cfg.batch_prompts}")
+    if cfg.data.limit is not None and cfg.data.limit < 1:
+        raise ValueError(f"data.limit must be >= 1 or null (every row), got {cfg.data.limit}")
+    reward_fn = _reward_fn(cfg.reward)
     device = cfg.engine.device or ("cuda" if torch.cuda.is_available() else "cpu")
-
-    # Everything that can be wrong is checked before the output dir is touched.
     model_path = cfg.model.path or arith.ensure_default_model()
     rollouts = (_LocalRollouts(cfg, model_path, device) if cfg.fleet.num_workers == 1
                 else _FleetRollouts(cfg, model_path))
     base = SamplingParams(**OmegaConf.to_container(cfg.sampling, resolve=True))
     base.validate(rollouts.vocab_size)
-    if cfg.batch_prompts < 1:
-        raise ValueError(f"batch_prompts must be >= 1, got {cfg.batch_prompts}")
-    reward_fn = _reward_fn(cfg.reward)
-    prompts = load_prompts(cfg.data, rollouts.tokenizer)
+    prompts = load_prompts(cfg.data, rollouts.tokenizer, rollouts.max_model_len, rollouts.vocab_size)
     try:
         rollouts.start()                     # a fleet's actors build their engines here
         return _generate(cfg, rollouts, base, prompts, reward_fn, t_start)
@@ -527,6 +593,7 @@ def _generate(cfg, rollouts, base, prompts, reward_fn, t_start: float) -> dict:
                     path = write_part(parts_dir, next_part, rows)
                     next_part += 1
                     sink.observe(rows)
+                    sink.log()           # a row per part: a run of a few seconds still shows its rates
                     rw = [r["reward"] for r in rows if r["reward"] is not None]
                     tot["prompts"] += len(waves[w])
                     tot["completions"] += len(rows)

@@ -120,7 +120,8 @@ def test_write_prompts(tmp_path):
 def shipped():
     path = default_model_path()
     assert (path / "config.json").is_file(), (
-        f"{path} is missing; build it with: python scripts/make_tiny_model.py --out rollout/assets/arith-tiny --minutes 3"
+        f"{path} is missing; build it with: "
+        "python scripts/make_tiny_model.py --out rollout/assets/arith-tiny --minutes 3"
     )
     return path
 
@@ -190,3 +191,35 @@ def test_shipped_model_solves_one_digit(shipped):
     texts = tok.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
     acc = sum(reward(p, t) for (p, _), t in zip(problems, texts)) / len(problems)
     assert acc >= 0.9, list(zip(problems, texts))
+
+
+def test_shipped_chat_template_renders_the_trained_prompt(shipped):
+    transformers = pytest.importorskip("transformers")
+    from rollout.tasks.arith_train import CHAT_TEMPLATE, _encode_batch
+
+    tok = transformers.AutoTokenizer.from_pretrained(shipped)
+    assert tok.chat_template == CHAT_TEMPLATE        # a rebuild (arith_train.save) writes the same one
+    for prompt, answer in [("12+3=", "15"), ("3-8=", "-5"), ("7+0=", "7")]:
+        ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)["input_ids"]
+        trained = _encode_batch([(prompt, answer)])[0][0].tolist()   # <bos> prompt answer <eos> <pad>...
+        assert ids == trained[: 1 + len(prompt)] == tok(prompt).input_ids
+        assert tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                       add_generation_prompt=True) == f"<bos>{prompt}"
+    convo = [{"role": "user", "content": "1+1="}, {"role": "assistant", "content": "2"},
+             {"role": "user", "content": "2+2="}]
+    assert tok.apply_chat_template(convo, tokenize=False) == "<bos>1+1=2<eos>2+2="
+    assert reward("<bos>12+3=", "15") == 1.0          # the reward reads a rendered chat prompt too
+
+
+def test_rebuilt_model_folder_keeps_the_chat_template(tmp_path, shipped):
+    transformers = pytest.importorskip("transformers")
+    from rollout.tasks.arith_train import train_tiny_model
+
+    small = {"hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
+             "intermediate_size": 32}
+    train_tiny_model(tmp_path, max_steps=1, batch_size=4, model_kwargs=small, log_every=1000)
+    rebuilt = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    assert rebuilt["chat_template"] == json.loads((shipped / "tokenizer_config.json").read_text())["chat_template"]
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    msgs = [{"role": "user", "content": "12+3="}]
+    assert tok.apply_chat_template(msgs, add_generation_prompt=True)["input_ids"] == tok("12+3=").input_ids

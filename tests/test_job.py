@@ -18,7 +18,7 @@ from rollout.metrics import read_offline_run
 from rollout.tasks import arith
 
 ROOT = Path(__file__).resolve().parents[1]
-COLUMNS = {"prompt_index", "prompt", "prompt_ids", "group", "completion_ids", "text", "logprobs",
+COLUMNS = {"prompt_index", "prompt", "prompt_ids", "sample_index", "completion_ids", "text", "logprobs",
            "processed_logprobs", "policy_versions", "finish_reason", "reward"}
 N, LIMIT, WAVE = 4, 24, 8
 register_configs()
@@ -36,7 +36,7 @@ def make_cfg(tmp, *overrides):
 
 def rows_of(out) -> list[dict]:
     rows = pq.read_table(Path(out) / "rollouts").to_pylist()   # pyarrow skips the hidden tmp files
-    return sorted(rows, key=lambda r: (r["prompt_index"], r["group"]))
+    return sorted(rows, key=lambda r: (r["prompt_index"], r["sample_index"]))
 
 
 def child_env():
@@ -54,7 +54,7 @@ def full_run(tmp_path_factory):
 def test_rows_complete_and_consistent(full_run):
     tmp, summary, rows = full_run
     assert len(rows) == LIMIT * N and set(rows[0]) == COLUMNS
-    assert [(r["prompt_index"], r["group"]) for r in rows] == [(i, g) for i in range(LIMIT) for g in range(N)]
+    assert [(r["prompt_index"], r["sample_index"]) for r in rows] == [(i, g) for i in range(LIMIT) for g in range(N)]
     shipped = [json.loads(line)["prompt"] for line in (ROOT / "data/arith_prompts.jsonl").read_text().splitlines()]
     for r in rows:
         k = len(r["completion_ids"])
@@ -76,6 +76,8 @@ def test_wandb_offline_run_has_metrics(full_run):
     tmp, summary, _ = full_run
     (run_dir,) = (tmp / "wb/wandb").glob("offline-run-*")
     history, final = read_offline_run(run_dir)
+    *history, table = history                # close(): nothing generated since the last row, the table alone
+    assert "throughput/gen_tok_s" not in table
     assert len(history) >= 2
     assert max(h["throughput/gen_tok_s"] for h in history) > 0
     assert max(h["throughput/prefill_tok_s"] for h in history) > 0
@@ -88,9 +90,9 @@ def test_wandb_offline_run_has_metrics(full_run):
     assert last["weights/staging_ms"] == last["weights/barrier_ms"] == 0
     assert "gpu/busy_pct" not in last                              # CUDA only
     assert last["rollouts/completions"] == LIMIT * N
-    assert last["samples/_type"] == "table-file" and last["samples/nrows"] == 64
-    table = json.loads((run_dir / "files" / last["samples/path"]).read_text())
-    assert table["columns"] == ["prompt", "text", "reward", "finish_reason"]
+    assert table["samples/_type"] == "table-file" and table["samples/nrows"] == 64
+    samples = json.loads((run_dir / "files" / table["samples/path"]).read_text())
+    assert samples["columns"] == ["prompt", "text", "reward", "finish_reason"]
     assert final["completions"] == LIMIT * N and final["mean_reward"] == pytest.approx(summary["mean_reward"])
 
 
@@ -109,7 +111,7 @@ def test_resume_after_partial_runs_and_a_killed_write(full_run, tmp_path):
     assert part0.read_bytes() == before                              # committed rows untouched
     assert not list((tmp_path / "out/rollouts").glob(".*.tmp"))
     rows = rows_of(tmp_path / "out")
-    assert [(r["prompt_index"], r["group"]) for r in rows] == [(i, g) for i in range(LIMIT) for g in range(N)]
+    assert [(r["prompt_index"], r["sample_index"]) for r in rows] == [(i, g) for i in range(LIMIT) for g in range(N)]
     # Seeds are keyed on the prompt index: the pieced-together output is the uninterrupted one.
     for a, b in zip(rows, ref):
         assert a["completion_ids"] == b["completion_ids"] and a["text"] == b["text"]
@@ -123,7 +125,8 @@ def test_resume_after_sigkill(tmp_path):
            "data.limit=128", "batch_prompts=4", f"output_dir={out}", "logging=none"]
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=child_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     parts, deadline = out / "rollouts", time.time() + 120
-    while not (parts.exists() and list(parts.glob("part-*.parquet"))) and proc.poll() is None and time.time() < deadline:
+    while not (parts.exists() and list(parts.glob("part-*.parquet"))) and proc.poll() is None \
+            and time.time() < deadline:
         time.sleep(0.01)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
@@ -136,7 +139,7 @@ def test_resume_after_sigkill(tmp_path):
     assert summary["skipped_prompts"] == 4 * len(kept)
     assert all((parts / name).read_bytes() == data for name, data in kept.items())
     rows = rows_of(out)
-    assert [(r["prompt_index"], r["group"]) for r in rows] == [(i, g) for i in range(128) for g in range(4)]
+    assert [(r["prompt_index"], r["sample_index"]) for r in rows] == [(i, g) for i in range(128) for g in range(4)]
 
 
 def test_bad_overrides_fail_clearly(tmp_path):
@@ -152,10 +155,42 @@ def test_bad_overrides_fail_clearly(tmp_path):
     assert not (tmp_path / "out").exists() and not (tmp_path / "wb").exists()   # nothing written
 
 
+def test_short_run_logs_a_row_per_part(tmp_path):
+    # The default log_every_s (10 s) is longer than this run: a row per committed part, each
+    # over a window with tokens in it, and the next wave in flight when the first part lands.
+    run(make_cfg(tmp_path, "logging.log_every_s=10"))
+    (run_dir,) = (tmp_path / "wb/wandb").glob("offline-run-*")
+    rows = [h for h in read_offline_run(run_dir)[0] if "throughput/gen_tok_s" in h]
+    assert len(rows) == LIMIT // WAVE
+    assert all(h["throughput/gen_tok_s"] > 0 for h in rows)     # a wave's prefill may fall in the window before
+    assert rows[0]["throughput/prefill_tok_s"] > 0 and rows[0]["batch/running"] > 0 and rows[0]["kv/pages_used"] > 0
+    assert [h["rollouts/completions"] for h in rows] == [WAVE * N * (k + 1) for k in range(LIMIT // WAVE)]
+
+
+def test_resume_over_a_part_with_the_old_group_column(full_run, tmp_path):
+    import pyarrow.parquet as pq
+    assert run(make_cfg(tmp_path, f"data.limit={WAVE}"))["parts"] == 1
+    part0 = tmp_path / "out/rollouts/part-00000.parquet"
+    t = pq.read_table(part0)
+    pq.write_table(t.rename_columns(["group" if c == "sample_index" else c for c in t.column_names]), part0)
+    again = run(make_cfg(tmp_path))
+    assert again["skipped_prompts"] == WAVE and again["prompts"] == LIMIT - WAVE
+    old = pq.read_table(part0).to_pylist()
+    new = [r for p in sorted(part0.parent.glob("part-*.parquet"))[1:] for r in pq.read_table(p).to_pylist()]
+    got = [(r["prompt_index"], r["group"]) for r in old] + [(r["prompt_index"], r["sample_index"]) for r in new]
+    assert sorted(got) == [(i, g) for i in range(LIMIT) for g in range(N)]
+    # the resumed parts equal the uninterrupted run's rows for those prompts
+    ref = {(r["prompt_index"], r["sample_index"]): r["completion_ids"] for r in full_run[2]}
+    assert all(r["completion_ids"] == ref[r["prompt_index"], r["sample_index"]] for r in new)
+
+
 def test_resume_refuses_another_config(full_run):
     tmp = full_run[0]
-    with pytest.raises(ValueError, match="another config"):
-        run(make_cfg(tmp, "sampling.temperature=0.5"))
+    with pytest.raises(ValueError, match="another config") as e:
+        run(make_cfg(tmp, "sampling.temperature=0.5", "sampling.top_k=5"))
+    # only the keys that differ, as dotted paths, old -> new
+    assert str(e.value).endswith("job.json): sampling.temperature: 1.0 -> 0.5; sampling.top_k: 0 -> 5; "
+                                 "use a new output_dir"), str(e.value)
 
 
 def test_prompt_sources(tmp_path):
@@ -167,7 +202,8 @@ def test_prompt_sources(tmp_path):
     path = tmp_path / "chat.jsonl"
     path.write_text("".join(json.dumps(m) + "\n" for m in msgs))
     data = make_cfg(tmp_path, "data=jsonl", f"data.path={path}").data
-    with pytest.raises(ValueError, match="no chat template"):
+    tok.chat_template = None
+    with pytest.raises(ValueError, match="chat.jsonl row 0: 'prompt' is a message list but the tokenizer has no chat"):
         load_prompts(data, tok)
     tok.chat_template = "<bos>{% for m in messages %}{{ m['content'] }}{% endfor %}"
     got = load_prompts(data, tok)            # the template's <bos> only: no second one added
@@ -178,8 +214,9 @@ def test_prompt_sources(tmp_path):
     ds.to_parquet(str(tmp_path / "p.parquet"))
     ds.save_to_disk(str(tmp_path / "folder"))
     for src in ("p.parquet", "folder"):
-        data = make_cfg(tmp_path, "data=jsonl", f"data.path={tmp_path / src}", "data.prompt_field=q", "data.limit=1").data
-        assert load_prompts(data, tok) == [("7+7=", "7+7=")]
+        data = make_cfg(tmp_path, "data=jsonl", f"data.path={tmp_path / src}", "data.prompt_field=q",
+                        "data.limit=1").data
+        assert load_prompts(data, tok) == [("7+7=", tok("7+7=").input_ids)]   # tokenized as the engine does
     with pytest.raises(ValueError, match="no column 'prompt'"):
         load_prompts(make_cfg(tmp_path, "data=jsonl", f"data.path={tmp_path / 'p.parquet'}").data, tok)
 

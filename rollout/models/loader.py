@@ -64,10 +64,22 @@ def init_random(model: DecoderLM, seed: int) -> None:
             p.data.copy_(w)
 
 
+def _read_json(file: Path) -> dict:
+    try:
+        out = json.loads(file.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{file} is not valid JSON: {exc}") from exc
+    if not isinstance(out, dict):
+        raise ValueError(f"{file}: expected a JSON object, got {type(out).__name__}")
+    return out
+
+
 def checkpoint_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index}: no 'weight_map' object")
         files = sorted({path / f for f in weight_map.values()})
         missing = [f.name for f in files if not f.exists()]
         if missing:
@@ -107,13 +119,16 @@ def check_complete(model: DecoderLM, filled: set[str], source: str) -> None:
 
 
 def load_checkpoint(model: DecoderLM, path: Path) -> None:
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     filled: set[str] = set()
     for file in checkpoint_files(path):
-        with safe_open(str(file), framework="pt") as f:
-            filled |= copy_hf_tensors(model, ((n, f.get_tensor(n)) for n in f.keys()),
-                                      f"checkpoint {file.name}")
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                filled |= copy_hf_tensors(model, ((n, f.get_tensor(n)) for n in f.keys()),
+                                          f"checkpoint {file.name}")
+        except SafetensorError as exc:       # truncated or not a safetensors file at all
+            raise ValueError(f"{file} is not a readable safetensors file: {exc}") from exc
     check_complete(model, filled, f"checkpoint {path}")
 
 
@@ -123,7 +138,7 @@ def load_model(path: Union[str, Path], dtype, device: torch.device, config_overr
     path = Path(path)
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"{path} is not a local Hugging Face checkpoint folder (no config.json)")
-    raw = json.loads((path / "config.json").read_text())
+    raw = _read_json(path / "config.json")
     check_supported(SimpleNamespace(model_type=raw.get("model_type"), architectures=raw.get("architectures")))
     hf_config = AutoConfig.from_pretrained(str(path), local_files_only=True)
     for k, v in (config_overrides or {}).items():

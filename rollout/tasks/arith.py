@@ -31,7 +31,8 @@ EOS_TOKEN = "<eos>"
 # (20,000) are learned well but not perfectly, which leaves headroom for RL.
 _ONE_DIGIT_SHARE = 0.3
 
-_PROMPT_RE = re.compile(r"^\s*(-?\d+)\s*([+-])\s*(-?\d+)\s*=\s*$")
+# A leading <bos> is allowed: a chat prompt as the model's chat template renders it.
+_PROMPT_RE = re.compile(r"^\s*(?:<bos>)?\s*(-?\d+)\s*([+-])\s*(-?\d+)\s*=\s*$")
 
 
 def make_problem(rng: random.Random, max_digits: int = 2, digits: int | None = None) -> tuple[str, str]:
@@ -60,7 +61,7 @@ def make_problem(rng: random.Random, max_digits: int = 2, digits: int | None = N
 
 
 def solve(prompt: str) -> str:
-    """Compute the answer string for a prompt such as ``"17+25="``."""
+    """Compute the answer string for a prompt such as ``"17+25="`` (or ``"<bos>17+25="``)."""
     m = _PROMPT_RE.match(prompt)
     if m is None:
         raise ValueError(f"not an arithmetic prompt: {prompt!r}")

@@ -40,6 +40,14 @@ MODEL_KWARGS = {
 
 SEQ_LEN = 12  # <bos> + "99-99=" + "-99"/"198" + <eos> = 11, padded to 12
 
+# The model only knows `<bos>17+25=42<eos>`. A user turn renders as its text, so one user
+# message "17+25=" gives exactly the trained prompt (ids of `tokenizer("17+25=")`); an assistant
+# turn ends with <eos>; the generation prompt adds nothing (the answer follows the "=").
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{{ m['content'] }}"
+    "{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}{% endfor %}"
+)
+
 
 def build_tokenizer():
     """Character-level ``PreTrainedTokenizerFast``; adds <bos>, never <eos>."""
@@ -169,7 +177,8 @@ def train_tiny_model(
         model = build_model(seed, **(model_kwargs or {}))
         n_params = sum(p.numel() for p in model.parameters())
         print(
-            f"[arith-tiny] params={n_params:,} threads={torch.get_num_threads()} budget={minutes}min max_steps={max_steps}",
+            f"[arith-tiny] params={n_params:,} threads={torch.get_num_threads()} budget={minutes}min "
+            f"max_steps={max_steps}",
             flush=True,
         )
 
@@ -254,15 +263,17 @@ def train_tiny_model(
 
 
 def _compat_fixups(out_dir: pathlib.Path) -> None:
-    """Make the folder loadable by transformers 4.x as well as 5.x.
+    """Make the folder loadable by transformers 4.x as well as 5.x, with its chat template.
 
     transformers 5 writes ``tokenizer_class: TokenizersBackend`` (unknown to 4.x)
-    and only ``rope_parameters`` (4.x reads ``rope_theta``).
+    and only ``rope_parameters`` (4.x reads ``rope_theta``); the chat template goes
+    into tokenizer_config.json, where both read it.
     """
     tc_path = out_dir / "tokenizer_config.json"
     tc = json.loads(tc_path.read_text(encoding="utf-8"))
     tc["tokenizer_class"] = "PreTrainedTokenizerFast"
     tc["model_max_length"] = MODEL_KWARGS["max_position_embeddings"]
+    tc["chat_template"] = CHAT_TEMPLATE
     tc_path.write_text(json.dumps(tc, indent=2) + "\n", encoding="utf-8")
     cfg_path = out_dir / "config.json"
     cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
@@ -297,13 +308,15 @@ Made with:
 ```
 
 - seed: {stats["seed"]}, steps: {stats["steps"]} (batch {stats["batch_size"]}, AdamW lr {stats["lr"]:g}, warmup + cosine
-  over the time budget), training time: {stats["train_seconds"]} s on {stats["threads"]} CPU thread(s), torch {stats["torch_version"]}
+  over the time budget), training time: {stats["train_seconds"]} s on {stats["threads"]} CPU thread(s), \
+torch {stats["torch_version"]}
 - parameters: {stats["params"]:,} (float32)
 - architecture: LlamaForCausalLM, hidden {cfg.hidden_size}, {cfg.num_hidden_layers} layers,
   {cfg.num_attention_heads} heads / {cfg.num_key_value_heads} KV heads, intermediate {cfg.intermediate_size},
   vocab {cfg.vocab_size}, max positions {cfg.max_position_embeddings}, untied embeddings
 - tokenizer: character level (`tokenizers` WordLevel); `<pad>`={cfg.pad_token_id}, `<bos>`={cfg.bos_token_id},
-  `<eos>`={cfg.eos_token_id}, `<unk>`={VOCAB[UNK]}; encoding adds `<bos>` and never `<eos>`
+  `<eos>`={cfg.eos_token_id}, `<unk>`={VOCAB[UNK]}; encoding adds `<bos>` and never `<eos>`; chat template:
+  `<bos>` + each message's text (an assistant turn + `<eos>`), so a user message `12+34=` is the plain prompt
 - training data: `<bos>17+25=42<eos>`, loss on answer + `<eos>` only; 30% 1-digit, 70% 2-digit problems
 - held-out greedy exact match (100 problems each; 2-digit ones excluded from training,
   the 1-digit space has only 200 problems): 1-digit {stats["acc_1digit"]:.2f}, 2-digit {stats["acc_2digit"]:.2f}
