@@ -100,6 +100,10 @@ class EngineConfig:
             bad("kernels", "a rollout.env.KernelSwitches")
         return self
 
+    def model_len(self, hf_config) -> int:
+        """max_model_len, or the model's max_position_embeddings (4096 where the config has none)."""
+        return int(self.max_model_len or getattr(hf_config, "max_position_embeddings", None) or 4096)
+
     def replace(self, **overrides) -> "EngineConfig":
         """A copy with `overrides` (field names; an unknown name raises ValueError listing the known ones)."""
         unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(self)})

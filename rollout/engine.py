@@ -60,7 +60,7 @@ class RolloutEngine:
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.vocab_size = hf_config.vocab_size
-        self.max_model_len = int(cfg.max_model_len or getattr(hf_config, "max_position_embeddings", 4096))
+        self.max_model_len = cfg.model_len(hf_config)
         self.page_size = page_size = cfg.page_size
         kv_dtype = self.dtype
         if self.device.type == "cpu":

@@ -362,8 +362,7 @@ class _FleetRollouts:
         self.tokenizer = _load_tokenizer(path)
         hf = AutoConfig.from_pretrained(str(path), local_files_only=True)
         self.vocab_size = hf.vocab_size
-        # RolloutEngine's rule for its max_model_len, without building an engine here
-        self.max_model_len = cfg.engine.max_model_len or getattr(hf, "max_position_embeddings", 4096)
+        self.max_model_len = EngineConfig(max_model_len=cfg.engine.max_model_len).model_len(hf)
         self.fleet, self.own_ray, self.cuda, self.tokens = None, False, False, 0
 
     def _placement(self, cluster_gpus: float) -> tuple[str, float]:
