@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from rollout import RolloutEngine, SamplingParams
-from rollout.attention import AttentionMetadata
+from rollout.layers.attention import AttentionMetadata
 from rollout.bench.shapes import make_config
 from rollout.models.loader import build_model, copy_hf_tensors
 
