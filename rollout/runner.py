@@ -8,14 +8,10 @@ from typing import Optional
 
 import torch
 
-from .attention import AttentionMetadata
 from .batch import SAMPLING_FIELDS, STEP_FIELDS, Batch, BatchBuilder, field_lengths
+from .layers.attention import AttentionMetadata
 from .models.decoder import DecoderLM
-from .sampler import SamplerOutput, SamplingTensors, sample
-
-# The fused sampler's vocab splits (one-pass and truncation kernels) in batch-invariant mode: by
-# default they follow the row count, which moves logprobs by an ulp (tokens never move).
-INVARIANT_SAMPLER_SPLITS = 8
+from .sampler import SamplerOutput, SamplingTensors, sample_step
 
 
 @dataclass
@@ -166,16 +162,7 @@ class ModelRunner:
         if dev.num_rows == 0:
             return None
         logits = self.model.compute_logits(hidden[dev.logits_indices])   # lm_head only where needed
-        if self.fused_sampler and not st.any_penalty:
-            # Same contract as `sample` (truncation and top logprobs included) without an fp32 copy
-            # of the logits or a sort; a repetition penalty is the torch path's only.
-            from .kernels.fused_truncation import default_row_splits, fused_sample_full
-            if self.batch_invariant:
-                splits = dict(num_splits=INVARIANT_SAMPLER_SPLITS, row_splits=INVARIANT_SAMPLER_SPLITS)
-            else:
-                splits = dict(row_splits=default_row_splits(*logits.shape, logits.device))
-            return fused_sample_full(logits, st, **splits)
-        return sample(logits, st)
+        return sample_step(logits, st, self.fused_sampler, self.batch_invariant)
 
     @torch.inference_mode()
     def score(self, batch: Batch, targets: torch.Tensor, temperature: float) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""Token sampling and the logprob contract (torch reference implementation).
+"""Token sampling and the logprob contract: the torch reference (`sample`), and which sampler a
+step runs (`sample_step`: the fused Triton kernels where they apply).
 
 What RL trainers recompute, so it must be exact:
   * ``logprobs``: log_softmax(logits.float() / T) over the full vocab at the sampled
@@ -173,3 +174,21 @@ def sample(logits: torch.Tensor, st: SamplingTensors) -> SamplerOutput:
     if st.num_top_logprobs > 0:
         top_lps, top_ids = torch.topk(lp_full, st.num_top_logprobs, dim=-1)
     return SamplerOutput(token_ids, logprobs, processed, kept_mass, top_ids, top_lps)
+
+
+# The fused sampler's vocab splits (one-pass and truncation kernels) in batch-invariant mode: by
+# default they follow the row count, which moves logprobs by an ulp (tokens never move).
+INVARIANT_SAMPLER_SPLITS = 8
+
+
+def sample_step(logits: torch.Tensor, st: SamplingTensors, fused: bool, batch_invariant: bool) -> SamplerOutput:
+    """A step's sampler: with `fused` (the Triton backend) and no repetition penalty (the torch
+    path's only), the fused Triton kernels (`sample`'s contract, truncation and top logprobs
+    included, without an fp32 copy of the logits or a sort), their vocab splits fixed in
+    batch-invariant mode; else `sample`."""
+    if not fused or st.any_penalty:
+        return sample(logits, st)
+    from .kernels.fused_truncation import default_row_splits, fused_sample_full
+    if batch_invariant:
+        return fused_sample_full(logits, st, num_splits=INVARIANT_SAMPLER_SPLITS, row_splits=INVARIANT_SAMPLER_SPLITS)
+    return fused_sample_full(logits, st, row_splits=default_row_splits(*logits.shape, logits.device))

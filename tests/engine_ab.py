@@ -32,8 +32,8 @@ def llama8b_model(layers: int):
 
 def generate_per_setting(model, cfg, settings: dict, *, prompt_lens=(3, 40), max_new_tokens=24, seed=1,
                          **engine_kw) -> dict:
-    """settings: {name: function that applies it}. Returns {name: RequestOutputs}; every run must
-    have replayed decode graphs."""
+    """settings: {name: function that applies it, returning engine options or None}. Returns {name:
+    RequestOutputs}; every run must have replayed decode graphs."""
     from rollout import RolloutEngine, SamplingParams
     g = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(3, 128000, (int(n),), generator=g).tolist()
@@ -42,8 +42,7 @@ def generate_per_setting(model, cfg, settings: dict, *, prompt_lens=(3, 40), max
     kw = dict(max_model_len=512, num_kv_pages=1024, max_num_seqs=32) | engine_kw
     outs = {}
     for name, apply in settings.items():
-        apply()
-        eng = RolloutEngine(model, cfg, seed=0, **kw)
+        eng = RolloutEngine(model, cfg, seed=0, **kw, **(apply() or {}))
         outs[name] = eng.generate(prompts, params, use_tqdm=False)
         assert eng.pipeline.counts["graph_steps"] > 0
         del eng

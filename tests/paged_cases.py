@@ -2,7 +2,7 @@
 with poisoned unused slots, attention metadata, and the fp32 torch reference."""
 import torch
 
-from rollout.attention import AttentionMetadata, paged_attention_ref
+from rollout.layers.attention import AttentionMetadata, paged_attention_ref
 
 
 def make_paged(lens, Hkv, D, ps, dtype, seed, *, device="cpu", spare_pages=3):

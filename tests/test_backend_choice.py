@@ -1,13 +1,13 @@
 """The engine's attention_backend choice (kernels.resolve_backend) and the triton version gate: the
 kernels need triton >= 3.4 (torch 2.6 / 2.7 ship 3.2 / 3.3, on which every kernel module fails to
 import), so "auto" on CUDA with an older triton raises, naming attention_backend='torch', and the
-decode GEMMs (decoder._triton_ok) stay off. Package metadata is faked; nothing imports triton."""
+decode GEMMs (layers.linear._triton_ok) stay off. Package metadata is faked; nothing imports triton."""
 import importlib.metadata
 
 import pytest
 
 from rollout import kernels
-from rollout.models import decoder
+from rollout.layers import linear
 
 
 @pytest.fixture
@@ -21,16 +21,16 @@ def triton_dist(monkeypatch):
         monkeypatch.setattr(importlib.metadata, "version", lookup)
         monkeypatch.setattr(kernels.importlib.util, "find_spec", lambda name: object() if name == "triton" else None)
         kernels.triton_version.cache_clear()
-        decoder._triton_ok.cache_clear()
+        linear._triton_ok.cache_clear()
     yield fake
     kernels.triton_version.cache_clear()
-    decoder._triton_ok.cache_clear()
+    linear._triton_ok.cache_clear()
 
 
 def test_triton_older_than_3_4_is_not_used_and_auto_on_cuda_says_what_to_do(triton_dist):
     triton_dist("3.2.0")
     assert kernels.triton_version() == (3, 2) and not kernels.triton_available()
-    assert not decoder._triton_ok()          # the decode GEMMs and their fused paths stay on torch
+    assert not linear._triton_ok()          # the decode GEMMs and their fused paths stay on torch
     with pytest.raises(RuntimeError, match=r"triton >= 3\.4.*found 3\.2.*attention_backend='torch'"):
         kernels.resolve_backend("auto", "cuda")
     with pytest.raises(RuntimeError, match="found 3.2"):

@@ -1,17 +1,18 @@
-"""The step_variants bench's comparison with its neighbouring baseline rows (CPU: the bench itself
-needs CUDA, its bookkeeping does not)."""
+"""The step_variants bench's bookkeeping on CPU (the bench itself needs CUDA): its comparison with the
+neighbouring baseline rows, the KernelSwitches each variant builds, that applying variants to one
+engine's model changes its kernel forms and not its tokens, and the KV page relayout."""
 import os
-import types
 
 os.environ.setdefault("TRITON_INTERPRET", "1")     # as the other bench tests: whichever module imports triton first
 
 import pytest  # noqa: E402
 
 from rollout.bench import step_variants  # noqa: E402
-from rollout.bench.step_variants import vs_base  # noqa: E402
-from rollout import kernels  # noqa: E402
-from rollout.kernels import paged_decode, pdl, rope_kv, skinny_gemm  # noqa: E402
-from rollout.models import decoder  # noqa: E402
+from rollout.bench.step_variants import parse_variant, vs_base  # noqa: E402
+from rollout.env import KernelSwitches  # noqa: E402
+
+L8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
+       "lm_head": (128256, 4096)}
 
 
 def test_vs_base_compares_each_variant_with_the_mean_of_its_neighbouring_baselines():
@@ -43,85 +44,72 @@ def test_vs_base_takes_the_first_variant_as_the_baseline_and_interpolates_to_the
     assert "vs_base" not in empty[0]
 
 
-def test_apply_parses_the_timing_bound_knobs_and_base_undoes_them(monkeypatch):
-    """late_wait / no_trigger / skip_norms values are kinds, not the numbers of a GEMM config (a run of the
-    GPU bench failed on exactly that; "qkv" names the QKV + RoPE kernel, not a skinny GEMM
-    shape), and every variant starts from the defaults."""
-    monkeypatch.setattr(step_variants, "recapture_graphs", lambda eng: None)
-    monkeypatch.setattr(paged_decode, "pick_num_splits", paged_decode.pick_num_splits)
-    monkeypatch.setattr(paged_decode, "DECODE_TILE", dict(paged_decode.DECODE_TILE))
-    monkeypatch.setattr(paged_decode, "GLUON_TILE", paged_decode.GLUON_TILE)
-    monkeypatch.setattr(paged_decode, "GLUON_WARPS", paged_decode.GLUON_WARPS)
-    monkeypatch.setattr(paged_decode, "GLUON_EARLY", paged_decode.GLUON_EARLY)
-    monkeypatch.setattr(paged_decode, "pick_decode", paged_decode.pick_decode)
-    monkeypatch.setattr(skinny_gemm, "_LLAMA3_8B", dict(skinny_gemm._LLAMA3_8B))
-    monkeypatch.setattr(skinny_gemm, "_LLAMA3_8B_PACKED", dict(skinny_gemm._LLAMA3_8B_PACKED))
-    monkeypatch.setattr(rope_kv, "Q_HEADS_PER_PROGRAM", rope_kv.Q_HEADS_PER_PROGRAM)
-    packs = []
-    eng = types.SimpleNamespace(model=types.SimpleNamespace(
-        splitk_into_norm=True, silu_in_gate_up=True, rope_in_qkv=True,
-        pack_decode_weights=lambda rows, on: packs.append((rows, on))))
-    defaults = dict(rope=rope_kv.Q_HEADS_PER_PROGRAM, table=dict(skinny_gemm._LLAMA3_8B),
-                    packed_table=dict(skinny_gemm._LLAMA3_8B_PACKED),
-                    tile=dict(paged_decode.DECODE_TILE), splits=paged_decode.pick_num_splits,
-                    gluon_tile=paged_decode.GLUON_TILE, gluon_warps=paged_decode.GLUON_WARPS,
-                    gluon_early=True, decode=paged_decode.pick_decode,
-                    splitk_norm=True, silu_gate_up=True, rope_in_qkv=True, add_norm=decoder.add_norm_of_linear,
-                    batch=32)
-    try:
-        step_variants.apply(eng, "late_wait=o,gate_up,down0+skip_norms=post+qkv=32,256,4,5", defaults)
-        assert pdl._late == {"gemm:4096,4096", "gemm:28672,4096", "split0:4096,14336"}
-        assert decoder.add_norm_of_linear.keywords == {"skip": "post"}
-        assert skinny_gemm._LLAMA3_8B[(6144, 4096)] == ((64, (32, 256, 4, 5)),)
-        step_variants.apply(eng, "late_wait+skip_norms", defaults)
-        assert pdl._late == {"gemm", "qkv", "attn"} and pdl._no_trigger == frozenset()
-        assert decoder.add_norm_of_linear.keywords == {"skip": ("pre", "post")}
-        step_variants.apply(eng, "no_trigger", defaults)
-        assert pdl._no_trigger == {"qkv"} and pdl._late == frozenset()
-        step_variants.apply(eng, "no_trigger=attn,o", defaults)
-        assert pdl._no_trigger == {"attn", "gemm:4096,4096"}
-        assert packs == [(32, False)] * 4
-        step_variants.apply(eng, "packed+down=64,128,4,5,2", defaults)
-        assert packs[-1] == (32, True) and skinny_gemm._LLAMA3_8B[(4096, 14336)] == ((64, (64, 128, 4, 5, 2)),)
-        assert skinny_gemm.pick_config(4096, 14336, 32, packed=True) == (64, 128, 4, 5, 2)
-        assert skinny_gemm.pick_config(28672, 4096, 32, packed=True) == (128, 64, 8, 5)   # the packed table's
-        step_variants.apply(eng, "gattn=64,3,2", defaults)
-        assert paged_decode.GLUON_TILE == (64, 3, "heads") and paged_decode.pick_decode(32, 8) == (2, True)
-        step_variants.apply(eng, "gattn=32,6,1,1", defaults)
-        assert paged_decode.GLUON_TILE == (32, 6, "warp_scores") and paged_decode.pick_decode(32, 8) == (1, True)
-        step_variants.apply(eng, "gattn=64,3,1,2", defaults)
-        assert paged_decode.GLUON_TILE == (64, 3, "keys") and paged_decode.GLUON_WARPS == 4
-        step_variants.apply(eng, "gattn=128,2,1,2,8", defaults)
-        assert paged_decode.GLUON_TILE == (128, 2, "keys") and paged_decode.GLUON_WARPS == 8
-        step_variants.apply(eng, "gattn=128,2,1,2", defaults)       # no W: 4 warps, not the last knob's
-        assert paged_decode.GLUON_TILE == (128, 2, "keys") and paged_decode.GLUON_WARPS == 4
-        step_variants.apply(eng, "packed+no_attn_early", defaults)
-        assert paged_decode.GLUON_EARLY is False and packs[-1] == (32, True)
-        step_variants.apply(eng, "attn=2,64,4,2", defaults)
-        assert paged_decode.GLUON_EARLY is True
-        assert paged_decode.GLUON_TILE is None and paged_decode.pick_num_splits(32, 8) == 2
-        assert paged_decode.pick_decode(32, 8, gluon_ok=True) == (2, False)
-        step_variants.apply(eng, "no_gattn", defaults)
-        assert paged_decode.GLUON_TILE is None and paged_decode.pick_decode is defaults["decode"]
-        sms = []
-        monkeypatch.setattr(kernels, "sm_count", lambda device: 132)
-        eng.device, eng.model.use_decode_megakernel = "cuda", lambda n: sms.append(n)
-        step_variants.apply(eng, "mega", defaults)
-        assert sms == [132]
-        eng.model.decode_megakernel = True
-        step_variants.apply(eng, "base", defaults)
-        assert eng.model.decode_megakernel is False
-        assert paged_decode.GLUON_TILE == defaults["gluon_tile"] and paged_decode.pick_decode(32, 8, gluon_ok=True)[1]
-        assert paged_decode.GLUON_WARPS == defaults["gluon_warps"] == 8
-        assert packs[-1] == (32, False)
-        assert pdl._late == pdl._no_trigger == frozenset() and decoder.add_norm_of_linear is defaults["add_norm"]
-        assert skinny_gemm._LLAMA3_8B == defaults["table"] and skinny_gemm._LLAMA3_8B_PACKED == defaults["packed_table"]
+def test_variants_build_their_switches_on_top_of_the_engines():
+    base = KernelSwitches(skinny_configs="4096x14336=32,256,4,5")          # e.g. from ROLLOUT_SKINNY_CONFIGS
+    assert parse_variant("base", L8B, base) == (base, True, False)
+    sw, pdl_on, packed = parse_variant("packed+no_pdl+no_gluon+no_rope_in_qkv+qkv=64,128,4,3,2+o=cublas", L8B, base)
+    assert (pdl_on, packed) == (False, True)
+    assert sw == KernelSwitches(gluon_decode=False, rope_in_qkv=False,
+                                skinny_configs="4096x14336=32,256,4,5 6144x4096=64,128,4,3,2 4096x4096=cublas")
+    assert sw.gemm_overrides() == {(4096, 14336): (32, 256, 4, 5), (6144, 4096): (64, 128, 4, 3, 2),
+                                   (4096, 4096): None}
+    sw, _, _ = parse_variant("no_attn_early+no_splitk_norm+no_silu_gate_up+down=64,128,4,5,4", L8B, base)
+    assert not (sw.gluon_early or sw.splitk_into_norm or sw.silu_in_gate_up) and sw.gluon_decode and sw.rope_in_qkv
+    assert sw.gemm_overrides()[(4096, 14336)] == (64, 128, 4, 5, 4)         # the knob's config wins
+    assert base == KernelSwitches(skinny_configs="4096x14336=32,256,4,5")   # untouched
+    for gone in ("late_wait", "no_trigger", "skip_norms=post", "mega", "wait_first", "rope_token",
+                 "attn=2,64,4,2", "gattn=64,3,2", "qkv"):
         with pytest.raises(SystemExit, match="unknown knob"):
-            step_variants.apply(eng, "late_wiat", defaults)
+            parse_variant(gone, L8B, base)
+    with pytest.raises(ValueError, match="ROLLOUT_SKINNY_CONFIGS"):
+        parse_variant("qkv=64,128", L8B, base)
+
+
+def _rows(w):
+    """A skinny_gemm weight's N, plain [N, K] or packed [tiles, k_tiles, BLOCK_N, BLOCK_K]."""
+    return w.shape[0] * (w.shape[2] if w.dim() == 4 else 1)
+
+
+def test_applying_variants_to_one_engine_changes_its_forms_not_its_tokens(monkeypatch):
+    """The bench's loop on the tiny model (Triton backend, interpreter): each variant applied to the
+    same engine's model (as before timing it) runs its forms (the separate RoPE / SiLU kernels, the
+    fix-up split-K, the QKV GEMM on cuBLAS, packed weight copies) and gives the base variant's
+    tokens, with logprobs equal up to fp32 summation order (the QKV on cuBLAS: ~1e-6). The skinny
+    GEMM's GPU-only gate is opened for decode-sized x; the tiny shapes' configs come as GEMM knobs."""
+    from engine_ab import TINY_PROMPTS, tiny_params, tiny_triton_engine
+    from rollout.kernels import pdl, rope_kv
+    from rollout.kernels import skinny_gemm as sg
+    from rollout.layers import linear
+    monkeypatch.setattr(linear, "skinny_config", lambda lin, x, overrides=None: linear.pick_config(
+        *lin.weight.shape, x.shape[0], getattr(lin, "weight_tiles", None) is not None, overrides)
+        if x.shape[0] <= linear.MAX_M else None)
+    calls = []
+    for mod, fn in ((sg, "skinny_gemm"), (rope_kv, "qkv_rope_and_write_kv"), (rope_kv, "rope_and_write_kv")):
+        inner = getattr(mod, fn)
+        monkeypatch.setattr(mod, fn, lambda *a, fn=fn, inner=inner, **k: calls.append(
+            (fn, _rows(a[1]) if fn == "skinny_gemm" else 0, bool(k.get("tiled")))) or inner(*a, **k))
+    eng = tiny_triton_engine()
+    tiny = "qkv=32,64,4,2+o=64,64,4,2,2+gate_up=64,64,4,2+down=64,64,4,2,2"
+    base, runs, was = eng.model.kernels, {}, pdl.enabled()
+    try:
+        for variant in ("base+" + tiny, f"{tiny}+no_splitk_norm+no_silu_gate_up+no_rope_in_qkv+no_pdl",
+                        f"{tiny}+packed", f"{tiny}+qkv=cublas"):
+            step_variants.apply(eng, variant, base, was, rows=8)
+            calls.clear()
+            outs = eng.generate(TINY_PROMPTS, tiny_params(), use_tqdm=False)
+            runs[variant] = [o.completions[0] for o in outs], set(calls)
     finally:
-        pdl.set_late(())
-        pdl.set_no_trigger(())
-        decoder.add_norm_of_linear = defaults["add_norm"]
+        pdl.set_enabled(was)
+    (ref, fused), (_, plain), (_, packed), (_, cublas) = runs.values()
+    assert ("qkv_rope_and_write_kv", 0, False) in fused and ("rope_and_write_kv", 0, False) not in fused
+    assert ("rope_and_write_kv", 0, False) in plain and ("skinny_gemm", 384, False) in plain
+    assert {c for c in packed if c[0] != "rope_and_write_kv"} == {
+        ("qkv_rope_and_write_kv", 0, True), ("skinny_gemm", 256, True), ("skinny_gemm", 1536, True)}
+    assert ("rope_and_write_kv", 0, False) in cublas and not any(n == 384 for _, n, _ in cublas)
+    assert eng.model.layers[0].mlp.gate_up_proj.weight_tiles is None          # the packed copies dropped again
+    for completions, _ in runs.values():
+        for a, b in zip(ref, completions):
+            assert a.token_ids == b.token_ids and max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-5
 
 
 @pytest.mark.parametrize("order", ["interleaved", "shuffled"])

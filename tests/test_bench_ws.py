@@ -11,7 +11,6 @@ import textwrap
 os.environ.setdefault("TRITON_INTERPRET", "1")     # as the other bench tests: whichever module imports triton first
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
 
 from rollout.bench.occupancy import SMEM_PER_SM  # noqa: E402  (bytes an SM; each CTA also takes 1 KB)
 
@@ -83,20 +82,22 @@ def test_gluon_decode_default_tile_runs_one_program_an_sm(warps):
     """The default (128, 2, keys) tile: its 2-stage ring of 128-key K and V tiles (128 KB) holds
     one program an SM, so P1's 256 programs run in two waves (measured faster anyway); 8 warps
     fit the registers too."""
-    from rollout.kernels.paged_decode import GLUON_EARLY, GLUON_TILE
+    from rollout.env import KernelSwitches
+    from rollout.layers.attention import GLUON_TILE
     ptrs = {n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "out_ptr")} | {
         "bt_ptr": "*i32", "lens_ptr": "*i32", "sm_scale_log2": "fp32"}
-    block_n, stages, form = GLUON_TILE
-    assert form == "keys"
+    block_n, stages = GLUON_TILE["block_n"], GLUON_TILE["num_stages"]
+    assert GLUON_TILE["form"] == "keys" and GLUON_TILE["num_warps"] in (4, 8)
     k = _compile("rollout.kernels.gluon_decode", "_gluon_decode_keys_kernel", ptrs, GROUP=4, HEAD_DIM=128,
-                 PAGE_SIZE=16, BLOCK_N=block_n, STAGES=stages, PDL=1, EARLY=GLUON_EARLY, num_warps=warps)
+                 PAGE_SIZE=16, BLOCK_N=block_n, STAGES=stages, PDL=1, EARLY=KernelSwitches().gluon_early,
+                 num_warps=warps)
     assert k["shared"] >= stages * 2 * block_n * 128 * 2 and SMEM_PER_SM // (k["shared"] + 1024) == 1
     assert k["n_regs"] * 32 * warps <= 65536 and k["mma.sync"]
     assert k["griddepcontrol.wait"] and k["griddepcontrol.launch_dependents"]      # PDL: both
 
 
 def test_gluon_decode_early_issues_copies_on_both_sides_of_the_wait():
-    """EARLY (paged_decode.GLUON_EARLY): the ring's first tiles are issued before the PDL wait where
+    """EARLY (KernelSwitches.gluon_early): the ring's first tiles are issued before the PDL wait where
     the context allows, after it where not (two paths); without EARLY every copy follows the wait."""
     ptrs = {n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "out_ptr")} | {
         "bt_ptr": "*i32", "lens_ptr": "*i32", "sm_scale_log2": "fp32"}

@@ -272,16 +272,17 @@ def test_model_pack_decode_weights_packs_refills_in_place_and_drops(monkeypatch)
     on=False drops them all."""
     from rollout.bench.shapes import make_config
     from rollout.kernels import skinny_gemm as sg
+    from rollout.layers import linear
     from rollout.models.loader import build_model, init_random
     cfg = make_config("tiny")
     model = build_model(cfg, torch.float32, torch.device("cpu"))
     init_random(model, 0)
     H, F, D = cfg.hidden_size, cfg.intermediate_size, model.head_dim
     qkv_n = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * D
-    monkeypatch.setattr(sg, "_LLAMA3_8B", {(qkv_n, H): ((32, (32, 64, 4, 2)),), (H, H): ((32, (32, 64, 4, 2, 2)),),
-                                           (2 * F, H): ((32, (64, 64, 4, 2)),), (H, F): ((32, (32, 64, 4, 2)),),
-                                           (cfg.vocab_size, H): ((32, (64, 64, 4, 2)),)})
-    monkeypatch.setattr(sg, "_LLAMA3_8B_PACKED", {(H, F): ((32, (16, 128, 4, 2)),)})   # down: the packed entry
+    monkeypatch.setattr(linear, "SKINNY_CONFIGS", {
+        (qkv_n, H): ((32, (32, 64, 4, 2)),), (H, H): ((32, (32, 64, 4, 2, 2)),), (2 * F, H): ((32, (64, 64, 4, 2)),),
+        (H, F): ((32, (32, 64, 4, 2)),), (cfg.vocab_size, H): ((32, (64, 64, 4, 2)),)})
+    monkeypatch.setattr(linear, "SKINNY_CONFIGS_PACKED", {(H, F): ((32, (16, 128, 4, 2)),)})   # down: the packed entry
     nbytes = model.pack_decode_weights(32)
     lins = list(model._decode_linears())
     assert nbytes == sum(lin.weight.numel() * 4 for lin, _ in lins)

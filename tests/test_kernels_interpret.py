@@ -30,8 +30,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from fused_cases import fused_ops_cases  # noqa: E402
 from paged_cases import make_paged, meta_for, reference  # noqa: E402
-from rollout.attention import write_kv  # noqa: E402
-from rollout.kernels import paged_attention  # noqa: E402
+from rollout.layers.attention import paged_attention, write_kv  # noqa: E402
 from rollout.kernels.paged_decode import paged_decode_attention  # noqa: E402
 from rollout.kernels.paged_prefill import paged_prefill_attention  # noqa: E402
 from rollout.kernels.rope_kv import rope_and_write_kv  # noqa: E402
@@ -311,13 +310,15 @@ def test_gate_up_gemm_with_silu_epilogue_gives_the_two_kernel_bits(block_n, M):
         sg.skinny_gemm(x, w, block_n, 64, 4, 2, 2, silu_mul=True)
 
 
-def test_decoder_splitk_into_norm_takes_the_partials_path_with_the_same_bits(monkeypatch):
-    """decoder.add_norm_of_linear with splitk_into_norm: where the skinny config splits K (here a
-    split-K config stands in for the GPU-only table lookup), the GEMM's partials go to the norm
-    kernel, and the result equals the fix-up GEMM then add_rmsnorm bit for bit."""
+def test_splitk_into_norm_takes_the_partials_path_with_the_same_bits(monkeypatch):
+    """Gemms.add_norm with splitk_into_norm: where the skinny config splits K (here a split-K
+    config stands in for the GPU-only table lookup), the GEMM's partials go to the norm kernel,
+    and the result equals the fix-up GEMM then add_rmsnorm bit for bit."""
+    from rollout.env import KernelSwitches
     from rollout.kernels import skinny_gemm as sg
+    from rollout.layers import linear
     from rollout.models import decoder
-    monkeypatch.setattr(decoder, "_skinny_config", lambda lin, x: (64, 64, 4, 2, 2))
+    monkeypatch.setattr(linear, "skinny_config", lambda lin, x, overrides=None: (64, 64, 4, 2, 2))
     calls = []
     inner = sg.skinny_gemm
     monkeypatch.setattr(sg, "skinny_gemm", lambda *a, **k: (calls.append(k.get("partials", False)), inner(*a, **k))[1])
@@ -327,8 +328,8 @@ def test_decoder_splitk_into_norm_takes_the_partials_path_with_the_same_bits(mon
         lin.weight.copy_(torch.randn(96, 512, generator=g) / 16)
     norm = decoder.RMSNorm(96, 1e-5).half()
     x, res = torch.randn(5, 512, generator=g).half(), torch.randn(5, 96, generator=g).half()
-    want = decoder.add_norm_of_linear(lin, x, res, norm, decoder.skinny_or_cublas, splitk_into_norm=False)
-    got = decoder.add_norm_of_linear(lin, x, res, norm, decoder.skinny_or_cublas, splitk_into_norm=True)
+    want = linear.Gemms("skinny", KernelSwitches(splitk_into_norm=False)).add_norm(lin, x, res, norm)
+    got = linear.Gemms("skinny", KernelSwitches(splitk_into_norm=True)).add_norm(lin, x, res, norm)
     assert calls == [False, True]
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
@@ -344,13 +345,15 @@ def test_engine_fused_gemm_paths_give_the_same_bits(monkeypatch, qkv_split):
     rotates q and k and writes the K/V cache. Tokens and logprobs are bit-equal to the plain
     kernels'."""
     from engine_ab import TINY_PROMPTS, tiny_params, tiny_triton_engine
+    from rollout.env import KernelSwitches
     from rollout.kernels import skinny_gemm as sg
-    from rollout.models import decoder
-    def config(lin, x):
+    from rollout.layers import linear
+
+    def config(lin, x, overrides=None):
         n, k = lin.weight.shape
         return (None if x.shape[0] > 64 or k % 128 else (64, 64, 4, 2, 1) if n == 2 * 768 else
                 (32, 64, 4, 2, qkv_split) if n == (8 + 2 * 2) * 32 else (64, 64, 4, 2, 2))
-    monkeypatch.setattr(decoder, "_skinny_config", config)
+    monkeypatch.setattr(linear, "skinny_config", config)
     calls = []
     inner = sg.skinny_gemm
     monkeypatch.setattr(sg, "skinny_gemm", lambda *a, **k: (calls.append((a[1].shape[0], k)), inner(*a, **k))[1])
@@ -361,7 +364,7 @@ def test_engine_fused_gemm_paths_give_the_same_bits(monkeypatch, qkv_split):
     outs = {}
     for on in (False, True):
         eng = tiny_triton_engine()
-        eng.model.splitk_into_norm = eng.model.silu_in_gate_up = eng.model.rope_in_qkv = on
+        eng.model.use_kernel_switches(KernelSwitches(splitk_into_norm=on, silu_in_gate_up=on, rope_in_qkv=on))
         calls.clear()
         outs[on] = eng.generate(TINY_PROMPTS, tiny_params(), use_tqdm=False)
         assert {n for n, kw in calls if kw.get("partials")} == ({256} if on else set())   # o_proj, down_proj
@@ -378,7 +381,7 @@ def test_batch_invariant_gemm_rows_do_not_depend_on_their_batch():
     torch. fp16 (the interpreter's bf16 dot is broken): one rounding of an fp32 sum of 256
     products of O(1/16) values, ~1e-3 relative; 2e-3 is FP16_TOL. On the GPU the same property is
     tests/gpu/test_batch_invariant_cuda.py's, where tile shapes do change the MMA schedule."""
-    from rollout.kernels.skinny_gemm import batch_invariant_gemm
+    from rollout.layers.linear import batch_invariant_gemm
     g = torch.Generator().manual_seed(3)
     x = torch.randn(150, 256, generator=g).half()
     w, b = (torch.randn(96, 256, generator=g) / 16).half(), torch.randn(96, generator=g).half()
@@ -393,12 +396,13 @@ def test_batch_invariant_gemm_rows_do_not_depend_on_their_batch():
 def test_batch_invariant_gemm_configs_come_from_the_swept_decode_table():
     """Each 8B weight's invariant config is one of its swept decode configs without split-K, the
     one for the largest M <= 32 where there is one (down_proj's M = 32 config splits K)."""
-    from rollout.kernels import skinny_gemm as sg
-    assert set(sg._INVARIANT_LLAMA3_8B) == set(sg._LLAMA3_8B)
-    for nk, cfg in sg._INVARIANT_LLAMA3_8B.items():
-        assert len(cfg) == 4 and cfg in [c[:4] for _, c in sg._LLAMA3_8B[nk] if c is not None and c[4:] in ((), (1,))]
-    assert sg._INVARIANT_LLAMA3_8B[(4096, 14336)] == sg.pick_config(4096, 14336, 16)
-    assert sg._INVARIANT_LLAMA3_8B[(28672, 4096)] == sg.pick_config(28672, 4096, 32)
+    from rollout.layers import linear
+    assert set(linear.INVARIANT_CONFIGS) == set(linear.SKINNY_CONFIGS)
+    for nk, cfg in linear.INVARIANT_CONFIGS.items():
+        assert len(cfg) == 4 and cfg in [c[:4] for _, c in linear.SKINNY_CONFIGS[nk]
+                                         if c is not None and c[4:] in ((), (1,))]
+    assert linear.INVARIANT_CONFIGS[(4096, 14336)] == linear.pick_config(4096, 14336, 16)
+    assert linear.INVARIANT_CONFIGS[(28672, 4096)] == linear.pick_config(28672, 4096, 32)
 
 
 @pytest.mark.parametrize("dtype,window", [(torch.float16, None), (torch.float16, 50), (torch.float32, 50)])
@@ -411,8 +415,8 @@ def test_batch_invariant_attention_rows_are_the_same_bits_in_every_batch(monkeyp
     fp32 outputs show every bit of the fp32 arithmetic (fp16 would round most differences away)."""
     from dataclasses import replace
 
-    import rollout.kernels.paged_prefill as pp
-    monkeypatch.setattr(pp, "INVARIANT_SPLIT_LEN", 64)
+    from rollout.layers import attention
+    monkeypatch.setattr(attention, "INVARIANT_SPLIT_LEN", 64)
     lens, ps, Hq, Hkv, D = [200, 5, 130, 64], 16, 8, 2, 64
     caches, poisoned, bt = make_paged(lens, Hkv, D, ps, dtype, seed=9)
     q = torch.randn(4, Hq, D).to(dtype)
@@ -422,10 +426,10 @@ def test_batch_invariant_attention_rows_are_the_same_bits_in_every_batch(monkeyp
     torch.testing.assert_close(out.float(), reference(q, caches, dmeta, 0.125, window), **tol)
     # the decode path (split programs + merge) against the folding path on the same rows
     fold = paged_prefill_attention(q, *poisoned, bt, dmeta.query_start_loc, dmeta.seq_lens, 0.125, window,
-                                   split_len=64, out=torch.full_like(q, float("nan")), **pp.INVARIANT_TILE)
+                                   split_len=64, out=torch.full_like(q, float("nan")), **attention.INVARIANT_TILE)
     split = paged_prefill_attention(q, *poisoned, bt, dmeta.query_start_loc, dmeta.seq_lens, 0.125, window,
                                     split_len=64, decode_rows=True, out=torch.full_like(q, float("nan")),
-                                    **pp.INVARIANT_TILE)       # poisoned outputs: every row is written
+                                    **attention.INVARIANT_TILE)       # poisoned outputs: every row is written
     assert torch.equal(out, fold) and torch.equal(out, split)
     for i in range(4):      # each row alone
         alone = replace(meta_for(lens[i:i + 1], [1], bt[i:i + 1], ps), batch_invariant=True)
@@ -448,7 +452,7 @@ def test_decode_split_count_fills_the_gpu_once():
     SM): the old ~2-waves rule gave B = 8 five splits and B = 16 three (320 and 384 programs), and
     the H200's decode graphs were 4 and 2 points of roofline faster at 8 and 4 (512 programs);
     no grid above one resident wave unless one split is already too many."""
-    from rollout.kernels.paged_decode import PROGRAMS_PER_SM, pick_num_splits
+    from rollout.layers.attention import PROGRAMS_PER_SM, pick_num_splits
     got = {B: pick_num_splits(B, 8, num_sms=132) for B in (1, 2, 4, 8, 16, 24, 32, 64, 512)}
     assert got == {1: 16, 2: 16, 4: 16, 8: 8, 16: 4, 24: 2, 32: 2, 64: 1, 512: 1}
     for B, ns in got.items():
@@ -459,33 +463,31 @@ def test_decode_split_count_fills_the_gpu_once():
 def test_decode_kernel_choice_takes_gluon_with_one_split_only_where_that_is_one_wave_of_two_a_sm(monkeypatch):
     """pick_decode: the Gluon kernel, one split, where batch x KV heads programs fill the GPU at 1-2
     a SM (P1 / P5: 32 x 8 on 132 SMs); Triton at pick_num_splits elsewhere, where the Gluon kernel
-    is not supported (gluon_ok False) or switched off (GLUON_TILE None)."""
+    is not supported or switched off (gluon_ok False)."""
     from rollout.kernels import paged_decode
-    from rollout.kernels.paged_decode import pick_decode, pick_num_splits
+    from rollout.layers.attention import pick_decode, pick_num_splits
     got = {B: pick_decode(B, 8, num_sms=132, gluon_ok=True) for B in (8, 16, 17, 24, 32, 33, 64, 512)}
     assert got == {8: (8, False), 16: (4, False), 17: (1, True), 24: (1, True), 32: (1, True), 33: (1, True),
                    64: (1, False), 512: (1, False)}
     assert pick_decode(32, 8, num_sms=132) == (pick_num_splits(32, 8, num_sms=132), False) == (2, False)
-    monkeypatch.setattr(paged_decode, "GLUON_TILE", None)
-    assert pick_decode(32, 8, num_sms=132, gluon_ok=True) == (2, False)
     q = torch.zeros(2, 32, 128, dtype=torch.bfloat16)         # CPU (and the interpreter): never Gluon
     assert not paged_decode.gluon_supported(q, torch.zeros(4, 16, 8, 128, dtype=torch.bfloat16), None)
 
 
 def test_gluon_call_takes_the_keys_form_only_where_it_applies(monkeypatch):
-    """paged_decode_attention(gluon=True) with GLUON_TILE's keys form: the keys kernel for one split
+    """paged_decode_attention(gluon=True) in the keys form: the keys kernel for one split
     at GROUP <= 8, the heads form at the same tile for several splits or GROUP > 8 (the kernel
     itself is GPU-only: decode_split is recorded here, not run)."""
     from rollout.kernels import gluon_decode, paged_decode
     calls = []
     monkeypatch.setattr(paged_decode, "gluon_supported", lambda *a: True)
     monkeypatch.setattr(gluon_decode, "decode_split", lambda *a, **k: calls.append((a[9],) + a[10:13]))
-    monkeypatch.setattr(paged_decode, "GLUON_TILE", (64, 3, "keys"))
     bt, lens = torch.zeros(2, 4, dtype=torch.int32), torch.full((2,), 30, dtype=torch.int32)
     for Hq, Hkv, ns in ((32, 8, 1), (32, 8, 2), (16, 1, 1), (16, 2, 1)):
         q = torch.zeros(2, Hq, 128, dtype=torch.bfloat16)
         cache = torch.zeros(4, 16, Hkv, 128, dtype=torch.bfloat16)
-        paged_decode.paged_decode_attention(q, cache, cache, bt, lens, 0.1, None, ns, gluon=True)
+        paged_decode.paged_decode_attention(q, cache, cache, bt, lens, 0.1, None, ns, gluon=True, block_n=64,
+                                            num_stages=3, form="keys")
     assert calls == [(1, 64, 3, "keys"), (2, 64, 3, "heads"), (1, 64, 3, "heads"), (1, 64, 3, "keys")]
 
 
@@ -517,6 +519,7 @@ def test_compiles_for_sm90(tmp_path):
         from triton.compiler import ASTSource
         from rollout.kernels import paged_decode as pd, paged_prefill as pp, rope_kv as rk, fused_ops as fo
         from rollout.kernels import skinny_gemm as sg
+        from rollout.layers import linear as li
         PTR = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "out_ptr": "*bf16", "qo_ptr": "*bf16",
                "kc_ptr": "*bf16", "vc_ptr": "*bf16", "po_ptr": "*fp32", "plse_ptr": "*fp32", "bt_ptr": "*i32",
                "lens_ptr": "*i32", "qsl_ptr": "*i32", "pos_ptr": "*i64", "inv_freq_ptr": "*fp32", "slot_ptr": "*i64",
@@ -570,8 +573,8 @@ def test_compiles_for_sm90(tmp_path):
             compile_(sg._skinny_gemm_kernel, pdl, early_loads=True, BLOCK_M=32, BLOCK_N=64, BLOCK_K=128,
                      EVEN_N=True, HAS_BIAS=False, SPLIT_K=2, PARTIALS=True, SILU_MUL=False, TILED=False,
                      ptrs={"cnt_ptr": "*bf16"})   # as skinny_gemm passes it (unused): no fix-up atomics built
-            compile_(sg._skinny_gemm_kernel, pdl, early_loads=True, BLOCK_M=sg.INVARIANT_BLOCK_M,   # batch-invariant
-                     BLOCK_N=sg.invariant_block_n(4096), BLOCK_K=128, EVEN_N=True, HAS_BIAS=False, SPLIT_K=1,
+            compile_(sg._skinny_gemm_kernel, pdl, early_loads=True, BLOCK_M=li.INVARIANT_BLOCK_M,   # batch-invariant
+                     BLOCK_N=li.invariant_block_n(4096), BLOCK_K=128, EVEN_N=True, HAS_BIAS=False, SPLIT_K=1,
                      PARTIALS=False, SILU_MUL=False)
             compile_(sg._skinny_gemm_kernel, pdl, early_loads=True, BLOCK_M=32, BLOCK_N=128, BLOCK_K=128,   # gate_up
                      EVEN_N=True, HAS_BIAS=False, SPLIT_K=1, PARTIALS=False, SILU_MUL=True)    # + SiLU epilogue
@@ -643,11 +646,12 @@ def test_engine_with_triton_backend_matches_torch_backend(model_dir, tiny_tokeni
             assert max(abs(x - y) for x, y in zip(ca.logprobs, cb.logprobs)) < 1e-5
 
 
-def test_skinny_configs_from_the_environment():
-    """ROLLOUT_SKINNY_CONFIGS sets a weight shape's decode GEMM config at every row count, packed
-    or not (a cublas entry sends it to F.linear); bad entries are refused with the form named. The
-    tables are read at import, so the override is checked in a fresh interpreter."""
+def test_skinny_configs_override_the_tables_per_engine():
+    """KernelSwitches.skinny_configs (ROLLOUT_SKINNY_CONFIGS' form) sets a weight shape's decode GEMM
+    config at every row count, packed or not (a cublas entry sends it to F.linear), for the engine
+    whose switches carry it; the tables stay as they are. Bad entries are refused with the form named."""
     from rollout.env import KernelSwitches, parse_skinny_configs
+    from rollout.layers.linear import pick_config
     assert parse_skinny_configs("") == {}
     assert parse_skinny_configs("6144x4096=64,128,4,3,2; 4096x4096=cublas") == {
         (6144, 4096): (64, 128, 4, 3, 2), (4096, 4096): None}
@@ -656,24 +660,22 @@ def test_skinny_configs_from_the_environment():
             parse_skinny_configs(bad)
         with pytest.raises(ValueError, match="ROLLOUT_SKINNY_CONFIGS"):
             KernelSwitches(skinny_configs=bad)
-    code = ("from rollout.kernels import skinny_gemm as sg; "
-            "print([sg.pick_config(6144, 4096, m, p) for m in (1, 32) for p in (False, True)], "
-            "sg.pick_config(4096, 4096, 32, True), sg.pick_config(4096, 14336, 32, True))")
-    env = dict(os.environ, ROLLOUT_SKINNY_CONFIGS="6144x4096=32,128,4,5 4096x4096=cublas")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
-                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    assert out.returncode == 0, out.stderr[-2000:]
-    # QKV's override everywhere, o_proj on cuBLAS even packed, down_proj's packed entry untouched
-    assert out.stdout.split("\n")[-2] == "[(32, 128, 4, 5), (32, 128, 4, 5), (32, 128, 4, 5), (32, 128, 4, 5)] None " \
-        "(64, 128, 4, 5, 2)"
+    over = KernelSwitches(skinny_configs="6144x4096=32,128,4,5 4096x4096=cublas").gemm_overrides()
+    # QKV's override everywhere up to 64 rows, o_proj on cuBLAS even packed, down_proj's packed entry untouched
+    assert [pick_config(6144, 4096, m, p, over) for m in (1, 32, 64, 65) for p in (False, True)] == \
+        [(32, 128, 4, 5)] * 6 + [None] * 2
+    assert pick_config(4096, 4096, 32, True, over) is None and pick_config(4096, 14336, 32, True, over) == \
+        (64, 128, 4, 5, 2)
+    assert pick_config(6144, 4096, 32) == (64, 128, 4, 5) and pick_config(4096, 4096, 32, True) == (64, 128, 4, 5, 2)
 
 
 def test_kernel_switches_from_the_environment():
     """Every ROLLOUT_* kernel switch is read by rollout.env: "0" turns one off, anything else leaves it on."""
     from rollout.env import KernelSwitches
     assert KernelSwitches.from_environ({}) == KernelSwitches()
-    off = KernelSwitches.from_environ({"ROLLOUT_GLUON_DECODE": "0", "ROLLOUT_GLUON_EARLY": "0", "ROLLOUT_SPLITK_NORM": "0",
-                                       "ROLLOUT_SILU_GATE_UP": "0", "ROLLOUT_ROPE_QKV": "0"})
+    names = ("ROLLOUT_GLUON_DECODE", "ROLLOUT_GLUON_EARLY", "ROLLOUT_SPLITK_NORM", "ROLLOUT_SILU_GATE_UP",
+             "ROLLOUT_ROPE_QKV")
+    off = KernelSwitches.from_environ(dict.fromkeys(names, "0"))
     assert not any([off.gluon_decode, off.gluon_early, off.splitk_into_norm, off.silu_in_gate_up, off.rope_in_qkv])
 
 

@@ -156,7 +156,8 @@ def bench_epilogues(cfg, M: int, copy_gbps: float, results: list, dtype=torch.bf
     from ..kernels import pdl
     from ..kernels.fused_ops import silu_mul
     from ..kernels.rope_kv import qkv_rope_and_write_kv, rope_and_write_kv
-    from ..kernels.skinny_gemm import pick_config, skinny_gemm
+    from ..kernels.skinny_gemm import skinny_gemm
+    from ..layers.linear import pick_config
     from ..models.decoder import rope_inv_freq
     shapes = linear_shapes(cfg)
     H, Hkv = cfg.num_attention_heads, cfg.num_key_value_heads
@@ -199,7 +200,8 @@ def bench_epilogues(cfg, M: int, copy_gbps: float, results: list, dtype=torch.bf
                 row[f"{name}_us"], row[f"{name}_GBps"] = us, wbytes / us / 1e3
                 row[f"{name}_of_copy"] = row[f"{name}_GBps"] / copy_gbps
             print(f"{fusion:13s} M={M:3d} {c}: two kernels {row['two_kernels_us']:6.1f} us "
-                  f"{row['two_kernels_GBps']:5.0f} GB/s | fused {row['fused_us']:6.1f} us {row['fused_GBps']:5.0f} GB/s "
+                  f"{row['two_kernels_GBps']:5.0f} GB/s | fused {row['fused_us']:6.1f} us "
+                  f"{row['fused_GBps']:5.0f} GB/s "
                   f"({row['fused_of_copy']:.0%} of copy) | same bits {same}", flush=True)
             results.append(row)
             ws.clear()   # free the weight copies (the lambdas above are done with them)
@@ -239,8 +241,8 @@ def main(argv=None):
     pdl.set_enabled(False)       # the sweep itself: one launch at a time, as before PDL existed
     for name, (N, K, _) in shapes.items():
         if args.linears is None or name in args.linears:
-            bench_shape(name, N, K, args.m, sweep_configs(N, K, tuple(args.split_k), args.quick), args.top, torch.bfloat16,
-                        results, args.check, args.pdl_top)
+            bench_shape(name, N, K, args.m, sweep_configs(N, K, tuple(args.split_k), args.quick), args.top,
+                        torch.bfloat16, results, args.check, args.pdl_top)
     # Per decode step: each linear times its uses, cuBLAS only vs the faster of the two.
     step = {}
     for M in args.m:

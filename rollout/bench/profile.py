@@ -80,9 +80,11 @@ def step_until_decoding(eng: RolloutEngine, batch: int, extra_steps: int = 3, co
 
 
 def recapture_graphs(eng) -> None:
-    """Capture the decode graphs again, after a knob that changes what they hold."""
-    eng.pipeline.graphs.graphs.clear()
-    eng.pipeline.capture_graphs(progress=False)
+    """Capture the decode graphs again (where the engine has them), after a knob that changes what
+    they hold."""
+    if eng.pipeline.graphs is not None:
+        eng.pipeline.graphs.graphs.clear()
+        eng.pipeline.capture_graphs(progress=False)
 
 
 def main(argv=None):
@@ -94,7 +96,8 @@ def main(argv=None):
     ap.add_argument("--n", type=int, default=1, help="GRPO groups: batch / n prompts, n samples sharing each prompt")
     ap.add_argument("--prompt-len", type=int, default=None,
                     help="decode from this prompt length up to --context first (default: prompts of --context)")
-    ap.add_argument("--no-fused-ops", action="store_true", help="torch RMSNorm / RoPE / SiLU ops (Triton attention kept)")
+    ap.add_argument("--no-fused-ops", action="store_true",
+                    help="torch RMSNorm / RoPE / SiLU ops (Triton attention kept)")
     ap.add_argument("--batch-invariant", action="store_true", help="engine batch_invariant=True (its kernels' cost)")
     ap.add_argument("--pack-decode-weights", action="store_true",
                     help="engine pack_decode_weights=True (P1's best configuration)")

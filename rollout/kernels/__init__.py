@@ -1,4 +1,5 @@
-"""Triton kernels for attention (paged decode, paged chunked prefill) and fused RoPE + KV write.
+"""Triton kernels and their launch wrappers: paged decode / prefill attention, RoPE + KV write,
+the decode GEMMs, fused small ops, the sampler. Which one runs at which shape is rollout/layers/'s.
 
 Submodules import triton at import time; this package does not, so `triton_available()` works
 without it, and the CPU interpreter tests can set TRITON_INTERPRET=1 before triton is first
@@ -7,24 +8,9 @@ imported (triton reads it when it is imported and when kernels are decorated).
 from __future__ import annotations
 
 import functools
-import importlib
 import importlib.metadata
 import importlib.util
 import re
-
-_EXPORTS = {
-    "paged_decode_attention": "paged_decode",
-    "pick_num_splits": "paged_decode",
-    "paged_prefill_attention": "paged_prefill",
-    "rope_and_write_kv": "rope_kv",
-    "add_rmsnorm": "fused_ops",
-    "silu_mul": "fused_ops",
-}
-
-__all__ = ["triton_available", "triton_version", "resolve_backend", "fix_interpreter", "sm_count",
-           "paged_attention", "rope_and_attend", "paged_decode_attention", "pick_num_splits",
-           "paged_prefill_attention", "rope_and_write_kv", "add_rmsnorm", "silu_mul"]
-
 
 @functools.cache
 def sm_count(device) -> int:
@@ -117,41 +103,3 @@ def fix_interpreter() -> None:
         return itp.TensorHandle(_dot_in_k_order(a.data, b.data, d.data.dtype) + d.data, d.dtype.scalar)
 
     itp.InterpreterBuilder.create_dot = create_dot
-
-
-def __getattr__(name):
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def paged_attention(q, k_cache, v_cache, meta, scale, sliding_window=None):
-    """Drop-in for `attention.paged_attention_ref` (same arguments; K/V already written).
-    Decode-only batches (one query per sequence) take the split-KV decode kernel (Gluon or Triton)
-    with a split count from the batch size alone (paged_decode.pick_decode; graph-safe); anything
-    with a longer chunk takes the varlen prefill kernel, which is correct for mixed batches too.
-    Batch-invariant mode takes the varlen kernel for every batch, with KV splits at fixed positions
-    (a decode row then gets the same bits in a mixed step, a pure one or a re-prefill, and decode
-    still gets split parallelism)."""
-    from .paged_decode import DECODE_TILE, gluon_supported, paged_decode_attention, pick_decode
-    from .paged_prefill import INVARIANT_SPLIT_LEN, INVARIANT_TILE, paged_prefill_attention
-    if meta.batch_invariant:
-        return paged_prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
-                                       meta.seq_lens, scale, sliding_window, split_len=INVARIANT_SPLIT_LEN,
-                                       decode_rows=meta.decode_only, **INVARIANT_TILE)
-    if meta.decode_only:
-        sms = {"num_sms": sm_count(q.device)} if q.is_cuda else {}    # CPU runs: the default (the H200's)
-        splits, gluon = pick_decode(q.shape[0], k_cache.shape[2], **sms,
-                                    gluon_ok=gluon_supported(q, k_cache, sliding_window))
-        return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,
-                                      sliding_window, splits, gluon=gluon, **DECODE_TILE)
-    return paged_prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
-                                   meta.seq_lens, scale, sliding_window)
-
-
-def rope_and_attend(q, k, v, positions, inv_freq, k_cache, v_cache, meta, scale, sliding_window=None):
-    """RoPE on q and k plus the K/V write (one kernel), then `paged_attention` (q, k, v un-rotated,
-    as the QKV projection gives them)."""
-    from .rope_kv import rope_and_write_kv
-    q = rope_and_write_kv(q, k, v, positions, inv_freq, k_cache, v_cache, meta.slot_mapping)
-    return paged_attention(q, k_cache, v_cache, meta, scale, sliding_window)

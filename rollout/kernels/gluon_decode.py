@@ -1,6 +1,6 @@
 """Split-KV paged decode attention in Gluon with a cp.async ring for the K / V tiles. CUDA (sm_90)
-only. The engine takes it where `paged_decode.pick_decode` says (one split, at one to two programs
-a SM), at `paged_decode.GLUON_TILE` and `GLUON_WARPS`.
+only. The engine takes it where layers/attention.py's `pick_decode` says (one split, at one to two
+programs a SM), at its `GLUON_TILE`.
 
 Same math and grid as paged_decode's split kernel (one program per sequence x KV head x split,
 the GROUP query heads of a KV head as the rows of a 16-row MMA tile, fp32 online softmax in the
@@ -205,7 +205,7 @@ def _gluon_decode_keys_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, sm
     GROUP = 4 heads to 16 rows; here to 8 columns, so half the MMAs and exps for the same tile:
     less work, and less energy at the board's power limit.
 
-    EARLY (paged_decode.GLUON_EARLY, the default): the ring's first STAGES - 1 tiles are issued
+    EARLY (KernelSwitches.gluon_early, the default): the ring's first STAGES - 1 tiles are issued
     before the PDL wait where they cannot hold the step's own key (context > their keys), so a
     program that launched early (on an SM the QKV GEMM leaves idle, or as its CTAs drain) has K / V
     in flight when the wait ends. Only the previous steps' keys are read early; seq_lens and block
@@ -281,9 +281,8 @@ def decode_split(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                  num_warps: int = 4, early: bool = False) -> None:
     """paged_decode's split kernel on bf16, head_dim 128, GROUP <= 16, no sliding window: with one
     split the output `out` [B, Hq, D], else partial outputs po [B, Hq, num_splits, D] (fp32) and
-    plse [B, Hq, num_splits] for its merge kernel. (block_n, stages, form): the tile,
-    paged_decode.GLUON_TILE's (form: one of FORMS). num_warps: paged_decode.GLUON_WARPS.
-    early: the keys form issues its first tiles before the PDL wait (paged_decode.GLUON_EARLY)."""
+    plse [B, Hq, num_splits] for its merge kernel. (block_n, stages, form): the tile (form: one of
+    FORMS). early: the keys form issues its first tiles before the PDL wait."""
     B, Hq, D = q.shape
     _, page_size, Hkv, _ = k_cache.shape
     assert q.dtype == k_cache.dtype == v_cache.dtype == out.dtype == torch.bfloat16 and D == 128

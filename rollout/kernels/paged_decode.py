@@ -12,8 +12,8 @@ Split bounds come from seq_len inside the kernel, so the grid depends only on (B
 one CUDA graph per batch bucket is valid at every context length. Rows with seq_len 0 (bucket
 padding) run no tile and write zeros. The wrapper does no host syncs.
 
-kernels/gluon_decode.py is kernel 1 with a real copy pipeline; `pick_decode` chooses it (one
-split) where its grid is one wave at two programs a SM, Triton's kernel elsewhere.
+kernels/gluon_decode.py is kernel 1 with a real copy pipeline (`gluon=True`); layers/attention.py
+chooses the kernel, its tile and the split count.
 """
 from __future__ import annotations
 
@@ -24,7 +24,6 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import env
 from . import fix_interpreter
 from .pdl import enter, pdl_for, sm90_or_later
 
@@ -134,25 +133,6 @@ def _decode_merge_kernel(po_ptr, plse_ptr, out_ptr, s_ob, s_oh,
     tl.store(out_ptr + b * s_ob + h * s_oh + dims, res.to(out_ptr.dtype.element_ty))
 
 
-# The decode tile (H200 sweeps, bench/results/*_kernels_micro.json and *_attn_layout_*.json):
-# 64-key tiles, 4 warps, 2 stages; `bench.step_variants` tries others inside the decode graphs.
-DECODE_TILE = dict(block_n=None, num_warps=4, num_stages=2)   # block_n None: 64 (16 in fp32)
-
-
-# (BLOCK_N, STAGES, form) of kernels/gluon_decode.py's split kernel, or None for Triton's kernel
-# everywhere (ROLLOUT_GLUON_DECODE=0). Keys as the MMA's rows (the heads form where GROUP > 8 or
-# several splits). 128-key tiles in 2 stages: a 130 KB ring, one program an SM, so P1's 256
-# programs run in two waves; in P1's decode graphs over 500-step windows +0.5 to +1.1 points over
-# (64, 3) (two programs an SM). GLUON_WARPS: 8 warps (16 keys each for the MMAs) read +0.5 points
-# over 4.
-GLUON_TILE = (128, 2, "keys") if env.SWITCHES.gluon_decode else None
-GLUON_WARPS = 8
-# GLUON_EARLY: the keys form issues its first K / V tiles before its PDL wait (gluon_decode's EARLY;
-# ROLLOUT_GLUON_EARLY=0 turns it off): +0.4 to +0.6 points of P1's roofline in 500-step windows.
-GLUON_EARLY = env.SWITCHES.gluon_early
-GLUON_PROGRAMS_PER_SM = 2
-
-
 @functools.lru_cache(maxsize=None)
 def _gluon_usable() -> bool:
     """Gluon's API changes between triton releases; the kernel was written and measured on 3.6
@@ -168,24 +148,6 @@ def _gluon_usable() -> bool:
     return True
 
 
-# Programs of the default decode tile that fit on one SM together (sm_90a: 103 registers x 128
-# threads and 38 KB of shared memory each, from ptxas -v): 4.
-PROGRAMS_PER_SM = 4
-
-
-def pick_num_splits(batch: int, num_kv_heads: int, num_sms: int = 132, max_splits: int = 16) -> int:
-    """The most KV splits whose grid (batch x KV heads x splits programs) still fits on the GPU at
-    once, PROGRAMS_PER_SM on each SM. With PDL this grid is launched while the QKV GEMM still runs
-    on most SMs; what the H200 rows show fits the block scheduler filling the idle SMs to their
-    limit first, so a grid much smaller than the GPU's capacity leaves those SMs with more than
-    their share of the keys (one split at B = 32: -15 points), and one larger than it runs a
-    partial second wave. In the decode graphs (Llama-3-8B shape, context 4,352) B = 8 went from 5
-    splits to 8: +3.7 / +4.0 points of roofline; B = 16 from 3 to 4: +1.7 / +2.0; B = 32 keeps 2
-    (bench/results/README.md, fourteenth session). A function of the batch size only, so one CUDA
-    graph per batch bucket serves every context. num_sms: the device's (132: the H200's)."""
-    return max(1, min(max_splits, PROGRAMS_PER_SM * num_sms // max(1, batch * num_kv_heads)))
-
-
 def gluon_supported(q: torch.Tensor, k_cache: torch.Tensor, sliding_window: Optional[int]) -> bool:
     """What the Gluon kernel takes: bf16 q and cache, head_dim 128, GQA groups <= 16, no sliding
     window, on an sm_90+ GPU outside the Triton interpreter, with triton >= 3.6's Gluon."""
@@ -194,27 +156,18 @@ def gluon_supported(q: torch.Tensor, k_cache: torch.Tensor, sliding_window: Opti
             and sm90_or_later(q) and _gluon_usable())
 
 
-def pick_decode(batch: int, num_kv_heads: int, num_sms: int = 132, gluon_ok: bool = False) -> tuple:
-    """(splits, gluon): the Gluon kernel with one split where its grid (batch x KV heads programs)
-    is more than one program a SM and at most GLUON_PROGRAMS_PER_SM, the range where it was
-    measured (the (64, 3) tile ran it as one wave at two a SM; the (128, 2) default runs it as two
-    waves of one), and no merge kernel runs (P1 and P5,
-    B = 32 at the Llama-3-8B shape: +0.5 to +0.7 points of roofline in the decode graphs,
-    bench/results/README.md, nineteenth session); elsewhere Triton's kernel at pick_num_splits."""
-    if gluon_ok and GLUON_TILE and num_sms < batch * num_kv_heads <= GLUON_PROGRAMS_PER_SM * num_sms:
-        return 1, True
-    return pick_num_splits(batch, num_kv_heads, num_sms), False
-
-
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                            sliding_window: Optional[int] = None, num_splits: int = 1, *,
                            out: Optional[torch.Tensor] = None, block_n: Optional[int] = None,
-                           num_warps: int = 4, num_stages: int = 2, gluon: bool = False) -> torch.Tensor:
+                           num_warps: int = 4, num_stages: int = 2, gluon: bool = False, form: str = "keys",
+                           early: bool = False) -> torch.Tensor:
     """q [B, Hq, D]; k_cache, v_cache [num_pages, page_size, Hkv, D]; block_tables [B, P] int32;
     seq_lens [B] int32 (context incl. the current token, already in the cache). -> [B, Hq, D]
     in q's dtype. Shape-only host logic: safe to capture in a CUDA graph. gluon: the split kernel
-    of kernels/gluon_decode.py at GLUON_TILE (where gluon_supported) instead of Triton's."""
+    of kernels/gluon_decode.py (where gluon_supported) at this tile instead of Triton's, in `form`
+    (gluon_decode.FORMS; "keys" takes one split and GROUP <= 8, the heads form runs elsewhere);
+    early: its keys form issues its first K / V tiles before the PDL wait."""
     B, Hq, D = q.shape
     _, page_size, Hkv, Dk = k_cache.shape
     assert Dk == D and v_cache.shape == k_cache.shape and Hq % Hkv == 0, "shape mismatch"
@@ -240,16 +193,14 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
     pdl = pdl_for(q)
     if gluon:
-        if not (GLUON_TILE and gluon_supported(q, k_cache, sliding_window)):
-            raise ValueError(f"the Gluon decode kernel takes bf16, head_dim 128, GQA groups <= 16, no window, sm_90+ "
-                             f"(GLUON_TILE {GLUON_TILE}); got {q.dtype}, head_dim {D}, group {group}, "
-                             f"window {sliding_window}")
+        if not gluon_supported(q, k_cache, sliding_window):
+            raise ValueError(f"the Gluon decode kernel takes bf16, head_dim 128, GQA groups <= 16, no window, sm_90+; "
+                             f"got {q.dtype}, head_dim {D}, group {group}, window {sliding_window}")
         from .gluon_decode import HEADS, decode_split
-        block_n, stages, form = GLUON_TILE
         if form == "keys" and (num_splits > 1 or group > HEADS):   # the keys form: one split, GROUP <= 8
             form = "heads"
         decode_split(q, k_cache, v_cache, block_tables, seq_lens, scale * LOG2E, out, po, plse, num_splits,
-                     block_n, stages, form, pdl=pdl, num_warps=GLUON_WARPS, early=GLUON_EARLY)
+                     block_n, num_stages, form, pdl=pdl, num_warps=num_warps, early=early)
     else:
         _decode_split_kernel[(B, Hkv, num_splits)](
             q, k_cache, v_cache, block_tables, seq_lens, out, po, plse,

@@ -9,9 +9,10 @@ Tile ids past a sequence's last tile do nothing. A tile's rows are BLOCK_Q token
 query heads of one KV head (GQA-packed, works for any GROUP <= BLOCK_M), so each K/V tile
 read through the block table serves all heads of the group.
 
-Batch-invariant mode (split_len) cuts every row's keys at fixed multiples of INVARIANT_SPLIT_LEN:
-a prefill tile folds its splits in registers, a decode step runs one program per split and a
-merge kernel, both with the same per-row ops (see paged_prefill_attention).
+Batch-invariant mode (split_len) cuts every row's keys at fixed multiples of split_len
+(layers/attention.py's INVARIANT_SPLIT_LEN): a prefill tile folds its splits in registers, a decode
+step runs one program per split and a merge kernel, both with the same per-row ops (see
+paged_prefill_attention).
 """
 from __future__ import annotations
 
@@ -28,13 +29,6 @@ from .pdl import enter, pdl_for
 fix_interpreter()
 
 LOG2E = 1.4426950408889634
-# Batch-invariant KV split length (a multiple of BLOCK_N): decode at B = 32, Hkv = 8 and 8K context
-# runs 2K programs, and a prefill tile folds one split per 1K keys (a few fp32 ops per row).
-INVARIANT_SPLIT_LEN = 1024
-# Batch-invariant mode's one tile config for prefill and decode rows alike (a row's bits depend on
-# it). 64-row tiles: a decode row fills GROUP of them (4 for Llama-3-8B), the rest is MMA and
-# softmax work on padding; `rollout.bench.kernels --invariant-block-m` measures smaller tiles.
-INVARIANT_TILE = dict(block_m=64, block_n=64, num_warps=4, num_stages=3)   # 3 stages: +7% at 8-16K, H200
 
 
 @triton.jit

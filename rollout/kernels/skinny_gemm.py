@@ -18,8 +18,8 @@ gate rows and the matching up rows as one weight tile, and its epilogue writes S
 (fused_ops.silu_times after the same bf16 rounding of gate and up), so the decode step needs no
 SiLU kernel and gate_up's output never goes to memory.
 
-`pick_config` is a table from the H200 sweep (`python -m rollout.bench.gemm`); where it has no
-entry (cuBLAS was faster, or the shape was not swept) the model calls F.linear.
+Which config runs at which shape (the H200 sweep's table, batch-invariant mode's fixed tiles) is
+rollout/layers/linear.py's.
 """
 from __future__ import annotations
 
@@ -29,7 +29,6 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import env
 from . import fix_interpreter
 from .fused_ops import silu_times
 from .pdl import enter, pdl_for
@@ -161,55 +160,7 @@ def _epilogue(acc, b_ptr, y_ptr, rm, rn, M, N, s_ym, HAS_BIAS: tl.constexpr):
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(rm[None, :] < M) & (rn[:, None] < N))
 
 
-MAX_M = 64
-
-# (N, K) -> ((largest M, (BLOCK_N, BLOCK_K, num_warps, num_stages[, split_k]) or None for cuBLAS), ...),
-# the fastest per M range in the H200 sweeps `python -m rollout.bench.gemm --shape llama3-8b`
-# (bench/results/2026-11-29_kernels_gemm_l8b.json: 1.01-1.14x cuBLAS where chosen; at M = 32
-# the whole step's GEMMs 4.68 -> 4.39 ms; M = 32 of o_proj and down_proj re-swept with split-K
-# and PDL in ..._kernels_gemm_l8b_splitk_pdl.json: 13.0 us against cuBLAS's 14.9, and 35.1 us
-# against 36.0). gate_up at M <= 32 re-swept inside the decode graphs at P1's context
-# (`python -m rollout.bench.step_variants`, ..._step_variants_l8b_B32_C4352_*.json): 128x128 tiles,
-# 8 warps, 4 stages, +0.8% of the step over 64x64. Shapes not swept here stay on cuBLAS.
-_LLAMA3_8B = {
-    (6144, 4096): ((32, (64, 128, 4, 5)),),                                        # fused QKV
-    (4096, 4096): ((16, (32, 256, 4, 5)), (32, (32, 256, 4, 5))),                  # o_proj
-    (28672, 4096): ((16, (128, 128, 8, 3)), (32, (128, 128, 8, 4)), (64, (64, 64, 4, 3))),  # gate_up
-    (4096, 14336): ((16, (32, 256, 4, 5)), (32, (64, 128, 4, 5, 2))),              # down_proj
-    (128256, 4096): ((64, (64, 128, 4, 3)),),                                      # lm_head
-}
-
-
-# Where the weight is packed (pack_weight_tiles; the engine's pack_decode_weights) these come first:
-# in the decode graphs at P1's context the table's configs gain 0.6 points packed, these 1.0-1.1
-# (bench/results/README.md, seventeenth session; unpacked they lose 0.2). o_proj and down_proj: 64-row
-# tiles split over K in two, so each program re-reads half as much x from L2 for the same weight bytes:
-# +0.3 / +0.4 points over 500-step windows at 32 rows (twenty-third session).
-_LLAMA3_8B_PACKED = {
-    (4096, 4096): ((16, (32, 256, 4, 5)), (32, (64, 128, 4, 5, 2))),               # o_proj
-    (28672, 4096): ((32, (128, 64, 8, 5)),),                                       # gate_up
-    (4096, 14336): ((16, (32, 256, 4, 5)), (32, (64, 128, 4, 5, 2))),              # down_proj
-}
-
-
-def set_config(N: int, K: int, cfg: Optional[tuple[int, ...]]) -> None:
-    """From now on the [N, K] weight's decode GEMM takes `cfg` (None: cuBLAS) at every row count,
-    packed or not (ROLLOUT_SKINNY_CONFIGS; bench.step_variants' GEMM knobs)."""
-    _LLAMA3_8B[(N, K)] = ((MAX_M, cfg),)
-    _LLAMA3_8B_PACKED.pop((N, K), None)
-
-
-for _shape, _cfg in env.SWITCHES.gemm_overrides().items():
-    set_config(*_shape, _cfg)
-
-
-def pick_config(N: int, K: int, M: int, packed: bool = False) -> Optional[tuple[int, ...]]:
-    """The swept config for this weight shape and row count (for a packed weight if `packed`),
-    or None: use cuBLAS."""
-    for max_m, cfg in (_LLAMA3_8B_PACKED.get((N, K), ()) if packed else ()) + _LLAMA3_8B.get((N, K), ()):
-        if M <= max_m:
-            return cfg
-    return None
+MAX_M = 64          # rows of one M tile: the decode path's limit
 
 
 def pick_block_m(M: int) -> int:
@@ -222,7 +173,7 @@ def pack_weight_tiles(w: torch.Tensor, block_n: int, block_k: int, order: str = 
     """w [N, K] -> [tiles, k_tiles, block_n, block_k] (into `out` if given, in place: CUDA graphs
     keep its address): each program's weight tiles in the order it reads them, one contiguous run
     per program, where the plain layout gives DRAM block_n rows of block_k * 2 bytes each K * 2
-    bytes apart (bench.weight_tiles: 0.2-3.5 us faster a GEMM at M = 32). The program's rows, by `order`:
+    bytes apart (0.2-3.5 us faster a GEMM at M = 32 on the H200). The program's rows, by `order`:
     "rows" consecutive rows (skinny_gemm); "silu" block_n / 2 gate rows then the same up rows of
     the fused gate_up weight (silu_mul); "rope" block_n / 2 frequency pairs of one head of
     `head_dim`, first halves then second halves (rope_kv's QKV kernel). Strided views, no copy
@@ -315,61 +266,3 @@ def skinny_gemm(x: torch.Tensor, w: torch.Tensor, block_n: int, block_k: int, nu
             SPLIT_K=split_k, PARTIALS=partials, SILU_MUL=silu_mul, PDL=pdl, TILED=tiled, num_warps=num_warps,
             num_stages=num_stages, launch_pdl=bool(pdl))
     return ws[:, :M] if partials else out
-
-
-# Batch-invariant mode: one tile shape per weight whatever the row count, so a row's result is the
-# same bits in a decode batch of 1 or 64 and in a prefill of thousands: fixed BLOCK_N, BLOCK_K,
-# warps and K order, no split-K (a split count would be a second config). What may follow M is
-# what leaves each output element's MMA chain alone: pipeline depth, and the row tile (the MMA's
-# N side in this swapped form: each element is still one k16 MMA after another in K order), 16
-# or 32 rows for decode, 64 for prefill. tests/gpu/test_batch_invariant_cuda.py checks the bits.
-INVARIANT_BLOCK_M = 64
-INVARIANT_SMALL_M_TILES = True      # False: 64-row tiles at every M (the GPU test runs both)
-
-
-def _invariant_table(table: dict) -> dict:
-    """(N, K) -> (BLOCK_N, BLOCK_K, num_warps, num_stages at <= 32 rows): the decode table's config
-    for the largest M <= 32 among those without split-K (down_proj: its M <= 16 one), or, where no
-    entry is that small, its first config without split-K (lm_head)."""
-    out = {}
-    for nk, entries in table.items():
-        unsplit = [(max_m, cfg[:4]) for max_m, cfg in entries if cfg is not None and cfg[4:] in ((), (1,))]
-        small = [cfg for max_m, cfg in unsplit if max_m <= 32]
-        if unsplit:
-            out[nk] = small[-1] if small else unsplit[0][1]
-    return out
-
-
-_INVARIANT_LLAMA3_8B = _invariant_table(_LLAMA3_8B)
-
-
-def invariant_block_n(N: int) -> int:
-    """Shapes off the table: 64-row weight tiles for wide outputs; 32 below 16K so that decode's
-    weight streaming still has >= 128 programs (N = 4096). A function of N only."""
-    return 64 if N >= 16384 else 32
-
-
-def invariant_block_k(K: int) -> int:
-    for bk in (128, 64, 32, 16):
-        if K % bk == 0:
-            return bk
-    raise ValueError(f"batch-invariant GEMM: K={K} is not a multiple of 16")
-
-
-def invariant_config(N: int, K: int, M: int) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages); all but BLOCK_M and stages fixed per (N, K)."""
-    fallback = (invariant_block_n(N), invariant_block_k(K), 4, 3)
-    block_n, block_k, warps, stages = _INVARIANT_LLAMA3_8B.get((N, K), fallback)
-    if INVARIANT_SMALL_M_TILES and M <= 32:
-        return pick_block_m(M), block_n, block_k, warps, stages
-    return INVARIANT_BLOCK_M, block_n, block_k, warps, 3      # 64-row x tiles: 3 stages fit shared memory
-
-
-def batch_invariant_gemm(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """x [M, K] @ w[N, K].T (+ bias) for any M; row i of the result depends only on x[i] and w."""
-    if x.dtype not in (torch.bfloat16, torch.float16):
-        raise ValueError(f"batch-invariant GEMM needs bf16 or fp16 activations, got {x.dtype}")
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    block_m, block_n, block_k, warps, stages = invariant_config(w.shape[0], x.shape[1], x.shape[0])
-    return skinny_gemm(x, w, block_n, block_k, num_warps=warps, num_stages=stages, bias=bias, block_m=block_m)

@@ -5,7 +5,6 @@ modeling code so our logits can be checked against it, but none of it is importe
 """
 from __future__ import annotations
 
-import functools
 import math
 from typing import Optional
 
@@ -14,7 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import env
-from ..attention import AttentionMetadata, attend, write_kv
+from ..layers.attention import AttentionMetadata, attend, paged_attention, rope_and_attend, write_kv
+from ..layers.linear import Gemms, pick_config, plain_linear, weight_for
 
 SUPPORTED_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
@@ -88,94 +88,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
-@functools.lru_cache(maxsize=None)
-def _triton_ok() -> bool:
-    from ..kernels import triton_available
-    return triton_available()
-
-
-def plain_linear(lin: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return F.linear(x, lin.weight, getattr(lin, "bias", None))
-
-
-def invariant_linear(lin: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """Batch-invariant mode: one Triton GEMM config per weight for every row count."""
-    from ..kernels.skinny_gemm import batch_invariant_gemm
-    return batch_invariant_gemm(x, lin.weight, getattr(lin, "bias", None))
-
-
-def add_norm_of_linear(lin: nn.Module, x: torch.Tensor, residual: torch.Tensor, norm: nn.Module, linear,
-                       splitk_into_norm: bool = False):
-    """add_rmsnorm(residual, delta=lin(x)) -> (normed, new residual). With `splitk_into_norm`, where
-    the skinny GEMM splits K for this shape, the norm kernel sums the GEMM's fp32 partials itself
-    (the same bits; the GEMM skips its fix-up tail)."""
-    from ..kernels.fused_ops import add_rmsnorm
-    cfg = _fusable_config(lin, x, linear, split_k=True) if splitk_into_norm else None
-    if cfg is not None:
-        from ..kernels.skinny_gemm import skinny_gemm
-        w, tiled = weight_for(lin, cfg)
-        return add_rmsnorm(residual, norm.weight, norm.eps, delta=skinny_gemm(x, w, *cfg, partials=True, tiled=tiled))
-    return add_rmsnorm(residual, norm.weight, norm.eps, delta=linear(lin, x))
-
-
-def silu_of_gate_up(lin: nn.Module, x: torch.Tensor, linear, in_epilogue: bool = False) -> torch.Tensor:
-    """silu(gate) * up of the fused gate_up projection. With `in_epilogue`, where the skinny GEMM
-    takes this shape without split-K, its epilogue does it (the same bits; no SiLU kernel, and
-    gate_up's output never goes to memory)."""
-    from ..kernels.fused_ops import silu_mul
-    cfg = _fusable_config(lin, x, linear, split_k=False) if in_epilogue else None
-    if cfg is not None:
-        from ..kernels.skinny_gemm import skinny_gemm
-        w, tiled = weight_for(lin, cfg, "silu")
-        return skinny_gemm(x, w, *cfg, silu_mul=True, tiled=tiled)
-    return silu_mul(linear(lin, x))
-
-
-def _fusable_config(lin: nn.Module, x: torch.Tensor, linear, split_k: Optional[bool]):
-    """The skinny-GEMM config of lin(x) when a fused path may take it: the skinny GEMM is in use
-    for this shape, lin has no bias, and the config splits K (split_k True) or does not (False;
-    None: either). Else None."""
-    if linear is not skinny_or_cublas or getattr(lin, "bias", None) is not None:
-        return None
-    cfg = _skinny_config(lin, x)
-    if cfg is None or (split_k is not None and (len(cfg) > 4 and cfg[4] > 1) != split_k):
-        return None
-    return cfg
-
-
-def _skinny_config(lin: nn.Module, x: torch.Tensor):
-    """The swept skinny-GEMM config (kernels/skinny_gemm.py) of lin for a decode-sized bf16 x on
-    the GPU (its packed-weight config where lin has packed copies), or None where cuBLAS was
-    faster or the shape was not swept."""
-    if x.is_cuda and x.dtype == torch.bfloat16 and x.shape[0] <= 64 and x.stride(-1) == 1 and _triton_ok():
-        from ..kernels.skinny_gemm import pick_config
-        w = lin.weight
-        return pick_config(w.shape[0], w.shape[1], x.shape[0], getattr(lin, "weight_tiles", None) is not None)
-    return None
-
-
-def skinny_or_cublas(lin: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """x @ lin.weight.T (+ bias), where a decode-sized bf16 x on the GPU takes the skinny Triton
-    GEMM if the swept table (kernels/skinny_gemm.py) says it beats cuBLAS for this weight shape.
-    `lin` may be the tied embedding (its weight is the LM head's)."""
-    cfg = _skinny_config(lin, x)
-    if cfg is not None:
-        from ..kernels.skinny_gemm import skinny_gemm
-        w, tiled = weight_for(lin, cfg)
-        return skinny_gemm(x, w, *cfg, bias=getattr(lin, "bias", None), tiled=tiled)
-    return plain_linear(lin, x)
-
-
-def weight_for(lin: nn.Module, cfg, order: str = "rows") -> tuple[torch.Tensor, bool]:
-    """(weight, packed): lin's packed weight tiles (DecoderLM.pack_decode_weights) where they
-    were packed for this config's tile shape and this kernel's row order ("rows": skinny_gemm,
-    "silu": its silu_mul form, "rope": the QKV + RoPE kernel), else lin.weight."""
-    packed = getattr(lin, "weight_tiles", None)
-    if packed is not None and lin.weight_tiles_order == order and tuple(packed.shape[2:]) == tuple(cfg[:2]):
-        return packed, True
-    return lin.weight, False
-
-
 class Attention(nn.Module):
     def __init__(self, cfg, layer_idx: int):
         super().__init__()
@@ -218,32 +130,26 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         return q, k, v
 
-    def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata):
+    def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata, switches: Optional[env.KernelSwitches] = None):
         q, k, v = self._qkv(x)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         k_cache, v_cache = kv_cache
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        o = attend(q, k_cache, v_cache, meta, self.scale, self.sliding_window)
+        o = attend(q, k_cache, v_cache, meta, self.scale, self.sliding_window, switches)
         return self.o_proj(o.reshape(x.shape[0], self.q_size))
 
-    def attend_fused(self, x, positions, inv_freq, kv_cache, meta: AttentionMetadata, linear=plain_linear,
-                     rope_in_qkv=False):
-        """The Triton path up to o_proj: RoPE and the K/V write in one kernel (with `rope_in_qkv`,
-        where the skinny GEMM takes this shape, in the QKV GEMM's epilogue, after its split-K
-        fix-up if the config splits), then paged attention. Returns the attention output [T, q_size]."""
-        from ..kernels import paged_attention, rope_and_attend
+    def attend_fused(self, x, positions, inv_freq, kv_cache, meta: AttentionMetadata, gemms: Gemms):
+        """The Triton path up to o_proj: RoPE and the K/V write in one kernel (or in the QKV GEMM's
+        epilogue, Gemms.qkv_rope), then paged attention. Returns the attention output [T, q_size]."""
         k_cache, v_cache = kv_cache
-        cfg = _fusable_config(self.qkv_proj, x, linear, split_k=None) if rope_in_qkv and not self.qk_norm else None
-        if cfg is not None and (self.head_dim // 2) % (cfg[0] // 2) == 0:
-            from ..kernels.rope_kv import qkv_rope_and_write_kv
-            w, tiled = weight_for(self.qkv_proj, cfg, "rope")
-            q = qkv_rope_and_write_kv(x, w, self.num_heads, positions, inv_freq, k_cache,
-                                      v_cache, meta.slot_mapping, *cfg, tiled=tiled)
-            o = paged_attention(q, k_cache, v_cache, meta, self.scale, self.sliding_window)
+        q = None if self.qk_norm else gemms.qkv_rope(self.qkv_proj, x, self.num_heads, positions, inv_freq,
+                                                     k_cache, v_cache, meta.slot_mapping)
+        if q is not None:
+            o = paged_attention(q, k_cache, v_cache, meta, self.scale, self.sliding_window, gemms.switches)
         else:
-            q, k, v = self._qkv(x, linear)
+            q, k, v = self._qkv(x, gemms)
             o = rope_and_attend(q, k, v, positions, inv_freq, k_cache, v_cache, meta, self.scale,
-                                self.sliding_window)
+                                self.sliding_window, gemms.switches)
         return o.reshape(x.shape[0], self.q_size)
 
 
@@ -270,8 +176,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, kv_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
+    def forward(self, x, cos, sin, kv_cache, meta, switches):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta, switches)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -291,24 +197,22 @@ class DecoderLM(nn.Module):
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
         self.register_buffer("inv_freq", rope_inv_freq(cfg, attn.head_dim), persistent=False)
         self.fused_small_ops = True   # with the Triton backend; the profile bench turns it off to compare
-        self.skinny_gemm = True       # decode GEMMs on the fused path: Triton where it beats cuBLAS
+        self.skinny_gemm = True       # decode GEMMs: the skinny Triton GEMM where it beats cuBLAS
         self.use_kernel_switches(env.SWITCHES)
-        self.batch_invariant = False  # set by the engine: every GEMM through invariant_linear
+        self.batch_invariant = False  # set by the engine: every GEMM through batch_invariant_gemm
 
     def use_kernel_switches(self, switches: env.KernelSwitches) -> None:
-        """Decode-GEMM epilogue fusions, each one kernel fewer per layer with the same bits (H200, in
-        the decode graphs): split-K o_proj / down_proj partials summed by the next add + RMSNorm
-        (+0.4-0.6% of the step), SiLU * up in the gate_up GEMM's epilogue (+0.1-0.2%), RoPE + the
-        K/V write in the QKV GEMM's epilogue (no qk-norm, no bias; +0.2-0.3%)."""
+        """The kernel forms this model runs (the engine's EngineConfig.kernels): Gluon decode
+        attention, and the decode-GEMM epilogue fusions, each one kernel fewer per layer with the
+        same bits (H200, in the decode graphs): split-K o_proj / down_proj partials summed by the
+        next add + RMSNorm (+0.4-0.6% of the step), SiLU * up in the gate_up GEMM's epilogue
+        (+0.1-0.2%), RoPE + the K/V write in the QKV GEMM's epilogue (no qk-norm, no bias;
+        +0.2-0.3%). Decode graphs captured before keep the forms they captured."""
         self.kernels = switches
-        self.splitk_into_norm = switches.splitk_into_norm
-        self.silu_in_gate_up = switches.silu_in_gate_up
-        self.rope_in_qkv = switches.rope_in_qkv
 
-    def _linear(self):
-        if self.batch_invariant:
-            return invariant_linear
-        return skinny_or_cublas if self.skinny_gemm else plain_linear
+    def gemms(self) -> Gemms:
+        mode = "invariant" if self.batch_invariant else "skinny" if self.skinny_gemm else "plain"
+        return Gemms(mode, self.kernels)
 
     def rope(self, positions: torch.Tensor):
         # fp32 angles, like HF; cast to the activation dtype after cos/sin.
@@ -323,52 +227,52 @@ class DecoderLM(nn.Module):
         x = self.embed_tokens(input_ids)
         cos, sin = self.rope(positions)
         for layer, kv in zip(self.layers, kv_caches):
-            x = layer(x, cos, sin, kv, meta)
+            x = layer(x, cos, sin, kv, meta, self.kernels)
         return self.norm(x)
 
     def _forward_fused(self, input_ids, positions, kv_caches, meta: AttentionMetadata):
         """Same math as `forward` with ~6 kernels per layer instead of ~35: each residual add
         is fused into the RMSNorm that follows it (the next layer's input norm, or the final
         norm), SiLU * up and RoPE + K/V write are kernels of their own or GEMM epilogues
-        (`silu_in_gate_up`, `rope_in_qkv`)."""
+        (layers/linear.py's Gemms)."""
         from ..kernels.fused_ops import add_rmsnorm
         residual = self.embed_tokens(input_ids)
-        linear = self._linear()
+        gemms = self.gemms()
         norms = [layer.input_layernorm for layer in self.layers] + [self.norm]
         h, _ = add_rmsnorm(residual, norms[0].weight, norms[0].eps)
         for i, (layer, kv) in enumerate(zip(self.layers, kv_caches)):
-            a = layer.self_attn.attend_fused(h, positions, self.inv_freq, kv, meta, linear, self.rope_in_qkv)
-            h, residual = add_norm_of_linear(layer.self_attn.o_proj, a, residual, layer.post_attention_layernorm,
-                                             linear, self.splitk_into_norm)
-            act = silu_of_gate_up(layer.mlp.gate_up_proj, h, linear, self.silu_in_gate_up)
-            h, residual = add_norm_of_linear(layer.mlp.down_proj, act, residual, norms[i + 1], linear,
-                                             self.splitk_into_norm)
+            a = layer.self_attn.attend_fused(h, positions, self.inv_freq, kv, meta, gemms)
+            h, residual = gemms.add_norm(layer.self_attn.o_proj, a, residual, layer.post_attention_layernorm)
+            act = gemms.silu_gate_up(layer.mlp.gate_up_proj, h)
+            h, residual = gemms.add_norm(layer.mlp.down_proj, act, residual, norms[i + 1])
         return h
 
     def _decode_linears(self):
         """(linear, packing order) of each decode GEMM, in the form the fused path calls it."""
-        qkv = "rope" if self.rope_in_qkv and not self.layers[0].self_attn.qk_norm else "rows"
+        qkv = "rope" if self.kernels.rope_in_qkv and not self.layers[0].self_attn.qk_norm else "rows"
         for layer in self.layers:
             yield layer.self_attn.qkv_proj, qkv
             yield layer.self_attn.o_proj, "rows"
-            yield layer.mlp.gate_up_proj, "silu" if self.silu_in_gate_up else "rows"
+            yield layer.mlp.gate_up_proj, "silu" if self.kernels.silu_in_gate_up else "rows"
             yield layer.mlp.down_proj, "rows"
         yield (self.embed_tokens if self.tie_word_embeddings else self.lm_head), "rows"
 
     def pack_decode_weights(self, rows: int, on: bool = True) -> int:
         """Beside each decode GEMM weight that the skinny GEMM takes at `rows` rows, a copy packed
         for that config's tile shape (skinny_gemm.pack_weight_tiles: one contiguous run per
-        program), which the decode kernels read from then on (weight_for; other row counts whose
+        program; the config: layers/linear.py's pick_config under this model's KernelSwitches),
+        which the decode kernels read from then on (weight_for; other row counts whose
         config has another tile shape read the plain weight). Prefill keeps the plain weights
         (cuBLAS needs them). Costs the packed weights' memory again; weight updates land in the
         plain weights and must be followed by repack_decode_weights. A copy already there in the
         same shape and order is refilled in place (another engine's graphs may read it); on=False
         drops the copies (an engine that captured them must not run again). Returns the bytes
         packed."""
-        from ..kernels.skinny_gemm import pack_weight_tiles, pick_config
+        from ..kernels.skinny_gemm import pack_weight_tiles
+        overrides = self.kernels.gemm_overrides()
         total = 0
         for lin, order in self._decode_linears():
-            cfg = pick_config(lin.weight.shape[0], lin.weight.shape[1], rows, packed=True) if on else None
+            cfg = pick_config(*lin.weight.shape, rows, packed=True, overrides=overrides) if on else None
             if cfg is None or (order == "rope" and (self.head_dim // 2) % (cfg[0] // 2)):
                 lin.weight_tiles = lin.weight_tiles_order = None
                 continue                 # cuBLAS, or a QKV tile the RoPE epilogue does not take
@@ -391,7 +295,7 @@ class DecoderLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         head = self.embed_tokens if self.tie_word_embeddings else self.lm_head
-        return self._linear()(head, hidden)
+        return self.gemms()(head, hidden)
 
     # ---- HF checkpoint names -> our fused parameters ---------------------------------
     def hf_param_slices(self):

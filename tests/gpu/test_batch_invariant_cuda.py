@@ -23,15 +23,15 @@ def test_gemm_row_bits_do_not_depend_on_the_row_count(monkeypatch, N, K, small_m
     bits. small_m_tiles=False is the fallback with 64-row tiles at every M. Against fp32: one
     bf16 rounding of the output (2^-8 relative) on fp32 sums of K products; 2e-2 covers it with
     margin on these O(1) outputs, and a wrong tile or mask is O(1)."""
-    from rollout.kernels import skinny_gemm
-    monkeypatch.setattr(skinny_gemm, "INVARIANT_SMALL_M_TILES", small_m_tiles)
+    from rollout.layers import linear
+    monkeypatch.setattr(linear, "INVARIANT_SMALL_M_TILES", small_m_tiles)
     g = torch.Generator(device="cuda").manual_seed(N + K)
     x = torch.randn(1500, K, device="cuda", generator=g).bfloat16()
     w = (torch.randn(N, K, device="cuda", generator=g) / K ** 0.5).bfloat16()
-    full = skinny_gemm.batch_invariant_gemm(x, w)
+    full = linear.batch_invariant_gemm(x, w)
     torch.testing.assert_close(full.float(), x.float() @ w.float().T, rtol=2e-2, atol=2e-2)
     for rows in ([0], [1499], [5, 700, 1498], list(range(32)), list(range(64)), list(range(100, 1100))):
-        assert torch.equal(skinny_gemm.batch_invariant_gemm(x[rows], w), full[rows]), rows
+        assert torch.equal(linear.batch_invariant_gemm(x[rows], w), full[rows]), rows
 
 
 @pytest.mark.parametrize("window", [None, 1500])
@@ -44,8 +44,8 @@ def test_attention_row_bits_across_decode_mixed_and_reprefill_steps(window):
     from dataclasses import replace
 
     from paged_cases import make_paged, meta_for, reference
-    from rollout.kernels import paged_attention
-    from rollout.kernels.paged_prefill import INVARIANT_SPLIT_LEN, INVARIANT_TILE, paged_prefill_attention
+    from rollout.kernels.paged_prefill import paged_prefill_attention
+    from rollout.layers.attention import INVARIANT_SPLIT_LEN, INVARIANT_TILE, paged_attention
     lens, ps, Hq, Hkv, D = [5000, 37, 2100, 1024, 1025], 16, 32, 8, 128
     caches, poisoned, bt = make_paged(lens, Hkv, D, ps, torch.bfloat16, seed=5, device="cuda")
     q = torch.randn(len(lens), Hq, D, device="cuda").bfloat16()
@@ -83,9 +83,9 @@ def test_engine_sequence_bits_do_not_depend_on_batch_mates(monkeypatch):
     with a 96-token prefill budget (prompts chunked, decode rows in mixed steps, other graph
     buckets): every token and logprob equal, greedy and seeded sampling. KV splits of 128 keys
     (contexts reach 556): decode rows fold several splits."""
-    import rollout.kernels.paged_prefill as pp
     from rollout import SamplingParams
-    monkeypatch.setattr(pp, "INVARIANT_SPLIT_LEN", 128)
+    from rollout.layers import attention
+    monkeypatch.setattr(attention, "INVARIANT_SPLIT_LEN", 128)
     from rollout.bench.pressure import random_model
     from rollout.bench.shapes import make_config
     cfg = make_config("tiny")
@@ -108,9 +108,9 @@ def test_bf16_pressure_gives_the_unpressured_bits(tmp_path, monkeypatch, mode):
     """As test_pressure_cuda.py, in bf16: with batch-invariant kernels, preemption (recompute
     re-prefills with the same per-row arithmetic as decode) changes no token and no logprob.
     KV splits of 128 keys, so contexts of up to 416 fold several."""
-    import rollout.kernels.paged_prefill as pp
     from rollout.bench import pressure
-    monkeypatch.setattr(pp, "INVARIANT_SPLIT_LEN", 128)
+    from rollout.layers import attention
+    monkeypatch.setattr(attention, "INVARIANT_SPLIT_LEN", 128)
     out = tmp_path / "pressure.json"
     pressure.main(["--shape", "tiny", "--batch", "16", "--prompt-len", "32", "--gen-len", "384",
                    "--kv-fraction", "0.4", "--dtype", "bfloat16", "--device", "cuda", "--out", str(out),

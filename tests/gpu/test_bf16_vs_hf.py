@@ -141,7 +141,7 @@ def test_preemption_small_kv(hf_and_dir):
 
 def test_gluon_decode_attention_in_the_engine_matches_hf(tmp_path, monkeypatch):
     """8 KV heads of head_dim 128 and 32 sequences: the engine's decode steps take the Gluon
-    attention kernel with one split (paged_decode.pick_decode, as at P1's Llama-3-8B shape); its
+    attention kernel with one split (layers/attention.py's pick_decode, as at P1's Llama-3-8B shape); its
     logprobs against HF's bf16 forward, with the bounds above."""
     from transformers import AutoConfig, AutoModelForCausalLM
 

@@ -23,7 +23,7 @@ pytest.importorskip("triton")
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # tests/: shared builders
 from paged_cases import make_paged as _make_paged, meta_for, reference  # noqa: E402
-from rollout.attention import write_kv  # noqa: E402
+from rollout.layers.attention import write_kv  # noqa: E402
 from rollout.kernels.paged_decode import paged_decode_attention  # noqa: E402
 from rollout.kernels.paged_prefill import paged_prefill_attention  # noqa: E402
 from rollout.kernels.rope_kv import rope_and_write_kv  # noqa: E402

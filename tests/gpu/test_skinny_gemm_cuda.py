@@ -1,5 +1,5 @@
 """The skinny decode GEMM (kernels/skinny_gemm.py) on the GPU: against an fp32 reference on
-fresh random inputs with poisoned outputs, every config of the swept table, and inside the
+fresh random inputs with poisoned outputs, every config of the swept table (layers/linear.py), and inside the
 engine's CUDA graphs on a one-layer model of the Llama-3-8B shape (the table's shapes).
 Skipped without CUDA."""
 import os
@@ -69,8 +69,8 @@ def test_split_k_same_bits_eager_and_every_graph_replay(split_k):
 
 
 def test_every_table_config_at_its_shape_and_row_range():
-    from rollout.kernels.skinny_gemm import _LLAMA3_8B, pick_config
-    for (N, K), ranges in _LLAMA3_8B.items():
+    from rollout.layers.linear import SKINNY_CONFIGS, pick_config
+    for (N, K), ranges in SKINNY_CONFIGS.items():
         lo = 1
         for max_m, cfg in ranges:
             for M in sorted({lo, max_m}):
@@ -128,8 +128,10 @@ def test_split_k_partials_into_the_norm_same_bits_at_8b_shapes_and_in_the_engine
     GEMM's partials gives the fix-up path's bits; and one 8B-shape layer through the engine's
     decode graphs gives the same greedy tokens and logprobs with it on and off."""
     from engine_ab import assert_same_tokens_and_logprobs, generate_per_setting, llama8b_model
+    from rollout.env import KernelSwitches
     from rollout.kernels.fused_ops import add_rmsnorm
-    from rollout.kernels.skinny_gemm import pick_config, skinny_gemm
+    from rollout.kernels.skinny_gemm import skinny_gemm
+    from rollout.layers.linear import pick_config
     g = torch.Generator(device="cuda").manual_seed(0)
     for N, K in ((4096, 4096), (4096, 14336)):
         cfg = pick_config(N, K, 32)
@@ -143,7 +145,7 @@ def test_split_k_partials_into_the_norm_same_bits_at_8b_shapes_and_in_the_engine
         got = add_rmsnorm(res, nw, 1e-5, delta=skinny_gemm(x, w, *cfg, partials=True))
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (N, K)
     model, cfg = llama8b_model(1)
-    outs = generate_per_setting(model, cfg, {on: lambda on=on: setattr(model, "splitk_into_norm", on)
+    outs = generate_per_setting(model, cfg, {on: lambda on=on: dict(kernels=KernelSwitches(splitk_into_norm=on))
                                              for on in (False, True)}, prompt_lens=(3, 40), seed=2)
     assert_same_tokens_and_logprobs(outs[False], outs[True])
 
@@ -153,8 +155,10 @@ def test_gate_up_silu_epilogue_same_bits_at_8b_shape_and_in_the_engine():
     32 and 64: the bits of the plain GEMM followed by fused_ops.silu_mul. Then one 8B-shape layer
     through the engine's decode graphs: the same greedy tokens and logprobs with it on and off."""
     from engine_ab import assert_same_tokens_and_logprobs, generate_per_setting, llama8b_model
+    from rollout.env import KernelSwitches
     from rollout.kernels.fused_ops import silu_mul
-    from rollout.kernels.skinny_gemm import pick_config, skinny_gemm
+    from rollout.kernels.skinny_gemm import skinny_gemm
+    from rollout.layers.linear import pick_config
     g = torch.Generator(device="cuda").manual_seed(0)
     w = torch.randn(28672, 4096, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02
     for M in (1, 16, 32, 64):
@@ -165,7 +169,7 @@ def test_gate_up_silu_epilogue_same_bits_at_8b_shape_and_in_the_engine():
         got = skinny_gemm(x, w, *cfg, silu_mul=True)
         assert torch.equal(got, want), M
     model, cfg = llama8b_model(1)
-    outs = generate_per_setting(model, cfg, {on: lambda on=on: setattr(model, "silu_in_gate_up", on)
+    outs = generate_per_setting(model, cfg, {on: lambda on=on: dict(kernels=KernelSwitches(silu_in_gate_up=on))
                                              for on in (False, True)}, prompt_lens=(3, 40), seed=5)
     assert_same_tokens_and_logprobs(outs[False], outs[True])
 
@@ -174,11 +178,13 @@ def test_qkv_rope_epilogue_same_bits_at_8b_shape_and_in_the_engine():
     """The 8B QKV GEMM with RoPE and the K/V write in its epilogue, at the table's configs for
     M = 1, 16 and 32 and at three split-K configs: the q, cache and untouched-slot bits of the
     plain GEMM (same config) followed by rope_and_write_kv (both compiled without FMA
-    contraction, libdevice cos/sin), positions up to 16K. Then one 8B-shape layer through the engine's decode graphs: the same greedy tokens and
-    logprobs with it on and off."""
+    contraction, libdevice cos/sin), positions up to 16K. Then one 8B-shape layer through the
+    engine's decode graphs: the same greedy tokens and logprobs with it on and off."""
     from engine_ab import assert_same_tokens_and_logprobs, generate_per_setting, llama8b_model
+    from rollout.env import KernelSwitches
     from rollout.kernels.rope_kv import qkv_rope_and_write_kv, rope_and_write_kv
-    from rollout.kernels.skinny_gemm import pick_config, skinny_gemm
+    from rollout.kernels.skinny_gemm import skinny_gemm
+    from rollout.layers.linear import pick_config
     D, ps = 128, 16
     g = torch.Generator(device="cuda").manual_seed(0)
     w = torch.randn(6144, 4096, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02
@@ -202,7 +208,7 @@ def test_qkv_rope_epilogue_same_bits_at_8b_shape_and_in_the_engine():
         for a, b in zip(*caches):
             assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0)), M
     model, cfg = llama8b_model(1)
-    outs = generate_per_setting(model, cfg, {on: lambda on=on: setattr(model, "rope_in_qkv", on)
+    outs = generate_per_setting(model, cfg, {on: lambda on=on: dict(kernels=KernelSwitches(rope_in_qkv=on))
                                              for on in (False, True)}, prompt_lens=(3, 40), seed=6)
     assert_same_tokens_and_logprobs(outs[False], outs[True])
 
@@ -212,10 +218,11 @@ def test_packed_weight_tiles_same_bits_at_every_table_config():
     gate_up's SiLU epilogue, QKV's RoPE epilogue) reading the weight packed by pack_weight_tiles
     gives the plain layout's bits, with the output poisoned first."""
     from rollout.kernels.rope_kv import qkv_rope_and_write_kv
-    from rollout.kernels.skinny_gemm import _LLAMA3_8B, _LLAMA3_8B_PACKED, pack_weight_tiles, skinny_gemm
+    from rollout.kernels.skinny_gemm import pack_weight_tiles, skinny_gemm
+    from rollout.layers.linear import SKINNY_CONFIGS, SKINNY_CONFIGS_PACKED
     g = torch.Generator(device="cuda").manual_seed(7)
     inv_freq = (1.0 / (500000.0 ** (torch.arange(0, 128, 2).float() / 128))).cuda()
-    for (N, K), entries in list(_LLAMA3_8B.items()) + list(_LLAMA3_8B_PACKED.items()):
+    for (N, K), entries in list(SKINNY_CONFIGS.items()) + list(SKINNY_CONFIGS_PACKED.items()):
         w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02
         for M, cfg in entries:
             x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, generator=g)
@@ -247,11 +254,11 @@ def test_packed_decode_weights_in_the_engine_same_bits_and_kept_in_step_by_weigh
     (test_packed_weight_tiles_same_bits_at_every_table_config covers the packed table's configs).
     A weight update through WeightSync refreshes the copies in place: afterwards the packed
     engine again matches a plain engine on the new weights, and its tokens changed."""
-    import rollout.kernels.skinny_gemm as sk
     from engine_ab import assert_same_tokens_and_logprobs, llama8b_model
     from rollout import RolloutEngine, SamplingParams
+    from rollout.layers import linear
     from rollout.weights import WeightSync
-    monkeypatch.setattr(sk, "_LLAMA3_8B_PACKED", {})
+    monkeypatch.setattr(linear, "SKINNY_CONFIGS_PACKED", {})
     model, cfg = llama8b_model(1)
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 128000, (int(n),), generator=g).tolist()
