@@ -199,11 +199,13 @@ class EngineLoop:
         if mode == "abort":
             self.abort_all()
         self._push_deltas()
+        self._flush()
         self.paused = True
         loop.call_soon_threadsafe(_settle, fut, True, None)
 
     def _release(self, paused: bool) -> None:
         self._holding = False
+        self._flush()                     # the last outputs go out before the pause is answered
         for loop, fut in self._pause_waiters:
             loop.call_soon_threadsafe(_settle, fut, paused, None)
         self._pause_waiters = []
@@ -253,9 +255,8 @@ class EngineLoop:
                     log.exception("engine step failed; finishing its requests with finish_reason 'error'")
                     self._finish(self.engine.abort(list(self.engine.requests), reason="error"))
                 self._push_deltas()
-                sch = self.engine.scheduler
-                self.running_requests = len({s.request.request_id for s in sch.running})
                 self._check_drained()
+            self.running_requests = len({s.request.request_id for s in self.engine.scheduler.running})
             self._flush()
         self._shutdown()
 
