@@ -239,12 +239,11 @@ class EngineLoop:
     def _run(self) -> None:
         while not self._stop:
             block = not self._busy()
-            while True:
+            while True:                   # no reference kept past its run (IPC tensors are the trainer's)
                 try:
-                    cmd = self._commands.get(block=block, timeout=1.0 if block else None)
+                    self._run_command(*self._commands.get(block=block, timeout=1.0 if block else None))
                 except queue.Empty:
                     break
-                self._run_command(*cmd)
                 block = False
             if self._stop:
                 break
