@@ -31,11 +31,8 @@ class ServerError(RuntimeError):
 
 
 def _output(index: int, o: dict) -> RequestOutput:
-    comps = [Completion(token_ids=c["token_ids"], logprobs=c["logprobs"], processed_logprobs=c["processed_logprobs"],
-                        kept_mass=c["kept_mass"], finish_reason=c["finish_reason"], text=c.get("text"),
-                        policy_versions=c["policy_versions"], stop_reason=c["stop_reason"],
-                        top_logprobs=None if c["top_logprobs"] is None else
-                        [{int(k): v for k, v in d.items()} for d in c["top_logprobs"]]) for c in o["completions"]]
+    comps = [Completion(**{**c, "top_logprobs": None if c["top_logprobs"] is None else
+                           [{int(k): v for k, v in d.items()} for d in c["top_logprobs"]]}) for c in o["completions"]]
     return RequestOutput(index, o["prompt_token_ids"], comps, error=o.get("error"))
 
 
@@ -169,9 +166,3 @@ class RolloutClient:
     def close(self) -> None:
         self.close_weight_group()
         self.http.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()

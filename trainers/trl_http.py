@@ -8,14 +8,12 @@
 The in-process adapter (`trl_generator.TRLGenerationAdapter`: route A, weight walk, TRL's sampling
 fields, G-copy de-dup, versions, gen/* metrics) runs unchanged over `HTTPWorker`, which stands in
 for a RolloutWorker: generation goes to the native /generate (exact logprobs and per-token policy
-versions, so TRL's importance-sampling correction is kept), weights go by a torch.distributed group
-(default: gloo on CPU, NCCL on GPU; this process becomes rank 0 of its own default group), a
-safetensors folder the server can read, or CUDA IPC (same node).
+versions, so TRL's importance-sampling correction is kept), weights go through a torch.distributed
+group (default; gloo on CPU, NCCL on GPU: this process becomes rank 0 of its own default group) or by
+CUDA IPC (a server on the same node).
 """
 from __future__ import annotations
 
-import tempfile
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Optional
 
@@ -25,7 +23,7 @@ from rollout.client import RolloutClient
 
 from .trl_generator import TRLGenerationAdapter, attach_generator
 
-TRANSPORTS = ("group", "disk", "ipc")
+TRANSPORTS = ("group", "ipc")
 
 
 class _RemoteWeights:
@@ -51,16 +49,13 @@ class HTTPWorker:
     """The part of RolloutWorker's interface TRLGenerationAdapter uses, over a RolloutClient."""
     remote = True
 
-    def __init__(self, client: RolloutClient, weight_transport: str = "group", disk_dir: Optional[str] = None,
-                 bucket_bytes: int = 256 << 20):
+    def __init__(self, client: RolloutClient, weight_transport: str = "group", bucket_bytes: int = 256 << 20):
         if weight_transport not in TRANSPORTS:
             raise ValueError(f"weight_transport must be one of {TRANSPORTS}, got {weight_transport!r}")
         self.client, self.transport, self.bucket_bytes = client, weight_transport, bucket_bytes
         info = client.models()
         self.engine = SimpleNamespace(vocab_size=info["vocab_size"], max_model_len=info["max_model_len"])
         self.weights = _RemoteWeights(client)
-        self._disk = Path(disk_dir) if disk_dir else None
-        self._tmp: Optional[tempfile.TemporaryDirectory] = None
 
     @property
     def policy_version(self) -> int:
@@ -70,35 +65,21 @@ class HTTPWorker:
         return self.client.generate(prompts, list(sampling_params))
 
     def update_weights(self, named_tensors, version: int) -> None:
-        items = list(named_tensors)
+        items = list(named_tensors)       # walked whole before anything is sent
         if self.transport == "ipc":
             self.client.update_weights_from_ipc(items, version)
-        elif self.transport == "group":
-            if self.client._group_backend is None:
-                self.client.init_weight_group()
-            self.client.update_weights_from_group(items, version, self.bucket_bytes)
-        else:
-            from safetensors.torch import save_file
-            if self._disk is None:        # a folder the server can read (same host)
-                self._tmp = tempfile.TemporaryDirectory(prefix="rollout-weights-")
-                self._disk = Path(self._tmp.name)
-            seen, tensors = set(), {}
-            for n, t in items:            # safetensors refuses shared storage (a tied head is sent twice)
-                t = t.detach().contiguous().cpu()
-                tensors[n] = t.clone() if t.data_ptr() in seen else t
-                seen.add(t.data_ptr())
-            save_file(tensors, str(self._disk / "model.safetensors"))
-            self.client.update_weights_from_disk(str(self._disk), version)
+            return
+        if self.client._group_backend is None:
+            self.client.init_weight_group()
+        self.client.update_weights_from_group(items, version, self.bucket_bytes)
 
     def close(self) -> None:
         self.client.close()
-        if self._tmp is not None:
-            self._tmp.cleanup()
 
 
 def attach_http_generator(trainer, base_url: str = "http://127.0.0.1:8000", *, api_key: Optional[str] = None,
                           admin_key: Optional[str] = None, weight_transport: str = "group",
-                          disk_dir: Optional[str] = None, **kw) -> TRLGenerationAdapter:
+                          **kw) -> TRLGenerationAdapter:
     """`attach_generator` with the engine behind `python -m rollout.serve` at `base_url`. One trainer process
     per server (the weight push and the versions are rank-local). Keyword arguments go to TRLGenerationAdapter;
     the HTTPWorker is `adapter.worker` (close it after training to leave the weight group)."""
@@ -106,5 +87,5 @@ def attach_http_generator(trainer, base_url: str = "http://127.0.0.1:8000", *, a
     if acc is not None and acc.num_processes > 1:
         raise NotImplementedError("attach_http_generator drives a server from a single trainer process (the weight "
                                   "push and the versions are rank-local); for several ranks use attach_generator")
-    worker = HTTPWorker(RolloutClient(base_url, api_key, admin_key), weight_transport, disk_dir)
+    worker = HTTPWorker(RolloutClient(base_url, api_key, admin_key), weight_transport)
     return attach_generator(trainer, worker, **kw)

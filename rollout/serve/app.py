@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import logging
 import secrets
 import uuid
 from dataclasses import dataclass
@@ -15,13 +14,12 @@ from typing import Optional
 from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from . import transfer
 from .loop import EngineLoop
 from .protocol import (AbortRequest, ChatRequest, CompletionRequest, DiskUpdate, Formatter, GenerateRequest,
                        GroupInit, GroupUpdate, IPCUpdate, batch_of_ids, native_completion, native_params)
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -35,19 +33,12 @@ class ServeOptions:
     stream_interval: int = 1               # tokens per stream chunk (the first token is sent at once)
 
 
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, headers: Optional[dict] = None):
-        super().__init__(message)
-        self.status, self.message, self.headers = status, message, headers
-
-
 def _json(body, status: int = 200, headers=None) -> Response:
     return Response(json.dumps(body, separators=(",", ":")), status, headers, media_type="application/json")
 
 
-def _error(status: int, message: str, headers=None) -> Response:
-    kind = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-            413: "request_too_large", 429: "rate_limit_error"}.get(status, "server_error")
+def _error(status: int, message: str, headers=None) -> Response:     # OpenAI's error shape
+    kind = "invalid_request_error" if status < 500 else "server_error"
     return _json({"error": {"message": message, "type": kind, "code": status}}, status, headers)
 
 
@@ -108,24 +99,23 @@ class Server:
         if not task.done():
             task.cancel()
             self.loop.abort(tag)
-            raise ApiError(499, "client disconnected")
+            raise HTTPException(499, "client disconnected")
         return task.result()
 
     async def run(self, request: Request, tag: str, prompts: list[list[int]], params: list,
                   fmt: Optional[Formatter] = None):
         if self.closing:
-            raise ApiError(503, "the server is shutting down")
+            raise HTTPException(503, "the server is shutting down")
         if self.loop.waiting_requests() + len(prompts) > self.opts.max_queued_requests:
             self.rejected += 1
-            raise ApiError(429, f"more than max_queued_requests={self.opts.max_queued_requests} prompts waiting; "
-                                f"retry later", {"Retry-After": "1"})
+            raise HTTPException(429, f"more than max_queued_requests={self.opts.max_queued_requests} prompts "
+                                     f"waiting; retry later", {"Retry-After": "1"})
         stream = fmt is not None and fmt.req.stream
         q: asyncio.Queue = asyncio.Queue()
         self.loop.add(tag, prompts, params, q, self.opts.stream_interval if stream else 0)
         first = await self._watch(request, q.get(), tag)
         if first[0] == "error":
-            exc = first[1]
-            raise ApiError(400 if isinstance(exc, (ValueError, TypeError)) else 503, str(exc))
+            raise HTTPException(400 if isinstance(first[1], (ValueError, TypeError)) else 503, str(first[1]))
         if stream:
             return StreamingResponse(self._sse(fmt, q, tag, len(prompts)), media_type="text/event-stream")
 
@@ -167,21 +157,22 @@ class Server:
 
     def _check_model(self, model: Optional[str]) -> None:
         if model is not None and model != self.opts.served_model_name:
-            raise ApiError(404, f"model {model!r} is not served here; this server serves "
-                                f"{self.opts.served_model_name!r}")
+            raise HTTPException(404, f"model {model!r} is not served here; this server serves "
+                                     f"{self.opts.served_model_name!r}")
 
     def _tokenize(self, prompt) -> list[list[int]]:
         ids = batch_of_ids(prompt)
         if ids is not None:
             return ids
         if self.tokenizer is None:
-            raise ApiError(400, "prompt is text but the model has no tokenizer; send token ids")
+            raise HTTPException(400, "prompt is text but the model has no tokenizer; send token ids")
         return [self.tokenizer(p).input_ids for p in ([prompt] if isinstance(prompt, str) else prompt)]
 
     def _chat_prompt(self, body: ChatRequest) -> list[int]:
         tok = self.tokenizer
         if tok is None or (body.chat_template is None and not getattr(tok, "chat_template", None)):
-            raise ApiError(400, "the model's tokenizer has no chat template; pass chat_template or use /v1/completions")
+            raise HTTPException(400, "the model's tokenizer has no chat template; pass chat_template or use "
+                                     "/v1/completions")
         messages = [{**m, "content": _text_of(m["content"])} if isinstance(m.get("content"), list) else m
                     for m in body.messages]
         try:
@@ -190,37 +181,32 @@ class Server:
                 add_generation_prompt=body.add_generation_prompt and not body.continue_final_message,
                 continue_final_message=body.continue_final_message, **(body.chat_template_kwargs or {}))
         except Exception as exc:          # jinja errors, bad roles: the caller's input
-            raise ApiError(400, f"messages: the chat template failed: {exc}") from exc
+            raise HTTPException(400, f"messages: the chat template failed: {exc}") from exc
         return list(out["input_ids"])
 
-    async def completions(self, body: CompletionRequest, request: Request):
+    async def _openai(self, request: Request, body, prompts: list[list[int]], max_tokens, top: int, prefix: str):
         self._check_model(body.model)
-        if body.logprobs is not None and body.logprobs < 0:
-            raise ApiError(400, f"logprobs must be null or an integer >= 0, got {body.logprobs}")
-        if body.echo and (body.logprobs is not None or body.stream):
-            raise ApiError(400, "echo is supported without logprobs and without stream only")
-        prompts = self._tokenize(body.prompt)
-        params = [body.to_params(len(p), self.engine.max_model_len, body.max_tokens, body.logprobs or 0)
-                  for p in prompts]
-        rid = body.request_id or f"cmpl-{uuid.uuid4().hex}"
+        params = [body.to_params(len(p), self.engine.max_model_len, max_tokens, top) for p in prompts]
+        rid = body.request_id or f"{prefix}-{uuid.uuid4().hex}"
         fmt = Formatter(body, rid, self.opts.served_model_name, self.tokenizer, prompts, self.opts.logprobs_mode)
         return await self.run(request, rid, prompts, params, fmt)
 
+    async def completions(self, body: CompletionRequest, request: Request):
+        if body.logprobs is not None and body.logprobs < 0:
+            raise HTTPException(400, f"logprobs must be null or an integer >= 0, got {body.logprobs}")
+        return await self._openai(request, body, self._tokenize(body.prompt), body.max_tokens, body.logprobs or 0,
+                                  "cmpl")
+
     async def chat(self, body: ChatRequest, request: Request):
-        self._check_model(body.model)
-        prompt = self._chat_prompt(body)
-        top = (body.top_logprobs or 0) if body.logprobs else 0
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        params = [body.to_params(len(prompt), self.engine.max_model_len, max_tokens, top)]
-        rid = body.request_id or f"chatcmpl-{uuid.uuid4().hex}"
-        fmt = Formatter(body, rid, self.opts.served_model_name, self.tokenizer, [prompt], self.opts.logprobs_mode)
-        return await self.run(request, rid, [prompt], params, fmt)
+        top = (body.top_logprobs or 0) if body.logprobs else 0
+        return await self._openai(request, body, [self._chat_prompt(body)], max_tokens, top, "chatcmpl")
 
     async def generate(self, body: GenerateRequest, request: Request):
         prompts = batch_of_ids(body.input_ids) or [[]]
         sp = body.sampling_params
         if isinstance(sp, list) and len(sp) != len(prompts):
-            raise ApiError(400, f"sampling_params: {len(sp)} dicts for {len(prompts)} prompts")
+            raise HTTPException(400, f"sampling_params: {len(sp)} dicts for {len(prompts)} prompts")
         params = [native_params(d) for d in sp] if isinstance(sp, list) else [native_params(sp)] * len(prompts)
         rid = body.request_id or f"gen-{uuid.uuid4().hex}"
         outs = await self.run(request, rid, prompts, params)
@@ -260,32 +246,21 @@ class Server:
         return await self._stage(items, body.version, adopt=True)
 
     # ---- metrics ----------------------------------------------------------------------------------
-    def snapshot(self) -> dict:           # on the engine thread: a consistent view between steps
-        st = self.worker.stats()
-        pending = self.worker.weights.pending
-        return {**st, "waiting": self.loop.waiting_requests(), "running": self.loop.running_requests,
-                "staged_version": pending.version if pending is not None else None,
-                "prompt_tokens": self.loop.prompt_tokens, "paused": int(self.loop.paused)}
+    def _metric_rows(self) -> list:       # on the engine thread: one consistent view between steps
+        s = self.worker.stats()
+        return [("generation_tokens_total", s["generated_tokens"]), ("prompt_tokens_total", self.loop.prompt_tokens),
+                ("prefill_tokens_total", s["prefill_tokens"]), ("requests_running", self.loop.running_requests),
+                ("requests_waiting", self.loop.waiting_requests()), ("requests_rejected_total", self.rejected),
+                ("kv_cache_usage", s["kv_pages_used"] / max(1, s["kv_pages_total"])),
+                ("kv_pages_used", s["kv_pages_used"]), ("kv_pages_total", s["kv_pages_total"]),
+                ("policy_version", s["policy_version"]), ("weight_updates_total", s["weights/updates"]),
+                ("weight_barrier_ms_total", s["weights/barrier_ms"]), ("paused", int(self.loop.paused)),
+                ("weight_staging_ms_total", s["weights/staging_ms"]), ("preemptions_total", s["preemptions"])]
 
     async def metrics(self) -> Response:
-        s = await self.loop.call(self.snapshot)
-        rows = [("generation_tokens_total", "counter", s["generated_tokens"], "tokens generated"),
-                ("prompt_tokens_total", "counter", s["prompt_tokens"], "prompt tokens accepted"),
-                ("prefill_tokens_total", "counter", s["prefill_tokens"], "tokens prefilled (recompute included)"),
-                ("requests_running", "gauge", s["running"], "requests with a sequence in the batch"),
-                ("requests_waiting", "gauge", s["waiting"], "accepted requests not yet running"),
-                ("requests_rejected_total", "counter", self.rejected, "requests refused with 429"),
-                ("kv_cache_usage", "gauge", s["kv_pages_used"] / max(1, s["kv_pages_total"]), "share of KV pages used"),
-                ("kv_pages_used", "gauge", s["kv_pages_used"], "KV pages used"),
-                ("kv_pages_total", "gauge", s["kv_pages_total"], "KV pages usable"),
-                ("policy_version", "gauge", s["policy_version"], "version of the live weights"),
-                ("weight_updates_total", "counter", s["weights/updates"], "weight updates committed"),
-                ("weight_barrier_ms_total", "counter", s["weights/barrier_ms"], "decode stall at weight commits"),
-                ("weight_staging_ms_total", "counter", s["weights/staging_ms"], "time staging weight updates"),
-                ("preemptions_total", "counter", s["preemptions"], "sequences preempted"),
-                ("paused", "gauge", s["paused"], "1 while generation is paused")]
-        text = "".join(f"# HELP rollout_{n} {h}\n# TYPE rollout_{n} {k}\nrollout_{n} {float(v)}\n" for n, k, v, h in rows)
-        return Response(text, media_type="text/plain; version=0.0.4")
+        rows = await self.loop.call(self._metric_rows)
+        return Response("".join(f"# TYPE rollout_{n} {'counter' if n.endswith('_total') else 'gauge'}\n"
+                                f"rollout_{n} {float(v)}\n" for n, v in rows), media_type="text/plain; version=0.0.4")
 
 
 def _text_of(content: list) -> str:
@@ -301,7 +276,7 @@ def _key_check(server: Server, admin: bool):
         key = server.opts.admin_key if admin and server.opts.admin_key else server.opts.api_key
         got = request.headers.get("authorization", "")
         if key is not None and not secrets.compare_digest(got.encode(), f"Bearer {key}".encode()):
-            raise ApiError(401, "invalid or missing API key" + (" (admin route)" if admin else ""))
+            raise HTTPException(401, "invalid or missing API key" + (" (admin route)" if admin else ""))
     return Depends(check)
 
 
@@ -323,9 +298,9 @@ def build_app(worker, opts: Optional[ServeOptions] = None) -> FastAPI:
     app.state.server = server
     app.add_middleware(BodyLimit, max_bytes=opts.max_body_bytes)
 
-    @app.exception_handler(ApiError)
-    async def api_error(request, exc: ApiError):
-        return _error(exc.status, exc.message, exc.headers)
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request, exc):
+        return _error(exc.status_code, str(exc.detail), exc.headers)
 
     @app.exception_handler(ValueError)    # SamplingParams / weight validation: the caller's input
     async def value_error(request, exc: ValueError):
@@ -336,10 +311,6 @@ def build_app(worker, opts: Optional[ServeOptions] = None) -> FastAPI:
         def where(e):
             return "body" if e["type"] == "json_invalid" else ".".join(str(x) for x in e["loc"] if x != "body")
         return _error(400, "; ".join(f"{where(e) or 'body'}: {e['msg']}" for e in exc.errors()))
-
-    @app.exception_handler(HTTPException)
-    async def http_error(request, exc: HTTPException):
-        return _error(exc.status_code, str(exc.detail))
 
     user, admin = [_key_check(server, False)], [_key_check(server, True)]
 
@@ -371,7 +342,7 @@ def build_app(worker, opts: Optional[ServeOptions] = None) -> FastAPI:
         body = await request.body()
         mode = mode or (json.loads(body).get("mode") if body else None) or "keep"
         if mode not in ("keep", "abort", "wait"):
-            raise ApiError(400, f"mode must be 'keep', 'abort' or 'wait', got {mode!r}")
+            raise HTTPException(400, f"mode must be 'keep', 'abort' or 'wait', got {mode!r}")
         return _json({"paused": await server.loop.pause(mode), "mode": mode})
 
     @app.post("/resume", dependencies=admin)
@@ -382,7 +353,7 @@ def build_app(worker, opts: Optional[ServeOptions] = None) -> FastAPI:
     @app.post("/abort", dependencies=admin)
     async def abort(body: AbortRequest):
         tags = body.request_ids + ([body.request_id] if body.request_id else [])
-        found = [t for t in tags if await server.loop.call(lambda t=t: server.loop._abort_tag(t))]
+        found = [t for t in tags if await server.loop.call(lambda t=t: server.loop.abort_tag(t))]
         return _json({"aborted": found})
 
     app.post("/update_weights_from_disk", dependencies=admin)(server.update_from_disk)

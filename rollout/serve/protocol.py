@@ -24,7 +24,6 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
-    continuous_usage_stats: bool = False
 
 
 class _Sampling(_Strict):
@@ -71,7 +70,6 @@ class CompletionRequest(_Sampling):
     prompt: Union[list[int], list[list[int]], str, list[str]]
     max_tokens: Optional[int] = 16       # OpenAI's default for completions
     logprobs: Optional[int] = None       # 0: the sampled token's only; k: plus the top k
-    echo: bool = False
 
 
 class ChatRequest(_Sampling):
@@ -159,10 +157,7 @@ class Formatter:
                  prompts: list[list[int]], logprobs_mode: str):
         self.chat = isinstance(req, ChatRequest)
         self.req, self.rid, self.model, self.tok, self.prompts = req, rid, model, tokenizer, prompts
-        if self.chat:
-            self.want_logprobs, self.top_k = req.logprobs, (req.top_logprobs or 0) if req.logprobs else 0
-        else:
-            self.want_logprobs, self.top_k = req.logprobs is not None, req.logprobs or 0
+        self.want_logprobs = req.logprobs if self.chat else req.logprobs is not None
         self.field = "processed_logprobs" if logprobs_mode == "processed" else "logprobs"
         self.as_ids = req.return_tokens_as_token_ids or tokenizer is None
         self.created = int(time.time())
@@ -191,7 +186,8 @@ class Formatter:
         if self.chat:
             def entry(s, lp):
                 return {"token": s, "logprob": _finite(lp), "bytes": list(s.encode())}
-            return {"content": [{**entry(s, lp), "top_logprobs": [entry(self._name(k), v) for k, v in (top or {}).items()]}
+            return {"content": [{**entry(s, lp), "top_logprobs": [entry(self._name(k), v)
+                                                                  for k, v in (top or {}).items()]}
                                 for s, lp, top in zip(names, lps, tops)]}
         offsets = []
         for s in names:
@@ -235,10 +231,7 @@ class Formatter:
         for p, out in enumerate(outs):         # prompt-major: the n choices of prompt 0, then prompt 1
             for i, c in enumerate(out.completions):
                 j = p * self.req.n + i
-                text = c.text or ""
-                if getattr(self.req, "echo", False):
-                    text = (self.tok.decode(out.prompt_token_ids) if self.tok is not None else "") + text
-                choices.append(self._choice(j, text, c.token_ids, getattr(c, self.field), c.top_logprobs,
+                choices.append(self._choice(j, c.text or "", c.token_ids, getattr(c, self.field), c.top_logprobs,
                                             c.finish_reason, c.stop_reason, c.policy_versions, out.prompt_token_ids))
                 ntok += len(c.token_ids)
         return self._envelope(choices, self.usage(ntok), prompt=True)

@@ -90,6 +90,18 @@ def test_update_from_disk_while_generating(chat_dir, model_dir, tiny_tokenizer, 
             client.update_weights_from_ipc([("model.norm.weight", torch.ones(64))], 3)
 
 
+def test_update_from_sharded_folder(model_dir, sharded_model_dir, tiny_tokenizer):
+    """A checkpoint in shards (an index and 5 files) into a server of another seed's weights."""
+    prompt = tiny_tokenizer("the dark cloud").input_ids
+    with serving(make_worker(model_dir("llama", seed=1))) as s:
+        client = RolloutClient(s.url)
+        assert client.update_weights_from_disk(sharded_model_dir, 1)["staged_version"] == 1
+        got = client.generate(prompt, SamplingParams(max_new_tokens=40, temperature=0, ignore_eos=True))[0]
+    want = _fresh(sharded_model_dir, prompt)
+    assert got.completions[0].token_ids == want.token_ids and got.completions[0].logprobs == want.logprobs
+    assert got.completions[0].policy_versions == [1] * 40
+
+
 @pytest.fixture(scope="module")
 def process_server(chat_dir):
     args = [f"--{k.replace('_', '-')}={v}" for k, v in ENGINE.items()]
