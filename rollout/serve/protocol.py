@@ -31,11 +31,11 @@ class _Sampling(_Strict):
     model: Optional[str] = None
     n: int = 1
     max_tokens: Optional[int] = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0                       # 0 or -1: off
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
+    temperature: Optional[float] = None  # None (as vLLM takes it): our default, 1.0
+    top_p: Optional[float] = None        # 1.0
+    top_k: Optional[int] = None          # 0, -1 or None: off
+    min_p: Optional[float] = None        # 0.0
+    repetition_penalty: Optional[float] = None   # 1.0
     seed: Optional[int] = None
     stop: Union[str, list[str], None] = None
     stop_token_ids: Optional[list[int]] = None
@@ -57,13 +57,13 @@ class _Sampling(_Strict):
                   top_logprobs: int) -> SamplingParams:
         if self.presence_penalty or self.frequency_penalty:
             raise ValueError("presence_penalty / frequency_penalty are not supported; use repetition_penalty")
-        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        given = {k: v for k in ("temperature", "top_p", "min_p", "repetition_penalty", "seed", "ignore_eos",
+                                "stale_kv", "max_staleness", "on_stale") if (v := getattr(self, k)) is not None}
         return SamplingParams(
             n=self.n, max_new_tokens=max_tokens if max_tokens is not None else max(1, max_model_len - prompt_len),
-            temperature=self.temperature, top_p=self.top_p, top_k=0 if self.top_k == -1 else self.top_k,
-            min_p=self.min_p, repetition_penalty=self.repetition_penalty, seed=self.seed, stop=stop,
-            stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos, top_logprobs=top_logprobs,
-            stale_kv=self.stale_kv, max_staleness=self.max_staleness, on_stale=self.on_stale)
+            top_k=0 if self.top_k in (None, -1) else self.top_k, top_logprobs=top_logprobs,
+            stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
+            stop_token_ids=list(self.stop_token_ids or []), **given)
 
 
 class CompletionRequest(_Sampling):
@@ -142,12 +142,9 @@ def _finite(x: float) -> float:
     return x if math.isfinite(x) else -9999.0     # JSON has no -inf (vLLM clamps the same way)
 
 
-def native_completion(c) -> dict:
-    return {"token_ids": c.token_ids, "logprobs": c.logprobs, "processed_logprobs": c.processed_logprobs,
-            "kept_mass": c.kept_mass, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
-            "policy_versions": c.policy_versions, "text": c.text,
-            "top_logprobs": None if c.top_logprobs is None else [{str(k): v for k, v in d.items()}
-                                                                 for d in c.top_logprobs]}
+def native_completion(c) -> dict:     # every Completion field (JSON object keys are strings)
+    return {**vars(c), "top_logprobs": None if c.top_logprobs is None else [{str(k): v for k, v in d.items()}
+                                                                            for d in c.top_logprobs]}
 
 
 class Formatter:

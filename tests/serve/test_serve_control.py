@@ -24,6 +24,13 @@ def _idle(server) -> bool:
     return kv_pages_used(server.url) == 0 and _metric(server.url, "requests_running") == 0
 
 
+def _wait_decoding(url: str) -> None:
+    """Until a request holds pages and has sampled a token (then it has ~240 steps left to run)."""
+    gen0 = _metric(url, "generation_tokens_total")
+    wait_for(lambda: kv_pages_used(url) > 0 and _metric(url, "generation_tokens_total") > gen0,
+             what="the request to decode")
+
+
 def test_native_generate_contract_and_shared_prefill(server, chat_dir, tiny_tokenizer):
     prompts = [tiny_tokenizer("the tired friend").input_ids, tiny_tokenizer("every blue cloud").input_ids]
     params = SamplingParams(n=3, max_new_tokens=7, temperature=1.0, top_k=20, seed=5, top_logprobs=3)
@@ -110,13 +117,13 @@ def _post_in_thread(url, body, path="/v1/completions"):
 
 def test_pause_abort_and_wait(server, tiny_tokenizer):
     client = RolloutClient(server.url)
-    long = {"model": MODEL, "prompt": tiny_tokenizer("a slow game").input_ids, "max_tokens": 200,
+    long = {"model": MODEL, "prompt": tiny_tokenizer("a slow game").input_ids, "max_tokens": 240, "n": 4,
             "ignore_eos": True, "return_token_ids": True}
     fut = _post_in_thread(server.url, long)
-    wait_for(lambda: _metric(server.url, "requests_running") == 1, what="the request to run")
+    _wait_decoding(server.url)
     client.pause("abort")                      # finished now, with what it has
     ch = fut.result().json()["choices"][0]
-    assert ch["finish_reason"] == "abort" and 0 < len(ch["token_ids"]) < 200
+    assert ch["finish_reason"] == "abort" and 0 < len(ch["token_ids"]) < 240
     assert kv_pages_used(server.url) == 0
     queued = _post_in_thread(server.url, {**long, "max_tokens": 5})
     time.sleep(0.3)
@@ -124,8 +131,8 @@ def test_pause_abort_and_wait(server, tiny_tokenizer):
     client.resume()
     assert queued.result().json()["choices"][0]["finish_reason"] == "length"
     # wait: the running request finishes whole before the pause takes
-    fut = _post_in_thread(server.url, {**long, "max_tokens": 60})
-    wait_for(lambda: _metric(server.url, "requests_running") == 1, what="the request to run")
+    fut = _post_in_thread(server.url, {**long, "max_tokens": 60, "n": 1})
+    _wait_decoding(server.url)
     assert client.pause("wait")["paused"] is True
     ch = fut.result(timeout=10).json()["choices"][0]
     assert ch["finish_reason"] == "length" and len(ch["token_ids"]) == 60
@@ -133,14 +140,14 @@ def test_pause_abort_and_wait(server, tiny_tokenizer):
 
 
 def test_abort_by_request_id(server, tiny_tokenizer):
-    body = {"model": MODEL, "prompt": tiny_tokenizer("my quiet song").input_ids, "max_tokens": 200,
-            "ignore_eos": True, "request_id": "mine-1", "n": 2}
+    body = {"model": MODEL, "prompt": tiny_tokenizer("my quiet song").input_ids, "max_tokens": 240,
+            "ignore_eos": True, "request_id": "mine-1", "n": 4}
     fut = _post_in_thread(server.url, body)
-    wait_for(lambda: kv_pages_used(server.url) > 0, what="the request to run")
+    _wait_decoding(server.url)
     client = RolloutClient(server.url)
     assert client.abort(["mine-1", "unknown"]) == ["mine-1"]
     r = fut.result().json()
-    assert r["id"] == "mine-1" and [c["finish_reason"] for c in r["choices"]] == ["abort", "abort"]
+    assert r["id"] == "mine-1" and [c["finish_reason"] for c in r["choices"]] == ["abort"] * 4
     assert _idle(server)
 
 
@@ -248,8 +255,8 @@ def test_queue_bound_429_with_retry_after(chat_dir):
 
 def test_shutdown_answers_requests_in_flight(chat_dir):
     with serving(make_worker(chat_dir)) as s:
-        fut = _post_in_thread(s.url, {"model": MODEL, "prompt": "the", "max_tokens": 200, "ignore_eos": True})
-        wait_for(lambda: kv_pages_used(s.url) > 0, what="the request to run")
+        fut = _post_in_thread(s.url, {"model": MODEL, "prompt": "the", "max_tokens": 240, "n": 4, "ignore_eos": True})
+        _wait_decoding(s.url)
         t0 = time.time()
     assert time.time() - t0 < 10               # no wait for the generation to end
     assert fut.result().json()["choices"][0]["finish_reason"] == "abort"
