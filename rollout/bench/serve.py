@@ -184,9 +184,11 @@ def main(argv=None) -> dict:
     if not tput:                          # sized: the trainer's copy of the weights shares the GPU
         args.kv_bytes = args.kv_bytes or 16 << 30
     result = throughput(args) if tput else ipc(args)
+    import importlib.util             # uvicorn takes uvloop / httptools where installed (uvicorn[standard])
+    fast = {m: importlib.util.find_spec(m) is not None for m in ("uvloop", "httptools")}
     result.update(mode=args.mode, shape=args.shape, dtype=args.dtype, prompts=args.prompts, n=args.n if tput else 1,
                   prompt_len=args.prompt_len, gen_len=args.gen_len, stream_interval=args.stream_interval,
-                  meta=run_meta("rollout.bench.serve", argv))
+                  server_libs=fast, meta=run_meta("rollout.bench.serve", argv))
     write_json(result, args.out)
     return result
 

@@ -106,6 +106,9 @@ class Server:
                   fmt: Optional[Formatter] = None):
         if self.closing:
             raise HTTPException(503, "the server is shutting down")
+        if len(prompts) > self.opts.max_queued_requests:      # would never fit: retrying cannot help
+            raise HTTPException(400, f"prompt: {len(prompts)} prompts in one request, over max_queued_requests="
+                                     f"{self.opts.max_queued_requests}")
         if self.loop.waiting_requests() + len(prompts) > self.opts.max_queued_requests:
             self.rejected += 1
             raise HTTPException(429, f"more than max_queued_requests={self.opts.max_queued_requests} prompts "

@@ -248,6 +248,8 @@ def test_queue_bound_429_with_retry_after(chat_dir):
         with pytest.raises(ServerError, match="429"):
             client.generate([1, 2, 3], SamplingParams(max_new_tokens=2))
         assert _metric(s.url, "requests_rejected_total") == 2
+        r = httpx.post(s.url + "/v1/completions", json={**body, "prompt": [[5, 6]] * 4})   # can never fit
+        assert r.status_code == 400 and "max_queued_requests" in r.text
         client.resume()
         assert all(f.result().status_code == 200 for f in held)
         assert httpx.post(s.url + "/v1/completions", json=body).status_code == 200
