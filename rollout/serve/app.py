@@ -197,6 +197,8 @@ class Server:
     async def completions(self, body: CompletionRequest, request: Request):
         if body.logprobs is not None and body.logprobs < 0:
             raise HTTPException(400, f"logprobs must be null or an integer >= 0, got {body.logprobs}")
+        if body.echo:
+            raise HTTPException(400, "echo=true (the prompt's logprobs) is not supported")
         return await self._openai(request, body, self._tokenize(body.prompt), body.max_tokens, body.logprobs or 0,
                                   "cmpl")
 

@@ -70,6 +70,7 @@ class CompletionRequest(_Sampling):
     prompt: Union[list[int], list[list[int]], str, list[str]]
     max_tokens: Optional[int] = 16       # OpenAI's default for completions
     logprobs: Optional[int] = None       # 0: the sampled token's only; k: plus the top k
+    echo: bool = False                   # True needs prompt logprobs: refused
 
 
 class ChatRequest(_Sampling):

@@ -189,6 +189,7 @@ BAD = [  # (body, path, what the message must name)
     ({"prompt": "x", "stop_token_ids": [999999]}, "/v1/completions", "stop_token_ids"),
     ({"prompt": list(range(3, 300))}, "/v1/completions", "max_model_len"),
     ({"prompt": "x", "presence_penalty": 0.5}, "/v1/completions", "presence_penalty"),
+    ({"prompt": "x", "echo": True}, "/v1/completions", "echo"),
     ({"prompt": "x"}, "/v1/chat/completions", "messages"),
     ({"input_ids": [1, 2], "sampling_params": {"max_tokens": 5}}, "/generate", "max_tokens"),
     ({"input_ids": [1, 2], "sampling_params": {"top_k": -3}}, "/generate", "top_k"),
