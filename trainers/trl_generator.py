@@ -314,8 +314,8 @@ class TRLGenerationAdapter:
         self._last_sync_ms = (time.perf_counter() - t0) * 1e3
 
     def _same_as_live(self, items) -> bool:
-        if getattr(self.worker.weights, "pending", None) is not None:
-            return False
+        if getattr(self.worker, "remote", False) or getattr(self.worker.weights, "pending", None) is not None:
+            return False          # a remote worker's tensors are not here to compare: push
         targets = self._mapper.targets
         names = {n for n, _ in items}
         if names != set(targets):

@@ -1,0 +1,197 @@
+"""The HTTP server against the engine in-process, and a weight update through the server.
+
+    # P3: 64 prompts x n=8, P=256, G=4096 on Qwen2.5-1.5B random weights; in-process, and as 64 concurrent
+    # streaming /v1/completions requests (token ids in, return_token_ids, logprobs=0) to a server process
+    python -m rollout.bench.serve throughput --shape qwen2.5-1.5b --out bench/results/<name>.json
+    # the Llama-3-8B shape: a trainer process on the same GPU sends new weights by CUDA IPC while
+    # the server decodes; staging time and the decode stall (the worker's weights/barrier_ms)
+    python -m rollout.bench.serve ipc --shape llama3-8b --out ...
+    # CPU smoke: throughput --shape tiny --device cpu --dtype float32 --prompts 4 --n 2 --prompt-len 16 --gen-len 16
+
+The server runs in a child process (the HTTP client here does not share its GIL) over the same seeded
+random weights, before the in-process run. tok/s = generated tokens / wall of the whole workload (HTTP:
+first request sent to last answer); time to first token per HTTP request (p50 / p99). Target: HTTP >= 90%
+of in-process.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import statistics
+import time
+
+import torch
+
+from .__main__ import run_meta, write_json
+from .fleet import _prompts, random_engine
+from .shapes import SHAPES, make_config
+
+
+def _pct(xs: list[float], q: float) -> float:
+    return statistics.quantiles(xs, n=100)[int(q) - 1] if len(xs) > 1 else (xs[0] if xs else float("nan"))
+
+
+def _engine_kwargs(args, seqs: int) -> dict:
+    return dict(max_model_len=args.prompt_len + args.gen_len + 8, max_num_seqs=seqs, kv_cache_memory=args.kv_bytes,
+                max_num_batched_tokens=args.max_batched_tokens, reserve_memory="weights" if args.mode == "ipc" else 0)
+
+
+def _serve_child(args, kw: dict, port: int) -> None:
+    from ..serve import ServeOptions, serve
+    from ..worker import RolloutWorker
+    engine = random_engine(args.shape, 0, args.device, args.dtype, kw)
+    serve(RolloutWorker(engine), ServeOptions(served_model_name="bench", stream_interval=args.stream_interval,
+                                              max_queued_requests=1 << 20), port=port, log_level="warning")
+
+
+def _start_server(args, kw: dict):
+    import httpx
+
+    from ..client import RolloutClient
+    port = _port()
+    proc = mp.get_context("spawn").Process(target=_serve_child, args=(args, kw, port), daemon=True)
+    proc.start()
+    url, deadline = f"http://127.0.0.1:{port}", time.time() + 1800     # an 8B draw and graph capture take a while
+    while not RolloutClient(url).health():
+        if not proc.is_alive() or time.time() > deadline:
+            raise RuntimeError("the benchmark server did not come up")
+        time.sleep(0.5)
+    httpx.post(url + "/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 8}, timeout=600)   # warm-up
+    return proc, url
+
+
+def _port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def _stream_all(url: str, prompts, body: dict) -> dict:
+    """Every prompt as one concurrent streaming request; tokens, versions and time to first token."""
+    import httpx
+    t0 = time.perf_counter()
+    ttft, tokens, versions = [], [0], []
+
+    async def one(c, prompt):
+        start, first = time.perf_counter(), None
+        async with c.stream("POST", "/v1/completions", json={**body, "prompt": prompt, "stream": True}) as r:
+            async for line in r.aiter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                for ch in json.loads(line[6:])["choices"]:
+                    if ch["token_ids"] and first is None:
+                        first = time.perf_counter() - start
+                    tokens[0] += len(ch["token_ids"])
+                    versions.extend(ch["policy_versions"])
+        ttft.append(first)
+    limits = httpx.Limits(max_connections=len(prompts) + 8)
+    async with httpx.AsyncClient(base_url=url, timeout=None, limits=limits) as c:
+        await asyncio.gather(*(one(c, p) for p in prompts))
+    wall = time.perf_counter() - t0
+    return dict(wall_s=wall, tokens=tokens[0], tok_s=tokens[0] / wall, ttft_p50_ms=_pct(ttft, 50) * 1e3,
+                ttft_p99_ms=_pct(ttft, 99) * 1e3, versions=versions)
+
+
+def throughput(args) -> dict:
+    from ..request import SamplingParams
+    from ..worker import RolloutWorker
+    cfg = make_config(args.shape)
+    P, G, n = args.prompt_len, args.gen_len, args.n
+    kw = _engine_kwargs(args, args.prompts * n)
+    prompts = _prompts(args.prompts, P, cfg.vocab_size, seed=0)
+    proc, url = _start_server(args, kw)   # first: its GPU memory is surely free once the process is gone
+    try:
+        body = {"n": n, "max_tokens": G, "temperature": 1.0, "ignore_eos": True, "logprobs": 0,
+                "return_token_ids": True}
+        http = asyncio.run(_stream_all(url, prompts, body))
+    finally:
+        proc.terminate()
+        proc.join(120)
+    worker = RolloutWorker(random_engine(args.shape, 0, args.device, args.dtype, kw))
+    worker.generate(prompts[:2], SamplingParams(max_new_tokens=8, ignore_eos=True))      # warm-up
+    t0 = time.perf_counter()
+    outs = worker.generate(prompts, SamplingParams(n=n, max_new_tokens=G, temperature=1.0, ignore_eos=True))
+    wall = time.perf_counter() - t0
+    tokens = sum(len(c.token_ids) for o in outs for c in o.completions)
+    inproc = dict(wall_s=wall, tokens=tokens, tok_s=tokens / wall)
+    http.pop("versions")
+    ratio = http["tok_s"] / inproc["tok_s"]
+    print(f"in-process {inproc['tok_s']:.0f} tok/s, HTTP {http['tok_s']:.0f} tok/s ({ratio:.1%}; target >= 90%); "
+          f"first token over HTTP p50 {http['ttft_p50_ms']:.0f} ms, p99 {http['ttft_p99_ms']:.0f} ms", flush=True)
+    return dict(in_process=inproc, http=http, http_over_in_process=ratio, target=0.9,
+                all_completed=inproc["tokens"] == http["tokens"] == args.prompts * n * G)
+
+
+def ipc(args) -> dict:
+    """Staging time and decode stall of a CUDA-IPC update landing while the server decodes."""
+    from ..client import RolloutClient
+    from .pressure import random_model
+    if args.device != "cuda":
+        raise SystemExit("the ipc mode needs CUDA (CUDA IPC shares device memory between processes)")
+    cfg = make_config(args.shape)
+    P, G = args.prompt_len, args.gen_len
+    proc, url = _start_server(args, _engine_kwargs(args, args.prompts))
+    try:
+        new = random_model(cfg, getattr(torch, args.dtype), torch.device("cuda"), seed=1).hf_targets()
+        client, result = RolloutClient(url), {}
+
+        async def decode_and_update():
+            body = {"max_tokens": G, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+            task = asyncio.ensure_future(_stream_all(url, _prompts(args.prompts, P, cfg.vocab_size, 0), body))
+            await asyncio.sleep(args.update_after_s)
+            t0 = time.perf_counter()
+            result["response"] = await asyncio.to_thread(client.update_weights_from_ipc, new.items(), 1)
+            result["update_wall_ms"] = (time.perf_counter() - t0) * 1e3
+            return await task
+        decode = asyncio.run(decode_and_update())
+        m = client.metrics()
+    finally:
+        proc.terminate()
+        proc.join(120)
+    versions = decode.pop("versions")
+    result.update(staging_ms=m["rollout_weight_staging_ms_total"], barrier_ms=m["rollout_weight_barrier_ms_total"],
+                  tokens_after_update=sum(v == 1 for v in versions), decode=decode,
+                  all_completed=decode["tokens"] == args.prompts * G and m["rollout_policy_version"] == 1)
+    print(f"IPC update: {result['update_wall_ms']:.0f} ms end to end, staging {result['staging_ms']:.1f} ms, "
+          f"decode stall (barrier) {result['barrier_ms']:.2f} ms; {result['tokens_after_update']} tokens on v1",
+          flush=True)
+    return result
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("mode", choices=("throughput", "ipc"))
+    ap.add_argument("--shape", default=None, choices=sorted(SHAPES), help="qwen2.5-1.5b / llama3-8b by mode")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--prompts", type=int, default=None, help="throughput: 64 prompts; ipc: 32 sequences")
+    ap.add_argument("--n", type=int, default=8)
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--gen-len", type=int, default=None, help="4096 (throughput) / 1024 (ipc)")
+    ap.add_argument("--stream-interval", type=int, default=16, help="tokens per stream chunk (ServeOptions)")
+    ap.add_argument("--update-after-s", type=float, default=10.0)
+    ap.add_argument("--kv-bytes", type=int, default=None)
+    ap.add_argument("--max-batched-tokens", type=int, default=4096)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    tput = args.mode == "throughput"
+    args.shape = args.shape or ("qwen2.5-1.5b" if tput else "llama3-8b")
+    args.prompts = args.prompts or (64 if tput else 32)
+    args.gen_len = args.gen_len or (4096 if tput else 1024)
+    if not tput:                          # sized: the trainer's copy of the weights shares the GPU
+        args.kv_bytes = args.kv_bytes or 16 << 30
+    result = throughput(args) if tput else ipc(args)
+    import importlib.util             # uvicorn takes uvloop / httptools where installed (uvicorn[standard])
+    fast = {m: importlib.util.find_spec(m) is not None for m in ("uvloop", "httptools")}
+    result.update(mode=args.mode, shape=args.shape, dtype=args.dtype, prompts=args.prompts, n=args.n if tput else 1,
+                  prompt_len=args.prompt_len, gen_len=args.gen_len, stream_interval=args.stream_interval,
+                  server_libs=fast, meta=run_meta("rollout.bench.serve", argv))
+    write_json(result, args.out)
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,280 @@
+"""Request schemas (pydantic) and conversions: OpenAI / vLLM field names -> SamplingParams, and
+RequestOutputs -> OpenAI completion and chat shapes, whole or as stream chunks.
+
+Unknown fields are refused (400 naming them) rather than ignored: a silently dropped sampling
+option changes an RL algorithm without a trace.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict
+
+from ..request import RequestOutput, SamplingParams
+
+_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _Sampling(_Strict):
+    """The sampling fields under vLLM's names, plus our RL policies under SamplingParams' names."""
+    model: Optional[str] = None
+    n: int = 1
+    max_tokens: Optional[int] = None
+    temperature: Optional[float] = None  # None (as vLLM takes it): our default, 1.0
+    top_p: Optional[float] = None        # 1.0
+    top_k: Optional[int] = None          # 0, -1 or None: off
+    min_p: Optional[float] = None        # 0.0
+    repetition_penalty: Optional[float] = None   # 1.0
+    seed: Optional[int] = None
+    stop: Union[str, list[str], None] = None
+    stop_token_ids: Optional[list[int]] = None
+    ignore_eos: bool = False
+    stale_kv: str = "keep"
+    max_staleness: Optional[int] = None
+    on_stale: str = "finish"
+    presence_penalty: float = 0.0        # OpenAI's; only 0 (the engine has repetition_penalty)
+    frequency_penalty: float = 0.0
+    skip_special_tokens: bool = True
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    request_id: Optional[str] = None
+    return_token_ids: bool = False
+    return_tokens_as_token_ids: bool = False
+    user: Optional[str] = None
+
+    def to_params(self, prompt_len: int, max_model_len: int, max_tokens: Optional[int],
+                  top_logprobs: int) -> SamplingParams:
+        if self.presence_penalty or self.frequency_penalty:
+            raise ValueError("presence_penalty / frequency_penalty are not supported; use repetition_penalty")
+        given = {k: v for k in ("temperature", "top_p", "min_p", "repetition_penalty", "seed", "ignore_eos",
+                                "stale_kv", "max_staleness", "on_stale") if (v := getattr(self, k)) is not None}
+        return SamplingParams(
+            n=self.n, max_new_tokens=max_tokens if max_tokens is not None else max(1, max_model_len - prompt_len),
+            top_k=0 if self.top_k in (None, -1) else self.top_k, top_logprobs=top_logprobs,
+            stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
+            stop_token_ids=list(self.stop_token_ids or []), **given)
+
+
+class CompletionRequest(_Sampling):
+    prompt: Union[list[int], list[list[int]], str, list[str]]
+    max_tokens: Optional[int] = 16       # OpenAI's default for completions
+    logprobs: Optional[int] = None       # 0: the sampled token's only; k: plus the top k
+    echo: bool = False                   # True needs prompt logprobs: refused
+
+
+class ChatRequest(_Sampling):
+    messages: list[dict[str, Any]]
+    max_completion_tokens: Optional[int] = None
+    logprobs: bool = False
+    top_logprobs: Optional[int] = None
+    tools: Optional[list[dict[str, Any]]] = None
+    tool_choice: Optional[Union[Literal["none", "auto"], dict]] = None   # rendered only; no tool-call parsing
+    chat_template: Optional[str] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+
+class GenerateRequest(_Strict):
+    """Native token-in / token-out: one prompt or a batch; SamplingParams fields by name (one dict
+    for all prompts, or one per prompt)."""
+    input_ids: Union[list[int], list[list[int]]]
+    sampling_params: Union[dict[str, Any], list[dict[str, Any]]] = {}
+    request_id: Optional[str] = None
+
+
+class DiskUpdate(_Strict):
+    path: str
+    version: int
+
+
+class IPCUpdate(_Strict):
+    handles: str                          # base64 of torch's ForkingPickler dump of [(name, cuda tensor)]
+    version: int
+
+
+class GroupInit(_Strict):
+    master_address: str
+    master_port: int
+    world_size: int = 2
+    rank_offset: int = 1
+    backend: Optional[str] = None         # None: nccl on a CUDA engine, else gloo
+    timeout_s: float = 600.0
+
+
+class GroupUpdate(_Strict):
+    version: int
+    bucket_bytes: int = 256 << 20
+
+
+class AbortRequest(_Strict):
+    request_ids: list[str] = []
+    request_id: Optional[str] = None
+
+
+def native_params(fields: dict[str, Any]) -> SamplingParams:
+    unknown = sorted(set(fields) - _FIELDS)
+    if unknown:
+        raise ValueError(f"unknown sampling_params field(s) {unknown}; SamplingParams has {sorted(_FIELDS)}")
+    return SamplingParams(**fields)
+
+
+def batch_of_ids(prompt) -> Optional[list[list[int]]]:
+    """A token-id prompt (one or a batch) as a batch, or None for text."""
+    if isinstance(prompt, list) and prompt and all(isinstance(p, list) for p in prompt):
+        return prompt
+    if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+        return [prompt]
+    return None
+
+
+def _finite(x: float) -> float:
+    return x if math.isfinite(x) else -9999.0     # JSON has no -inf (vLLM clamps the same way)
+
+
+def native_completion(c) -> dict:     # every Completion field (JSON object keys are strings)
+    return {**vars(c), "top_logprobs": None if c.top_logprobs is None else [{str(k): v for k, v in d.items()}
+                                                                            for d in c.top_logprobs]}
+
+
+class Formatter:
+    """Engine outputs of one request -> OpenAI completion or chat shapes (whole, or chunks)."""
+
+    def __init__(self, req: Union[CompletionRequest, ChatRequest], rid: str, model: str, tokenizer,
+                 prompts: list[list[int]], logprobs_mode: str):
+        self.chat = isinstance(req, ChatRequest)
+        self.req, self.rid, self.model, self.tok, self.prompts = req, rid, model, tokenizer, prompts
+        self.want_logprobs = req.logprobs if self.chat else req.logprobs is not None
+        self.field = "processed_logprobs" if logprobs_mode == "processed" else "logprobs"
+        self.as_ids = req.return_tokens_as_token_ids or tokenizer is None
+        self.created = int(time.time())
+        self.object = "chat.completion" if self.chat else "text_completion"
+        self._names: dict[int, str] = {}
+        total = len(prompts) * req.n
+        self._ids: list[list[int]] = [[] for _ in range(total)]   # streaming: tokens sent per choice
+        self._upto = [0] * total          # tokens whose text was sent
+        self._text = [""] * total
+        self._offset = [0] * total
+
+    # ---- pieces ------------------------------------------------------------------------------
+    def _name(self, t: int) -> str:
+        if self.as_ids:
+            return f"token_id:{t}"
+        s = self._names.get(t)
+        if s is None:
+            s = self._names[t] = self.tok.decode([t], skip_special_tokens=False)
+        return s
+
+    def _logprobs(self, j: int, ids, lps, tops) -> Optional[dict]:
+        if not self.want_logprobs:
+            return None
+        names = [self._name(t) for t in ids]
+        tops = tops or [None] * len(ids)
+        if self.chat:
+            def entry(s, lp):
+                return {"token": s, "logprob": _finite(lp), "bytes": list(s.encode())}
+            return {"content": [{**entry(s, lp), "top_logprobs": [entry(self._name(k), v)
+                                                                  for k, v in (top or {}).items()]}
+                                for s, lp, top in zip(names, lps, tops)]}
+        offsets = []
+        for s in names:
+            offsets.append(self._offset[j])
+            self._offset[j] += len(s)
+        top_dicts = [{**{self._name(k): _finite(v) for k, v in (top or {}).items()}, s: _finite(lp)}
+                     for s, lp, top in zip(names, lps, tops)]
+        return {"tokens": names, "token_logprobs": [_finite(x) for x in lps], "top_logprobs": top_dicts,
+                "text_offset": offsets}
+
+    def _choice(self, j: int, text: str, ids, lps, tops, finish, stop_reason, versions, prompt_ids=None) -> dict:
+        ch: dict[str, Any] = {"index": j, "logprobs": self._logprobs(j, ids, lps, tops), "finish_reason": finish}
+        if finish is not None:
+            ch["stop_reason"] = stop_reason
+        if self.req.stream:
+            ch["delta" if self.chat else "text"] = {"content": text} if self.chat else text
+        else:
+            ch["message" if self.chat else "text"] = {"role": "assistant", "content": text} if self.chat else text
+        if self.req.return_token_ids:
+            ch["token_ids"], ch["policy_versions"] = list(ids), list(versions)
+            if prompt_ids is not None and not self.chat:
+                ch["prompt_token_ids"] = prompt_ids
+        return ch
+
+    def _envelope(self, choices: list, usage: Optional[dict] = None, prompt: bool = False) -> dict:
+        obj = self.object + (".chunk" if self.chat and self.req.stream else "")
+        body = {"id": self.rid, "object": obj, "created": self.created, "model": self.model, "choices": choices}
+        if usage is not None:
+            body["usage"] = usage
+        if prompt and self.chat and self.req.return_token_ids:    # vLLM puts a chat's prompt ids here
+            body["prompt_token_ids"] = self.prompts[0]
+        return body
+
+    def usage(self, completion_tokens: int) -> dict:
+        p = sum(len(x) for x in self.prompts)
+        return {"prompt_tokens": p, "completion_tokens": completion_tokens, "total_tokens": p + completion_tokens}
+
+    # ---- whole responses -----------------------------------------------------------------------
+    def response(self, outs: list[RequestOutput]) -> dict:
+        choices, ntok = [], 0
+        for p, out in enumerate(outs):         # prompt-major: the n choices of prompt 0, then prompt 1
+            for i, c in enumerate(out.completions):
+                j = p * self.req.n + i
+                choices.append(self._choice(j, c.text or "", c.token_ids, getattr(c, self.field), c.top_logprobs,
+                                            c.finish_reason, c.stop_reason, c.policy_versions, out.prompt_token_ids))
+                ntok += len(c.token_ids)
+        return self._envelope(choices, self.usage(ntok), prompt=True)
+
+    # ---- stream chunks -------------------------------------------------------------------------
+    def first_chunks(self) -> list[dict]:
+        if not self.chat:
+            return []
+        return [self._envelope([{"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                 "finish_reason": None}], prompt=True) for j in range(len(self._ids))]
+
+    def _text_delta(self, j: int, new_ids: list[int]) -> str:
+        ids = self._ids[j]
+        ids.extend(new_ids)
+        if self.tok is None:
+            return ""
+        skip, upto = self.req.skip_special_tokens, self._upto[j]
+        ctx = max(0, upto - 4)            # decode a short window: byte-level merges need a little context
+        before = self.tok.decode(ids[ctx:upto], skip_special_tokens=skip)
+        now = self.tok.decode(ids[ctx:], skip_special_tokens=skip)
+        if now.endswith("\ufffd"):        # a multi-byte character not complete yet
+            return ""
+        self._upto[j] = len(ids)
+        self._text[j] += now[len(before):]
+        return now[len(before):]
+
+    def delta_chunk(self, p: int, i: int, d) -> dict:
+        j = p * self.req.n + i
+        first = not self._ids[j]
+        text = self._text_delta(j, d.token_ids)
+        return self._envelope([self._choice(j, text, d.token_ids, getattr(d, self.field), d.top_logprobs, None, None,
+                                            d.policy_versions, self.prompts[p] if first else None)])
+
+    def final_chunks(self, p: int, out: RequestOutput) -> tuple[list[dict], int]:
+        chunks, ntok = [], 0
+        for i, c in enumerate(out.completions):
+            j = p * self.req.n + i
+            k = len(self._ids[j])
+            tail, sent_text = c.token_ids[k:], len(self._text[j])
+            text = self._text_delta(j, tail)
+            if c.text is not None:        # the engine's final text (stop strings cut)
+                text = c.text[sent_text:]
+            top = c.top_logprobs[k:] if c.top_logprobs is not None else None
+            chunks.append(self._envelope([self._choice(j, text, tail, getattr(c, self.field)[k:], top,
+                                                       c.finish_reason, c.stop_reason, c.policy_versions[k:],
+                                                       out.prompt_token_ids if k == 0 else None)]))
+            ntok += len(c.token_ids)
+        return chunks, ntok

@@ -1,0 +1,17 @@
+"""rollout.bench.serve on CPU with the tiny shape (the H200 runs the P3 shape): both runs complete,
+the server child process starts and stops, and the JSON carries what the GPU run reports."""
+import json
+
+from rollout.bench import serve as bench
+
+
+def test_throughput_smoke_tiny(tmp_path):
+    out = tmp_path / "serve.json"
+    r = bench.main(["throughput", "--shape", "tiny", "--device", "cpu", "--dtype", "float32", "--prompts", "4",
+                    "--n", "2", "--prompt-len", "16", "--gen-len", "16", "--kv-bytes", "4000000", "--out", str(out)])
+    assert r["all_completed"] and r["in_process"]["tokens"] == r["http"]["tokens"] == 4 * 2 * 16
+    assert r["http_over_in_process"] == r["http"]["tok_s"] / r["in_process"]["tok_s"]
+    assert 0 < r["http"]["ttft_p50_ms"] <= r["http"]["ttft_p99_ms"] and r["in_process"]["tok_s"] > 0
+    saved = json.loads(out.read_text())
+    assert saved["meta"]["command"].startswith("python -m rollout.bench.serve throughput")
+    assert {"git_commit", "date", "device"} <= set(saved["meta"]) and saved["stream_interval"] == 16

@@ -1,0 +1,266 @@
+"""Native /generate, concurrency, pause / resume / abort, client disconnects, and the server's
+guards (400 naming the field, 401, 413, 429 + Retry-After), each followed by a request that still works."""
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+from serve_utils import ENGINE, MODEL, kv_pages_used, make_worker, serving, wait_for
+
+from rollout import RolloutEngine, SamplingParams
+from rollout.client import RolloutClient, ServerError
+
+
+def _metric(url, name) -> float:
+    return RolloutClient(url).metrics()[f"rollout_{name}"]
+
+
+def _idle(server) -> bool:
+    return kv_pages_used(server.url) == 0 and _metric(server.url, "requests_running") == 0
+
+
+def _wait_decoding(url: str) -> None:
+    """Until a request holds pages and has sampled a token (then it has ~240 steps left to run)."""
+    gen0 = _metric(url, "generation_tokens_total")
+    wait_for(lambda: kv_pages_used(url) > 0 and _metric(url, "generation_tokens_total") > gen0,
+             what="the request to decode")
+
+
+def test_native_generate_contract_and_shared_prefill(server, chat_dir, tiny_tokenizer):
+    prompts = [tiny_tokenizer("the tired friend").input_ids, tiny_tokenizer("every blue cloud").input_ids]
+    params = SamplingParams(n=3, max_new_tokens=7, temperature=1.0, top_k=20, seed=5, top_logprobs=3)
+    client = RolloutClient(server.url)
+    prefill0 = client.metrics()["rollout_prefill_tokens_total"]
+    outs = client.generate(prompts, params)
+    # one engine request with n=3 per prompt: each prompt is prefilled once, its KV shared by the samples
+    assert client.metrics()["rollout_prefill_tokens_total"] - prefill0 == sum(len(p) for p in prompts)
+    ref = RolloutEngine.from_pretrained(chat_dir, **ENGINE).generate(prompts, params, use_tqdm=False)
+    for o, r in zip(outs, ref):
+        assert o.prompt_token_ids == r.prompt_token_ids and len(o.completions) == 3
+        for c, w in zip(o.completions, r.completions):
+            assert (c.token_ids, c.logprobs, c.processed_logprobs, c.kept_mass, c.finish_reason, c.stop_reason) == \
+                (w.token_ids, w.logprobs, w.processed_logprobs, w.kept_mass, w.finish_reason, w.stop_reason)
+            assert c.policy_versions == [0] * len(c.token_ids) and c.top_logprobs == w.top_logprobs
+            assert all(len(t) == 3 and all(isinstance(k, int) for k in t) for t in c.top_logprobs)
+    # one SamplingParams dict per prompt
+    per = client.generate(prompts, [SamplingParams(max_new_tokens=3), SamplingParams(max_new_tokens=5)])
+    assert [len(o.completions[0].token_ids) for o in per] == [3, 5]
+
+
+def test_concurrent_seeded_requests_equal_sequential(server, tiny_tokenizer):
+    words = ["the sun", "a cold moon", "my game", "the clever star", "your old song", "this dark rain"]
+    bodies = [{"model": MODEL, "prompt": tiny_tokenizer(f"{words[i % 6]} {i}").input_ids, "max_tokens": 6 + i % 5,
+               "temperature": 1.0, "seed": 100 + i, "n": 1 + i % 2, "logprobs": 0, "return_token_ids": True}
+              for i in range(36)]
+
+    async def all_at_once():
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as c:
+            return await asyncio.gather(*(c.post("/v1/completions", json=b) for b in bodies))
+    together = [r.json() for r in asyncio.run(all_at_once())]
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        alone = [c.post("/v1/completions", json=b).json() for b in bodies]
+    for a, b in zip(together, alone):
+        for ca, cb in zip(a["choices"], b["choices"]):
+            assert ca["token_ids"] == cb["token_ids"]
+            # a row's fp32 GEMM results may depend on its batch-mates (CPU kernels block by batch size):
+            # the engine-vs-HF tolerance, 1e-5, bounds that
+            assert max(abs(x - y) for x, y in zip(ca["logprobs"]["token_logprobs"],
+                                                  cb["logprobs"]["token_logprobs"])) <= 1e-5
+    assert _idle(server)
+
+
+def _stream_tokens(http, body, on_chunk=None):
+    """Token ids per choice of a streamed completion; on_chunk(count) runs after each chunk."""
+    ids, count = {}, 0
+    with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            for ch in json.loads(line[6:])["choices"]:
+                ids.setdefault(ch["index"], []).extend(ch["token_ids"])
+            count += 1
+            if on_chunk is not None:
+                on_chunk(count)
+    return [ids[k] for k in sorted(ids)]
+
+
+def test_pause_keep_resume_gives_the_unpaused_output(server, http, tiny_tokenizer):
+    body = {"model": MODEL, "prompt": tiny_tokenizer("the happy bird").input_ids, "max_tokens": 40, "n": 2,
+            "temperature": 1.0, "seed": 21, "ignore_eos": True, "return_token_ids": True}
+    client = RolloutClient(server.url)
+    state = {}
+
+    def pause_once(count):
+        if count == 3:
+            assert client.pause("keep") == {"paused": True, "mode": "keep"}
+            state["tokens"] = client.metrics()["rollout_generation_tokens_total"]
+            time.sleep(0.3)
+            state["still"] = client.metrics()["rollout_generation_tokens_total"] == state["tokens"]
+            assert kv_pages_used(server.url) > 0      # kept: its pages stay for the resume
+            client.resume()
+    paused = _stream_tokens(http, body, pause_once)
+    assert state["still"], "tokens were generated while paused"
+    assert paused == _stream_tokens(http, body) and [len(x) for x in paused] == [40, 40]
+    assert _idle(server)
+
+
+def _post_in_thread(url, body, path="/v1/completions"):
+    pool = ThreadPoolExecutor(1)
+    return pool.submit(lambda: httpx.post(url + path, json=body, timeout=120))
+
+
+def test_pause_abort_and_wait(server, tiny_tokenizer):
+    client = RolloutClient(server.url)
+    long = {"model": MODEL, "prompt": tiny_tokenizer("a slow game").input_ids, "max_tokens": 240, "n": 4,
+            "ignore_eos": True, "return_token_ids": True}
+    fut = _post_in_thread(server.url, long)
+    _wait_decoding(server.url)
+    client.pause("abort")                      # finished now, with what it has
+    ch = fut.result().json()["choices"][0]
+    assert ch["finish_reason"] == "abort" and 0 < len(ch["token_ids"]) < 240
+    assert kv_pages_used(server.url) == 0
+    queued = _post_in_thread(server.url, {**long, "max_tokens": 5})
+    time.sleep(0.3)
+    assert not queued.done()                   # accepted while paused, not stepped
+    client.resume()
+    assert queued.result().json()["choices"][0]["finish_reason"] == "length"
+    # wait: the running request finishes whole before the pause takes
+    fut = _post_in_thread(server.url, {**long, "max_tokens": 60, "n": 1})
+    _wait_decoding(server.url)
+    assert client.pause("wait")["paused"] is True
+    ch = fut.result(timeout=10).json()["choices"][0]
+    assert ch["finish_reason"] == "length" and len(ch["token_ids"]) == 60
+    client.resume()
+
+
+def test_abort_by_request_id(server, tiny_tokenizer):
+    body = {"model": MODEL, "prompt": tiny_tokenizer("my quiet song").input_ids, "max_tokens": 240,
+            "ignore_eos": True, "request_id": "mine-1", "n": 4}
+    fut = _post_in_thread(server.url, body)
+    _wait_decoding(server.url)
+    client = RolloutClient(server.url)
+    assert client.abort(["mine-1", "unknown"]) == ["mine-1"]
+    r = fut.result().json()
+    assert r["id"] == "mine-1" and [c["finish_reason"] for c in r["choices"]] == ["abort"] * 4
+    assert _idle(server)
+
+
+def test_disconnects_free_pages(server, http, tiny_tokenizer):
+    gen0 = server.engine.metrics["generated_tokens"]
+    body = {"model": MODEL, "prompt": tiny_tokenizer("the red friend").input_ids, "max_tokens": 240, "n": 8,
+            "ignore_eos": True, "stream": True}
+    with http.stream("POST", "/v1/completions", json=body) as r:     # mid-stream: leave after two chunks
+        chunks = 0
+        for line in r.iter_lines():
+            chunks += line.startswith("data: ")
+            if chunks == 2:
+                break
+    wait_for(lambda: _idle(server), what="the aborted stream's pages")
+    assert server.engine.metrics["generated_tokens"] - gen0 < 8 * 240 and not server.engine.requests
+    # non-streaming: a raw connection closed while its request holds pages (paused: it cannot finish first)
+    payload = json.dumps({**body, "stream": False}).encode()
+    host, port = server.url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)))
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (len(payload), payload))
+    wait_for(lambda: kv_pages_used(server.url) > 0, what="the request to run")
+    client = RolloutClient(server.url)
+    client.pause("keep")
+    sock.close()
+    wait_for(lambda: kv_pages_used(server.url) == 0, what="the disconnected request's pages")
+    client.resume()
+    assert _idle(server) and not server.engine.requests
+
+
+BAD = [  # (body, path, what the message must name)
+    ({"prompt": "x", "temperature": -1}, "/v1/completions", "temperature"),
+    ({"prompt": "x", "bogus": 1}, "/v1/completions", "bogus"),
+    ({"prompt": [[1, 99999]]}, "/v1/completions", "vocabulary"),
+    ({"prompt": []}, "/v1/completions", "empty"),
+    ({"prompt": "x", "max_tokens": "many"}, "/v1/completions", "max_tokens"),
+    ({"prompt": "x", "n": 0}, "/v1/completions", "n must"),
+    ({"prompt": "x", "logprobs": -1}, "/v1/completions", "logprobs"),
+    ({"prompt": "x", "stop_token_ids": [999999]}, "/v1/completions", "stop_token_ids"),
+    ({"prompt": list(range(3, 300))}, "/v1/completions", "max_model_len"),
+    ({"prompt": "x", "presence_penalty": 0.5}, "/v1/completions", "presence_penalty"),
+    ({"prompt": "x", "echo": True}, "/v1/completions", "echo"),
+    ({"prompt": "x"}, "/v1/chat/completions", "messages"),
+    ({"input_ids": [1, 2], "sampling_params": {"max_tokens": 5}}, "/generate", "max_tokens"),
+    ({"input_ids": [1, 2], "sampling_params": {"top_k": -3}}, "/generate", "top_k"),
+]
+
+
+def test_bad_input_is_400_naming_the_field_then_still_serving(server, http):
+    for body, path, what in BAD:
+        r = http.post(path, json=body)
+        assert r.status_code == 400 and what in r.json()["error"]["message"], (body, r.text)
+    for raw in (b"{not json", b'{"prompt": "x", "top_p": NaN}'):
+        r = http.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
+        assert r.status_code == 400 and ("JSON" in r.text or "top_p" in r.text), r.text
+    assert http.post("/v1/completions", json={"prompt": "x", "model": "other"}).status_code == 404
+    assert http.post("/v1/completions", json={"prompt": "the", "max_tokens": 3}).status_code == 200
+    assert _idle(server) and not server.engine.requests
+
+
+def test_api_and_admin_keys(chat_dir):
+    with serving(make_worker(chat_dir), api_key="user-key", admin_key="admin-key") as s:
+        user, admin = {"Authorization": "Bearer user-key"}, {"Authorization": "Bearer admin-key"}
+        assert httpx.get(s.url + "/health").status_code == 200       # open: load balancers probe it
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "user-key"}):
+            assert httpx.get(s.url + "/v1/models", headers=headers).status_code == 401
+            assert httpx.post(s.url + "/v1/completions", json={"prompt": "x"}, headers=headers).status_code == 401
+        assert httpx.get(s.url + "/metrics", headers=user).status_code == 200
+        assert httpx.post(s.url + "/pause", headers=user).status_code == 401          # control needs the admin key
+        assert httpx.post(s.url + "/pause", headers=admin).json()["paused"] is True
+        assert httpx.post(s.url + "/resume", headers=admin).status_code == 200
+        assert RolloutClient(s.url, api_key="user-key").completions("the", max_tokens=2)["choices"]
+        import openai
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=s.url + "/v1", api_key="wrong").completions.create(model=MODEL, prompt="x")
+
+
+def test_body_limit_413(chat_dir):
+    with serving(make_worker(chat_dir), max_body_bytes=10_000) as s:
+        assert httpx.post(s.url + "/v1/completions", json={"prompt": "a" * 20_000}).status_code == 413
+
+        def chunked():                         # no Content-Length: counted as it arrives
+            for _ in range(30):
+                yield b" " * 1000
+        r = httpx.post(s.url + "/v1/completions", content=chunked(), headers={"content-type": "application/json"})
+        assert r.status_code == 413
+        assert httpx.post(s.url + "/v1/completions", json={"prompt": "the", "max_tokens": 2}).status_code == 200
+
+
+def test_queue_bound_429_with_retry_after(chat_dir):
+    with serving(make_worker(chat_dir), max_queued_requests=3) as s:
+        client = RolloutClient(s.url)
+        client.pause("keep")                   # nothing runs: every accepted prompt waits
+        body = {"model": MODEL, "prompt": "the cat", "max_tokens": 4}
+        held = [_post_in_thread(s.url, body) for _ in range(3)]
+        wait_for(lambda: _metric(s.url, "requests_waiting") == 3, what="three waiting requests")
+        r = httpx.post(s.url + "/v1/completions", json=body)
+        assert r.status_code == 429 and r.headers["Retry-After"] == "1" and "max_queued_requests" in r.text
+        with pytest.raises(ServerError, match="429"):
+            client.generate([1, 2, 3], SamplingParams(max_new_tokens=2))
+        assert _metric(s.url, "requests_rejected_total") == 2
+        r = httpx.post(s.url + "/v1/completions", json={**body, "prompt": [[5, 6]] * 4})   # can never fit
+        assert r.status_code == 400 and "max_queued_requests" in r.text
+        client.resume()
+        assert all(f.result().status_code == 200 for f in held)
+        assert httpx.post(s.url + "/v1/completions", json=body).status_code == 200
+
+
+def test_shutdown_answers_requests_in_flight(chat_dir):
+    with serving(make_worker(chat_dir)) as s:
+        fut = _post_in_thread(s.url, {"model": MODEL, "prompt": "the", "max_tokens": 240, "n": 4, "ignore_eos": True})
+        _wait_decoding(s.url)
+        t0 = time.time()
+    assert time.time() - t0 < 10               # no wait for the generation to end
+    assert fut.result().json()["choices"][0]["finish_reason"] == "abort"
+    assert not s.app.state.server.loop.thread.is_alive() and not s.engine.requests
