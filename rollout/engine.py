@@ -17,7 +17,7 @@ from .config import EngineConfig
 from .kernels import resolve_backend
 from .kv_cache import KVCacheManager, PageAllocator
 from .models.loader import build_model, init_random, load_model, parameter_bytes, resolve_dtype
-from .request import MIN_TEMPERATURE, Request, RequestOutput, SamplingParams, _is_int
+from .request import MIN_TEMPERATURE, Completion, Request, RequestOutput, SamplingParams, _is_int
 from .pipeline import DevicePipeline, InFlight
 from .runner import ModelRunner
 from .sampler import SamplerOutput
@@ -266,6 +266,9 @@ class RolloutEngine:
                 not (isinstance(prompt, (list, tuple)) or (_is_array(prompt) and prompt.ndim == 1)):
             raise ValueError(f"prompt {i} must be a string or a list of token ids, got {type(prompt).__name__}")
         ids = prompt.tolist() if _is_array(prompt) else list(prompt)
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt {i} has {len(ids)} tokens; max_model_len={self.max_model_len} "
+                             f"leaves no room to generate")
         bad = [t for t in ids if not _is_int(t) or not (0 <= t < self.vocab_size)]
         if bad:
             raise ValueError(f"prompt {i} has token ids outside the vocabulary [0, {self.vocab_size}) "
@@ -377,16 +380,24 @@ class RolloutEngine:
         return request_id in self.requests or any(o.request_id == request_id for o in self._ready)
 
     @_serialized
-    def progress(self, request_id: int) -> Optional[RequestOutput]:
-        """The request's output so far (tokens whose values are known; none still in flight), or
-        None once it finished and was handed out. For streaming: call between steps."""
+    def progress(self, request_id: int, since: Optional[dict] = None) -> Optional[RequestOutput]:
+        """The request's output so far (tokens whose values are known, none still in flight; one
+        completion until its group forks after the prefill), or None once it finished and was
+        handed out. since: {sample index: tokens already seen}; each completion then holds only the
+        newer ones, so a streaming caller copies each token once. Call between steps."""
         req = self.requests.get(request_id)
         if req is None:
             return None
-        out = req.output(None)
-        for c in out.completions:     # a token sampled by the batch in flight is a placeholder until it lands
-            del c.token_ids[len(c.logprobs):]
-        return out
+        since = since or {}
+        comps = []
+        for s in sorted(req.seqs, key=lambda s: s.sample_index):
+            a, k, p = since.get(s.sample_index, 0), len(s.logprobs), s.num_prompt   # logprobs: tokens landed
+            comps.append(Completion(
+                token_ids=s.token_ids[p + a:p + k], logprobs=s.logprobs[a:k],
+                processed_logprobs=s.processed_logprobs[a:k], kept_mass=s.kept_mass[a:k],
+                finish_reason=s.finish_reason, policy_versions=s.policy_versions[a:k],
+                top_logprobs=s.top_logprobs[a:k] if req.params.top_logprobs else None))
+        return RequestOutput(req.request_id, req.prompt_ids, comps, req.prompt, req.params)
 
     @_serialized
     def abort(self, request_ids: Seq[int], reason: str = "abort") -> list[RequestOutput]:

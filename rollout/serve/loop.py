@@ -169,18 +169,15 @@ class EngineLoop:
 
     def _push_deltas(self) -> None:
         for rid, job in self._streams.items():
-            req = self.engine.requests.get(rid)
-            if req is None:
+            out = self.engine.progress(rid, since=job.sent)
+            if out is None:
                 continue
-            tops = req.params.top_logprobs
-            for s in req.seqs:    # read as it lands: engine.progress() would copy every token each step
-                known, sent = len(s.logprobs), job.sent.get(s.sample_index, 0)
-                if known > sent and (known - sent >= job.stream_interval or sent == 0):
-                    a = s.num_prompt
-                    self._outbox.append((job.queue, ("delta", job.index, s.sample_index, Delta(
-                        s.token_ids[a + sent:a + known], s.logprobs[sent:known], s.processed_logprobs[sent:known],
-                        s.top_logprobs[sent:known] if tops else None, s.policy_versions[sent:known]))))
-                    job.sent[s.sample_index] = known
+            for i, c in enumerate(out.completions):       # in sample order
+                new, sent = len(c.token_ids), job.sent.get(i, 0)
+                if new and (new >= job.stream_interval or sent == 0):
+                    self._outbox.append((job.queue, ("delta", job.index, i, Delta(
+                        c.token_ids, c.logprobs, c.processed_logprobs, c.top_logprobs, c.policy_versions))))
+                    job.sent[i] = sent + new
 
     def _pause(self, mode: str, fut) -> None:
         if mode == "wait" and not self.paused:
