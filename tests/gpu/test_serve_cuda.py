@@ -42,9 +42,10 @@ def _config():
 
 
 def _push_from_trainer_process(url: str) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    out = subprocess.run([sys.executable, "-c", TRAINER, url, str(Path(__file__).parent)], env=env, check=True,
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-c", TRAINER, url, str(Path(__file__).parent)], env=env,
                          capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
