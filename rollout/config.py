@@ -37,7 +37,7 @@ class EngineConfig:
     kv_reserve_fraction: float = 1.0             # admission: share of each request's full-length pages reserved (1 = never preempt)
     preemption_mode: str = "recompute"           # recompute | swap | auto (swap where moving pages beats re-prefilling)
     swap_space_gb: float = 0.0                   # host memory for swapped-out KV pages (swap and auto need > 0)
-    enable_prefix_caching: bool = True           # full KV pages reused across requests with the same prefix (same weights)
+    enable_prefix_caching: bool = True           # full KV pages reused by later requests of that prefix (same weights)
     # execution
     async_pipeline: Optional[bool] = None        # None: on for CUDA; False: the same schedule run synchronously
     attention_backend: str = "auto"              # auto: Triton kernels on CUDA, torch reference on CPU | torch | triton

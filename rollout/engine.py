@@ -121,14 +121,14 @@ class RolloutEngine:
         """Counters plus the pipeline's: graph / eager steps and compute-stream busy time."""
         p = self.pipeline
         graph_s = p.graphs.capture_s if p.graphs is not None else 0.0
-        sch = self.scheduler
+        sch, kv = self.scheduler, self.kv.alloc
         return {**self.metrics, **p.counts, "gpu_busy_ms": p.busy_ms, "graph_capture_s": graph_s,
                 "preemptions": sch.num_preemptions, "swap_outs": sch.num_swap_outs,
                 "swapped_pages": sch.num_swapped_pages, "recomputed_tokens": sch.num_recomputed_tokens,
                 # prefix cache: hit rate = hit tokens / queried tokens (prompts admitted from scratch)
                 "prefix_cache_queries": sch.prefix_cache_queries, "prefix_cache_hit_tokens": sch.prefix_cache_hits,
-                "prefix_cache_pages": self.kv.alloc.num_cached, "prefix_cache_evictable_pages": self.kv.alloc.num_evictable,
-                "prefix_cache_evictions": self.kv.alloc.num_evictions}
+                "prefix_cache_pages": kv.num_cached, "prefix_cache_evictable_pages": kv.num_evictable,
+                "prefix_cache_evictions": kv.num_evictions}
 
     def _pack_decode_weights(self, attention_backend: str, batch_invariant: bool, max_num_seqs: int) -> None:
         """pack_decode_weights=True: the decode GEMMs read copies of their weights packed one

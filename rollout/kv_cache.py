@@ -36,7 +36,7 @@ class PageAllocator:
         self.cached: dict[tuple, tuple[int, int]] = {}   # (parent entry id, token ids) -> (page, entry id)
         self.key_of: dict[int, tuple] = {}               # cached page -> its key
         self._evictable: OrderedDict[int, None] = OrderedDict()   # cached pages nobody holds, LRU first
-        self._entry_ids = itertools.count()
+        self.entry_ids = itertools.count()   # ids of cache entries, never reused
         self.num_evictions = 0
 
     @property
@@ -95,14 +95,6 @@ class PageAllocator:
             else:
                 self._free.append(page)
 
-    def enter(self, key: tuple, page: int) -> int:
-        """Cache `page` under `key`; returns its entry id (the parent of the next page's key)."""
-        assert page not in self.key_of, f"page {page} cached twice"
-        entry = next(self._entry_ids)
-        self.cached[key] = (page, entry)
-        self.key_of[page] = key
-        return entry
-
     def clear_cache(self) -> None:
         """Forget every entry (after a failed step, whose KV writes are unknown)."""
         self._free.extend(self._evictable)
@@ -120,10 +112,6 @@ class KVCacheManager:
         self.prefix_caching = prefix_caching
         self.weights_version = 0   # the engine's policy_version: sequences started now chain from its root
 
-    def _key(self, seq: Sequence, i: int, parent: int) -> tuple:
-        ps = self.page_size
-        return parent, tuple(seq.token_ids[i * ps:(i + 1) * ps])
-
     def reuse_prefix(self, seq: Sequence) -> None:
         """A sequence starting from scratch (no KV) takes the cached pages of its longest cached
         prefix (num_computed moves past them) and starts its chain. At least its last token is
@@ -131,9 +119,9 @@ class KVCacheManager:
         so no cached page is ever written."""
         if not self.prefix_caching:
             return
-        a, parent, n = self.alloc, -1 - self.weights_version, 0
-        while n < (seq.num_tokens - 1) // self.page_size:
-            hit = a.cached.get(self._key(seq, n, parent))
+        a, ps, parent, n = self.alloc, self.page_size, -1 - self.weights_version, 0
+        while n < (seq.num_tokens - 1) // ps:
+            hit = a.cached.get((parent, tuple(seq.token_ids[n * ps:(n + 1) * ps])))
             if hit is None:
                 break
             page, parent = hit
@@ -141,24 +129,25 @@ class KVCacheManager:
             seq.block_table.append(page)
             n += 1
         seq.prefix_pages, seq.prefix_key = n, parent
-        seq.num_computed = n * self.page_size
+        seq.num_computed = n * ps
         seq.table_version += 1
 
     def cache_full_pages(self, seq: Sequence) -> None:
         """Enter the sequence's full pages with computed (scheduled) KV and known tokens into the
         cache, going on along its chain. A page already cached (shared with a group sibling that
         entered it) or a key already cached (a twin page computed beside it) is followed instead."""
-        ps, a = self.page_size, self.alloc
+        ps, a, tokens = self.page_size, self.alloc, seq.token_ids
         i, parent = seq.prefix_pages, seq.prefix_key
         end = min(seq.num_computed, seq.num_tokens) // ps
         # Placeholders (tokens still in flight) are only ever at the tail: a known last token means a known page.
-        while i < end and seq.token_ids[(i + 1) * ps - 1] != PLACEHOLDER:
+        while i < end and tokens[(i + 1) * ps - 1] != PLACEHOLDER:
             page = seq.block_table[i]
-            key = a.key_of.get(page)
-            if key is None:
-                key = self._key(seq, i, parent)
-            hit = a.cached.get(key)
-            parent = hit[1] if hit is not None else a.enter(key, page)
+            key = a.key_of.get(page) or (parent, tuple(tokens[i * ps:(i + 1) * ps]))
+            entry = (page, next(a.entry_ids))
+            held = a.cached.setdefault(key, entry)    # one hash of the key, hit or not
+            if held is entry:
+                a.key_of[page] = key
+            parent = held[1]
             i += 1
         seq.prefix_pages, seq.prefix_key = i, parent
 

@@ -54,7 +54,8 @@ def test_four_turn_trajectories_rescore_and_prefill_only_new_tokens(model_dir, t
     for caching in (True, False):
         eng = _engine(path, enable_prefix_caching=caching)
         envs = {}
-        factory = lambda i, k: envs.setdefault((i, k), ToyEnv(i, k, turns=2 if (i, k) == (1, 0) else 99))
+        def factory(i, k):
+            return envs.setdefault((i, k), ToyEnv(i, k, turns=2 if (i, k) == (1, 0) else 99))
         runs[caching] = (eng, run_trajectories(eng, prompts, factory, params, max_turns=4), envs)
     eng, trajs, envs = runs[True]
     assert [(t.prompt_index, t.sample_index) for t in trajs] == [(i, k) for i in range(2) for k in range(3)]
@@ -209,3 +210,20 @@ def test_continuation_input_is_checked_before_anything_is_queued(model_dir, tiny
         with pytest.raises(ValueError, match=match):
             eng.add_requests([prompt], **kw)
     assert not eng.requests and not eng.scheduler.has_work()
+
+
+def test_multiturn_bench_cpu_smoke(tmp_path):
+    """rollout.bench.multiturn at a tiny shape (the H200 run uses the llama3-8b defaults): the cache
+    computes fewer prefill tokens by exactly its hits, and (fp32 on the CPU) changes no token."""
+    import json
+    from rollout.bench import multiturn
+    out = tmp_path / "mt.json"
+    multiturn.main(["--shape", "tiny", "--trajectories", "4", "--n", "2", "--turns", "3", "--prompt-len", "16",
+                    "--obs-len", "8", "--gen-len", "8", "--p1-prompts", "2", "--p1-prompt-len", "16",
+                    "--p1-gen-len", "16", "--dtype", "float32", "--device", "cpu", "--out", str(out)])
+    r = json.loads(out.read_text())
+    on, off = r["multiturn"]["cache_on"], r["multiturn"]["cache_off"]
+    assert on["trajectories"] == 4 and on["generated_tokens"] == off["generated_tokens"] == 4 * 3 * 8
+    assert off["prefill_tokens"] - on["prefill_tokens"] == on["prefix_cache_hit_tokens"] > 0
+    assert r["multiturn"]["identical_trajectories"] == 4 and r["p1"]["identical_outputs"] == 2
+    assert r["p1"]["cache_on"]["prefix_cache_pages"] > 0 == r["p1"]["cache_off"]["prefix_cache_pages"]

@@ -154,7 +154,8 @@ def test_outputs_with_the_cache_equal_outputs_without_it(model_dir, tiny_tokeniz
     s_on, s_off = on.stats(), off.stats()
     # Wave 2: 3 x 2 pages of the shared prefix, prompts[0] all but its last page, `aligned` 2 of 3 pages;
     # wave 3: prompts[1] all but its last page. Prefill computed shrinks by exactly the hits.
-    full = lambda x: (len(x) - 1) // PAGE * PAGE
+    def full(x):
+        return (len(x) - 1) // PAGE * PAGE
     want_hits = 3 * 32 + full(prompts[0]) + 32 + full(prompts[1])
     assert s_on["prefix_cache_hit_tokens"] == want_hits
     assert s_on["prefix_cache_queries"] == sum(len(x) for ps, _ in waves for x in ps)
