@@ -125,7 +125,7 @@ class RolloutEngine:
         return {**self.metrics, **p.counts, "gpu_busy_ms": p.busy_ms, "graph_capture_s": graph_s,
                 "preemptions": sch.num_preemptions, "swap_outs": sch.num_swap_outs,
                 "swapped_pages": sch.num_swapped_pages, "recomputed_tokens": sch.num_recomputed_tokens,
-                # prefix cache: hit rate = hit tokens / queried tokens (prompts admitted from scratch)
+                # prefix cache, over sequences admitted from scratch (new, or recomputing): hit rate = hits / queries
                 "prefix_cache_queries": sch.prefix_cache_queries, "prefix_cache_hit_tokens": sch.prefix_cache_hits,
                 "prefix_cache_pages": kv.num_cached, "prefix_cache_evictable_pages": kv.num_evictable,
                 "prefix_cache_evictions": kv.num_evictions}
