@@ -37,6 +37,7 @@ class EngineConfig:
     kv_reserve_fraction: float = 1.0             # admission: share of each request's full-length pages reserved (1 = never preempt)
     preemption_mode: str = "recompute"           # recompute | swap | auto (swap where moving pages beats re-prefilling)
     swap_space_gb: float = 0.0                   # host memory for swapped-out KV pages (swap and auto need > 0)
+    enable_prefix_caching: bool = True           # full KV pages reused by later requests of that prefix (same weights)
     # execution
     async_pipeline: Optional[bool] = None        # None: on for CUDA; False: the same schedule run synchronously
     attention_backend: str = "auto"              # auto: Triton kernels on CUDA, torch reference on CPU | torch | triton
@@ -88,7 +89,7 @@ class EngineConfig:
                              f"space (swap_space_gb > 0)")
         if self.attention_backend not in ("auto", "torch", "triton"):
             bad("attention_backend", "'auto', 'torch' or 'triton'")
-        for name in ("cuda_graphs", "batch_invariant", "pack_decode_weights"):
+        for name in ("enable_prefix_caching", "cuda_graphs", "batch_invariant", "pack_decode_weights"):
             if not isinstance(getattr(self, name), bool):
                 bad(name, "True or False")
         if self.async_pipeline is not None and not isinstance(self.async_pipeline, bool):

@@ -79,7 +79,7 @@ class RolloutEngine:
             self._pack_decode_weights(attention_backend, cfg.batch_invariant, cfg.max_num_seqs)
         reserve = parameter_bytes(model) if cfg.reserve_memory == "weights" else cfg.reserve_memory
         num_pages = self._size_kv(cfg.num_kv_pages, cfg.kv_cache_memory, page_size, kv_dtype, cfg.max_num_seqs, reserve)
-        self.kv = KVCacheManager(num_pages, page_size)
+        self.kv = KVCacheManager(num_pages, page_size, prefix_caching=cfg.enable_prefix_caching)
         if self.kv.alloc.num_usable < self.kv.pages_for(self.max_model_len):
             raise ValueError(f"KV cache of {self.kv.alloc.num_usable} pages x {page_size} tokens cannot "
                              f"hold one sequence of max_model_len={self.max_model_len}")
@@ -121,10 +121,14 @@ class RolloutEngine:
         """Counters plus the pipeline's: graph / eager steps and compute-stream busy time."""
         p = self.pipeline
         graph_s = p.graphs.capture_s if p.graphs is not None else 0.0
-        sch = self.scheduler
+        sch, kv = self.scheduler, self.kv.alloc
         return {**self.metrics, **p.counts, "gpu_busy_ms": p.busy_ms, "graph_capture_s": graph_s,
                 "preemptions": sch.num_preemptions, "swap_outs": sch.num_swap_outs,
-                "swapped_pages": sch.num_swapped_pages, "recomputed_tokens": sch.num_recomputed_tokens}
+                "swapped_pages": sch.num_swapped_pages, "recomputed_tokens": sch.num_recomputed_tokens,
+                # prefix cache, over sequences admitted from scratch (new, or recomputing): hit rate = hits / queries
+                "prefix_cache_queries": sch.prefix_cache_queries, "prefix_cache_hit_tokens": sch.prefix_cache_hits,
+                "prefix_cache_pages": kv.num_cached, "prefix_cache_evictable_pages": kv.num_evictable,
+                "prefix_cache_evictions": kv.num_evictions}
 
     def _pack_decode_weights(self, attention_backend: str, batch_invariant: bool, max_num_seqs: int) -> None:
         """pack_decode_weights=True: the decode GEMMs read copies of their weights packed one
@@ -276,13 +280,52 @@ class RolloutEngine:
         return [int(t) for t in ids]
 
     # ---- request lifecycle ----------------------------------------------------------------
+    def _continuations(self, continue_from, prepared) -> list[Optional[Completion]]:
+        """One validated Completion (or None) per prompt; ValueError naming the first bad one."""
+        if continue_from is None:
+            return [None] * len(prepared)
+        if not isinstance(continue_from, (list, tuple)) or len(continue_from) != len(prepared):
+            raise ValueError(f"continue_from must be a list of one Completion (or None) per prompt, "
+                             f"{len(prepared)} here")
+        for i, (c, (ids, p, _)) in enumerate(zip(continue_from, prepared)):
+            if c is None:
+                continue
+            if not isinstance(c, Completion):
+                raise ValueError(f"continue_from[{i}] must be a rollout Completion or None, got {type(c).__name__}")
+            T = len(c.token_ids)
+            if any(not _is_int(t) or not 0 <= t < self.vocab_size for t in c.token_ids):
+                raise ValueError(f"continue_from[{i}].token_ids must be token ids in [0, {self.vocab_size})")
+            for name in ("logprobs", "processed_logprobs", "kept_mass", "policy_versions") + \
+                    (("top_logprobs",) if p.top_logprobs else ()):
+                if len(getattr(c, name) or ()) != T:
+                    raise ValueError(f"continue_from[{i}].{name} must have one entry per token ({T})")
+            if p.n != 1:
+                raise ValueError(f"continue_from[{i}]: a continuation is one sample; SamplingParams.n must be 1, "
+                                 f"got {p.n}")
+            if not _is_int(c.sample_index) or c.sample_index < 0:
+                raise ValueError(f"continue_from[{i}].sample_index must be an integer >= 0")
+            if T >= p.max_new_tokens:
+                raise ValueError(f"continue_from[{i}] already has {T} tokens; max_new_tokens={p.max_new_tokens} "
+                                 f"counts the whole completion")
+            if len(ids) + T >= self.max_model_len:
+                raise ValueError(f"continue_from[{i}]: prompt + completion ({len(ids) + T} tokens) leave no room "
+                                 f"under max_model_len={self.max_model_len}")
+        return list(continue_from)
+
     @_serialized
-    def add_requests(self, prompts, sampling_params=None) -> list[int]:
+    def add_requests(self, prompts, sampling_params=None, continue_from=None) -> list[int]:
+        """Queue prompts; returns their request ids. continue_from: one Completion (or None) per prompt,
+        a partial completion of it (aborted, or stopped at a turn) to go on with: its tokens, logprobs
+        and policy versions stay at the head of the output, their KV comes from the prefix cache where
+        it still is (same weights version), new tokens carry the live version, and max_new_tokens
+        counts the whole completion. Its sample_index, with the same seed, keeps the sampler's stream:
+        a seeded continuation samples what the uninterrupted run would have."""
         prepared = self._prepare(prompts, sampling_params)
+        conts = self._continuations(continue_from, prepared)
         ids = []
-        for prompt_ids, p, text in prepared:
+        for (prompt_ids, p, text), cont in zip(prepared, conts):
             seed = p.seed if p.seed is not None else self._rng.randrange(2 ** 31)
-            req = Request(self._next_id, prompt_ids, p, seed, prompt=text)
+            req = Request(self._next_id, prompt_ids, p, seed, prompt=text, continue_from=cont)
             self._next_id += 1
             self.requests[req.request_id] = req
             self.scheduler.add(req)
@@ -297,6 +340,7 @@ class RolloutEngine:
         """Schedule and launch batch k, then wait for batch k-1 and process its outputs
         (stops, freed pages). Returns the requests that finished."""
         t0 = time.perf_counter()
+        self.kv.weights_version = self.policy_version   # sequences started now chain from this version's root
         sched = self.scheduler.schedule()
         sched.policy_version = self.policy_version
         launched = None
@@ -340,6 +384,7 @@ class RolloutEngine:
                 req.error = f"{type(exc).__name__}: {exc}"
                 self.scheduler.abort_request(req, "error")
                 self._ready.append(self._finish(req))
+        self.kv.alloc.clear_cache()     # the failed step's KV writes are unknown: cache nothing from before it
 
     def _fail_stuck(self) -> None:
         """Nothing could be scheduled and nothing is in flight: fail the request at the head of the

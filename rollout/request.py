@@ -136,6 +136,7 @@ class Completion:
     policy_versions: list[int] = field(default_factory=list)   # per token: weights that sampled it
     top_logprobs: Optional[list[dict[int, float]]] = None
     stop_reason: Optional[object] = None  # the stop string or token id that ended it
+    sample_index: int = 0             # within its request's group; a continuation keeps its sampler stream
 
 
 @dataclass
@@ -155,6 +156,7 @@ class RequestOutput:
 _seq_ids = itertools.count()
 
 PLACEHOLDER = -1   # a token sampled by a batch still in flight; carry-over fills it in
+NO_CACHE = 1 << 40  # Sequence.prefix_pages of a sequence that enters no page into the prefix cache
 
 
 class Sequence:
@@ -183,6 +185,9 @@ class Sequence:
         self.num_preemptions = 0
         self.epoch = 0                    # bumped on preemption: in-flight rows become stale
         self.inflight: dict[int, tuple[int, int]] = {}   # placeholder pos -> (batch_id, row)
+        # Prefix cache (kv_cache.py): its leading pages whose cache entry is known, and that entry's id
+        self.prefix_pages = NO_CACHE
+        self.prefix_key = 0
 
     def drop_placeholders(self) -> None:
         while self.token_ids and self.token_ids[-1] == PLACEHOLDER:
@@ -212,7 +217,7 @@ class Sequence:
 
 class Request:
     def __init__(self, request_id: int, prompt_ids: list[int], params: SamplingParams,
-                 seed: int, prompt: Optional[str] = None):
+                 seed: int, prompt: Optional[str] = None, continue_from: Optional[Completion] = None):
         self.request_id = request_id
         self.prompt_ids = list(prompt_ids)
         self.prompt = prompt
@@ -221,6 +226,13 @@ class Request:
         self.error: Optional[str] = None
         first = Sequence(self, 0, list(prompt_ids), len(prompt_ids))
         first.fork_count = params.n
+        if continue_from is not None:     # a partial completion (n = 1) goes on after its last token
+            c = continue_from
+            first.sample_index = c.sample_index
+            first.token_ids += c.token_ids
+            first.logprobs, first.processed_logprobs = list(c.logprobs), list(c.processed_logprobs)
+            first.kept_mass, first.policy_versions = list(c.kept_mass), list(c.policy_versions)
+            first.top_logprobs = list(c.top_logprobs or [])
         self.seqs: list[Sequence] = [first]
 
     def sample_seed(self, sample_index: int) -> int:
@@ -244,5 +256,5 @@ class Request:
                 processed_logprobs=list(s.processed_logprobs), kept_mass=list(s.kept_mass),
                 finish_reason=s.finish_reason, text=text,
                 top_logprobs=list(s.top_logprobs) if self.params.top_logprobs else None,
-                stop_reason=s.stop_reason, policy_versions=list(s.policy_versions)))
+                stop_reason=s.stop_reason, policy_versions=list(s.policy_versions), sample_index=s.sample_index))
         return RequestOutput(self.request_id, list(self.prompt_ids), comps, self.prompt, self.params, self.error)

@@ -1,6 +1,7 @@
 """Continuous-batching scheduler (CPU): admission by free KV pages under a per-step
 token budget, chunked prefill, preemption (by recompute, or by swapping pages to host
 memory), and output processing (filling sampled tokens, stop checks, freeing pages).
+A sequence admitted from scratch first takes its longest cached prefix (kv_cache.py).
 
 One step = a list of (sequence, tokens to compute, rows to sample). Decodes are
 just sequences with one token left to compute, so prefill chunks and decodes mix.
@@ -95,6 +96,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_recomputed_tokens = 0
         self.num_discarded_tokens = 0   # sampled for a sequence that had already finished
+        self.prefix_cache_queries = 0   # tokens of sequences admitted from scratch with the prefix cache on
+        self.prefix_cache_hits = 0      # of those, tokens whose KV came from cached pages
         self._next_batch_id = 0
         self._forked_now: set[Sequence] = set()
 
@@ -126,7 +129,7 @@ class Scheduler:
         f = 1.0 if seq.num_preemptions else self.reserve_fraction
         if f == 0.0 or not self.running:
             return True
-        need = f * (self._final_pages(seq) + self._outstanding_pages())
+        need = f * (self._final_pages(seq) - len(seq.block_table) + self._outstanding_pages())
         return need <= self.kv.alloc.num_free
 
     def _num_seqs_running(self) -> int:
@@ -156,7 +159,8 @@ class Scheduler:
     def _preempt(self, seq: Sequence, out: Optional[SchedulerOutput] = None) -> None:
         """Take the sequence off the device. A token still in flight is dropped (its row is
         ignored) and sampled again later; the counter-keyed RNG makes it the same token.
-        Recompute: its pages are freed and it re-prefills prompt + generated tokens. Swap
+        Recompute: its pages are freed (its full ones stay cached while nothing needs them,
+        so the recompute may find them) and it re-prefills prompt + generated tokens. Swap
         (only while scheduling `out`, whose step copies the pages out first): its KV waits in
         host pages, and it recomputes just its last token to sample the dropped one again."""
         self.running.remove(seq)
@@ -218,9 +222,18 @@ class Scheduler:
             seq = self.waiting[0]
             if self._num_seqs_running() + seq.fork_count > self.max_num_seqs:
                 break
+            fresh = seq.num_computed == 0 and not seq.host_table
+            if fresh:
+                self.kv.reuse_prefix(seq)
             num_new = min(seq.num_tokens - seq.num_computed, budget)
             if not self._admissible(seq, num_new):
+                if seq.block_table:     # cached pages taken for the check: back (evictable) until admitted
+                    self.kv.free(seq)
+                    seq.num_computed = 0
                 break
+            if fresh and self.kv.prefix_caching:
+                self.prefix_cache_queries += seq.num_tokens
+                self.prefix_cache_hits += seq.num_computed
             self.waiting.popleft()
             seq.status = Status.RUNNING
             self.running.append(seq)

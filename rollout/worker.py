@@ -133,9 +133,9 @@ class RolloutWorker:
         self._resolve(outs)
         return rest
 
-    def add_requests(self, prompts, sampling_params=None) -> list[int]:
+    def add_requests(self, prompts, sampling_params=None, continue_from=None) -> list[int]:
         with self.locked():
-            return self.engine.add_requests(prompts, sampling_params)
+            return self.engine.add_requests(prompts, sampling_params, continue_from)
 
     def abort(self, request_ids) -> list[RequestOutput]:
         """Finish the given requests now (partial outputs, pages freed). Callers and futures waiting

@@ -41,6 +41,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--warmup", type=int, default=30)
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--no-fast-decode", action="store_true", help="the batch builder's general path only")
+    ap.add_argument("--no-prefix-caching", action="store_true",
+                    help="prefix cache off (its cost here: random prompts share nothing but a group's)")
     ap.add_argument("--threads", type=int, default=4)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -51,11 +53,15 @@ def main(argv=None) -> dict:
     G = args.warmup + args.steps + 8
     eng = RolloutEngine.from_config(cfg, seed=0, device="cpu", dtype="float32", max_model_len=args.prompt_len + G + 8,
                                     num_kv_pages=S * ((args.prompt_len + G) // 16 + 2) + 64, max_num_seqs=S,
-                                    max_num_batched_tokens=args.prompts * args.prompt_len)
+                                    max_num_batched_tokens=args.prompts * args.prompt_len,
+                                    enable_prefix_caching=not args.no_prefix_caching)
     times: dict[str, list] = {k: [] for k in ("schedule", "build", "rows", "update")}
     _timed(eng.scheduler, "schedule", times["schedule"])
     _timed(eng.scheduler, "update_columns", times["update"])
     _timed(eng, "_columns", times["rows"])
+    cache_s: list = []          # the prefix cache's own work (entering pages, lookups), inside schedule / update
+    _timed(eng.kv, "cache_full_pages", cache_s)
+    _timed(eng.kv, "reuse_prefix", cache_s)
     for slot in eng.pipeline.slots:
         slot.builder.fast_decode = not args.no_fast_decode
         _timed(slot.builder, "build", times["build"])
@@ -63,7 +69,7 @@ def main(argv=None) -> dict:
     eng.add_requests(prompts, SamplingParams(n=args.n, max_new_tokens=G, temperature=1.0, ignore_eos=True))
     for _ in range(args.warmup):
         eng.step()
-    for v in times.values():
+    for v in (*times.values(), cache_s):
         v.clear()
     t0 = time.perf_counter()
     for _ in range(args.steps):
@@ -73,9 +79,11 @@ def main(argv=None) -> dict:
     med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
     result = {"sequences": running, "step_ms_incl_cpu_forward": step_ms, "median_ms": med,
               "host_ms": sum(med.values()), "fast_decode": not args.no_fast_decode,
+              "prefix_caching": not args.no_prefix_caching, "prefix_cache_ms_per_step": sum(cache_s) / args.steps * 1e3,
               "meta": run_meta("rollout.bench.host", argv)}
     print(f"{running} sequences: " + ", ".join(f"{k} {v:.3f} ms" for k, v in med.items())
-          + f"; host total {result['host_ms']:.2f} ms per step")
+          + f"; host total {result['host_ms']:.2f} ms per step, of which the prefix cache "
+          f"{result['prefix_cache_ms_per_step']:.3f} ms")
     write_json(result, args.out)
     return result
 
