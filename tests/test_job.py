@@ -148,7 +148,7 @@ def test_bad_overrides_fail_clearly(tmp_path):
     assert "sampling.n=abc" in str(e.value) and "could not be converted to Integer" in str(e.value.__cause__)
     with pytest.raises(ConfigCompositionException, match="foo"):
         make_cfg(tmp_path, "foo=1")
-    with pytest.raises(ValueError, match="temperature must be >= 0, got -1.0"):
+    with pytest.raises(ValueError, match="temperature must be 0 \(greedy\) or a finite number >= 1e-05, got -1.0"):
         run(make_cfg(tmp_path, "sampling.temperature=-1"))
     with pytest.raises(ValueError, match=r"model\.path"):
         run(make_cfg(tmp_path, "model=local"))
