@@ -35,8 +35,8 @@ def linear_shapes(cfg) -> dict[str, tuple[int, int, int]]:
             "down": (cfg.hidden_size, cfg.intermediate_size, L), "lm_head": (cfg.vocab_size, cfg.hidden_size, 1)}
 
 
-def graph_time_us(fn_per_copy, copies: int, reps: int = 20) -> float:
-    """Median over `reps` replays of a graph that calls fn(i) for each weight copy i."""
+def graph_time_us(fn_per_copy, copies: int) -> float:
+    """Median over 20 replays of a graph that calls fn(i) for each weight copy i."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -49,7 +49,7 @@ def graph_time_us(fn_per_copy, copies: int, reps: int = 20) -> float:
             fn_per_copy(i)
     g.replay()
     times = []
-    for _ in range(reps):
+    for _ in range(20):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         g.replay()
@@ -229,16 +229,16 @@ def main(argv=None):
         if args.linears is None or name in args.linears:
             bench_shape(name, N, K, args.m, sweep_configs(N, K, tuple(args.split_k), args.quick), args.top,
                         torch.bfloat16, results, args.check, args.pdl_top)
-    # Per decode step: each linear times its uses, cuBLAS only vs the faster of the two.
+    def per_step(rows, *keys):      # each linear's fastest of `keys` times its uses in a decode step
+        return sum(min(r.get(k, float("inf")) for k in keys) * shapes[r["linear"]][2] for r in rows)
+
     step = {}
     for M in args.m:
         rows = [r for r in results if r["M"] == M]
-        cub = sum(r["cublas_us"] * shapes[r["linear"]][2] for r in rows)
-        best = sum(min(r["cublas_us"], r.get("best_us", float("inf"))) * shapes[r["linear"]][2] for r in rows)
-        wbytes = sum(r["weight_bytes"] * shapes[r["linear"]][2] for r in rows)
-        best_pdl = sum(min(r["cublas_us"], r.get("best_us", float("inf")), r.get("best_pdl_us", float("inf")))
-                       * shapes[r["linear"]][2] for r in rows)
-        step[M] = dict(cublas_ms=cub / 1e3, best_ms=best / 1e3, best_with_pdl_ms=best_pdl / 1e3,
+        wbytes = per_step(rows, "weight_bytes")
+        step[M] = dict(cublas_ms=per_step(rows, "cublas_us") / 1e3,
+                       best_ms=per_step(rows, "cublas_us", "best_us") / 1e3,
+                       best_with_pdl_ms=per_step(rows, "cublas_us", "best_us", "best_pdl_us") / 1e3,
                        weight_bytes=wbytes, at_copy_bw_ms=wbytes / copy_gbps / 1e6)
     print("| M | cuBLAS ms/step | best-of-both ms/step | with PDL ms/step | weights at copy BW ms |\n"
           "|---|---|---|---|---|")
