@@ -25,6 +25,7 @@ import time
 
 import torch
 
+from ..request import SamplingParams
 from .__main__ import run_meta, write_json
 from .roofline import roofline
 from .shapes import SHAPES, make_config
@@ -35,8 +36,8 @@ def random_engine(shape: str, seed: int, device: str, dtype: str, engine_kwargs:
     from ..engine import RolloutEngine
     from .pressure import random_model
     cfg = make_config(shape)
-    dev = torch.device("cuda" if device == "cuda" else device)
-    return RolloutEngine(random_model(cfg, getattr(torch, dtype), dev, seed), cfg, seed=seed, **engine_kwargs)
+    return RolloutEngine(random_model(cfg, getattr(torch, dtype), torch.device(device), seed), cfg, seed=seed,
+                         **engine_kwargs)
 
 
 def _prompts(count: int, P: int, vocab: int, seed: int) -> list[list[int]]:
@@ -54,14 +55,11 @@ def _fleet(num_workers: int, args, engine_kwargs: dict, seed: int = 0):
 
 def _warm_up(fleet, prompt) -> None:
     import ray
-
-    from ..request import SamplingParams
     short = SamplingParams(max_new_tokens=8, temperature=1.0, ignore_eos=True)
     ray.get([s.actor.run.remote(prompt, short) for s in fleet.slots])
 
 
 def scaling(args) -> dict:
-    from ..request import SamplingParams
     cfg = make_config(args.shape)
     P, G, n = args.prompt_len, args.gen_len, args.n
     per_worker_seqs = args.prompts_per_worker * n
@@ -116,7 +114,6 @@ def broadcast(args) -> dict:
     """Trainer = this process; workers on the other GPUs (NCCL rejects two ranks on one GPU)."""
     import ray
 
-    from ..request import SamplingParams
     from .pressure import random_model
     cfg = make_config(args.shape)
     gpu = args.device == "cuda"
