@@ -66,14 +66,14 @@ def _token_logp(logits, tok):
     return torch.log_softmax(logits, -1).gather(1, tok[:, None])[:, 0]
 
 
-def hf_logprob_agreement(hf, prompts, outs, temperature: float, device, hf_fp32=None) -> dict:
-    """|Δ| between our per-token logprobs and HF's forward (same dtype) on prompt + completion.
+def hf_logprob_agreement(hf, prompts, outs, device, hf_fp32=None) -> dict:
+    """|Δ| between our per-token logprobs (T = 1) and HF's forward (same dtype) on prompt + completion.
     With `hf_fp32`, both are also measured against an fp32 forward: in bf16 a deep random network
     amplifies rounding, and this tells "as close to the truth as HF" from a real bug."""
     def ref_logp(model, ids, n_prompt, tok):
         with torch.no_grad():
             logits = model(ids).logits[0, n_prompt - 1:-1].float()
-        return logits, _token_logp(logits / temperature, tok).cpu()
+        return logits, _token_logp(logits, tok).cpu()
 
     diffs, prefix_match, ours32, hf32 = [], [], [], []
     for p, o in zip(prompts, outs):
@@ -244,10 +244,10 @@ def main(argv=None):
     cg = min(G, args.check_gen_len)
     outs = engine.generate(prompts[:k], SamplingParams(max_new_tokens=cg, temperature=0.0, ignore_eos=True),
                            use_tqdm=False)
-    result["check_greedy"] = hf_logprob_agreement(hf, prompts[:k], outs, 1.0, device, hf32)
+    result["check_greedy"] = hf_logprob_agreement(hf, prompts[:k], outs, device, hf32)
     sampled = SamplingParams(max_new_tokens=min(cg, 64), temperature=1.0, top_p=0.9, seed=1, ignore_eos=True)
     outs = engine.generate(prompts[:k], sampled, use_tqdm=False)
-    result["check_sampled_T1_top_p0.9"] = hf_logprob_agreement(hf, prompts[:k], outs, 1.0, device, hf32)
+    result["check_sampled_T1_top_p0.9"] = hf_logprob_agreement(hf, prompts[:k], outs, device, hf32)
     if hf32 is not None:
         result["check_hf_incremental"] = hf_incremental_vs_fp32(hf, hf32, prompts[:k], min(G, 32), device)
     del hf32
