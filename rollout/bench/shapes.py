@@ -25,7 +25,5 @@ def make_config(shape: str, **overrides):
 
     if shape not in SHAPES:
         raise ValueError(f"unknown shape {shape!r}; known: {', '.join(SHAPES)}")
-    kw = dict(SHAPES[shape])
-    kw.update(overrides)
-    model_type = kw.pop("model_type")
-    return AutoConfig.for_model(model_type, **kw)
+    kw = {**SHAPES[shape], **overrides}
+    return AutoConfig.for_model(kw.pop("model_type"), **kw)

@@ -96,13 +96,11 @@ def relayout_pages(eng, order: str, seed: int = 0) -> None:
     ids = list(range(1, len(old) + 1))
     if order == "shuffled":
         ids = [ids[k] for k in torch.randperm(len(ids), generator=torch.Generator().manual_seed(seed))]
-    tables = [list(s.block_table) for s in seqs]
-    src, dst = [], []
-    for (i, j), new in zip(slots, ids):
-        src.append(tables[i][j])
-        dst.append(new)
+    src = []
+    for (i, j), new in zip(slots, ids):        # each (i, j) once: read the old page, then rewrite it
+        src.append(seqs[i].block_table[j])
         seqs[i].block_table[j] = new
-    src, dst = (torch.tensor(x, device=eng.runner.kv_pool.device) for x in (src, dst))
+    src, dst = (torch.tensor(x, device=eng.runner.kv_pool.device) for x in (src, ids))
     for layer in eng.runner.kv_pool:             # one layer at a time: the copy is [2, n, ...]
         layer[:, dst] = layer[:, src]            # advanced indexing reads the source first
     for s in seqs:
