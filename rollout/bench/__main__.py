@@ -29,7 +29,7 @@ from ..models.loader import build_model, copy_hf_tensors
 from ..request import SamplingParams
 from . import clocks, timeline
 from .roofline import model_sizes, roofline
-from .shapes import SHAPES, make_config
+from .shapes import SHAPES, make_config, random_prompts
 
 
 def _sync():
@@ -226,8 +226,7 @@ def main(argv=None):
                            cuda_graph_modes=("greedy", "truncate"),   # what this bench samples with
                            batch_invariant=args.batch_invariant, pack_decode_weights=args.pack_decode_weights)
     engine_init_s = time.perf_counter() - t_engine
-    gen = torch.Generator().manual_seed(args.seed)
-    prompts = torch.randint(10, cfg.vocab_size - 10, (B, P), generator=gen).tolist()
+    prompts = random_prompts(B, P, cfg.vocab_size, args.seed)
     greedy = SamplingParams(n=n, max_new_tokens=G, temperature=0.0, ignore_eos=True)
     result = {"shape": args.shape, "attention_backend": engine.runner.attention_backend,
               "cuda_graphs": engine.pipeline.graphs is not None, "batch_invariant": args.batch_invariant,

@@ -29,6 +29,7 @@ from ..request import SamplingParams
 from .__main__ import run_meta, write_json
 from .roofline import roofline
 from .shapes import SHAPES, make_config
+from .shapes import random_prompts as _prompts
 
 
 def random_engine(shape: str, seed: int, device: str, dtype: str, engine_kwargs: dict):
@@ -38,11 +39,6 @@ def random_engine(shape: str, seed: int, device: str, dtype: str, engine_kwargs:
     cfg = make_config(shape)
     return RolloutEngine(random_model(cfg, getattr(torch, dtype), torch.device(device), seed), cfg, seed=seed,
                          **engine_kwargs)
-
-
-def _prompts(count: int, P: int, vocab: int, seed: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(10, vocab - 10, (count, P), generator=g).tolist()
 
 
 def _fleet(num_workers: int, args, engine_kwargs: dict, seed: int = 0):

@@ -34,18 +34,13 @@ import torch
 from ..engine import RolloutEngine
 from ..models.loader import build_model
 from ..request import SamplingParams
-from .__main__ import run_meta, write_json
+from .__main__ import _sync, run_meta, write_json
 from .roofline import model_sizes, roofline
-from .shapes import SHAPES, make_config
+from .shapes import SHAPES, make_config, random_prompts
 
 KV_SLACK_TOKENS = 64     # per sequence, on top of P + G
 KV_MARGIN = 1.1          # the unpressured KV is this much more than the sequences need
 HEADROOM_BYTES = 3 << 30  # activations, logits, CUDA graph pool, cuBLAS workspace
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def unpressured_kv_bytes(cfg, dtype: torch.dtype, B: int, P: int, G: int) -> int:
@@ -170,13 +165,13 @@ def timed_run(label: str, model, cfg, prompts, G: int, kv_bytes: int, args, devi
     before, busy0 = _counters(engine), engine.pipeline.busy_ms
     print(f"[{label}] KV {capacity} tokens = {capacity / (B * (P + G)):.2f} of the {B} x {P + G} "
           f"the sequences need; timing", flush=True)
-    _sync(device)
+    _sync()
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
     t0 = time.perf_counter()
     outs = engine.generate(prompts, SamplingParams(max_new_tokens=G, temperature=0.0, ignore_eos=True), use_tqdm=True)
     engine.drain()
-    _sync(device)
+    _sync()
     wall = time.perf_counter() - t0
     now = _counters(engine)
     comps = [c for o in outs for c in o.completions]
@@ -357,7 +352,7 @@ def main(argv=None) -> dict:
     t0 = time.perf_counter()
     model = random_model(cfg, dtype, device, args.seed)
     model.skinny_gemm = args.linear == "auto"
-    _sync(device)
+    _sync()
     model_init_s = time.perf_counter() - t0
     weights_gb = None
     if device.type == "cuda":
@@ -370,7 +365,7 @@ def main(argv=None) -> dict:
                              f"headroom exceeds the {free / 1e9:.1f} GB free after the weights: at {chunk} prompts "
                              f"per run, --prompt-len {P}, the largest --gen-len that fits is {fit} "
                              f"(or pass --reference-chunks, or --skip-fit-check)")
-    prompts = torch.randint(10, cfg.vocab_size - 10, (B, P), generator=torch.Generator().manual_seed(args.seed)).tolist()
+    prompts = random_prompts(B, P, cfg.vocab_size, args.seed)
 
     result = {"shape": args.shape, "batch": B, "prompt_len": P, "gen_len": G, "dtype": args.dtype,
               "device_type": device.type, "kv_fraction": args.kv_fraction, "reserve_fraction": args.reserve_fraction,

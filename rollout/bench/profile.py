@@ -21,7 +21,7 @@ from ..request import SamplingParams
 from .__main__ import run_meta, write_json
 from . import timeline
 from .roofline import copy_bandwidth, model_sizes, step_time_s
-from .shapes import SHAPES, make_config
+from .shapes import SHAPES, make_config, random_prompts
 
 CATEGORIES = (   # first match wins; names as CUDA reports them
     ("attention", r"_decode_split|_decode_keys|_decode_merge|_prefill_kernel"),
@@ -61,8 +61,8 @@ def decoding_engine(cfg, batch: int, context: int, new_tokens: int, device: str 
         cfg, seed=0, device=device, dtype=dtype, max_model_len=context + total_new + 64, max_num_seqs=batch,
         max_num_batched_tokens=PREFILL_BUDGET, cuda_graph_modes=("greedy",),
         kv_cache_memory=int(model_sizes(cfg)["kv_bytes_per_token"] * batch * (context + total_new + 128)), **engine_kw)
-    prompts = torch.randint(10, cfg.vocab_size - 10, (batch // n, P), generator=torch.Generator().manual_seed(0))
-    eng.add_requests(prompts.tolist(), SamplingParams(n=n, max_new_tokens=total_new, temperature=0.0, ignore_eos=True))
+    greedy = SamplingParams(n=n, max_new_tokens=total_new, temperature=0.0, ignore_eos=True)
+    eng.add_requests(random_prompts(batch // n, P, cfg.vocab_size, 0), greedy)
     return eng
 
 

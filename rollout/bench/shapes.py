@@ -20,6 +20,12 @@ SHAPES = {
 }
 
 
+def random_prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    """Seeded random token ids, clear of the vocabulary's first and last 10 (special tokens)."""
+    import torch
+    return torch.randint(10, vocab - 10, (count, length), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
 def make_config(shape: str, **overrides):
     from transformers import AutoConfig
 

@@ -16,7 +16,7 @@ from ..engine import RolloutEngine
 from ..request import SamplingParams
 from ..worker import RolloutWorker
 from .__main__ import run_meta, write_json
-from .shapes import SHAPES, make_config
+from .shapes import SHAPES, make_config, random_prompts
 
 
 def main(argv=None):
@@ -37,7 +37,7 @@ def main(argv=None):
     worker = RolloutWorker(RolloutEngine.from_config(cfg, seed=0, **kw))
     new = RolloutEngine.from_config(cfg, seed=1, **kw)
     update = [(n, t.clone()) for n, t in new.model.hf_targets().items()]   # standby source on the GPU
-    prompts = torch.randint(10, cfg.vocab_size - 10, (B, P), generator=torch.Generator().manual_seed(0)).tolist()
+    prompts = random_prompts(B, P, cfg.vocab_size, 0)
     params = SamplingParams(max_new_tokens=G, temperature=0, ignore_eos=True)
 
     worker.generate(prompts[:2], SamplingParams(max_new_tokens=8))   # warm-up
