@@ -83,8 +83,7 @@ def main(argv=None) -> dict:
                     choices=["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"])
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1,
-                    help="torch threads for the trainer and the engine (1: a tiny model on a shared 2-core box "
-                         "runs ~30x faster than on 2 threads when another process holds a core)")
+                    help="torch threads for the trainer and the engine (1: robust to a busy machine)")
     ap.add_argument("--report-to", default="wandb", choices=["wandb", "none"],
                     help="wandb runs offline (WANDB_MODE=offline) unless WANDB_MODE is set")
     ap.add_argument("--output-dir", default=str(ROOT / "outputs" / "train"), help="trainer, W&B, plot and JSON")
