@@ -35,12 +35,9 @@ def main(argv=None):
 
     path = args.model or arith.ensure_default_model()
     engine = RolloutEngine.from_pretrained(path, device=args.device, seed=args.seed)
-    if args.prompt:
-        prompts, answers = args.prompt, None
-    else:
-        rng = random.Random(args.seed)
-        problems = [arith.make_problem(rng) for _ in range(args.num_prompts)]
-        prompts, answers = [p for p, _ in problems], [a for _, a in problems]
+    rng = random.Random(args.seed)
+    scored = not args.prompt            # arithmetic problems: scored by exact match
+    prompts = args.prompt or [arith.make_problem(rng)[0] for _ in range(args.num_prompts)]
     params = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p,
                             max_new_tokens=args.max_new_tokens, seed=args.seed)
     t0 = time.perf_counter()
@@ -51,14 +48,13 @@ def main(argv=None):
     rewards = []
     for i, o in enumerate(outs):
         for c in o.completions:
-            r = arith.reward(o.prompt, c.text) if answers is not None else None
-            rewards.append(r)
+            rewards.append(arith.reward(o.prompt, c.text) if scored else None)
             if i < args.show:
-                lp = sum(c.logprobs)
-                print(f"{o.prompt!r:>12} -> {c.text!r:<8} reward={r} logp={lp:.3f} finish={c.finish_reason}")
+                print(f"{o.prompt!r:>12} -> {c.text!r:<8} reward={rewards[-1]} logp={sum(c.logprobs):.3f} "
+                      f"finish={c.finish_reason}")
     print(f"\n{len(outs)} prompts x {args.n} samples, {tokens} tokens in {wall:.2f} s "
           f"({tokens / wall:.0f} tok/s), KV pages in use after: {engine.kv.alloc.num_used}")
-    if answers is not None:
+    if scored:
         print(f"mean reward (exact-match accuracy): {statistics.mean(rewards):.3f}")
 
 

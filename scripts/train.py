@@ -3,23 +3,16 @@
     python scripts/train.py                      # ~1.5 min on 2 CPU cores; W&B offline under outputs/train
     python scripts/train.py --report-to none --steps 60
 
-The trainer loads rollout/assets/arith-tiny with AutoModelForCausalLM (fp32); a RolloutWorker over the same folder
-generates the completions through `trainers.attach_generator` (TRL's vLLM slot, so TRL's importance-sampling
-correction stays on and `sampling/sampling_logp_difference` measures our logprobs against the trainer's). The
-reward is exact match (`rollout.tasks.arith.reward`); prompts are biased toward 2-digit subtraction, the problems the
-model gets wrong most often (T=1 accuracy ~0.64), so the reward has room to rise.
+The trainer loads rollout/assets/arith-tiny (fp32); a RolloutWorker over the same folder generates the completions
+through `trainers.attach_generator` (TRL's vLLM slot: TRL's importance-sampling correction stays on, and
+`sampling/sampling_logp_difference` measures our logprobs against the trainer's). The reward is exact match;
+prompts are 2-digit subtractions, the problems the model gets wrong most often, so the reward has room to rise.
+Writes the per-step rewards and the command to --json and a reward-vs-step plot to --plot (default
+<--output-dir>/grpo_arith_reward.{png,json}); bench/results/grpo_arith_reward.* is the published run.
 
-Writes the per-step rewards and the exact command to --json and a reward-vs-step plot to --plot
-(defaults: <--output-dir>/grpo_arith_reward.{png,json}, --output-dir outputs/train). The tracked
-bench/results/grpo_arith_reward.{png,json} are the published run: `--plot bench/results/grpo_arith_reward.png`.
-
-What is trained: by default only the output head and the final norm (`--train-params lm_head,model.norm`, 2.4K of
-0.8M parameters), with Adam at lr 1e-2. The SFT-trained model sits at a sharp optimum: full-parameter GRPO at a
-learning rate that does not break it (Adam 1e-5) moved the reward 0.67 -> 0.69 in 60 steps, while Adam 5e-5 degraded
-it and two Adam steps at 2e-4 took it from 0.65 to 0.05 (also with TRL's own transformers generation, so not a
-generator effect). The head-only run learns to sharpen the sampling distribution: T=1 accuracy rises toward the
-greedy accuracy.
-`--train-params all --lr 1e-5` trains everything. The generator syncs the full model every step either way.
+By default only the output head and the final norm are trained (Adam, lr 1e-2): the SFT model sits at a sharp
+optimum that full-parameter updates at a useful learning rate break; the head learns to sharpen the sampling
+distribution (T=1 accuracy rises toward the greedy accuracy). `--train-params all --lr 1e-5` trains everything.
 """
 from __future__ import annotations
 
@@ -42,11 +35,11 @@ os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+from rollout.tasks import arith  # noqa: E402  (after the sys.path fix: the package, not scripts/rollout.py)
+
 
 def make_prompts(n: int, seed: int, sub_frac: float) -> list[dict]:
     """`sub_frac` of the problems are 2-digit subtractions (the weak spot); the rest follow the default mix."""
-    from rollout.tasks import arith
-
     rng = random.Random(seed)
     rows = []
     while len(rows) < n:
@@ -61,14 +54,11 @@ def make_prompts(n: int, seed: int, sub_frac: float) -> list[dict]:
 
 
 def arith_reward(prompts, completions, **kwargs) -> list[float]:
-    from rollout.tasks import arith
-
     return [arith.reward(p, c) for p, c in zip(prompts, completions)]
 
 
 def evaluate(worker, prompts: list[str], temperature: float, n: int, seed: int) -> float:
     from rollout import SamplingParams
-    from rollout.tasks import arith
 
     outs = worker.generate(prompts, SamplingParams(n=n, temperature=temperature, max_new_tokens=8, seed=seed))
     scores = [arith.reward(p, c.text) for p, o in zip(prompts, outs) for c in o.completions]
@@ -93,8 +83,7 @@ def main(argv=None) -> dict:
                     choices=["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"])
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1,
-                    help="torch threads for the trainer and the engine (1: a tiny model on a shared 2-core box "
-                         "runs ~30x faster than on 2 threads when another process holds a core)")
+                    help="torch threads for the trainer and the engine (1: robust to a busy machine)")
     ap.add_argument("--report-to", default="wandb", choices=["wandb", "none"],
                     help="wandb runs offline (WANDB_MODE=offline) unless WANDB_MODE is set")
     ap.add_argument("--output-dir", default=str(ROOT / "outputs" / "train"), help="trainer, W&B, plot and JSON")
@@ -110,7 +99,6 @@ def main(argv=None) -> dict:
     import trl
 
     from rollout import RolloutEngine
-    from rollout.tasks import arith
     from rollout.worker import RolloutWorker
     from trainers import attach_generator
 

@@ -29,7 +29,7 @@ from ..models.loader import build_model, copy_hf_tensors
 from ..request import SamplingParams
 from . import clocks, timeline
 from .roofline import model_sizes, roofline
-from .shapes import SHAPES, make_config
+from .shapes import SHAPES, make_config, random_prompts
 
 
 def _sync():
@@ -62,15 +62,18 @@ def write_json(result: dict, path) -> None:
             json.dump(result, f, indent=2)
 
 
-def hf_logprob_agreement(hf, prompts, outs, temperature: float, device, hf_fp32=None) -> dict:
-    """|Δ| between our per-token logprobs and HF's forward (same dtype) on prompt +
-    completion. With `hf_fp32`, both ours and HF's are also measured against an fp32
-    forward of the same weights: in bf16 a deep random-init network amplifies rounding,
-    and this separates "as close to the truth as HF" from a real bug."""
+def _token_logp(logits, tok):
+    return torch.log_softmax(logits, -1).gather(1, tok[:, None])[:, 0]
+
+
+def hf_logprob_agreement(hf, prompts, outs, device, hf_fp32=None) -> dict:
+    """|Δ| between our per-token logprobs (T = 1) and HF's forward (same dtype) on prompt + completion.
+    With `hf_fp32`, both are also measured against an fp32 forward: in bf16 a deep random network
+    amplifies rounding, and this tells "as close to the truth as HF" from a real bug."""
     def ref_logp(model, ids, n_prompt, tok):
         with torch.no_grad():
             logits = model(ids).logits[0, n_prompt - 1:-1].float()
-        return logits, torch.log_softmax(logits / temperature, -1).gather(1, tok[:, None])[:, 0].cpu()
+        return logits, _token_logp(logits, tok).cpu()
 
     diffs, prefix_match, ours32, hf32 = [], [], [], []
     for p, o in zip(prompts, outs):
@@ -98,9 +101,8 @@ def hf_logprob_agreement(hf, prompts, outs, temperature: float, device, hf_fp32=
 
 
 def hf_incremental_vs_fp32(hf, hf_fp32, prompts, max_new_tokens: int, device) -> dict:
-    """HF's own incremental (KV-cached) greedy decode in the bench dtype, scored against an
-    fp32 full forward: the drift any incremental low-precision decoder has on these
-    weights, to read our `ours_vs_fp32` against."""
+    """HF's own KV-cached greedy decode in the bench dtype against an fp32 full forward: the drift
+    any incremental low-precision decoder has on these weights, to read `ours_vs_fp32` against."""
     diffs = []
     for p in prompts:
         ids = torch.tensor([p], device=device)
@@ -111,38 +113,57 @@ def hf_incremental_vs_fp32(hf, hf_fp32, prompts, max_new_tokens: int, device) ->
             tok = out.sequences[0, len(p):]
             inc = torch.stack(out.logits, 1)[0].float()
             full = hf_fp32(out.sequences).logits[0, len(p) - 1:-1].float()
-        lp = lambda x: torch.log_softmax(x, -1).gather(1, tok[:, None])[:, 0]
-        diffs.append((lp(inc) - lp(full)).abs().cpu())
+        diffs.append((_token_logp(inc, tok) - _token_logp(full, tok)).abs().cpu())
     d = torch.cat(diffs)
     return {"hf_incremental_vs_fp32_mean_abs_dlogp": d.mean().item(), "max_abs_dlogp": d.max().item(),
             "tokens": d.numel()}
 
 
+def hf_generate(hf, prompts, G: int, repeats: int, device) -> dict:
+    """HF `generate` on all prompts in one batch, greedy, exactly G new tokens: median of `repeats`."""
+    ids = torch.tensor(prompts, device=device)
+    mask = torch.ones_like(ids)
+
+    def timed():
+        _sync()
+        t0 = time.perf_counter()
+        out = hf.generate(ids, attention_mask=mask, max_new_tokens=G, min_new_tokens=G, do_sample=False, pad_token_id=0)
+        _sync()
+        assert out.shape[1] == ids.shape[1] + G
+        return time.perf_counter() - t0
+
+    with torch.no_grad():
+        hf.generate(ids[:2], attention_mask=mask[:2], max_new_tokens=8, do_sample=False, pad_token_id=0)
+        wall = statistics.median(timed() for _ in range(repeats))
+    return {"wall_s": wall, "tok_s": len(prompts) * G / wall, "gen_len": G,
+            "attn_implementation": hf.config._attn_implementation}
+
+
 def hf_generate_batch(hf, prompts, G: int, attn: str = "paged|sdpa") -> dict:
-    """HF transformers' continuous batching (`generate_batch`) with CUDA graphs forced, greedy,
-    EOS off. Options its version does not know are dropped and reported. Async batching stays
-    off: with `paged|sdpa` it allocated a dense mask per slot sized from the whole KV cache and
-    ran out of memory on this machine (docs/performance.md section 4)."""
+    """HF transformers' continuous batching (`generate_batch`) with CUDA graphs, greedy, EOS off.
+    Options its version does not know are dropped and reported. Async batching stays off: with
+    `paged|sdpa` it allocates a dense mask per slot sized from the whole KV cache (out of memory)."""
     import inspect
     from transformers import GenerationConfig
     from transformers.generation import ContinuousBatchingConfig
     known = inspect.signature(ContinuousBatchingConfig).parameters
-    # Half the free memory for its KV cache: our engine is resident too (at the default 0.9 its
-    # CUDA-graph warm-up ran out of memory on the 8B shape).
+    # Half the free memory for its KV cache: our engine is resident too.
     wanted = dict(use_cuda_graph=True, use_async_batching=False, max_memory_percent=0.5)
     cb = ContinuousBatchingConfig(**{k: v for k, v in wanted.items() if k in known})
     prev = hf.config._attn_implementation
     hf.set_attn_implementation(attn)
-    gen = GenerationConfig(max_new_tokens=G, do_sample=False, eos_token_id=None, pad_token_id=0)
+
+    def run(inputs, new_tokens):
+        gen = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+        out = hf.generate_batch(inputs=inputs, generation_config=gen, continuous_batching_config=cb,
+                                progress_bar=False)
+        _sync()
+        return out
+
     try:
-        hf.generate_batch(inputs=prompts[:2], generation_config=GenerationConfig(
-            max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0),
-            continuous_batching_config=cb, progress_bar=False)       # warm-up and graph capture
-        _sync()
+        run(prompts[:2], 8)       # warm-up and graph capture
         t0 = time.perf_counter()
-        outs = hf.generate_batch(inputs=prompts, generation_config=gen, continuous_batching_config=cb,
-                                 progress_bar=False)
-        _sync()
+        outs = run(prompts, G)
         wall = time.perf_counter() - t0
     finally:
         hf.set_attn_implementation(prev)
@@ -167,7 +188,6 @@ def main(argv=None):
     ap.add_argument("--hf", default="generate", choices=("generate", "generate_batch", "none"),
                     help="the HF baseline timed on the same weights")
     ap.add_argument("--hf-gen-len", type=int, default=None, help="new tokens for the HF run (default: --gen-len)")
-    ap.add_argument("--skip-hf", action="store_true", help="same as --hf none")
     ap.add_argument("--modes", default="async", help="comma list of ours' modes to time: sync,async")
     ap.add_argument("--no-graphs", action="store_true", help="decode eagerly (no CUDA graphs)")
     ap.add_argument("--batch-invariant", action="store_true",
@@ -178,19 +198,15 @@ def main(argv=None):
     ap.add_argument("--check-gen-len", type=int, default=128, help="new tokens of the checked sequences")
     ap.add_argument("--fp32-reference", action="store_true",
                     help="also measure ours and HF against an fp32 copy of the weights")
-    ap.add_argument("--bf16-reduced-precision-reduction", type=int, default=1,
-                    help="cuBLAS split-K reductions in bf16 (PyTorch's default is 1); measured no effect on the 8B "
-                         "check")
     ap.add_argument("--trace", default=None, metavar="PREFIX",
                     help="also trace a short sync and async run: PREFIX.json (Chrome trace) + PREFIX.png")
     ap.add_argument("--attention-backend", default="auto", choices=("auto", "torch", "triton"))
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
 
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
     dtype = getattr(torch, args.dtype)
-    if device.type == "cuda":   # a process-wide setting: the bench sets it, the engine never does
-        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = bool(args.bf16_reduced_precision_reduction)
     cfg = make_config(args.shape, **({"num_hidden_layers": args.layers} if args.layers else {}))
     B, P, G, n = args.batch, args.prompt_len, args.gen_len, args.n
     S = B * n                      # sequences decoding together
@@ -210,15 +226,12 @@ def main(argv=None):
                            cuda_graph_modes=("greedy", "truncate"),   # what this bench samples with
                            batch_invariant=args.batch_invariant, pack_decode_weights=args.pack_decode_weights)
     engine_init_s = time.perf_counter() - t_engine
-    gen = torch.Generator().manual_seed(args.seed)
-    prompts = torch.randint(10, cfg.vocab_size - 10, (B, P), generator=gen).tolist()
+    prompts = random_prompts(B, P, cfg.vocab_size, args.seed)
     greedy = SamplingParams(n=n, max_new_tokens=G, temperature=0.0, ignore_eos=True)
     result = {"shape": args.shape, "attention_backend": engine.runner.attention_backend,
               "cuda_graphs": engine.pipeline.graphs is not None, "batch_invariant": args.batch_invariant,
-              "pack_decode_weights": args.pack_decode_weights,
-              "batch": B, "n": n, "prompt_len": P,
+              "pack_decode_weights": args.pack_decode_weights, "batch": B, "n": n, "prompt_len": P,
               "gen_len": G, "dtype": args.dtype, "engine_init_s": engine_init_s,
-              "bf16_reduced_precision_reduction": bool(args.bf16_reduced_precision_reduction),
               "roofline": roofline(cfg, S, P, G, prefill_seqs=B, dtype_bytes=dtype.itemsize)}
 
     # Correctness against HF's forward, same weights and dtype.
@@ -230,23 +243,22 @@ def main(argv=None):
     cg = min(G, args.check_gen_len)
     outs = engine.generate(prompts[:k], SamplingParams(max_new_tokens=cg, temperature=0.0, ignore_eos=True),
                            use_tqdm=False)
-    result["check_greedy"] = hf_logprob_agreement(hf, prompts[:k], outs, 1.0, device, hf32)
+    result["check_greedy"] = hf_logprob_agreement(hf, prompts[:k], outs, device, hf32)
     sampled = SamplingParams(max_new_tokens=min(cg, 64), temperature=1.0, top_p=0.9, seed=1, ignore_eos=True)
     outs = engine.generate(prompts[:k], sampled, use_tqdm=False)
-    result["check_sampled_T1_top_p0.9"] = hf_logprob_agreement(hf, prompts[:k], outs, 1.0, device, hf32)
+    result["check_sampled_T1_top_p0.9"] = hf_logprob_agreement(hf, prompts[:k], outs, device, hf32)
     if hf32 is not None:
         result["check_hf_incremental"] = hf_incremental_vs_fp32(hf, hf32, prompts[:k], min(G, 32), device)
     del hf32
-    if device.type == "cuda":
+    if cuda:
         torch.cuda.empty_cache()
     print("check:", json.dumps({k: v for k, v in result.items() if k.startswith("check")}), flush=True)
 
     def time_ours():
         _sync()
-        if device.type == "cuda":
+        if cuda:
             torch.cuda.reset_peak_memory_stats()
         busy0, counts0 = engine.pipeline.busy_ms, dict(engine.pipeline.counts)
-        cuda = device.type == "cuda"
         compiled = []      # Triton kernels compiled (or loaded from disk) inside the timed run: host stalls
         if cuda:
             import triton
@@ -274,7 +286,7 @@ def main(argv=None):
                 "gpu_busy_steady_decode": timeline.busy_fraction(steady) if cuda else None,
                 "peak_memory_gb": torch.cuda.max_memory_allocated() / 1e9 if cuda else None,
                 "gpu_clocks": gpu_clocks,     # SM clock and power over the run (nvidia-smi): at the power limit?
-                **{f"{c}": engine.pipeline.counts[c] - counts0[c] for c in counts0},
+                **{c: engine.pipeline.counts[c] - counts0[c] for c in counts0},
                 "tokens": [c.token_ids for x in o for c in x.completions]}
 
     engine.generate(prompts[:2], SamplingParams(max_new_tokens=8, temperature=0.0), use_tqdm=False)
@@ -282,7 +294,7 @@ def main(argv=None):
     modes = args.modes.split(",")
     for mode in modes:
         # Same engine, same schedule; async only stops waiting after each launch.
-        engine.pipeline.async_mode = mode == "async" and device.type == "cuda"
+        engine.pipeline.async_mode = mode == "async" and cuda
         runs = [time_ours() for _ in range(args.repeats)]
         best = sorted(runs, key=lambda r: r["wall_s"])[len(runs) // 2]     # the median run
         best["runs_tok_s"] = [r["tok_s"] for r in runs]
@@ -303,43 +315,23 @@ def main(argv=None):
         short = SamplingParams(n=n, max_new_tokens=min(G, 64), temperature=0.0, ignore_eos=True)
         runs = {}
         for mode in ("sync", "async"):
-            engine.pipeline.async_mode = mode == "async" and device.type == "cuda"
+            engine.pipeline.async_mode = mode == "async" and cuda
             runs[mode] = timeline.collect(engine, prompts, short)
         timeline.write_chrome_trace(runs, args.trace + ".json")
         timeline.plot(runs, args.trace + ".png")
         result["trace"] = {m: {"gpu_busy": timeline.busy_fraction(r["gpu"]), "steps": len(r["gpu"])}
                            for m, r in runs.items()}
 
-    hf_kind = "none" if args.skip_hf else args.hf
     hf_G = args.hf_gen_len or G
-    if hf_kind == "generate_batch":
+    if args.hf == "generate_batch":
         try:
             result["hf_generate_batch"] = hf_generate_batch(hf, [p for p in prompts for _ in range(n)], hf_G)
-        except Exception as exc:      # reported, not hidden: the comparison row says why it is missing
+        except Exception as exc:      # reported, not hidden: the table row says why it is missing
             result["hf_generate_batch"] = {"error": f"{type(exc).__name__}: {exc}"}
-        h = result["hf_generate_batch"]
-        if "tok_s" in h:
-            result["speedup_vs_hf"] = result["ours"]["tok_s"] / h["tok_s"]
-    elif hf_kind == "generate":
-        ids = torch.tensor(prompts, device=device)
-        mask = torch.ones_like(ids)
-
-        def time_hf():
-            _sync()
-            t0 = time.perf_counter()
-            with torch.no_grad():
-                out = hf.generate(ids, attention_mask=mask, max_new_tokens=hf_G, min_new_tokens=hf_G,
-                                  do_sample=False, pad_token_id=0)
-            _sync()
-            assert out.shape[1] == P + hf_G
-            return time.perf_counter() - t0
-
-        with torch.no_grad():
-            hf.generate(ids[:2], attention_mask=mask[:2], max_new_tokens=8, do_sample=False, pad_token_id=0)
-        hf_t = statistics.median(time_hf() for _ in range(args.repeats))
-        result["hf_generate"] = {"wall_s": hf_t, "tok_s": B * hf_G / hf_t, "gen_len": hf_G,
-                                 "attn_implementation": hf.config._attn_implementation}
-        result["speedup_vs_hf"] = result["ours"]["tok_s"] / result["hf_generate"]["tok_s"]
+    elif args.hf == "generate":
+        result["hf_generate"] = hf_generate(hf, prompts, hf_G, args.repeats, device)
+    if "tok_s" in result.get(f"hf_{args.hf}", {}):
+        result["speedup_vs_hf"] = result["ours"]["tok_s"] / result[f"hf_{args.hf}"]["tok_s"]
 
     result["meta"] = run_meta("rollout.bench", argv)
     print(json.dumps(result, indent=2))

@@ -1,12 +1,12 @@
 """GPU clocks and power over each timed window of a step_variants run, from an nvidia-smi log
-taken beside it (does a variant slow down as a long run heats or power-limits the GPU?):
+taken beside it (does a variant slow down as the GPU reaches its power limit?):
 
     nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,\\
         clocks_event_reasons.active --format=csv,noheader -lms 250 > smi.csv &
     python -m rollout.bench.step_variants ... --out sv.json
     python -m rollout.bench.clocks sv.json smi.csv
 
-`logged()` takes the same log around one block (bench's timed runs record it as `gpu_clocks`).
+`logged()` takes the same log around one block (the main bench's `gpu_clocks`).
 """
 from __future__ import annotations
 
@@ -56,9 +56,8 @@ def brief(g: dict) -> str:
 
 @contextlib.contextmanager
 def logged(gpu: int = 0, period_ms: int = 100):
-    """nvidia-smi's clocks and power of GPU `gpu` every period_ms while the block runs. Yields a
-    dict that holds summarize()'s fields once the block ends (stays empty without nvidia-smi):
-    a long run's throughput depends on whether the board sat at its power limit."""
+    """nvidia-smi's clocks and power of GPU `gpu` every period_ms while the block runs. Yields a dict
+    that holds summarize()'s fields once the block ends (stays empty without nvidia-smi)."""
     out: dict = {}
     exe = shutil.which("nvidia-smi")
     if exe is None:
@@ -79,11 +78,9 @@ def logged(gpu: int = 0, period_ms: int = 100):
 
 def windows(rows: list[dict], smi: list[tuple]) -> list[dict]:
     """Per timed row: the samples inside [end - steps * step_ms, end] (the GPU is busy throughout),
-    or [unix_time_start, unix_time_end] where a row has both (bench.attn_ceiling --hold)."""
+    or [unix_time_start, unix_time_end] where a row has both."""
     out = []
-    for r in rows:
-        if "unix_time_end" not in r:
-            continue
+    for r in (r for r in rows if "unix_time_end" in r):
         t1 = r["unix_time_end"]
         t0 = r.get("unix_time_start", t1 - r.get("steps", 0) * r.get("step_ms", 0) / 1e3)
         w = [s for s in smi if t0 <= s[0] <= t1]

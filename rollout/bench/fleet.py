@@ -8,15 +8,13 @@
     python -m rollout.bench.fleet broadcast --shape llama3-8b --batch 32 --gen-len 1024 --out ...
     # CPU smoke runs (gloo, tiny shape): add --shape tiny --device cpu --dtype float32
 
-Weights are seeded random, drawn on each worker's device (pressure.random_model). Scaling:
-each worker count is a fresh fleet; every worker is warmed up (a short generation, which also
-compiles and captures) before the clock starts; tok/s = generated tokens / wall of
+Weights are seeded random, drawn on each worker's device. Scaling: a fresh fleet per worker
+count, every worker warmed up before the clock starts; tok/s = generated tokens / wall of
 `fleet.generate`; efficiency(N) = tok/s(N) / (N * tok/s(first count) / first count). Broadcast:
-the trainer (this process) holds the weights of another seed on its GPU; while each worker
-decodes `--batch` greedy sequences, `update_weights` broadcasts all of them in buckets; reported:
-the broadcast wall time (send until every worker has received), the time until every worker
-has committed, each worker's barrier stall (compute stream waiting on the staged copy) and
-staging time from its stats, and whether the decodes all finished.
+the trainer (this process) holds another seed's weights; while each worker decodes `--batch`
+greedy sequences, `update_weights` broadcasts them; reported: the broadcast wall time, the time
+until every worker has committed, each worker's barrier stall and staging time, and whether
+the decodes all finished.
 """
 from __future__ import annotations
 
@@ -27,23 +25,20 @@ import time
 
 import torch
 
+from ..request import SamplingParams
 from .__main__ import run_meta, write_json
 from .roofline import roofline
 from .shapes import SHAPES, make_config
+from .shapes import random_prompts as _prompts
 
 
 def random_engine(shape: str, seed: int, device: str, dtype: str, engine_kwargs: dict):
-    """Built inside each actor (a picklable factory via functools.partial)."""
+    """Built inside each actor (picklable through functools.partial)."""
     from ..engine import RolloutEngine
     from .pressure import random_model
     cfg = make_config(shape)
-    dev = torch.device("cuda" if device == "cuda" else device)
-    return RolloutEngine(random_model(cfg, getattr(torch, dtype), dev, seed), cfg, seed=seed, **engine_kwargs)
-
-
-def _prompts(count: int, P: int, vocab: int, seed: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(10, vocab - 10, (count, P), generator=g).tolist()
+    return RolloutEngine(random_model(cfg, getattr(torch, dtype), torch.device(device), seed), cfg, seed=seed,
+                         **engine_kwargs)
 
 
 def _fleet(num_workers: int, args, engine_kwargs: dict, seed: int = 0):
@@ -56,14 +51,11 @@ def _fleet(num_workers: int, args, engine_kwargs: dict, seed: int = 0):
 
 def _warm_up(fleet, prompt) -> None:
     import ray
-
-    from ..request import SamplingParams
     short = SamplingParams(max_new_tokens=8, temperature=1.0, ignore_eos=True)
     ray.get([s.actor.run.remote(prompt, short) for s in fleet.slots])
 
 
 def scaling(args) -> dict:
-    from ..request import SamplingParams
     cfg = make_config(args.shape)
     P, G, n = args.prompt_len, args.gen_len, args.n
     per_worker_seqs = args.prompts_per_worker * n
@@ -71,10 +63,10 @@ def scaling(args) -> dict:
                          max_num_batched_tokens=args.max_batched_tokens, kv_cache_memory=args.kv_bytes)
     one = roofline(cfg, per_worker_seqs, P, G, prefill_seqs=args.prompts_per_worker,
                    dtype_bytes=getattr(torch, args.dtype).itemsize)
+    params = SamplingParams(n=n, max_new_tokens=G, temperature=1.0, ignore_eos=True)
     runs = []
     for w in args.workers:
         prompts = _prompts(args.prompts_per_worker * w, P, cfg.vocab_size, seed=w)
-        params = SamplingParams(n=n, max_new_tokens=G, temperature=1.0, ignore_eos=True)
         t0 = time.perf_counter()
         fleet = _fleet(w, args, engine_kwargs)
         start_s = time.perf_counter() - t0
@@ -118,7 +110,6 @@ def broadcast(args) -> dict:
     """Trainer = this process; workers on the other GPUs (NCCL rejects two ranks on one GPU)."""
     import ray
 
-    from ..request import SamplingParams
     from .pressure import random_model
     cfg = make_config(args.shape)
     gpu = args.device == "cuda"
@@ -135,7 +126,7 @@ def broadcast(args) -> dict:
         ray.init(num_gpus=ngpu - 1, include_dashboard=False)
     else:
         trainer_device, workers = torch.device("cpu"), args.num_workers or 2
-    update = [(n, t) for n, t in random_model(cfg, dtype, trainer_device, seed=1).hf_targets().items()]
+    update = list(random_model(cfg, dtype, trainer_device, seed=1).hf_targets().items())
     update_bytes = sum(t.numel() * t.element_size() for _, t in update)
     P, G, B = args.prompt_len, args.gen_len, args.batch
     engine_kwargs = dict(max_model_len=P + G + 8, max_num_seqs=B, kv_cache_memory=args.kv_bytes,
@@ -159,12 +150,9 @@ def broadcast(args) -> dict:
         after = fleet.stats()["workers"]
     finally:
         fleet.shutdown()
-    per_worker = {}
-    for i in after:
-        d = {k: after[i].get(f"weights/{k}", 0.0) - before[i].get(f"weights/{k}", 0.0)
-             for k in ("barrier_ms", "staging_ms", "updates")}
-        d["policy_version"] = after[i]["policy_version"]
-        per_worker[i] = d
+    per_worker = {i: {**{k: after[i].get(f"weights/{k}", 0.0) - before[i].get(f"weights/{k}", 0.0)
+                         for k in ("barrier_ms", "staging_ms", "updates")},
+                      "policy_version": after[i]["policy_version"]} for i in after}
     comps = [c for o, _ in outs for c in o.completions]
     generated = [len(c.token_ids) for c in comps]
     # The update landed mid-decode where a completion has tokens of both versions.

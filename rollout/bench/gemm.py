@@ -6,12 +6,10 @@
 kernels each replaces (`bench_epilogues`).
 
 For each linear of the shape (fused QKV, o_proj, fused gate_up, down_proj, lm_head) and each M:
-the time per call inside a CUDA graph (as decode runs them), cycling over enough weight copies
-that they do not sit in the 50 MB L2, so every call streams its weight from HBM. GB/s = weight
-bytes / time, next to a device-to-device copy. The Triton configs are swept at M = 32 (the seed
-workload), the best few are then timed at the other M. Each config is checked against an fp32
-reference first. Printed last: the whole model's GEMM time per decode step with cuBLAS only and
-with the faster of the two per linear, which is what wiring the kernel in can save.
+the time per call inside a CUDA graph, cycling over enough weight copies that none sits in L2.
+GB/s = weight bytes / time, next to a device-to-device copy. The Triton configs are swept at the
+first M, the best few timed at the others, each checked against an fp32 reference first. Printed
+last: the model's GEMM time per decode step with cuBLAS only and with the faster of the two.
 """
 from __future__ import annotations
 
@@ -37,19 +35,8 @@ def linear_shapes(cfg) -> dict[str, tuple[int, int, int]]:
             "down": (cfg.hidden_size, cfg.intermediate_size, L), "lm_head": (cfg.vocab_size, cfg.hidden_size, 1)}
 
 
-def profiled_once(fn):
-    """fn() once between cudaProfilerStart and Stop: the launches `ncu --profile-from-start off`
-    reads (the benches' --probe, after a warm-up call compiled them)."""
-    torch.cuda.synchronize()
-    torch.cuda.profiler.start()
-    out = fn()
-    torch.cuda.synchronize()
-    torch.cuda.profiler.stop()
-    return out
-
-
-def graph_time_us(fn_per_copy, copies: int, reps: int = 20) -> float:
-    """Median over `reps` replays of a graph that calls fn(i) for each weight copy i."""
+def graph_time_us(fn_per_copy, copies: int) -> float:
+    """Median over 20 replays of a graph that calls fn(i) for each weight copy i."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -62,7 +49,7 @@ def graph_time_us(fn_per_copy, copies: int, reps: int = 20) -> float:
             fn_per_copy(i)
     g.replay()
     times = []
-    for _ in range(reps):
+    for _ in range(20):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         g.replay()
@@ -74,9 +61,8 @@ def graph_time_us(fn_per_copy, copies: int, reps: int = 20) -> float:
 
 def sweep_configs(N: int, K: int, split_k: tuple[int, ...] = (1,), quick: bool = False) -> list[tuple[int, ...]]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages, split_k). Split-K only where N / BLOCK_N leaves
-    SMs idle (< 2 x 132 programs) and K's tiles divide evenly; also for wide tiles, which re-read
-    less of x from L2 (each output tile reads all of x [M, K]: M / BLOCK_N of the weight bytes).
-    quick: BLOCK_N 32 / 64 with 4 warps only (each config compiles for ~1 s)."""
+    SMs idle (< 2 x 132 programs) and K's tiles divide evenly, wide tiles included (they re-read
+    less of x). quick: BLOCK_N 32 / 64 with 4 warps only (each config compiles for ~1 s)."""
     out = []
     for bn, bk, st in itertools.product((32, 64) if quick else (16, 32, 64, 128, 256), (64, 128, 256), (3, 5)):
         for nw in ((4, 8) if bn >= 64 and not quick else (4,)):
@@ -243,16 +229,16 @@ def main(argv=None):
         if args.linears is None or name in args.linears:
             bench_shape(name, N, K, args.m, sweep_configs(N, K, tuple(args.split_k), args.quick), args.top,
                         torch.bfloat16, results, args.check, args.pdl_top)
-    # Per decode step: each linear times its uses, cuBLAS only vs the faster of the two.
+    def per_step(rows, *keys):      # each linear's fastest of `keys` times its uses in a decode step
+        return sum(min(r.get(k, float("inf")) for k in keys) * shapes[r["linear"]][2] for r in rows)
+
     step = {}
     for M in args.m:
         rows = [r for r in results if r["M"] == M]
-        cub = sum(r["cublas_us"] * shapes[r["linear"]][2] for r in rows)
-        best = sum(min(r["cublas_us"], r.get("best_us", float("inf"))) * shapes[r["linear"]][2] for r in rows)
-        wbytes = sum(r["weight_bytes"] * shapes[r["linear"]][2] for r in rows)
-        best_pdl = sum(min(r["cublas_us"], r.get("best_us", float("inf")), r.get("best_pdl_us", float("inf")))
-                       * shapes[r["linear"]][2] for r in rows)
-        step[M] = dict(cublas_ms=cub / 1e3, best_ms=best / 1e3, best_with_pdl_ms=best_pdl / 1e3,
+        wbytes = per_step(rows, "weight_bytes")
+        step[M] = dict(cublas_ms=per_step(rows, "cublas_us") / 1e3,
+                       best_ms=per_step(rows, "cublas_us", "best_us") / 1e3,
+                       best_with_pdl_ms=per_step(rows, "cublas_us", "best_us", "best_pdl_us") / 1e3,
                        weight_bytes=wbytes, at_copy_bw_ms=wbytes / copy_gbps / 1e6)
     print("| M | cuBLAS ms/step | best-of-both ms/step | with PDL ms/step | weights at copy BW ms |\n"
           "|---|---|---|---|---|")

@@ -1,7 +1,6 @@
-"""Triton and Gluon kernels compiled for sm_90a on any machine (no GPU; triton's bundled ptxas gives
-the registers), and the programs of one size an H100 / H200 SM holds: what the compile tests
-(tests/test_bench_ws.py, test_bench_occupancy.py) check the kernels' occupancy premises with.
-Run without TRITON_INTERPRET (the interpreter replaces the kernels these compile).
+"""Triton and Gluon kernels compiled for sm_90a on any machine (no GPU; triton's bundled ptxas gives the
+registers), and the programs an H100 / H200 SM holds: the compile tests' occupancy checks. Run without
+TRITON_INTERPRET (the interpreter replaces the kernels these compile).
 """
 from __future__ import annotations
 
@@ -54,6 +53,5 @@ def compile_sm90(fn, const: dict, num_warps: int, num_stages: int = 2, gluon: bo
 
 
 def per_sm(shared: int, regs: int, num_warps: int) -> int:
-    """Programs of this size one SM holds at once: what its shared memory, registers and 2,048
-    threads allow."""
+    """Programs of this size one SM holds at once: what its shared memory, registers and 2,048 threads allow."""
     return min(SMEM_PER_SM // (shared + 1024), REGS_PER_SM // (regs * 32 * num_warps), 2048 // (32 * num_warps))

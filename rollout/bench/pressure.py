@@ -5,25 +5,21 @@
     python -m rollout.bench.pressure --shape tiny --batch 4 --prompt-len 16 --gen-len 64 \
         --kv-fraction 0.5 --dtype float32 --device cpu          # the CPU smoke run
 
-1. unpressured: KV for every sequence at once,
-   kv_bytes_per_token * B * (P + G + 64) * 1.1;
-2. pressured: --kv-fraction of that, too small for everyone at once, so admission holds requests
-   back and (with --reserve-fraction 0, the default: admit by the next chunk only) running
-   sequences are preempted and recompute their KV.
+1. unpressured: KV for every sequence at once, kv_bytes_per_token * B * (P + G + 64) * 1.1;
+2. pressured: --kv-fraction of that, so admission holds requests back and (with
+   --reserve-fraction 0, the default) running sequences are preempted and recompute their KV.
 
-The model is built once (seeded random weights); each run gets its own RolloutEngine on it, the
-first engine and its KV freed before the second is built. Greedy, EOS off, every request G new
-tokens. Reported per run: wall s, tok/s, preemptions, recomputed tokens, peak and mean running
-sequences; then pressured / unpressured tok/s and whether the greedy outputs are equal. In bf16
-on a GPU a different batch composition changes GEMM shapes and so the rounding, which can flip
-a near-tie argmax: outputs that differ are counted, with the first differing position, not
-treated as a crash. A request that did not finish with G tokens is an error (after the JSON is
-written).
+Each run gets its own RolloutEngine on the same model, the first freed before the second is
+built. Greedy, EOS off, G new tokens each. Reported per run: wall s, tok/s, preemptions,
+recomputed tokens, running sequences; then the tok/s ratio and whether the greedy outputs are
+equal. In bf16 a different batch composition changes GEMM rounding and can flip a near-tie
+argmax, so differing outputs are counted (with where they first differ), not an error; a
+request that did not finish with G tokens is (after the JSON is written).
 
-Sizes: the unpressured KV of the Llama-3-8B shape at B = 64, P = 256 is 131072 B/token * 64 *
-(P + G + 64) * 1.1, i.e. 80 GB at G = 8192 and 154 GB at G = 16384 (more than one H200 holds
-beside the 16 GB of weights). Before allocating any KV the script checks the unpressured size
-against the free device memory and stops with the largest --gen-len that fits.
+The unpressured KV is checked against the free device memory before it is allocated; the
+error names the largest --gen-len that fits. A reference too large for one engine runs in
+--reference-chunks engines one after another, or in separate calls (--runs, --chunk,
+--reference-file) whose files a pressured call compares against.
 """
 from __future__ import annotations
 
@@ -38,18 +34,13 @@ import torch
 from ..engine import RolloutEngine
 from ..models.loader import build_model
 from ..request import SamplingParams
-from .__main__ import run_meta, write_json
+from .__main__ import _sync, run_meta, write_json
 from .roofline import model_sizes, roofline
-from .shapes import SHAPES, make_config
+from .shapes import SHAPES, make_config, random_prompts
 
 KV_SLACK_TOKENS = 64     # per sequence, on top of P + G
 KV_MARGIN = 1.1          # the unpressured KV is this much more than the sequences need
 HEADROOM_BYTES = 3 << 30  # activations, logits, CUDA graph pool, cuBLAS workspace
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def unpressured_kv_bytes(cfg, dtype: torch.dtype, B: int, P: int, G: int) -> int:
@@ -80,9 +71,8 @@ def random_model(cfg, dtype: torch.dtype, device: torch.device, seed: int):
 
 
 class Occupancy:
-    """Running sequences after each schedule() that launched something, and how many tokens
-    each request had generated when it was first preempted: the scheduler's own methods,
-    wrapped on this engine's instance only."""
+    """Running sequences after each schedule() that launched something, and the tokens each
+    request had generated when first preempted: this engine's scheduler methods, wrapped."""
 
     def __init__(self, engine: RolloutEngine):
         self.sched = engine.scheduler
@@ -91,17 +81,11 @@ class Occupancy:
         self._inner_preempt = self.sched._preempt
         self.sched._preempt = self._preempt
         self.first_preempt: dict[int, int] = {}    # request id -> tokens generated then
-        self.reset()
+        self.peak = self.total = self.steps = self.peak_waiting = 0
 
     def _preempt(self, seq, out=None):
         self._inner_preempt(seq, out)  # drops the in-flight placeholder: count real tokens only
         self.first_preempt.setdefault(seq.request.request_id, seq.num_generated)
-
-    def reset(self) -> None:
-        self.peak = 0
-        self.total = 0
-        self.steps = 0
-        self.peak_waiting = 0
 
     def _schedule(self):
         out = self._inner()
@@ -122,12 +106,10 @@ def compare_outputs(ref_tokens: list[list[int]], got_tokens: list[list[int]],
                     ref_logprobs: list[list[float]] | None = None,
                     got_logprobs: list[list[float]] | None = None, keep: int = 16,
                     first_preempt: list[int | None] | None = None) -> dict:
-    """How many sequences differ and where each first differs; |Δlogprob| over the tokens
-    before the first difference (the same token in both runs). With `first_preempt` (tokens
-    each sequence had generated when first preempted, None if never), a difference is
-    attributed: it can only come from the recompute if it is at or after that position;
-    one before it (or in a sequence never preempted) comes from the batch composition
-    (bf16 GEMM rounding changes with the batch size)."""
+    """How many sequences differ and where each first differs; |Δlogprob| over the tokens before
+    the first difference. With `first_preempt` (tokens generated when first preempted, None if
+    never), a difference at or after that position may come from the recompute; one before it
+    (or in a sequence never preempted) comes from the batch composition (bf16 GEMM rounding)."""
     if len(ref_tokens) != len(got_tokens):
         raise ValueError(f"{len(ref_tokens)} reference sequences, {len(got_tokens)} to compare")
     diffs, dlp = [], []
@@ -155,11 +137,19 @@ def compare_outputs(ref_tokens: list[list[int]], got_tokens: list[list[int]],
     return out
 
 
+def _counters(engine) -> dict:
+    sched = engine.scheduler
+    return {"preemptions": sched.num_preemptions, "recomputed_tokens": sched.num_recomputed_tokens,
+            "swap_outs": sched.num_swap_outs, "swapped_pages": sched.num_swapped_pages,
+            "discarded_tokens": sched.num_discarded_tokens, "steps": engine.metrics["steps"],
+            "prefill_tokens": engine.metrics["prefill_tokens"], **engine.pipeline.counts}
+
+
 def timed_run(label: str, model, cfg, prompts, G: int, kv_bytes: int, args, device) -> tuple[dict, list, list, list]:
-    """Build an engine with `kv_bytes` of KV, warm it up, time generate() on all prompts.
-    Returns the result, the tokens and logprobs per prompt, and per prompt the tokens it had
-    generated when first preempted (None if never)."""
+    """An engine with `kv_bytes` of KV, warmed up, timing generate() on all prompts. Returns the
+    result, tokens and logprobs per prompt, and the tokens each had when first preempted (or None)."""
     B, P = len(prompts), len(prompts[0])
+    cuda = device.type == "cuda"
     t0 = time.perf_counter()
     engine = RolloutEngine(model, cfg, max_model_len=P + G + 8, max_num_seqs=B, kv_cache_memory=kv_bytes,
                            max_num_batched_tokens=args.max_batched_tokens, seed=args.seed,
@@ -169,30 +159,21 @@ def timed_run(label: str, model, cfg, prompts, G: int, kv_bytes: int, args, devi
                            batch_invariant=args.batch_invariant)
     init_s = time.perf_counter() - t0
     capacity = engine.kv.alloc.num_usable * engine.page_size
-    kv_alloc_gb = torch.cuda.memory_allocated(device) / 1e9 if device.type == "cuda" else None
+    kv_alloc_gb = torch.cuda.memory_allocated(device) / 1e9 if cuda else None
     engine.generate(prompts[:2], SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True), use_tqdm=False)
     occ = Occupancy(engine)
-    sched, m = engine.scheduler, engine.metrics
-    before = {"preemptions": sched.num_preemptions, "recomputed_tokens": sched.num_recomputed_tokens,
-              "swap_outs": sched.num_swap_outs, "swapped_pages": sched.num_swapped_pages,
-              "discarded_tokens": sched.num_discarded_tokens, "steps": m["steps"],
-              "prefill_tokens": m["prefill_tokens"], **engine.pipeline.counts}
-    busy0 = engine.pipeline.busy_ms
-    greedy = SamplingParams(max_new_tokens=G, temperature=0.0, ignore_eos=True)
+    before, busy0 = _counters(engine), engine.pipeline.busy_ms
     print(f"[{label}] KV {capacity} tokens = {capacity / (B * (P + G)):.2f} of the {B} x {P + G} "
           f"the sequences need; timing", flush=True)
-    _sync(device)
-    if device.type == "cuda":
+    _sync()
+    if cuda:
         torch.cuda.reset_peak_memory_stats(device)
     t0 = time.perf_counter()
-    outs = engine.generate(prompts, greedy, use_tqdm=True)
+    outs = engine.generate(prompts, SamplingParams(max_new_tokens=G, temperature=0.0, ignore_eos=True), use_tqdm=True)
     engine.drain()
-    _sync(device)
+    _sync()
     wall = time.perf_counter() - t0
-    now = {"preemptions": sched.num_preemptions, "recomputed_tokens": sched.num_recomputed_tokens,
-           "swap_outs": sched.num_swap_outs, "swapped_pages": sched.num_swapped_pages,
-           "discarded_tokens": sched.num_discarded_tokens, "steps": m["steps"],
-           "prefill_tokens": m["prefill_tokens"], **engine.pipeline.counts}
+    now = _counters(engine)
     comps = [c for o in outs for c in o.completions]
     complete = [len(c.token_ids) == G and c.finish_reason == "length" for c in comps]
     result = {
@@ -204,18 +185,17 @@ def timed_run(label: str, model, cfg, prompts, G: int, kv_bytes: int, args, devi
         **{k: now[k] - before[k] for k in now}, **occ.summary(),
         "completed": sum(complete), "all_completed": all(complete) and len(comps) == B,
         "errors": sorted({o.error for o in outs if o.error}),
-        "gpu_busy": (engine.pipeline.busy_ms - busy0) / 1e3 / wall if device.type == "cuda" else None,
+        "gpu_busy": (engine.pipeline.busy_ms - busy0) / 1e3 / wall if cuda else None,
         "memory_allocated_gb_after_init": kv_alloc_gb,
-        "peak_memory_gb": torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None,
+        "peak_memory_gb": torch.cuda.max_memory_allocated(device) / 1e9 if cuda else None,
     }
-    tokens = [c.token_ids for c in comps]
-    logprobs = [c.logprobs for c in comps]
+    tokens, logprobs = [c.token_ids for c in comps], [c.logprobs for c in comps]
     first_preempt = [occ.first_preempt.get(o.request_id) for o in outs]
     # Free this engine (KV pool, graphs, buffers) before the caller builds the next one.
     occ.sched = None
-    del engine, occ, sched, outs, comps
+    del engine, occ, outs, comps
     gc.collect()
-    if device.type == "cuda":
+    if cuda:
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
     return result, tokens, logprobs, first_preempt
@@ -228,10 +208,10 @@ def chunk_bounds(B: int, chunks: int) -> list[tuple[int, int]]:
 
 def reference_run(model, cfg, prompts, G: int, lo: int, hi: int, args, device) -> tuple[dict, list, list]:
     """One engine with KV for prompts[lo:hi] at once (unpressured), with its own roofline."""
-    P = len(prompts[0])
-    kv = unpressured_kv_bytes(cfg, _dtype_of(model), hi - lo, P, G)
+    P, dtype = len(prompts[0]), next(model.parameters()).dtype
+    kv = unpressured_kv_bytes(cfg, dtype, hi - lo, P, G)
     r, tok, lp, _ = timed_run(f"unpressured [{lo}:{hi}]", model, cfg, prompts[lo:hi], G, kv, args, device)
-    rf = roofline(cfg, hi - lo, P, G, dtype_bytes=_dtype_of(model).itemsize)
+    rf = roofline(cfg, hi - lo, P, G, dtype_bytes=dtype.itemsize)
     r.update(prompts_from=lo, prompts_to=hi, batch=hi - lo, roofline_tok_s=rf["tok_s"],
              fraction_of_roofline=r["tok_s"] / rf["tok_s"])
     return r, tok, lp
@@ -250,13 +230,8 @@ def merge_chunks(parts: list[dict], B: int, G: int) -> dict:
             "errors": sorted({e for r in parts for e in r["errors"]})}
 
 
-def _dtype_of(model) -> torch.dtype:
-    return next(model.parameters()).dtype
-
-
 def save_reference(path: str, prompts, tokens, logprobs, summary: dict) -> None:
-    """One reference chunk's outputs for a later --runs pressured call (same seed: same
-    weights and prompts); its prompts are kept to check that."""
+    """One reference chunk for a later --runs pressured call; its prompts are kept to check the seed."""
     import numpy as np
     tmp = path + ".part.npz"       # renamed when whole: a pressured run may be polling for it
     np.savez_compressed(tmp, prompts=np.asarray(prompts, dtype=np.int64),
@@ -281,7 +256,7 @@ def load_reference(paths: list[str], prompts, G: int) -> tuple[list, list, dict]
             raise SystemExit(f"reference file {path} not found (run its --runs unpressured chunk first)")
         ref = np.load(path)
         summary = json.loads(str(ref["summary"]))
-        lo, hi = summary.get("prompts_from", 0), summary.get("prompts_to", len(prompts))
+        lo, hi = summary["prompts_from"], summary["prompts_to"]
         if ref["prompts"].tolist() != prompts[lo:hi]:
             raise SystemExit(f"{path} was made from other prompts (another --seed, --batch or --prompt-len)")
         tokens[lo:hi], logprobs[lo:hi] = ref["tokens"].tolist(), ref["logprobs"].tolist()
@@ -289,7 +264,7 @@ def load_reference(paths: list[str], prompts, G: int) -> tuple[list, list, dict]
     missing = [i for i, t in enumerate(tokens) if t is None]
     if missing:
         raise SystemExit(f"the reference files cover no output for prompts {missing[:8]}...")
-    parts.sort(key=lambda r: r.get("prompts_from", 0))
+    parts.sort(key=lambda r: r["prompts_from"])
     return tokens, logprobs, merge_chunks(parts, len(prompts), G)
 
 
@@ -303,10 +278,9 @@ def markdown_table(result: dict) -> str:
                     f"{r['completed']}/{result['batch']} |")
     c = result["outputs"]
     first = "" if c["identical"] else f", first at token {c['first_diff_position']}"
-    rows.append("")
-    rows.append(f"pressured / unpressured tok/s: {result['tok_s_ratio']:.3f}; greedy outputs "
-                f"{'identical' if c['identical'] else 'differ'} ({c['sequences_differ']}/{c['sequences']} "
-                f"sequences differ{first})")
+    rows += ["", f"pressured / unpressured tok/s: {result['tok_s_ratio']:.3f}; greedy outputs "
+                 f"{'identical' if c['identical'] else 'differ'} ({c['sequences_differ']}/{c['sequences']} "
+                 f"sequences differ{first})"]
     return "\n".join(rows)
 
 
@@ -316,8 +290,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--batch", type=int, default=64, help="prompts (one sequence each)")
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--gen-len", type=int, default=16384)
-    ap.add_argument("--kv-fraction", type=float, default=0.5,
-                    help="pressured KV as a fraction of the unpressured KV")
+    ap.add_argument("--kv-fraction", type=float, default=0.5, help="pressured KV as a fraction of the unpressured KV")
     ap.add_argument("--reserve-fraction", type=float, default=0.0,
                     help="engine kv_reserve_fraction in both runs: 0 admits by the next chunk and preempts "
                          "when pages run out; 1 admits only what fits at full length (no preemption)")
@@ -330,24 +303,21 @@ def main(argv=None) -> dict:
     ap.add_argument("--attention-backend", default="auto", choices=("auto", "torch", "triton"))
     ap.add_argument("--no-graphs", action="store_true", help="decode eagerly (no CUDA graphs)")
     ap.add_argument("--linear", default="auto", choices=("auto", "cublas"),
-                    help="decode GEMMs: auto = the skinny Triton GEMM where its table says it wins; cublas = "
-                         "F.linear only (to compare with reference files made before that kernel)")
+                    help="decode GEMMs: auto = the skinny Triton GEMM where its table says it wins; cublas = F.linear")
     ap.add_argument("--batch-invariant", action="store_true",
-                    help="engine batch_invariant=True: a sequence's bits do not depend on its batch-mates, so "
-                         "bf16 greedy outputs under pressure can be compared exactly (reference files too)")
+                    help="engine batch_invariant=True: bf16 greedy outputs under pressure compare exactly")
     ap.add_argument("--reference-chunks", type=int, default=1,
                     help="run the unpressured reference as this many engines one after another, each with "
-                         "KV for its share of the prompts (B=64 x G=16384 of the 8B shape needs 2)")
+                         "KV for its share of the prompts")
     ap.add_argument("--runs", default="both", choices=("both", "unpressured", "pressured"),
-                    help="split over device calls: 'unpressured' runs the reference chunks named by --chunk "
-                         "and saves each to its --reference-file; 'pressured' compares against those files")
+                    help="'unpressured' runs the reference chunks named by --chunk and saves each to its "
+                         "--reference-file; 'pressured' compares against those files")
     ap.add_argument("--chunk", type=int, nargs="+", default=None,
                     help="with --runs unpressured: which reference chunks to run (default all)")
     ap.add_argument("--reference-file", nargs="+", default=None,
-                    help=".npz files of the unpressured tokens and logprobs, one per chunk run")
+                    help=".npz files of the unpressured tokens and logprobs, one per chunk")
     ap.add_argument("--wait-reference-s", type=float, default=0.0,
-                    help="with --runs pressured: reference files not there yet are awaited this long after the "
-                         "run (their chunks running at the same time on other GPUs)")
+                    help="with --runs pressured: wait this long after the run for reference files not there yet")
     ap.add_argument("--skip-fit-check", action="store_true",
                     help="build the unpressured engine even if its KV looks larger than the free memory")
     ap.add_argument("--out", default=None)
@@ -382,7 +352,7 @@ def main(argv=None) -> dict:
     t0 = time.perf_counter()
     model = random_model(cfg, dtype, device, args.seed)
     model.skinny_gemm = args.linear == "auto"
-    _sync(device)
+    _sync()
     model_init_s = time.perf_counter() - t0
     weights_gb = None
     if device.type == "cuda":
@@ -395,7 +365,7 @@ def main(argv=None) -> dict:
                              f"headroom exceeds the {free / 1e9:.1f} GB free after the weights: at {chunk} prompts "
                              f"per run, --prompt-len {P}, the largest --gen-len that fits is {fit} "
                              f"(or pass --reference-chunks, or --skip-fit-check)")
-    prompts = torch.randint(10, cfg.vocab_size - 10, (B, P), generator=torch.Generator().manual_seed(args.seed)).tolist()
+    prompts = random_prompts(B, P, cfg.vocab_size, args.seed)
 
     result = {"shape": args.shape, "batch": B, "prompt_len": P, "gen_len": G, "dtype": args.dtype,
               "device_type": device.type, "kv_fraction": args.kv_fraction, "reserve_fraction": args.reserve_fraction,
@@ -416,8 +386,8 @@ def main(argv=None) -> dict:
         if device.type == "cuda":   # what is left once the engines are gone: the weights (and caches)
             result["memory_allocated_gb_between_runs"] = torch.cuda.memory_allocated(device) / 1e9
     if args.runs != "unpressured":
-        # Files already there are checked before the long run; with --wait-reference-s they may
-        # still be in the making (reference chunks running on other GPUs) and are read after it.
+        # Files already there are read before the long run; others (chunks still running on other
+        # GPUs, --wait-reference-s) after it.
         ready = args.runs == "pressured" and all(os.path.exists(p) for p in args.reference_file)
         if ready:
             ref_tok, ref_lp, result["unpressured"] = load_reference(args.reference_file, prompts, G)

@@ -20,8 +20,8 @@ from ..engine import RolloutEngine
 from ..request import SamplingParams
 from .__main__ import run_meta, write_json
 from . import timeline
-from .roofline import model_sizes, step_time_s
-from .shapes import SHAPES, make_config
+from .roofline import copy_bandwidth, model_sizes, step_time_s
+from .shapes import SHAPES, make_config, random_prompts
 
 CATEGORIES = (   # first match wins; names as CUDA reports them
     ("attention", r"_decode_split|_decode_keys|_decode_merge|_prefill_kernel"),
@@ -48,12 +48,11 @@ def decoding_engine(cfg, batch: int, context: int, new_tokens: int, device: str 
                     **engine_kw) -> RolloutEngine:
     """An engine (random weights, greedy decode graphs, KV sized for the run) with `batch` random
     prompts of `context` tokens, each queued for `new_tokens` greedy tokens after the last prompt
-    is prefilled. Chunked prefill lets the first prompts decode while later ones prefill, one
-    token per step for ~batch * context / (budget - batch) steps: that much headroom is added,
-    or the first ones finish before the last start and the timed batch is smaller than `batch`
-    (at 512 x 2304 about 200 sequences were left, which read as a 5.5 ms step instead of ~11).
-    GRPO groups (n > 1): batch / n prompts of `prompt_len` tokens, n samples each sharing the
-    prompt's pages, decoding from prompt_len to `context` first (step_until_decoding's `context`)."""
+    is prefilled. Chunked prefill lets the first prompts decode while later ones prefill, for
+    ~batch * context / (budget - batch) steps: that much headroom is added, or the first ones
+    finish before the last start and the timed batch is smaller than `batch`. GRPO groups (n > 1):
+    batch / n prompts of `prompt_len` tokens, n samples each sharing the prompt's pages, decoding
+    from prompt_len to `context` first (step_until_decoding's `context`)."""
     P = prompt_len or context
     assert batch % n == 0 and P <= context, "batch must be a multiple of n, prompt_len <= context"
     prefill_steps = -(-(batch // n) * P // max(256, PREFILL_BUDGET - batch)) + 8
@@ -62,15 +61,14 @@ def decoding_engine(cfg, batch: int, context: int, new_tokens: int, device: str 
         cfg, seed=0, device=device, dtype=dtype, max_model_len=context + total_new + 64, max_num_seqs=batch,
         max_num_batched_tokens=PREFILL_BUDGET, cuda_graph_modes=("greedy",),
         kv_cache_memory=int(model_sizes(cfg)["kv_bytes_per_token"] * batch * (context + total_new + 128)), **engine_kw)
-    prompts = torch.randint(10, cfg.vocab_size - 10, (batch // n, P), generator=torch.Generator().manual_seed(0))
-    eng.add_requests(prompts.tolist(), SamplingParams(n=n, max_new_tokens=total_new, temperature=0.0, ignore_eos=True))
+    greedy = SamplingParams(n=n, max_new_tokens=total_new, temperature=0.0, ignore_eos=True)
+    eng.add_requests(random_prompts(batch // n, P, cfg.vocab_size, 0), greedy)
     return eng
 
 
 def step_until_decoding(eng: RolloutEngine, batch: int, extra_steps: int = 3, context: int = 0) -> None:
     """Step until every prompt is prefilled (and every sequence holds `context` tokens), then
-    `extra_steps` more (decode only: on CUDA they replay graphs), so that what is timed next is
-    the whole batch decoding."""
+    `extra_steps` more (graph replays on CUDA): what is timed next is the whole batch decoding."""
     sched = eng.scheduler
     while sched.waiting or any(s.num_computed < s.num_prompt or s.num_tokens < context for s in sched.running):
         eng.step()
@@ -80,8 +78,7 @@ def step_until_decoding(eng: RolloutEngine, batch: int, extra_steps: int = 3, co
 
 
 def recapture_graphs(eng) -> None:
-    """Capture the decode graphs again (where the engine has them), after a knob that changes what
-    they hold."""
+    """Capture the decode graphs again (where the engine has them) after a knob that changes them."""
     if eng.pipeline.graphs is not None:
         eng.pipeline.graphs.graphs.clear()
         eng.pipeline.capture_graphs(progress=False)
@@ -107,11 +104,9 @@ def main(argv=None):
         raise SystemExit("rollout.bench.profile needs CUDA")
     cfg = make_config(args.shape)
     B, C, K = args.batch, args.context, args.steps
-    # batch_invariant only when asked: this file also runs in older trees (h200_validate tree_profile)
     P = args.prompt_len or C
-    eng = decoding_engine(cfg, B, C, 4 * K, n=args.n, prompt_len=P,
-                          **({"batch_invariant": True} if args.batch_invariant else {}),
-                          **({"pack_decode_weights": True} if args.pack_decode_weights else {}))
+    eng = decoding_engine(cfg, B, C, 4 * K, n=args.n, prompt_len=P, batch_invariant=args.batch_invariant,
+                          pack_decode_weights=args.pack_decode_weights)
     if args.no_fused_ops:       # graphs were captured with the fused ops: capture them again
         eng.model.fused_small_ops = False
         recapture_graphs(eng)
@@ -127,8 +122,7 @@ def main(argv=None):
     steps = p.counts["graph_steps"] - n0
     # busy_ms counts completed steps only (one is still in flight); close enough over K steps.
     step_ms = (p.busy_ms - busy0) / max(steps, 1)
-    per_cat = defaultdict(float)
-    count = defaultdict(int)
+    per_cat, count = defaultdict(float), defaultdict(int)
     per_name = defaultdict(lambda: [0.0, 0])    # kernel name -> [ms / step, launches / step]
     for ev in prof.events():
         if ev.device_type == torch.autograd.DeviceType.CUDA and ev.device_time_total > 0:
@@ -138,7 +132,6 @@ def main(argv=None):
             per_name[ev.name][1] += 1 / steps
     kernels_ms = sum(per_cat.values())
     sizes = model_sizes(cfg)
-    from .roofline import copy_bandwidth
     copy_Bps = copy_bandwidth() * 1e9
     # A group's prompt pages are read by its n rows; counted once (the rows run side by side).
     kv_bytes = (B // args.n * P + B * (C - P + 2 * K)) * sizes["kv_bytes_per_token"]
@@ -174,5 +167,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    import sys
-    main(sys.argv[1:])
+    main()

@@ -1,36 +1,28 @@
 """Microbenchmark: fused Triton sampler + logprob vs the torch reference `rollout.sampler.sample`.
 
-    python -m rollout.bench.sampler [--rows 64 256] [--vocab 151936] [--num-splits 0 1 2 4 8]
-        [--block-v 2048] [--num-warps 8] [--trunc-block-v 1024] [--trunc-num-warps 8]
-        [--row-splits 1 0] [--dist flat peaked] [--modes sampled greedy top_p top_k min_p combined]
-        [--out bench/results/<name>.json]
+    python -m rollout.bench.sampler [--rows 64 256] [--num-splits 0 1 2 4 8] [--row-splits 1 0] \
+        [--dist flat peaked] [--modes sampled greedy top_p top_k min_p combined] [--out <name>.json]
 
-bf16 logits, no penalty. Modes: "sampled" (every row T = 1, the RL case) and "greedy" (T = 0,
-greedy_only=True) time `fused_sample` (one pass); the truncation modes, every row T = 1, time
-`fused_sample_full`'s truncation path for each `--row-splits` S (1: one program per row, several
-passes over the row; S > 1: each row in S chunks, one program each per pass, 2 * digits + 3
-launches; 0 = `default_row_splits`, the candidate default):
-"top_p" 0.9, "top_k" 50, "min_p" 0.05, "combined" all three. Median µs from
-`triton.testing.do_bench` (eager launch) and `do_bench_cudagraph` (launch overhead removed, as
-in the engine's decode graphs); GB/s = the bf16 logits read once (R * V * 2 bytes) / graph time. `--num-splits 0` = the default
-heuristic. Logit distributions: "flat" = N(0, 3^2) (no block can be pruned: worst case), "peaked"
-= N(0, 2^2) plus one token per row at +20 (LLM-like: most blocks skip their Gumbel noise).
-Each fused config is checked against the torch reference (token agreement, max |Δ logprob|, and
-for truncation max |Δ kept_mass|; agreement < 1 is expected only from fp32 near-ties and kept-set
-boundary roundings).
+bf16 logits, no penalty. "sampled" (T = 1, the RL case) and "greedy" (T = 0) time `fused_sample`
+(one pass) at each --num-splits (0 = `default_num_splits`); the truncation modes ("top_p" 0.9,
+"top_k" 50, "min_p" 0.05, "combined" all three; T = 1) time `fused_sample_full` at each
+--row-splits S (1: one program per row; S > 1: each row in S chunks; 0 = `default_row_splits`).
+Median µs from `do_bench` (eager) and `do_bench_cudagraph` (launch overhead removed, as in the
+decode graphs); GB/s = the logits read once / graph time. "flat" logits = N(0, 3^2) (no block can
+be pruned), "peaked" = N(0, 2^2) plus one token per row at +20 (LLM-like). Each fused config is
+checked against the torch reference (token agreement, max |Δ logprob|, max |Δ kept_mass|; below 1
+only from fp32 near-ties and kept-set boundary roundings).
 """
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
+import functools
 import os
-import platform
 import sys
 
 import torch
 
-from .__main__ import _git_commit
+from .__main__ import run_meta, write_json
 
 TRUNC_MODES = {"top_p": {"top_p": 0.9}, "top_k": {"top_k": 50}, "min_p": {"min_p": 0.05},
                "combined": {"top_k": 50, "top_p": 0.9, "min_p": 0.05}}
@@ -76,10 +68,14 @@ def main(argv=None) -> int:
     from ..sampler import SamplingTensors, sample
 
     V = args.vocab
+    trunc_blk = max(args.trunc_block_v, 32 * args.trunc_num_warps)     # the truncation path's chunk granularity
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = []
 
-    def record(**kw):
+    def record(fn, nbytes, **kw):
+        kw["us"] = do_bench(fn, return_mode="median") * 1e3
+        kw["us_graph"] = do_bench_cudagraph(fn, return_mode="median") * 1e3
+        kw["gbps"] = nbytes / kw["us_graph"] / 1e3
         rows.append(kw)
         extra = "" if kw["impl"] == "torch" else (
             f"  S={kw['num_splits'] or kw.get('row_splits') or '-':<3} tok agree {kw['token_agreement']:.4f}"
@@ -105,24 +101,15 @@ def main(argv=None) -> int:
                     penalty_token_ids=None, all_greedy=mode == "greedy", any_truncation=bool(trunc),
                     any_penalty=False)
                 ref = sample(logits, st)
-                def ref_fn(logits=logits, st=st):
-                    return sample(logits, st)
-                us = do_bench(ref_fn, return_mode="median") * 1e3
-                us_graph = do_bench_cudagraph(ref_fn, return_mode="median") * 1e3
-                record(rows=R, mode=mode, dist=dist, impl="torch", num_splits=None, us=us, us_graph=us_graph,
-                       gbps=nbytes / us_graph / 1e3)
+                case = dict(rows=R, mode=mode, dist=dist)
+                record(functools.partial(sample, logits, st), nbytes, **case, impl="torch", num_splits=None)
                 if trunc:
-                    blk = max(args.trunc_block_v, 32 * args.trunc_num_warps)  # chunk granularity
                     for S in args.row_splits:
-                        S_eff = _row_chunks(V, S or default_row_splits(R, V, logits.device, blk), blk)[0]
+                        S_eff = _row_chunks(V, S or default_row_splits(R, V, logits.device, trunc_blk), trunc_blk)[0]
                         kw = {"block_v": args.trunc_block_v, "num_warps": args.trunc_num_warps, "row_splits": S_eff}
                         o = fused_sample_full(logits, st, **kw)
-                        def fn(logits=logits, st=st, kw=kw):
-                            return fused_sample_full(logits, st, **kw)
-                        us = do_bench(fn, return_mode="median") * 1e3
-                        us_graph = do_bench_cudagraph(fn, return_mode="median") * 1e3
-                        record(rows=R, mode=mode, dist=dist, impl="fused", num_splits=None, default_splits=S == 0,
-                               us=us, us_graph=us_graph, gbps=nbytes / us_graph / 1e3, **kw,
+                        record(functools.partial(fused_sample_full, logits, st, **kw), nbytes, **case, impl="fused",
+                               num_splits=None, default_splits=S == 0, **kw,
                                token_agreement=(o.token_ids == ref.token_ids).float().mean().item(),
                                max_abs_dlogp=(o.logprobs - ref.logprobs).abs().max().item(),
                                max_abs_dkept_mass=(o.kept_mass - ref.kept_mass).abs().max().item())
@@ -132,29 +119,16 @@ def main(argv=None) -> int:
                     kw = {"greedy_only": mode == "greedy", "num_splits": S_eff, "block_v": args.block_v,
                           "num_warps": args.num_warps}
                     tok, lp = fused_sample(logits, temp, seeds, counters, **kw)
-                    def fn(logits=logits, temp=temp, seeds=seeds, counters=counters, kw=kw):
-                        return fused_sample(logits, temp, seeds, counters, **kw)
-                    us = do_bench(fn, return_mode="median") * 1e3
-                    us_graph = do_bench_cudagraph(fn, return_mode="median") * 1e3
-                    record(rows=R, mode=mode, dist=dist, impl="fused", num_splits=S_eff, default_splits=S == 0,
-                           us=us, us_graph=us_graph, gbps=nbytes / us_graph / 1e3,
+                    record(functools.partial(fused_sample, logits, temp, seeds, counters, **kw), nbytes, **case,
+                           impl="fused", num_splits=S_eff, default_splits=S == 0,
                            token_agreement=(tok == ref.token_ids).float().mean().item(),
                            max_abs_dlogp=(lp - ref.logprobs).abs().max().item())
 
-    result = {
-        "bench": "sampler", "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "git_commit": _git_commit(), "device": torch.cuda.get_device_name(),
-        "torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
-        "vocab": V, "block_v": args.block_v, "num_warps": args.num_warps, "trunc_block_v": args.trunc_block_v,
-        "trunc_num_warps": args.trunc_num_warps, "row_splits": args.row_splits,
-        "default_row_splits": {R: default_row_splits(R, V, "cuda", max(args.trunc_block_v, 32 * args.trunc_num_warps))
-                               for R in args.rows}, "results": rows,
-    }
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
-        print("wrote", args.out)
+    write_json({"bench": "sampler", "triton": triton.__version__, "vocab": V, "block_v": args.block_v,
+                "num_warps": args.num_warps, "trunc_block_v": args.trunc_block_v,
+                "trunc_num_warps": args.trunc_num_warps, "row_splits": args.row_splits,
+                "default_row_splits": {R: default_row_splits(R, V, "cuda", trunc_blk) for R in args.rows},
+                "results": rows, "meta": run_meta("rollout.bench.sampler", argv)}, args.out)
     return 0
 
 

@@ -20,12 +20,16 @@ SHAPES = {
 }
 
 
+def random_prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    """Seeded random token ids, clear of the vocabulary's first and last 10 (special tokens)."""
+    import torch
+    return torch.randint(10, vocab - 10, (count, length), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
 def make_config(shape: str, **overrides):
     from transformers import AutoConfig
 
     if shape not in SHAPES:
         raise ValueError(f"unknown shape {shape!r}; known: {', '.join(SHAPES)}")
-    kw = dict(SHAPES[shape])
-    kw.update(overrides)
-    model_type = kw.pop("model_type")
-    return AutoConfig.for_model(model_type, **kw)
+    kw = {**SHAPES[shape], **overrides}
+    return AutoConfig.for_model(kw.pop("model_type"), **kw)

@@ -3,12 +3,11 @@
     python -m rollout.bench.step_variants --shape llama3-8b --batch 32 --context 4352 \
         --variants base no_gluon base packed packed+qkv=64,128,4,3,2 packed
 
-B sequences are prefilled to `--context` tokens once; then, for each variant, the engine's model
-takes the variant's KernelSwitches (EngineConfig.kernels), the decode graphs are captured again,
-and `--steps` steps are timed (CUDA-event busy time of the compute stream, as rollout.bench.profile).
-The context grows by one token per step, so each window is also given as a fraction of the
-roofline at its own mean context; the first variant is the baseline (vs_base), and the list should
-end with it too. A variant is knobs joined by "+", on top of the engine's switches (rollout.env):
+B sequences are prefilled to `--context` tokens once; then for each variant the engine's model takes
+its KernelSwitches, the decode graphs are captured again, and `--steps` steps are timed (compute-stream
+busy time, as rollout.bench.profile), also as a fraction of the roofline at the window's own mean
+context. The first variant is the baseline (vs_base); the list should end with it too. A variant is
+knobs joined by "+", on top of the engine's switches (rollout.env):
   base              no change
   no_pdl            kernels launch without programmatic dependent launch (kernels/pdl.py)
   no_gluon          Triton's decode attention at every batch size (KernelSwitches.gluon_decode)
@@ -82,29 +81,26 @@ def apply(eng, variant: str, base: KernelSwitches, base_pdl: bool, rows: int) ->
 
 def relayout_pages(eng, order: str, seed: int = 0) -> None:
     """Move every running sequence's KV pages to a new physical order (data copied, block tables
-    rewritten, so the tokens stay right). The prefill leaves each sequence's pages in one run;
-    a long generation does not: sequences decoding in step take their next pages in turn, so
-    P1's pages past the prompt are `interleaved`, one sequence's neighbours B pages apart.
-    `shuffled`: a random order. The pages in use become 1..n; the free list is the rest, in
-    order, so the timed steps' new pages follow the same rule as P1's."""
+    rewritten). The prefill leaves each sequence's pages in one run; sequences decoding in step take
+    their next pages in turn, so a long run's pages are `interleaved`, one sequence's neighbours B
+    pages apart. `shuffled`: a random order. The pages in use become 1..n, the free list the rest in
+    order, so the timed steps' new pages follow the same rule."""
     eng.drain()                                  # nothing in flight reads or writes the pages
     seqs = list(eng.scheduler.running)
     alloc = eng.kv.alloc
     old = [p for s in seqs for p in s.block_table]
     assert all(alloc.refcount[p] == 1 for p in old), "shared pages: relayout is for n = 1 batches"
-    slots = [(i, j) for j in range(max(len(s.block_table) for s in seqs)) for i, s in enumerate(seqs)
-             if j < len(s.block_table)] if order == "interleaved" else \
-            [(i, j) for i, s in enumerate(seqs) for j in range(len(s.block_table))]
+    slots = [(i, j) for i, s in enumerate(seqs) for j in range(len(s.block_table))]
+    if order == "interleaved":
+        slots.sort(key=lambda ij: (ij[1], ij[0]))
     ids = list(range(1, len(old) + 1))
     if order == "shuffled":
         ids = [ids[k] for k in torch.randperm(len(ids), generator=torch.Generator().manual_seed(seed))]
-    tables = [list(s.block_table) for s in seqs]
-    src, dst = [], []
-    for (i, j), new in zip(slots, ids):
-        src.append(tables[i][j])
-        dst.append(new)
+    src = []
+    for (i, j), new in zip(slots, ids):        # each (i, j) once: read the old page, then rewrite it
+        src.append(seqs[i].block_table[j])
         seqs[i].block_table[j] = new
-    src, dst = (torch.tensor(x, device=eng.runner.kv_pool.device) for x in (src, dst))
+    src, dst = (torch.tensor(x, device=eng.runner.kv_pool.device) for x in (src, ids))
     for layer in eng.runner.kv_pool:             # one layer at a time: the copy is [2, n, ...]
         layer[:, dst] = layer[:, src]            # advanced indexing reads the source first
     for s in seqs:
@@ -116,12 +112,10 @@ def relayout_pages(eng, order: str, seed: int = 0) -> None:
 
 
 def vs_base(rows: list[dict]) -> None:
-    """Give each timed row other than the baseline `vs_base`: its roofline fraction minus that of
-    the nearest timed baseline rows before and after it, interpolated linearly to its mean context
-    (the fraction grows with the context, ~0.1 points per 100 tokens in P1's 500-step windows);
-    one side where only one exists. The baseline is the first timed row's variant: `base`, or
-    e.g. `packed` in a sweep of packed variants. Alternating the baseline with the variants keeps
-    the comparison at nearly the same GPU state."""
+    """Give each timed row other than the baseline `vs_base`: its roofline fraction minus that of the
+    nearest timed baseline rows before and after it, interpolated linearly to its mean context (the
+    fraction grows with the context); one side where only one exists. The baseline is the first
+    timed row's variant (`base`, or e.g. `packed` in a sweep of packed variants)."""
     timed = [i for i, r in enumerate(rows) if "fraction" in r]
     if not timed:
         return
@@ -208,5 +202,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    import sys
-    main(sys.argv[1:])
+    main()

@@ -1,7 +1,6 @@
-"""Timeline of the step loop: host spans (schedule + build + launch, wait + update) and
-compute-stream spans (CUDA events on the host clock), for sync and async runs of the same
-work. Written as a Chrome trace (chrome://tracing, Perfetto) and a PNG, one run above the
-other. Used by `python -m rollout.bench --trace PREFIX`.
+"""Timeline of the step loop: host spans (schedule + build + launch, wait + update) and compute-stream
+spans (CUDA events on the host clock) of sync and async runs, as a Chrome trace and a PNG
+(`python -m rollout.bench --trace PREFIX`).
 """
 from __future__ import annotations
 
@@ -51,7 +50,7 @@ def write_chrome_trace(runs: dict, path: str) -> None:
         json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
 
 
-def plot(runs: dict, path: str, window_s: float | None = None) -> None:
+def plot(runs: dict, path: str) -> None:
     """One panel per mode; lanes CPU (host work light, waiting dark) and GPU compute."""
     import matplotlib
     matplotlib.use("Agg")
@@ -60,11 +59,10 @@ def plot(runs: dict, path: str, window_s: float | None = None) -> None:
     fig, axes = plt.subplots(len(runs), 1, figsize=(12, 1.8 * len(runs)), squeeze=False)
     for ax, (mode, sp) in zip(axes[:, 0], runs.items()):
         t0 = min([s for _, s, _ in sp["cpu"]] + [s for s, _ in sp["gpu"]])
-        end = window_s if window_s is not None else max(e for _, _, e in sp["cpu"]) - t0
+        end = max(e for _, _, e in sp["cpu"]) - t0
         colors = {"schedule+build+launch": "tab:orange", "wait+update": "tab:gray"}
         for name, s, e in sp["cpu"]:
-            if s - t0 <= end:
-                ax.broken_barh([((s - t0) * 1e3, (e - s) * 1e3)], (10, 8), color=colors.get(name, "tab:blue"))
+            ax.broken_barh([((s - t0) * 1e3, (e - s) * 1e3)], (10, 8), color=colors.get(name, "tab:blue"))
         for s, e in sp["gpu"]:
             if s - t0 <= end:
                 ax.broken_barh([((s - t0) * 1e3, (e - s) * 1e3)], (0, 8), color="tab:green")

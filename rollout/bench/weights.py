@@ -1,6 +1,5 @@
-"""Weight update during async decode: staging time, the compute-stream stall at the
-barrier, and step times around it. Then the updated engine must produce what a fresh
-engine built with the new weights produces.
+"""Weight update during async decode: staging time, the compute-stream stall at the barrier, and
+step times around it; then the updated engine must produce what a fresh engine on the new weights does.
 
     python -m rollout.bench.weights --shape llama3-8b --batch 32 --out bench/results/<name>.json
 """
@@ -17,7 +16,7 @@ from ..engine import RolloutEngine
 from ..request import SamplingParams
 from ..worker import RolloutWorker
 from .__main__ import run_meta, write_json
-from .shapes import SHAPES, make_config
+from .shapes import SHAPES, make_config, random_prompts
 
 
 def main(argv=None):
@@ -38,26 +37,23 @@ def main(argv=None):
     worker = RolloutWorker(RolloutEngine.from_config(cfg, seed=0, **kw))
     new = RolloutEngine.from_config(cfg, seed=1, **kw)
     update = [(n, t.clone()) for n, t in new.model.hf_targets().items()]   # standby source on the GPU
-    prompts = torch.randint(10, cfg.vocab_size - 10, (B, P), generator=torch.Generator().manual_seed(0)).tolist()
+    prompts = random_prompts(B, P, cfg.vocab_size, 0)
     params = SamplingParams(max_new_tokens=G, temperature=0, ignore_eos=True)
 
     worker.generate(prompts[:2], SamplingParams(max_new_tokens=8))   # warm-up
     ids = worker.add_requests(prompts, params)
-    step_ms, done, steps = [], 0, 0
-    t_stage = None
+    k = args.update_at_step
+    step_ms, done, t_stage = [], 0, None
     while done < len(ids):
-        if steps == args.update_at_step:
+        if len(step_ms) == k:
             t0 = time.perf_counter()
             worker.update_weights(update, version=1)
             t_stage = (time.perf_counter() - t0) * 1e3
         t0 = time.perf_counter()
         done += len(worker.step())
         step_ms.append((time.perf_counter() - t0) * 1e3)
-        steps += 1
     worker.weights.verify(block=True)
-    k = args.update_at_step
     steady = statistics.median(step_ms[k - 20:k - 1])
-    around = step_ms[k - 1:k + 3]
 
     check = SamplingParams(max_new_tokens=32, temperature=0, ignore_eos=True)
     got = worker.generate(prompts[:8], check)
@@ -68,8 +64,9 @@ def main(argv=None):
         "weights_bytes": wm["bytes"], "staging_call_ms": t_stage, "staging_ms": wm["staging_ms"],
         "barrier_stall_ms": wm["barrier_ms"], "committed_while_in_flight": wm["committed_while_in_flight"],
         "verified": wm["verified"], "pipeline_counts": dict(worker.engine.pipeline.counts),
-        "steady_step_ms": steady, "step_ms_around_update": around,
-        "outputs_equal_fresh_engine": [o.completions[0].token_ids for o in got] == [o.completions[0].token_ids for o in fresh],
+        "steady_step_ms": steady, "step_ms_around_update": step_ms[k - 1:k + 3],
+        "outputs_equal_fresh_engine": [o.completions[0].token_ids for o in got]
+        == [o.completions[0].token_ids for o in fresh],
         "meta": run_meta("rollout.bench.weights", argv),
     }
     print(json.dumps(result, indent=2))
@@ -80,5 +77,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    import sys
-    main(sys.argv[1:])
+    main()

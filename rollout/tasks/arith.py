@@ -1,11 +1,9 @@
 """Integer-arithmetic task: the problems, the reward and the default tiny model.
 
-Problems look like ``"17+25="`` with answer ``"42"``; subtraction may go
-negative (``"3-8="`` -> ``"-5"``).  This module is pure Python (no torch) so
-it can be imported by reward workers cheaply; training lives in
-``rollout.tasks.arith_train`` and is only imported on demand.
+Problems look like ``"17+25="`` with answer ``"42"``; differences may be negative (``"3-8="`` ->
+``"-5"``). Pure Python (no torch), cheap for reward workers; training lives in
+``rollout.tasks.arith_train``, imported on demand.
 """
-
 from __future__ import annotations
 
 import json
@@ -13,22 +11,13 @@ import pathlib
 import random
 import re
 
-__all__ = [
-    "OPS",
-    "default_model_path",
-    "ensure_default_model",
-    "make_problem",
-    "reward",
-    "solve",
-    "write_prompts",
-]
+__all__ = ["OPS", "default_model_path", "ensure_default_model", "make_problem", "reward", "solve", "write_prompts"]
 
 OPS = ("+", "-")
 EOS_TOKEN = "<eos>"
 
-# Share of 1-digit problems when ``max_digits >= 2``.  The 1-digit space is
-# tiny (200 problems) so it is learned almost perfectly; 2-digit problems
-# (20,000) are learned well but not perfectly, which leaves headroom for RL.
+# Share of 1-digit problems when max_digits >= 2: their 200 are learned almost perfectly, the
+# 20,000 2-digit ones well but not perfectly, which leaves headroom for RL.
 _ONE_DIGIT_SHARE = 0.3
 
 # A leading <bos> is allowed: a chat prompt as the model's chat template renders it.
@@ -36,27 +25,19 @@ _PROMPT_RE = re.compile(r"^\s*(?:<bos>)?\s*(-?\d+)\s*([+-])\s*(-?\d+)\s*=\s*$")
 
 
 def make_problem(rng: random.Random, max_digits: int = 2, digits: int | None = None) -> tuple[str, str]:
-    """Return ``(prompt, answer)``, e.g. ``("17+25=", "42")``.
-
-    ``digits`` fixes the size class: operands are uniform in
-    ``[0, 10**digits)``.  When it is None the class is drawn: 1-digit with
-    probability 0.3, otherwise uniform over ``2..max_digits``.  The operator is
-    ``+`` or ``-`` with equal probability; differences may be negative.
-    """
+    """``(prompt, answer)``, e.g. ``("17+25=", "42")``. ``digits`` fixes the size class (operands
+    uniform in ``[0, 10**digits)``); None draws it: 1 with probability 0.3, else uniform over
+    ``2..max_digits``. ``+`` or ``-`` with equal probability."""
     if max_digits < 1:
         raise ValueError("max_digits must be >= 1")
     if digits is None:
-        if max_digits == 1 or rng.random() < _ONE_DIGIT_SHARE:
-            digits = 1
-        else:
-            digits = rng.randint(2, max_digits)
-    elif not 1 <= digits:
+        digits = 1 if max_digits == 1 or rng.random() < _ONE_DIGIT_SHARE else rng.randint(2, max_digits)
+    elif digits < 1:
         raise ValueError("digits must be >= 1")
     hi = 10**digits
     a = rng.randrange(hi)
     b = rng.randrange(hi)
-    op = rng.choice(OPS)
-    prompt = f"{a}{op}{b}="
+    prompt = f"{a}{rng.choice(OPS)}{b}="
     return prompt, solve(prompt)
 
 
@@ -70,11 +51,8 @@ def solve(prompt: str) -> str:
 
 
 def reward(prompt: str, completion: str) -> float:
-    """1.0 if ``completion`` is exactly the correct answer, else 0.0.
-
-    A trailing ``<eos>`` (and anything after it) and surrounding whitespace are
-    stripped first; nothing else is forgiven (no leading zeros, no "+42").
-    """
+    """1.0 if ``completion`` is exactly the answer, else 0.0. A trailing ``<eos>`` (and what follows)
+    and surrounding whitespace are stripped first; nothing else is forgiven (no leading zeros, no "+42")."""
     try:
         answer = solve(prompt)
     except ValueError:

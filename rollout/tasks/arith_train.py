@@ -1,9 +1,8 @@
 """Build and train the tiny Llama arithmetic model shipped as the default model.
 
-``train_tiny_model(out_dir, minutes, seed)`` writes a standard Hugging Face
-checkpoint folder (config.json, generation_config.json, model.safetensors,
-tokenizer files, README.md) that loads offline with ``AutoTokenizer`` /
-``AutoModelForCausalLM``.  ``scripts/make_tiny_model.py`` is a thin CLI over it.
+``train_tiny_model(out_dir, minutes, seed)`` writes a Hugging Face checkpoint folder (config,
+generation config, safetensors, tokenizer, README.md) that loads offline with ``AutoTokenizer`` /
+``AutoModelForCausalLM``; ``scripts/make_tiny_model.py`` is its CLI.
 """
 
 from __future__ import annotations
@@ -24,21 +23,12 @@ SPECIAL_TOKENS = [PAD, BOS, EOS, UNK]
 CHARS = list("0123456789+-= ")
 VOCAB = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + CHARS)}
 
-MODEL_KWARGS = {
-    "hidden_size": 128,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "intermediate_size": 384,
-    "max_position_embeddings": 64,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 10000.0,
-    "tie_word_embeddings": False,
-    "hidden_act": "silu",
-    "initializer_range": 0.02,
-}
+MODEL_KWARGS = dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                    intermediate_size=384, max_position_embeddings=64, rms_norm_eps=1e-5, rope_theta=10000.0,
+                    tie_word_embeddings=False, hidden_act="silu", initializer_range=0.02)
 
 SEQ_LEN = 12  # <bos> + "99-99=" + "-99"/"198" + <eos> = 11, padded to 12
+WARMUP_STEPS = 50
 
 # The model only knows `<bos>17+25=42<eos>`. A user turn renders as its text, so one user
 # message "17+25=" gives exactly the trained prompt (ids of `tokenizer("17+25=")`); an assistant
@@ -57,43 +47,22 @@ def build_tokenizer():
     tok = Tokenizer(models.WordLevel(vocab=dict(VOCAB), unk_token=UNK))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tok.decoder = decoders.Fuse()
-    tok.post_processor = processors.TemplateProcessing(
-        single=f"{BOS} $A",
-        pair=f"{BOS} $A $B",
-        special_tokens=[(BOS, VOCAB[BOS])],
-    )
+    tok.post_processor = processors.TemplateProcessing(single=f"{BOS} $A", pair=f"{BOS} $A $B",
+                                                       special_tokens=[(BOS, VOCAB[BOS])])
     tok.add_special_tokens(SPECIAL_TOKENS)
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token=BOS,
-        eos_token=EOS,
-        pad_token=PAD,
-        unk_token=UNK,
-        padding_side="left",  # for batched generation of prompts
-        clean_up_tokenization_spaces=False,
-        model_input_names=["input_ids", "attention_mask"],
-    )
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD, unk_token=UNK,
+                                   padding_side="left",  # for batched generation of prompts
+                                   clean_up_tokenization_spaces=False,
+                                   model_input_names=["input_ids", "attention_mask"])
 
 
 def build_model(seed: int = 0, **overrides):
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=len(VOCAB),
-        bos_token_id=VOCAB[BOS],
-        eos_token_id=VOCAB[EOS],
-        pad_token_id=VOCAB[PAD],
-        **{**MODEL_KWARGS, **overrides},
-    )
-    model = LlamaForCausalLM(config)
-    model.generation_config = GenerationConfig(
-        bos_token_id=VOCAB[BOS],
-        eos_token_id=VOCAB[EOS],
-        pad_token_id=VOCAB[PAD],
-        do_sample=False,
-        max_new_tokens=8,
-    )
+    ids = dict(bos_token_id=VOCAB[BOS], eos_token_id=VOCAB[EOS], pad_token_id=VOCAB[PAD])
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(VOCAB), **ids, **{**MODEL_KWARGS, **overrides}))
+    model.generation_config = GenerationConfig(**ids, do_sample=False, max_new_tokens=8)
     return model
 
 
@@ -146,82 +115,54 @@ def _torch_threads(n: int | None):
         torch.set_num_threads(prev)
 
 
-def train_tiny_model(
-    out_dir,
-    minutes: float = 2.0,
-    seed: int = 0,
-    *,
-    max_steps: int | None = None,
-    batch_size: int = 128,
-    lr: float = 7e-4,
-    warmup_steps: int = 50,
-    num_threads: int | None = 1,
-    log_every: int = 50,
-    command: str | None = None,
-    model_kwargs: dict | None = None,
-    one_digit_share: float | None = None,
-    weight_decay: float = 0.01,
-    betas: tuple[float, float] = (0.9, 0.98),
-) -> dict:
+def train_tiny_model(out_dir, minutes: float = 2.0, seed: int = 0, *, max_steps: int | None = None,
+                     batch_size: int = 128, lr: float = 7e-4, num_threads: int | None = 1, log_every: int = 50,
+                     command: str | None = None, model_kwargs: dict | None = None) -> dict:
     """Train for ``minutes`` of wall clock (or ``max_steps``) and save to ``out_dir``.
 
-    Returns a dict of stats (params, steps, train_seconds, acc_1digit, acc_2digit).
+    Returns a dict of stats (params, steps, train_seconds, acc_1digit, acc_2digit, ...).
     """
     out_dir = pathlib.Path(out_dir)
-    # One thread by default: for a model this small, 2 threads are only ~1.3x
-    # faster on an idle 2-core box, but ~30x *slower* when another process holds
-    # one of the cores (OpenMP threads wait on the descheduled peer).
+    # One thread by default: for a model this small, 2 threads are only ~1.3x faster on an idle
+    # 2-core box, but ~30x slower when another process holds a core.
     with _torch_threads(num_threads):
         random.seed(seed)
         tokenizer = build_tokenizer()
         model = build_model(seed, **(model_kwargs or {}))
         n_params = sum(p.numel() for p in model.parameters())
-        print(
-            f"[arith-tiny] params={n_params:,} threads={torch.get_num_threads()} budget={minutes}min "
-            f"max_steps={max_steps}",
-            flush=True,
-        )
+        print(f"[arith-tiny] params={n_params:,} threads={torch.get_num_threads()} budget={minutes}min "
+              f"max_steps={max_steps}", flush=True)
 
         held_out = eval_problems(seed)
-        # Exclude held-out 2-digit prompts from training.  The 1-digit space has only
-        # 200 problems, so 1-digit "held-out" accuracy is in-distribution recall.
+        # Held-out 2-digit prompts stay out of training (the 1-digit space has only 200 problems:
+        # its held-out accuracy is recall).
         held_out_prompts = {p for p, _ in held_out[2]}
         rng = random.Random(seed)
 
         def sample_batch():
             probs = []
             while len(probs) < batch_size:
-                if one_digit_share is None:
-                    pa = make_problem(rng)
-                else:
-                    pa = make_problem(rng, digits=1 if rng.random() < one_digit_share else 2)
+                pa = make_problem(rng)
                 if pa[0] not in held_out_prompts:
                     probs.append(pa)
             return _encode_batch(probs)
 
-        opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=tuple(betas), weight_decay=weight_decay)
+        opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.01)
         budget = minutes * 60.0
         model.train()
         t0 = time.perf_counter()
-        step = 0
-        ema = None
+        step, ema = 0, None
         while True:
             elapsed = time.perf_counter() - t0
-            if max_steps is not None:
-                if step >= max_steps:
-                    break
-                frac = step / max_steps
-            else:
-                if elapsed >= budget:
-                    break
-                frac = elapsed / budget
-            # linear warmup, then cosine decay to 5% of peak over the time budget
-            scale = min(1.0, (step + 1) / warmup_steps) * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * frac)))
+            if (step >= max_steps) if max_steps is not None else (elapsed >= budget):
+                break
+            frac = step / max_steps if max_steps is not None else elapsed / budget
+            # linear warmup, then cosine decay to 5% of peak over the budget
+            scale = min(1.0, (step + 1) / WARMUP_STEPS) * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * frac)))
             for g in opt.param_groups:
                 g["lr"] = lr * scale
             ids, _mask, labels = sample_batch()
-            # Right padding + causal attention: pads never influence real tokens, so
-            # the attention mask is unnecessary (and skipping it is faster).
+            # Right padding + causal attention: pads never influence real tokens, so no mask is needed.
             loss = model(input_ids=ids, labels=labels).loss
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -230,55 +171,32 @@ def train_tiny_model(
             step += 1
             ema = loss.item() if ema is None else 0.95 * ema + 0.05 * loss.item()
             if step % log_every == 0:
-                print(
-                    f"[arith-tiny] step {step:5d}  t={time.perf_counter() - t0:6.1f}s  "
-                    f"lr={lr * scale:.2e}  loss(ema)={ema:.4f}",
-                    flush=True,
-                )
+                print(f"[arith-tiny] step {step:5d}  t={time.perf_counter() - t0:6.1f}s  "
+                      f"lr={lr * scale:.2e}  loss(ema)={ema:.4f}", flush=True)
         train_seconds = time.perf_counter() - t0
 
         acc = {d: evaluate(model, tokenizer, probs) for d, probs in held_out.items()}
-        print(
-            f"[arith-tiny] done: steps={step} train={train_seconds:.1f}s  "
-            f"held-out exact match: 1-digit={acc[1]:.3f} 2-digit={acc[2]:.3f}",
-            flush=True,
-        )
-
-        stats = {
-            "params": n_params,
-            "steps": step,
-            "batch_size": batch_size,
-            "train_seconds": round(train_seconds, 1),
-            "acc_1digit": acc[1],
-            "acc_2digit": acc[2],
-            "final_loss_ema": round(ema or float("nan"), 4),
-            "seed": seed,
-            "minutes": minutes,
-            "lr": lr,
-            "threads": torch.get_num_threads(),
-            "torch_version": torch.__version__,
-        }
+        print(f"[arith-tiny] done: steps={step} train={train_seconds:.1f}s  "
+              f"held-out exact match: 1-digit={acc[1]:.3f} 2-digit={acc[2]:.3f}", flush=True)
+        stats = dict(params=n_params, steps=step, batch_size=batch_size, train_seconds=round(train_seconds, 1),
+                     acc_1digit=acc[1], acc_2digit=acc[2], final_loss_ema=round(ema or float("nan"), 4), seed=seed,
+                     minutes=minutes, lr=lr, threads=torch.get_num_threads(), torch_version=torch.__version__)
         save(model, tokenizer, out_dir, stats, command)
         return stats
 
 
 def _compat_fixups(out_dir: pathlib.Path) -> None:
-    """Make the folder loadable by transformers 4.x as well as 5.x, with its chat template.
-
-    transformers 5 writes ``tokenizer_class: TokenizersBackend`` (unknown to 4.x)
-    and only ``rope_parameters`` (4.x reads ``rope_theta``); the chat template goes
-    into tokenizer_config.json, where both read it.
-    """
+    """Make the folder load in transformers 4.x as well as 5.x, with its chat template: 5 writes
+    ``tokenizer_class: TokenizersBackend`` (unknown to 4.x) and only ``rope_parameters`` (4.x reads
+    ``rope_theta``); the chat template goes into tokenizer_config.json, where both read it."""
     tc_path = out_dir / "tokenizer_config.json"
     tc = json.loads(tc_path.read_text(encoding="utf-8"))
-    tc["tokenizer_class"] = "PreTrainedTokenizerFast"
-    tc["model_max_length"] = MODEL_KWARGS["max_position_embeddings"]
-    tc["chat_template"] = CHAT_TEMPLATE
+    tc.update(tokenizer_class="PreTrainedTokenizerFast", model_max_length=MODEL_KWARGS["max_position_embeddings"],
+              chat_template=CHAT_TEMPLATE)
     tc_path.write_text(json.dumps(tc, indent=2) + "\n", encoding="utf-8")
     cfg_path = out_dir / "config.json"
     cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
-    rope = cfg.get("rope_parameters") or {}
-    cfg.setdefault("rope_theta", rope.get("rope_theta", MODEL_KWARGS["rope_theta"]))
+    cfg.setdefault("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", MODEL_KWARGS["rope_theta"]))
     cfg.setdefault("torch_dtype", cfg.get("dtype", "float32"))
     cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     for f in out_dir.iterdir():
