@@ -211,8 +211,8 @@ def write_part(parts_dir: Path, k: int, rows: list[dict]) -> Path:
 
 
 def scan_parts(parts_dir: Path, n: int, prompts: list[tuple[str, Any]]) -> tuple[set[int], int]:
-    """(prompt indices done, next part number). Removes tmp files of a wave killed mid-write.
-    Raises rather than resume into output it would corrupt (other prompts, partial groups)."""
+    """(prompt indices done, next part number); removes tmp files of a wave killed mid-write. Raises
+    rather than resume into output it would corrupt (other prompts, partial groups)."""
     import pyarrow.parquet as pq
     for tmp in parts_dir.glob(".part-*.tmp"):
         tmp.unlink()
@@ -262,16 +262,12 @@ def _changed(old: dict, new: dict, prefix: str = "") -> Iterator[tuple[str, Any,
 
 
 def _rows(outs: dict[int, Any], prompts, reward_fn) -> list[dict]:
-    rows = []
-    for i in sorted(outs):
-        o, prompt = outs[i], prompts[i][0]
-        for g, c in enumerate(o.completions):       # completions come in sample order
-            rows.append({"prompt_index": i, "prompt": prompt, "prompt_ids": o.prompt_token_ids, "sample_index": g,
-                         "completion_ids": c.token_ids, "text": c.text, "logprobs": c.logprobs,
-                         "processed_logprobs": c.processed_logprobs, "policy_versions": c.policy_versions,
-                         "finish_reason": c.finish_reason,
-                         "reward": reward_fn(prompt, c.text or "") if reward_fn else None})
-    return rows
+    """One row per completion, by prompt index then sample (completions come in sample order)."""
+    return [{"prompt_index": i, "prompt": prompts[i][0], "prompt_ids": outs[i].prompt_token_ids, "sample_index": g,
+             "completion_ids": c.token_ids, "text": c.text, "logprobs": c.logprobs,
+             "processed_logprobs": c.processed_logprobs, "policy_versions": c.policy_versions,
+             "finish_reason": c.finish_reason, "reward": reward_fn(prompts[i][0], c.text or "") if reward_fn else None}
+            for i in sorted(outs) for g, c in enumerate(outs[i].completions)]
 
 
 # ---- where the rollouts run: one worker here, or a Ray fleet -------------------------------------
@@ -467,7 +463,6 @@ def run(cfg) -> dict:
     cfg = merged
     import torch
 
-    from rollout import SamplingParams
     from rollout.tasks import arith
 
     # Everything is checked before the output dir is touched: settings, then the model, then every prompt.
@@ -538,9 +533,8 @@ def _generate(cfg, rollouts, base, prompts, reward_fn, t_start: float) -> dict:
                     tot["tokens"] += sum(len(r["completion_ids"]) for r in rows)
                     tot["reward_sum"] += sum(rw)
                     tot["rewards"] += len(rw)
-                    el = time.perf_counter() - t0
                     log.info("%s: %d prompts, %d completions; total %d tokens, %.0f tok/s", path.name,
-                             len(waves[w]), len(rows), tot["tokens"], tot["tokens"] / el)
+                             len(waves[w]), len(rows), tot["tokens"], tot["tokens"] / (time.perf_counter() - t0))
                 sink.maybe_log()
                 rate = (rollouts.generated_tokens() - gen0) / max(time.perf_counter() - t0, 1e-9)
                 bar.set_postfix(tok_s=f"{rate:.0f}", refresh=False)

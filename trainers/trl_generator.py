@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import logging
 import time
 import warnings
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
@@ -20,8 +19,6 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 import torch
 
 from rollout.request import SamplingParams
-
-log = logging.getLogger(__name__)
 
 # The tested trl range: the generation slot, `_metrics`, `_last_loaded_step` and AsyncGRPO are private seams.
 TRL_MIN_VERSION = "1.16"
@@ -142,10 +139,8 @@ def iter_trainer_weights(trainer) -> Iterator[tuple[str, torch.Tensor]]:
     model = trainer.model
     acc = getattr(trainer, "accelerator", None)
     if acc is not None:
-        try:
+        with contextlib.suppress(Exception):   # unusual wrappers
             model = acc.unwrap_model(model)
-        except Exception:   # pragma: no cover - unusual wrappers
-            pass
     dist = getattr(trainer, "_dist", None)
     if dist is not None and acc is not None:
         walker = _TRLParamWalker(model, acc, dist)
@@ -160,13 +155,11 @@ class _WeightMapper:
     """Maps trainer parameter names onto the worker's HF tensor names and casts to the worker's dtype/device."""
 
     def __init__(self, worker, name_map: Optional[Callable[[str], Optional[str]]] = None):
-        self.worker = worker
         self.name_map = name_map
         self.targets = worker.weights.targets        # hf name -> the engine's view (dtype, device, shape)
 
     def map(self, named: Iterable[tuple[str, torch.Tensor]], *, copy: bool) -> list[tuple[str, torch.Tensor]]:
-        out, seen = [], set()
-        embed = None
+        out, seen, embed = [], set(), None
         for name, t in named:
             name = _strip_wrappers(name)
             if self.name_map is not None:
