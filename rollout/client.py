@@ -101,9 +101,7 @@ class RolloutClient:
     def update_weights_from_ipc(self, named_tensors: Iterable, version: int) -> dict:
         """CUDA tensors of this process, shared by handle with a server on the same node."""
         from multiprocessing.reduction import ForkingPickler
-
         import torch.multiprocessing  # noqa: F401  (registers torch's CUDA tensor reductions)
-
         items = [(n, t.detach()) for n, t in named_tensors]
         if not all(t.is_cuda for _, t in items):
             raise ValueError("update_weights_from_ipc shares CUDA tensors; got tensors on the CPU "
@@ -116,9 +114,7 @@ class RolloutClient:
         """Make this process rank 0 and the server rank 1 of a new default torch.distributed group."""
         import torch
         import torch.distributed as dist
-
         from .weights import free_port, join_group
-
         if dist.is_initialized() and self._group_backend is None:
             raise RuntimeError("this process already has a default torch.distributed group; the weight group needs "
                                "its own (push from a process without one, or use update_weights_from_disk / _ipc)")
@@ -136,7 +132,6 @@ class RolloutClient:
 
     def update_weights_from_group(self, named_tensors: Iterable, version: int, bucket_bytes: int = 256 << 20) -> dict:
         from .weights import send_weights
-
         if self._group_backend is None:
             raise RuntimeError("no weight group: call init_weight_group() first")
         device = "cuda" if self._group_backend == "nccl" else None

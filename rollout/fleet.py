@@ -31,8 +31,7 @@ from .request import RequestOutput, SamplingParams
 
 log = logging.getLogger(__name__)
 
-_ACTOR_DEATH = tuple(e for e in (getattr(ray.exceptions, "RayActorError", None),
-                                 getattr(ray.exceptions, "ActorUnavailableError", None)) if e is not None)
+_ACTOR_DEATH = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
 
 
 @dataclass
@@ -82,13 +81,9 @@ def group_tokens(prompt, params: SamplingParams | None, max_model_len: int | Non
 
 
 def load_key(slot: _Slot, default: KVReport | None) -> tuple[float, float, int, int]:
-    """How loaded a slot is, lowest first: (load, kv + seqs, outstanding sequences, index).
-
-    kv    = (reported page demand x page_size + tokens sent since that report) / KV capacity in tokens;
-            before an actor's first report, `group_tokens` of its outstanding groups over `default`'s
-    seqs  = outstanding sequences / max_num_seqs
-    load  = max(kv, seqs): the scarcer of the two resources the worker's scheduler admits by
-    """
+    """How loaded a slot is, lowest first: (load, kv + seqs, outstanding sequences, index). kv = (reported page
+    demand x page_size + tokens sent since) / KV capacity (before an actor's first report: `group_tokens` of its
+    groups over `default`'s capacity), seqs = outstanding sequences / max_num_seqs, load = max(kv, seqs)."""
     r = slot.kv if slot.kv is not None else default
     if r is None:
         kv = 0.0
@@ -304,9 +299,8 @@ class RolloutFleet:
 
     # ---- generation ----------------------------------------------------------------------------
     def stream(self, prompts, sampling_params=None, *, max_inflight: int | None = None) -> Iterator[RequestOutput]:
-        """Yield one RequestOutput per prompt in completion order; request_id = prompt index.
-        max_inflight: at most this many prompts submitted and not yet returned; the rest are
-        submitted in input order as results come back (None = all at once)."""
+        """One RequestOutput per prompt in completion order (request_id = prompt index); at most max_inflight
+        prompts out at once, the rest sent in input order as results come back (None = all at once)."""
         if max_inflight is not None and max_inflight < 1:
             raise ValueError(f"max_inflight must be >= 1 or None, got {max_inflight}")
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, (list, tuple)):
@@ -401,7 +395,6 @@ class RolloutFleet:
     # ---- weights -------------------------------------------------------------------------------
     def _ensure_group(self) -> list[_Slot]:
         import torch.distributed as dist
-
         from .weights import free_port, join_group
         live = [s for s in self.slots if s.alive]
         members = tuple((s.index, s.generations) for s in live)
@@ -421,9 +414,8 @@ class RolloutFleet:
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int,
                        *, wait_commit: bool = True, timeout: float = 300.0) -> int:
-        """Broadcast (name, tensor) pairs from this process (rank 0) to every live worker and
-        stage them as `version`; with wait_commit, return once all have committed it.
-        Returns bytes sent. Restarted workers need full updates to catch up."""
+        """Broadcast (name, tensor) pairs from this process (rank 0) to every live worker as `version` (with
+        wait_commit, until all committed it); returns bytes sent. Restarted workers need full updates."""
         from .weights import WeightUpdateError, send_weights
         if version <= self.version:
             raise ValueError(f"version {version} is not newer than the fleet's version {self.version}")
@@ -457,8 +449,7 @@ class RolloutFleet:
 
     # ---- stats / shutdown ---------------------------------------------------------------------
     def stats(self) -> dict:
-        """Per-worker and fleet counters. An actor found dead here is handled as in `stream`
-        (marked dead, restarted if configured) and left out of this report."""
+        """Per-worker and fleet counters; an actor found dead is handled as in `stream` and left out."""
         dt = max(self.metrics["job_s"], 1e-9)
         workers = {}
         for s, ref in [(s, s.actor.stats.remote()) for s in self.slots if s.alive]:

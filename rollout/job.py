@@ -325,9 +325,7 @@ class _FleetRollouts:
 
     def __init__(self, cfg, model_path):
         import importlib.util
-
         from transformers import AutoConfig
-
         from rollout.engine import _load_tokenizer
         if importlib.util.find_spec("ray") is None:
             raise ImportError(f"fleet.num_workers={cfg.fleet.num_workers} runs workers as Ray actors: "
@@ -357,7 +355,6 @@ class _FleetRollouts:
 
     def start(self) -> None:
         import ray
-
         from rollout.fleet import EngineSpec, RolloutFleet
         fc = self.fc
         if ray.is_initialized():
@@ -462,9 +459,7 @@ def run(cfg) -> dict:
                          f"or null for the embedded model)")
     cfg = merged
     import torch
-
     from rollout.tasks import arith
-
     # Everything is checked before the output dir is touched: settings, then the model, then every prompt.
     if cfg.fleet.num_workers < 1:
         raise ValueError(f"fleet.num_workers must be >= 1, got {cfg.fleet.num_workers}")
@@ -490,7 +485,6 @@ def run(cfg) -> dict:
 def _generate(cfg, rollouts, base, prompts, reward_fn, t_start: float) -> dict:
     from tqdm.auto import tqdm
     from tqdm.contrib.logging import logging_redirect_tqdm
-
     n, B = base.n, cfg.batch_prompts
     out = Path(cfg.output_dir)
     parts_dir = out / "rollouts"

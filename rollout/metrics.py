@@ -126,7 +126,6 @@ def read_offline_run(run_dir) -> tuple[list[dict], dict]:
     """(history rows, final summary) of an offline run folder (`.../offline-run-*`) from its `.wandb` file:
     LevelDB-log framing (32 KiB blocks, 7-byte record headers, a 7-byte `:W&B` header) around protobuf `Record`s."""
     from wandb.proto import wandb_internal_pb2 as pb
-
     (path,) = Path(run_dir).glob("*.wandb")
     data = path.read_bytes()
     if data[:4] != b":W&B":

@@ -312,7 +312,6 @@ def send_weights(named_tensors: Iterable[tuple[str, torch.Tensor]], *, src: int 
     """Trainer side: broadcast a manifest, then the tensors packed into flat buckets; returns bytes sent.
     Every rank of `group` must call send_weights (src) or receive_weights."""
     import torch.distributed as dist
-
     items = [(n, t.detach()) for n, t in named_tensors]
     manifest = [(n, tuple(t.shape), t.dtype) for n, t in items]
     dist.broadcast_object_list([manifest], src=src, group=group)
@@ -335,7 +334,6 @@ def receive_weights(*, src: int = 0, group=None, device=None,
     """Worker side of send_weights: (name, tensor) views of the received buckets. If any rank lacks
     device room for the whole update, all raise WeightUpdateError before any bucket moves."""
     import torch.distributed as dist
-
     box = [None]
     dist.broadcast_object_list(box, src=src, group=group)
     manifest = box[0]

@@ -4,16 +4,11 @@
 TRL's call order: init_weight_transfer -> pause -> send_weights -> resume -> update_model_version(1) -> start
 -> (every weight_sync_steps: pause -> send_weights -> resume -> update_model_version(v)) -> stop -> destroy.
 
-- `EngineWeightTransfer`: `pause()` is a no-op (we never drain); `send_weights` consumes the iterator (FSDP2
-  gathers are collectives) into a staging copy in the worker's names and dtypes; `resume()` stages it, and the
-  worker commits it at its next batch boundary. Every token carries the version that sampled it.
-- `EngineRolloutWorker`: keeps `max_inflight_groups` prompts generating (one request with n = num_generations
-  each), scores each finished group, normalises advantages within it, and puts one `RolloutSample` per completion
-  onto `rollout_buffer`; a sample's `model_version` is the version live at its first token (trainer numbering).
-  `metrics_queue` gets the `gen/*` gauges.
-
-Our logprobs are AsyncGRPO's `old_log_probs` (its PPO ratio, no separate IS term). AsyncGRPOTrainer itself needs
-CUDA and FSDP2; on CPU only the protocols are exercised (tests/test_trl_async.py).
+`EngineWeightTransfer` never drains: `send_weights` copies the (collective) iterator into the worker's names and
+dtypes, `resume()` stages it, the worker commits at its next batch boundary. `EngineRolloutWorker` keeps
+`max_inflight_groups` prompts generating (n = num_generations each), scores finished groups, normalises advantages
+within each, and queues one `RolloutSample` per completion (`model_version`: the version live at its first token).
+Our logprobs are AsyncGRPO's `old_log_probs`. The trainer itself needs CUDA and FSDP2; on CPU only the protocols run.
 """
 from __future__ import annotations
 
@@ -137,7 +132,6 @@ class EngineRolloutWorker:
         self._heartbeat = time.time()
         self._started_worker_loop = False
         self._group_ids = itertools.count()
-        self.groups_done = 0
         self._barrier_seen = float(worker.weights.metrics.get("barrier_ms", 0.0))
         self.calls: list[str] = []
 
@@ -220,7 +214,6 @@ class EngineRolloutWorker:
                     tokens += sum(len(c.token_ids) for c in out.completions)
                     for s in samples:
                         self._put(s)
-                    self.groups_done += 1
                 now = time.perf_counter()
                 if now - last_push >= self.metrics_interval_s and tokens:
                     self._push({"gen/tokens_per_s": (float(tokens), now - t_window)})

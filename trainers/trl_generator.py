@@ -34,7 +34,6 @@ _WRAPPER_INFIXES = ("_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "_or
 def check_trl_version(version: Optional[str] = None) -> str:
     """Raise a clear error unless trl (or `version`) is in the tested range; return the version."""
     from packaging.version import Version
-
     if version is None:
         try:
             import trl
@@ -62,13 +61,10 @@ _KWARG_HARMLESS = {"n", "logprobs", "skip_special_tokens", "spaces_between_speci
 
 
 def sampling_params_from_trl_args(args, eos_ids: Iterable[int]) -> SamplingParams:
-    """Map a GRPOConfig / RLOOConfig / AsyncGRPOConfig onto our SamplingParams (n=1; the adapter sets n per request).
+    """A GRPOConfig / RLOOConfig / AsyncGRPOConfig as our SamplingParams (n=1; the adapter sets n per request).
 
-    max_completion_length -> max_new_tokens; temperature, top_p, top_k (None / -1 -> 0: off), min_p (None -> 0.0),
-    repetition_penalty as named. generation_kwargs (vLLM names, `_KWARG_ALIASES`) override them; formatting keys
-    (`_KWARG_HARMLESS`) are ignored; anything else raises (it would silently change the algorithm). The engine's own
-    EOS set is off (ignore_eos=True): it stops on exactly eos_ids (TRL's EOS) plus stop_token_ids; `ignore_eos=True`
-    in generation_kwargs drops eos_ids (vLLM semantics). A length cut never gets an EOS appended.
+    generation_kwargs (`_KWARG_ALIASES`) override the config's fields, formatting keys are ignored, anything else
+    raises. The engine stops on exactly eos_ids (TRL's EOS; dropped by ignore_eos=True) plus stop_token_ids.
     """
     kw = getattr(args, "generation_kwargs", None) or {}
     if isinstance(kw, str):   # a JSON string (CLI); TRL's configs usually parse it already
@@ -126,7 +122,6 @@ class _TRLParamWalker:
 
     def __init__(self, model, accelerator, dist):
         from trl.generation.vllm_generation import VLLMGeneration as V
-
         self.model, self.accelerator, self._dist = model, accelerator, dist
         for name in ("_iter_named_params", "_iter_fsdp_params", "_iter_fsdp1_params", "_iter_fsdp2_params",
                      "_fix_param_name_to_vllm"):
@@ -201,13 +196,9 @@ def _request_seed(base: int, call: int, index: int) -> int:
 class TRLGenerationAdapter:
     """Duck-types `trl.generation.VLLMGeneration` (trl 1.16) over a rank-local `RolloutWorker`.
 
-    - `sync_weights()`: walks the trainer model (PEFT merged, wrappers stripped), casts to the worker's dtype and
-      stages it as `version = trainer.state.global_step`; the worker commits it at its next batch boundary.
-    - `generate(prompts, images, num_generations, profiler)`: one row per input row, input order; consecutive
-      identical rows (TRL's G copies) become one request with n = run length (one prefill, shared KV pages).
-      Returns (prompt_ids, completion_ids, logprobs (B, T, 1), logprob_token_ids (B, T, 1)).
-    - Per batch it appends `gen/policy_version`, `_lag`, `gen/tokens_per_s`, `gen/weight_barrier_ms` and
-      `gen/weight_sync_ms` to `trainer._metrics[mode]`.
+    `sync_weights()` stages the trainer's weights as version `trainer.state.global_step` (committed at the worker's
+    next batch boundary). `generate` returns one row per input row; consecutive identical rows (TRL's G copies) are
+    one request with n = run length. Per batch it appends `gen/*` metrics to `trainer._metrics[mode]`.
     """
 
     mode = "server"     # what TRL's tool loop checks (it then reads max_model_len from the model config)
@@ -377,7 +368,6 @@ def attach_generator(trainer, worker, **kw) -> TRLGenerationAdapter:
     """
     check_trl_version()
     from trl import GRPOTrainer, RLOOTrainer
-
     if not isinstance(trainer, (GRPOTrainer, RLOOTrainer)):
         raise TypeError(f"attach_generator supports GRPOTrainer and RLOOTrainer, got {type(trainer).__name__}; "
                         f"for AsyncGRPOTrainer use trainers.trl_async (EngineRolloutWorker, EngineWeightTransfer)")
@@ -437,7 +427,6 @@ def make_rollout_func(worker, **kw) -> Callable[[list, Any], dict]:
 def tokenize_prompts(trainer, prompts: list) -> list[list[int]]:
     """Prompt ids as TRL's `_tokenize_prompts` makes them (text-only)."""
     from trl.data_utils import is_conversational
-
     proc = trainer.processing_class
     if is_conversational({"prompt": prompts[0]}):
         out = proc.apply_chat_template(

@@ -5,9 +5,8 @@
              attach_http_generator(trainer, "http://127.0.0.1:8000")
              trainer.train()
 
-The in-process `TRLGenerationAdapter` runs unchanged over `HTTPWorker`, which stands in for a RolloutWorker:
-generation goes to the native /generate (exact logprobs and per-token versions: TRL's IS correction is kept),
-weights over a torch.distributed group (this process is rank 0 of its own default group) or by CUDA IPC.
+The in-process `TRLGenerationAdapter` runs over `HTTPWorker`, a stand-in RolloutWorker: generation by the native
+/generate (exact logprobs and versions), weights over a torch.distributed group (rank 0 here) or by CUDA IPC.
 """
 from __future__ import annotations
 

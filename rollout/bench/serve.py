@@ -51,7 +51,6 @@ def _serve_child(args, kw: dict, port: int) -> None:
 def _server(args, kw: dict):
     """The benchmark server in a child process, up and warmed; its URL."""
     import httpx
-
     from ..client import RolloutClient
     port = free_port("127.0.0.1")
     proc = mp.get_context("spawn").Process(target=_serve_child, args=(args, kw, port), daemon=True)

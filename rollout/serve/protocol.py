@@ -166,7 +166,6 @@ class Formatter:
         self._text = [""] * total
         self._offset = [0] * total
 
-    # ---- pieces ------------------------------------------------------------------------------
     def _name(self, t: int) -> str:
         if self.as_ids:
             return f"token_id:{t}"
@@ -219,7 +218,6 @@ class Formatter:
         p = sum(len(x) for x in self.prompts)
         return {"prompt_tokens": p, "completion_tokens": completion_tokens, "total_tokens": p + completion_tokens}
 
-    # ---- whole responses -----------------------------------------------------------------------
     def response(self, outs: list[RequestOutput]) -> dict:
         choices, ntok = [], 0
         for p, out in enumerate(outs):         # prompt-major: the n choices of prompt 0, then prompt 1
@@ -230,7 +228,6 @@ class Formatter:
                 ntok += len(c.token_ids)
         return self._envelope(choices, self.usage(ntok), prompt=True)
 
-    # ---- stream chunks -------------------------------------------------------------------------
     def first_chunks(self) -> list[dict]:
         if not self.chat:
             return []

@@ -15,9 +15,7 @@ def read_safetensors(path: str, targets: dict) -> list[tuple[str, torch.Tensor]]
     head the engine does not hold and rotary buffers are skipped; other unknown names are kept (the
     worker rejects the update whole, naming them)."""
     from safetensors import safe_open
-
     from ..models.loader import checkpoint_files
-
     folder = Path(path)
     if not folder.is_dir():
         raise ValueError(f"path {path!r} is not a folder on the server")
@@ -40,7 +38,6 @@ def load_ipc_handles(handles_b64: str, device: torch.device) -> list[tuple[str, 
         raise ValueError(f"update_weights_from_ipc shares CUDA memory between processes on one node; this engine "
                          f"runs on {device.type} (use update_weights_from_disk or update_weights_from_group)")
     import torch.multiprocessing  # noqa: F401  (registers the CUDA tensor rebuilders)
-
     items = pickle.loads(base64.b64decode(handles_b64))
     if not isinstance(items, list) or not all(isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], str)
                                               and isinstance(x[1], torch.Tensor) for x in items):
@@ -52,7 +49,6 @@ def join_group(master_address: str, master_port: int, world_size: int, rank: int
                timeout_s: float) -> None:
     """Join the trainer's torch.distributed group (the trainer is rank 0) as this process's default one."""
     from ..weights import join_group as join
-
     if not 0 < rank < world_size:
         raise ValueError(f"rank_offset must be in [1, world_size), got {rank} with world_size={world_size}")
     join(backend, master_address, master_port, rank, world_size, timeout_s)
@@ -60,9 +56,7 @@ def join_group(master_address: str, master_port: int, world_size: int, rank: int
 
 def receive_group(device: torch.device, bucket_bytes: int) -> list[tuple[str, torch.Tensor]]:
     import torch.distributed as dist
-
     from ..weights import receive_weights
-
     if not dist.is_initialized():
         raise ValueError("no weight group: POST /init_weight_group first")
     if device.type == "cuda":
