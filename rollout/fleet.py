@@ -138,12 +138,10 @@ class _WorkerActor:
         # on a thread: submit waits for the step in flight, which must not block this actor's event loop
         fut = await asyncio.get_running_loop().run_in_executor(None, self.worker.submit, [prompt], params)
         box: list[KVReport] = []
-        # runs on the worker's loop thread as it resolves the future (under its lock), before
-        # wrap_future's callback (registered after this one) can wake this coroutine
+        # runs on the worker's loop thread as it resolves the future, before wrap_future's callback wakes us
         fut.add_done_callback(lambda f: None if f.cancelled() else box.append(self._kv_report(cached=True)))
         try:
-            # shielded: a ray.cancel (the driver dropped this prompt) must not cancel the worker's
-            # future, which its loop would then fail to resolve (InvalidStateError kills the loop)
+            # shielded: a ray.cancel must not cancel the worker's future (resolving it would kill its loop)
             out = (await asyncio.shield(asyncio.wrap_future(fut)))[0]
         except asyncio.CancelledError:
             await asyncio.get_running_loop().run_in_executor(None, self._abort, fut)
@@ -238,8 +236,7 @@ class RolloutFleet:
         self.metrics = {"dead_actors": 0, "restarted_actors": 0, "resubmitted_prompts": 0,
                         "duplicate_results": 0, "weight_updates": 0, "job_s": 0.0, "job_tokens": 0}
         self.placement: dict[int, int] = {}          # last stream: prompt index -> slot of its result
-        # waits until every engine is built; the first reports give each slot its KV capacity, and
-        # `kv_default` stands in for a restarted actor's until it reports
+        # waits for every engine; `kv_default` stands in for a restarted actor's report until it sends one
         reports = ray.get([s.actor.kv_report.remote() for s in self.slots])
         for s, r in zip(self.slots, reports):
             s.kv = r

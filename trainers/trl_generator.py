@@ -237,9 +237,8 @@ class TRLGenerationAdapter:
         step = int(self.trainer.state.global_step)
         dist = getattr(self.trainer, "_dist", None)
         sharded = bool(getattr(self.trainer, "is_deepspeed_enabled", False) or getattr(dist, "is_fsdp", False))
-        # Copy while the parameter is gathered / the PEFT adapter is merged (ZeRO-3 / FSDP free the gathered tensor
-        # when the walk moves on, unmerge_adapter() rewrites the base weights in place at its end); otherwise the
-        # worker's staging copy is the only one.
+        # copy while gathered / merged (ZeRO-3 / FSDP free the gathered tensor as the walk moves on, PEFT unmerges
+        # in place at its end); otherwise the worker's staging copy is the only one
         items = self._mapper.map(iter_trainer_weights(self.trainer), copy=sharded or _is_peft(self.trainer.model))
         with worker_lock(self.worker):        # no commit can run between reading the versions and staging
             newest = newest_worker_version(self.worker)
@@ -249,8 +248,7 @@ class TRLGenerationAdapter:
                 # first sync and the worker already serves these exact weights: adopt them as this version
                 self._offset = self.worker.policy_version - step
             else:
-                # the worker went past this version (e.g. it served another trainer): keep its versions monotone
-                # and report trainer-side numbers through the offset
+                # the worker went past this version (it served another trainer): monotone, reported via the offset
                 self._offset = newest + 1 - step
                 self.worker.update_weights(items, version=step + self._offset)
         self._synced = True
