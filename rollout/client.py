@@ -4,18 +4,14 @@
     outs = client.generate([[1, 2, 3]], SamplingParams(n=4, max_new_tokens=32))   # RequestOutputs
     client.update_weights_from_group(model.named_parameters(), version=1)         # after init_weight_group()
 
-Weights go by one of three transports: a safetensors folder the server can read, CUDA IPC handles
-(same node, the trainer keeps the tensors alive until the call returns), or a torch.distributed
-group this process and the server both join (this process is rank 0 and sends with
-rollout.weights.send_weights: gloo on CPU, NCCL on GPU).
+Weights go as a safetensors folder the server can read, CUDA IPC handles (same node), or over a
+torch.distributed group where this process is rank 0 (rollout.weights.send_weights).
 """
 from __future__ import annotations
 
 import base64
 import contextlib
 import dataclasses
-import datetime
-import socket
 from concurrent.futures import ThreadPoolExecutor
 from typing import Iterable, Optional, Union
 
@@ -105,9 +101,7 @@ class RolloutClient:
     def update_weights_from_ipc(self, named_tensors: Iterable, version: int) -> dict:
         """CUDA tensors of this process, shared by handle with a server on the same node."""
         from multiprocessing.reduction import ForkingPickler
-
         import torch.multiprocessing  # noqa: F401  (registers torch's CUDA tensor reductions)
-
         items = [(n, t.detach()) for n, t in named_tensors]
         if not all(t.is_cuda for _, t in items):
             raise ValueError("update_weights_from_ipc shares CUDA tensors; got tensors on the CPU "
@@ -120,28 +114,24 @@ class RolloutClient:
         """Make this process rank 0 and the server rank 1 of a new default torch.distributed group."""
         import torch
         import torch.distributed as dist
-
+        from .weights import free_port, join_group
         if dist.is_initialized() and self._group_backend is None:
             raise RuntimeError("this process already has a default torch.distributed group; the weight group needs "
                                "its own (push from a process without one, or use update_weights_from_disk / _ipc)")
         self.close_weight_group()
         backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         if master_port is None:
-            with socket.socket() as s:
-                s.bind((master_address, 0))
-                master_port = s.getsockname()[1]
+            master_port = free_port(master_address)
         body = {"master_address": master_address, "master_port": master_port, "world_size": 2, "rank_offset": 1,
                 "backend": backend, "timeout_s": timeout_s}
         with ThreadPoolExecutor(1) as ex:
             fut = ex.submit(self._call, "POST", "/init_weight_group", True, json=body)
-            dist.init_process_group(backend, init_method=f"tcp://{master_address}:{master_port}", rank=0,
-                                    world_size=2, timeout=datetime.timedelta(seconds=timeout_s))
+            join_group(backend, master_address, master_port, 0, 2, timeout_s)
             self._group_backend = backend
             return fut.result()
 
     def update_weights_from_group(self, named_tensors: Iterable, version: int, bucket_bytes: int = 256 << 20) -> dict:
         from .weights import send_weights
-
         if self._group_backend is None:
             raise RuntimeError("no weight group: call init_weight_group() first")
         device = "cuda" if self._group_backend == "nccl" else None

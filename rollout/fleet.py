@@ -1,32 +1,23 @@
-"""RolloutFleet: N RolloutWorkers as Ray actors behind one driver (issue 8).
+"""RolloutFleet: N RolloutWorkers as Ray actors behind one driver.
 
-    dispatch     one prompt = one request with its n samples (the GRPO group stays on one
-                 worker); each prompt goes to the live actor with the lowest load: the fuller
-                 of its two admission resources, KV pages (the worker's page demand at full
-                 length, reported with every result, plus what was sent since) and sequence
-                 slots (outstanding sequences / max_num_seqs); see `load_key`
-    collect      `generate` returns outputs in input order; `stream` yields them in
-                 completion order. Every RequestOutput's request_id is its prompt index.
-                 max_inflight bounds the prompts out at once (the rest follow in input order)
-    weights      the driver (trainer) is rank 0 of a torch.distributed group, actor i is
-                 rank i+1; `update_weights` broadcasts with send_weights / receive_weights
-                 (bucketed; gloo on CPU, NCCL with GPUs) and waits until every live worker
-                 has committed the version
-    faults       a dead actor (RayActorError) loses nothing: its unfinished prompts go to
-                 the other actors; only the first result per prompt index is kept; with
-                 restart_dead=True the slot gets a fresh actor, which takes work again once
-                 it is on the fleet's weight version. A prompt the driver drops (a stream
-                 closed early) is aborted on its worker, which keeps going
+    dispatch   one prompt = one request with its n samples (a GRPO group stays on one worker), to the
+               live actor with the lowest `load_key`: the fuller of its KV pages and sequence slots
+    collect    `generate` in input order, `stream` in completion order; request_id = prompt index;
+               max_inflight bounds the prompts out at once
+    weights    the driver is rank 0 of a torch.distributed group, actor i rank i+1; `update_weights`
+               broadcasts in buckets (gloo on CPU, NCCL with GPUs) and waits for every commit
+    faults     a dead actor's unfinished prompts go to the others (the first result per prompt is
+               kept); restart_dead=True gives its slot a fresh actor, used once on the fleet's weight
+               version. A prompt the driver drops (a stream closed early) is aborted on its worker
 
-Importing this module imports ray; the single-worker path (rollout.worker) never does.
+Importing this module imports ray; the single-worker path never does.
 """
 from __future__ import annotations
 
 import asyncio
-import datetime
+import itertools
 import logging
 import os
-import socket
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -40,8 +31,7 @@ from .request import RequestOutput, SamplingParams
 
 log = logging.getLogger(__name__)
 
-_ACTOR_DEATH = tuple(e for e in (getattr(ray.exceptions, "RayActorError", None),
-                                 getattr(ray.exceptions, "ActorUnavailableError", None)) if e is not None)
+_ACTOR_DEATH = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
 
 
 @dataclass
@@ -64,13 +54,11 @@ class EngineSpec:
 
 @dataclass
 class KVReport:
-    """A worker's KV state, taken under the worker lock and piggybacked on every `run` result
-    (no extra round trip); also returned by the actor's `kv_report` and `stats`."""
+    """A worker's KV state, taken under the worker lock and sent with every `run` result."""
     seq: int                 # per actor, increasing: the driver keeps the newest it has seen
     used: int                # KV pages in use now
-    demand: int              # pages its requests hold at full length: used + what running sequences may
-                             # still allocate + waiting requests at full length (the scheduler's
-                             # reserve_fraction arithmetic); > pages: new groups wait or preemption follows
+    demand: int              # pages its requests hold at full length (running and waiting); > pages:
+                             # new groups wait or preemption follows
     pages: int               # usable pages
     page_size: int
     max_num_seqs: int
@@ -80,10 +68,9 @@ class KVReport:
 
 
 def group_tokens(prompt, params: SamplingParams | None, max_model_len: int | None = None) -> int:
-    """KV tokens a prompt's group holds at full length, as the driver can tell without a
-    tokenizer: the prompt once (its pages are shared by the n samples) plus n x max_new_tokens,
-    capped by max_model_len. A text prompt counts 4 characters a token (the workers' reports
-    replace the estimate once the group is on a worker)."""
+    """KV tokens a prompt's group holds at full length, as the driver can tell without a tokenizer: the
+    prompt once (shared by the n samples) plus n x max_new_tokens, capped by max_model_len; a text
+    prompt counts 4 characters a token (until a worker's report replaces the estimate)."""
     p = params if params is not None else SamplingParams()
     plen = len(prompt) // 4 + 1 if isinstance(prompt, (str, bytes)) else len(prompt)
     gen = p.max_new_tokens
@@ -94,17 +81,9 @@ def group_tokens(prompt, params: SamplingParams | None, max_model_len: int | Non
 
 
 def load_key(slot: _Slot, default: KVReport | None) -> tuple[float, float, int, int]:
-    """How loaded a slot is, lowest first: (load, kv + seqs, outstanding sequences, index).
-
-    kv    = (reported page demand x page_size + tokens of groups sent after that report)
-            / KV capacity in tokens; before any report from this actor (a restarted one), the
-            driver's own estimate of its outstanding groups (`group_tokens`) over `default`'s capacity
-    seqs  = outstanding sequences / max_num_seqs
-    load  = max(kv, seqs): a worker is as full as the scarcer of the two resources its scheduler
-            admits by. With long generations KV binds first: a worker whose KV is (or will be)
-            full holds new groups back or preempts, so they go to the one with room. With short
-            generations the slots bind and this is queue depth, as before.
-    """
+    """How loaded a slot is, lowest first: (load, kv + seqs, outstanding sequences, index). kv = (reported page
+    demand x page_size + tokens sent since) / KV capacity (before an actor's first report: `group_tokens` of its
+    groups over `default`'s capacity), seqs = outstanding sequences / max_num_seqs, load = max(kv, seqs)."""
     r = slot.kv if slot.kv is not None else default
     if r is None:
         kv = 0.0
@@ -117,8 +96,7 @@ def load_key(slot: _Slot, default: KVReport | None) -> tuple[float, float, int, 
 
 
 def pick_slot(slots: Sequence[_Slot], exclude=(), default: KVReport | None = None) -> _Slot:
-    """The live, weight-synced slot with the lowest `load_key` (an actor in `exclude`, one that
-    just died, only when there is no other)."""
+    """The live, weight-synced slot with the lowest `load_key` (one in `exclude` only if no other)."""
     live = [s for s in slots if s.alive and s.synced and s.actor not in exclude]
     if not live:
         live = [s for s in slots if s.alive and s.synced]
@@ -130,20 +108,17 @@ def pick_slot(slots: Sequence[_Slot], exclude=(), default: KVReport | None = Non
 class _WorkerActor:
     """Ray actor (async; generation runs on the RolloutWorker's background thread)."""
 
-    def __init__(self, spec: EngineSpec, index: int, torch_threads: int | None = None):
+    def __init__(self, spec: EngineSpec, torch_threads: int | None = None):
         if torch_threads:
             torch.set_num_threads(torch_threads)
         from .worker import RolloutWorker
-        self.index = index
         self.worker = RolloutWorker(spec.build(), **spec.worker_kwargs)
         self.worker.start()
-        self.started = time.time()
         self._report: KVReport | None = None      # guarded by the worker lock
         self._report_batch = -1
 
     def _kv_report(self, cached: bool = False) -> KVReport:
-        """The worker's KV state (takes the worker lock, reentrant on its loop thread). cached: reuse
-        the one taken after the same engine step (requests finishing together share one)."""
+        """The worker's KV state (under the worker lock). cached: reuse the one taken after the same step."""
         with self.worker.locked():
             eng = self.worker.engine
             sch, alloc = eng.scheduler, eng.kv.alloc
@@ -163,12 +138,10 @@ class _WorkerActor:
         # on a thread: submit waits for the step in flight, which must not block this actor's event loop
         fut = await asyncio.get_running_loop().run_in_executor(None, self.worker.submit, [prompt], params)
         box: list[KVReport] = []
-        # runs on the worker's loop thread as it resolves the future (under its lock), before
-        # wrap_future's callback (registered after this one) can wake this coroutine
+        # runs on the worker's loop thread as it resolves the future, before wrap_future's callback wakes us
         fut.add_done_callback(lambda f: None if f.cancelled() else box.append(self._kv_report(cached=True)))
         try:
-            # shielded: a ray.cancel (the driver dropped this prompt) must not cancel the worker's
-            # future, which its loop would then fail to resolve (InvalidStateError kills the loop)
+            # shielded: a ray.cancel must not cancel the worker's future (resolving it would kill its loop)
             out = (await asyncio.shield(asyncio.wrap_future(fut)))[0]
         except asyncio.CancelledError:
             await asyncio.get_running_loop().run_in_executor(None, self._abort, fut)
@@ -186,9 +159,6 @@ class _WorkerActor:
     async def kv_report(self) -> KVReport:
         return await asyncio.get_running_loop().run_in_executor(None, self._kv_report)
 
-    async def ping(self) -> int:
-        return self.index
-
     async def policy_version(self) -> int:
         return self.worker.policy_version
 
@@ -199,15 +169,9 @@ class _WorkerActor:
 
     async def init_weight_group(self, backend: str, addr: str, port: int, rank: int, world_size: int,
                                 timeout_s: float = 600.0) -> None:
-        def _init():
-            import datetime
-
-            import torch.distributed as dist
-            if dist.is_initialized():
-                dist.destroy_process_group()
-            dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world_size,
-                                    timeout=datetime.timedelta(seconds=timeout_s))
-        await asyncio.get_running_loop().run_in_executor(None, _init)
+        from .weights import join_group
+        await asyncio.get_running_loop().run_in_executor(None, join_group, backend, addr, port, rank, world_size,
+                                                         timeout_s)
 
     async def receive_weights(self, version: int, bucket_bytes: int) -> None:
         from .weights import receive_weights
@@ -247,12 +211,6 @@ class _Slot:
     job_tokens: int = 0          # in the last generate/stream call
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
 class RolloutFleet:
     def __init__(self, num_workers: int, engine: EngineSpec | dict | Callable | str, *,
                  num_gpus_per_worker: float = 0, num_cpus_per_worker: float = 1,
@@ -266,23 +224,19 @@ class RolloutFleet:
             self.spec.config = self.spec.config.replace(device="cuda")   # Ray sets CUDA_VISIBLE_DEVICES per actor
         if not ray.is_initialized():
             ray.init(include_dashboard=False)
-        self.num_gpus_per_worker = num_gpus_per_worker
-        self.num_cpus_per_worker = num_cpus_per_worker
-        self.restart_dead = restart_dead
-        self.torch_threads = torch_threads
-        self.max_concurrency = max_concurrency
-        self.bucket_bytes = bucket_bytes
-        self.weight_timeout_s = weight_timeout_s      # collective timeout of the weight group
+        self._actor_options = dict(num_cpus=num_cpus_per_worker, num_gpus=num_gpus_per_worker,
+                                   max_concurrency=max_concurrency, max_restarts=0)
+        self.restart_dead, self.torch_threads = restart_dead, torch_threads
+        self.bucket_bytes, self.weight_timeout_s = bucket_bytes, weight_timeout_s   # the weight group's
         self.backend = "nccl" if num_gpus_per_worker else "gloo"
         self._cls = ray.remote(_WorkerActor)
-        self.slots = [_Slot(i, self._new_actor(i)) for i in range(num_workers)]
+        self.slots = [_Slot(i, self._new_actor()) for i in range(num_workers)]
         self.version = 0
         self._group_members: tuple | None = None     # actor ids in the current weight group
         self.metrics = {"dead_actors": 0, "restarted_actors": 0, "resubmitted_prompts": 0,
                         "duplicate_results": 0, "weight_updates": 0, "job_s": 0.0, "job_tokens": 0}
         self.placement: dict[int, int] = {}          # last stream: prompt index -> slot of its result
-        # waits until every engine is built; the first reports give each slot its KV capacity, and
-        # `kv_default` stands in for a restarted actor's until it reports
+        # waits for every engine; `kv_default` stands in for a restarted actor's report until it sends one
         reports = ray.get([s.actor.kv_report.remote() for s in self.slots])
         for s, r in zip(self.slots, reports):
             s.kv = r
@@ -304,16 +258,10 @@ class RolloutFleet:
             return EngineSpec(factory=engine)
         raise TypeError(f"engine must be an EngineSpec, a dict, a model path or a factory, got {type(engine)}")
 
-    def _new_actor(self, index: int):
-        return self._cls.options(num_cpus=self.num_cpus_per_worker, num_gpus=self.num_gpus_per_worker,
-                                 max_concurrency=self.max_concurrency, max_restarts=0,
-                                 ).remote(self.spec, index, self.torch_threads)
+    def _new_actor(self):
+        return self._cls.options(**self._actor_options).remote(self.spec, self.torch_threads)
 
     # ---- workers -----------------------------------------------------------------------------
-    @property
-    def actors(self) -> list:
-        return [s.actor for s in self.slots if s.alive]
-
     @property
     def num_live(self) -> int:
         return sum(s.alive for s in self.slots)
@@ -341,19 +289,15 @@ class RolloutFleet:
         slot.kv = None
         self.metrics["dead_actors"] += 1
         if self.restart_dead:
-            slot.actor = self._new_actor(slot.index)
+            slot.actor = self._new_actor()
             slot.alive, slot.generations = True, slot.generations + 1
             slot.synced = self.version == 0
             self.metrics["restarted_actors"] += 1
 
-    def _pick(self, exclude=()) -> _Slot:
-        return pick_slot(self.slots, exclude, self.kv_default)
-
     # ---- generation ----------------------------------------------------------------------------
     def stream(self, prompts, sampling_params=None, *, max_inflight: int | None = None) -> Iterator[RequestOutput]:
-        """Yield one RequestOutput per prompt in completion order; request_id = prompt index.
-        max_inflight: at most this many prompts submitted and not yet returned; the rest are
-        submitted in input order as results come back (None = all at once)."""
+        """One RequestOutput per prompt in completion order (request_id = prompt index); at most max_inflight
+        prompts out at once, the rest sent in input order as results come back (None = all at once)."""
         if max_inflight is not None and max_inflight < 1:
             raise ValueError(f"max_inflight must be >= 1 or None, got {max_inflight}")
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, (list, tuple)):
@@ -370,7 +314,7 @@ class RolloutFleet:
         t0 = time.perf_counter()
 
         def submit(i: int, exclude=()):
-            slot = self._pick(exclude)
+            slot = pick_slot(self.slots, exclude, self.kv_default)
             p = params[i]
             ref = slot.actor.run.remote(prompts[i], p)
             slot.outstanding += p.n if p is not None else 1
@@ -382,10 +326,7 @@ class RolloutFleet:
         todo = iter(range(len(prompts)))
 
         def fill() -> None:
-            while max_inflight is None or len(pending) < max_inflight:
-                i = next(todo, None)
-                if i is None:
-                    return
+            for i in itertools.islice(todo, None if max_inflight is None else max(max_inflight - len(pending), 0)):
                 submit(i)
 
         def release(i: int, slot: _Slot, actor) -> None:
@@ -451,6 +392,7 @@ class RolloutFleet:
     # ---- weights -------------------------------------------------------------------------------
     def _ensure_group(self) -> list[_Slot]:
         import torch.distributed as dist
+        from .weights import free_port, join_group
         live = [s for s in self.slots if s.alive]
         members = tuple((s.index, s.generations) for s in live)
         if members == self._group_members:
@@ -458,23 +400,19 @@ class RolloutFleet:
         if dist.is_initialized() and self._group_members is None:
             raise RuntimeError("the driver already has a default torch.distributed group; RolloutFleet makes "
                                "the driver rank 0 of its own group (run the fleet from a process without one)")
-        if dist.is_initialized():
-            dist.destroy_process_group()      # membership changed (a worker died or restarted)
         addr = ray.util.get_node_ip_address() if len(ray.nodes()) > 1 else "127.0.0.1"
-        port, world = _free_port(), len(live) + 1
+        port, world = free_port(), len(live) + 1
         refs = [s.actor.init_weight_group.remote(self.backend, addr, port, k + 1, world, self.weight_timeout_s)
                 for k, s in enumerate(live)]
-        dist.init_process_group(self.backend, init_method=f"tcp://{addr}:{port}", rank=0, world_size=world,
-                                timeout=datetime.timedelta(seconds=self.weight_timeout_s))
+        join_group(self.backend, addr, port, 0, world, self.weight_timeout_s)   # a changed membership: a new group
         ray.get(refs)
         self._group_members = members
         return live
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int,
                        *, wait_commit: bool = True, timeout: float = 300.0) -> int:
-        """Broadcast (name, tensor) pairs from this process (rank 0) to every live worker and
-        stage them as `version`; with wait_commit, return once all have committed it.
-        Returns bytes sent. Restarted workers need full updates to catch up."""
+        """Broadcast (name, tensor) pairs from this process (rank 0) to every live worker as `version` (with
+        wait_commit, until all committed it); returns bytes sent. Restarted workers need full updates."""
         from .weights import WeightUpdateError, send_weights
         if version <= self.version:
             raise ValueError(f"version {version} is not newer than the fleet's version {self.version}")
@@ -508,29 +446,24 @@ class RolloutFleet:
 
     # ---- stats / shutdown ---------------------------------------------------------------------
     def stats(self) -> dict:
-        """Per-worker and fleet counters. An actor found dead here is handled as in `stream`
-        (marked dead, restarted if configured) and left out of this report."""
-        live, remote = [], []
-        for s, ref in [(s, s.actor.stats.remote()) for s in self.slots if s.alive]:
-            try:
-                remote.append(ray.get(ref))
-                live.append(s)
-            except _ACTOR_DEATH:
-                self._mark_dead(s)
+        """Per-worker and fleet counters; an actor found dead is handled as in `stream` and left out."""
         dt = max(self.metrics["job_s"], 1e-9)
         workers = {}
-        for s, st in zip(live, remote):
-            st = dict(st)
+        for s, ref in [(s, s.actor.stats.remote()) for s in self.slots if s.alive]:
+            try:
+                st = dict(ray.get(ref))
+            except _ACTOR_DEATH:
+                self._mark_dead(s)
+                continue
             self._observe(s, s.actor, st.pop("kv_report", None))
-            load, _, _, _ = load_key(s, self.kv_default)
             st.update(outstanding=s.outstanding, synced=s.synced, restarts=s.generations,
                       returned_tokens=s.tokens, tok_s=s.job_tokens / dt if self.metrics["job_s"] else 0.0,
-                      outstanding_tokens=s.outstanding_tokens, load=load,
+                      outstanding_tokens=s.outstanding_tokens, load=load_key(s, self.kv_default)[0],
                       kv_demand=s.kv.demand / max(s.kv.pages, 1) if s.kv is not None else 0.0,
                       kv_used_frac=s.kv.used / max(s.kv.pages, 1) if s.kv is not None else 0.0)
             workers[s.index] = st
         vers = [w["policy_version"] for w in workers.values()]
-        return {"workers": workers, "num_live": len(live), "num_workers": len(self.slots),
+        return {"workers": workers, "num_live": len(workers), "num_workers": len(self.slots),
                 "fleet_version": self.version, "version_skew": (max(vers) - min(vers)) if vers else 0,
                 "tok_s": self.metrics["job_tokens"] / dt if self.metrics["job_s"] else 0.0,
                 **self.metrics}
@@ -548,9 +481,3 @@ class RolloutFleet:
         if self._group_members is not None and dist.is_initialized():
             dist.destroy_process_group()
         self._group_members = None
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.shutdown()

@@ -1,23 +1,15 @@
-"""The rollout job (issues 5, 8): prompts from a dataset -> RolloutWorker(s) -> parquet parts + W&B.
+"""The rollout job: prompts from a dataset -> RolloutWorker(s) -> parquet parts + W&B.
 
     python scripts/rollout.py +experiment=grpo [key=value ...]
     python scripts/rollout.py +experiment=grpo fleet.num_workers=4     # 4 workers as Ray actors
 
-`run(cfg)` takes the composed config (Hydra CLI, `hydra.compose`, or a plain dict) and
-returns the summary. It sits outside the engine core and uses only the public
-RolloutEngine / RolloutWorker APIs.
-
-Output: `<output_dir>/rollouts/part-XXXXX.parquet`, one file per wave, one row per
-completion, each written atomically (hidden tmp file, then rename). Rerunning with the
-same output_dir resumes: prompts whose n samples are in a committed part are skipped, so
-a killed job loses only its unfinished waves and duplicates nothing. With a sampling
-seed, each prompt's seed is derived from (seed, prompt index), so a wave regenerated after
-a kill gives the same completions an uninterrupted run would have.
-
-fleet.num_workers == 1 runs one RolloutWorker in this process and never imports Ray. With
-more, this process (the driver) holds only the tokenizer: a rollout.fleet.RolloutFleet of
-Ray actors builds the engines, each prompt goes with its n samples to one actor, and the
-results land in the same waves, parts and resume logic.
+`run(cfg)` takes the composed config (Hydra, `hydra.compose`, or a plain dict) and returns the
+summary. Output: `<output_dir>/rollouts/part-XXXXX.parquet`, one atomically written file per wave,
+one row per completion. Rerunning with the same output_dir resumes: prompts whose n samples are in
+a committed part are skipped. A seeded prompt's seed comes from (seed, prompt index), so a wave
+regenerated after a kill matches an uninterrupted run. fleet.num_workers == 1 runs one worker in
+this process (Ray never imported); more run as a rollout.fleet.RolloutFleet of Ray actors, with the
+same waves, parts and resume logic.
 """
 from __future__ import annotations
 
@@ -33,7 +25,6 @@ from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any, Optional
 
 from omegaconf import MISSING, DictConfig, OmegaConf
@@ -75,12 +66,10 @@ class LoggingConfig:                     # keyword arguments of rollout.metrics.
 @dataclass
 class FleetConfig:                       # several RolloutWorkers as Ray actors (rollout.fleet.RolloutFleet)
     num_workers: int = 1                 # 1 = one worker in this process, Ray never imported
-    num_gpus_per_worker: Optional[float] = None   # null = 1 if device is cuda, or device is null and
-                                                  # the Ray cluster has GPUs; else 0 (CPU workers)
+    num_gpus_per_worker: Optional[float] = None   # null = 1 on cuda (or device null on a GPU cluster), else 0
     num_cpus_per_worker: float = 1.0
     restart_dead: bool = False           # a dead actor's slot gets a fresh actor (its prompts go elsewhere anyway)
-    ray_address: Optional[str] = None    # null = Ray's default: RAY_ADDRESS, else a `ray start` cluster on
-                                         # this machine, else a new local one; or auto | host:port | local
+    ray_address: Optional[str] = None    # null = Ray's default (RAY_ADDRESS, a local `ray start`, a new one)
 
 
 @dataclass
@@ -97,7 +86,6 @@ class JobConfig:
 
 
 def register_configs() -> None:
-    """Store the schema under the name conf/config.yaml's defaults list refers to."""
     from hydra.core.config_store import ConfigStore
     ConfigStore.instance().store(name="job_schema", node=JobConfig)
 
@@ -129,11 +117,9 @@ def _load_dataset(path: Path, split: str):
 
 def load_prompts(data, tokenizer, max_model_len: Optional[int] = None,
                  vocab_size: Optional[int] = None) -> list[tuple[str, list[int]]]:
-    """[(prompt text, token ids)] for every row, all checked before any generation: a string
-    row is tokenized as the engine tokenizes text (with the tokenizer's special tokens); a
-    message list goes through the tokenizer's chat template (which adds its own special
-    tokens, so its text is tokenized without more). With max_model_len / vocab_size, a row
-    whose prompt leaves no room to generate, or has ids outside the vocabulary, is an error."""
+    """[(prompt text, token ids)] for every row, all checked before any generation. A string is
+    tokenized with the tokenizer's special tokens; a message list goes through the chat template
+    (which adds its own). A prompt with no room to generate or ids outside the vocabulary is an error."""
     path = Path(data.path) if data.path else SHIPPED_PROMPTS
     ds = _load_dataset(path, data.split)
     if data.prompt_field not in ds.column_names:
@@ -173,13 +159,9 @@ def load_prompts(data, tokenizer, max_model_len: Optional[int] = None,
 
 
 def _reward_fn(name: Optional[str]):
-    """The `reward` setting: `arith` (rollout.tasks.arith.reward), `package.module:function`, or
-    null (no reward column). The function is called as fn(prompt, completion) -> float, once per
-    completion, in the job's process, when the completion's wave is complete and before its part
-    is written: `prompt` is the prompt's text (a chat prompt as its template rendered it),
-    `completion` the completion's decoded text (special tokens skipped, cut at a stop string).
-    The number goes into the part's `reward` column. Checked here, at start-up: importable,
-    callable with two arguments."""
+    """The `reward` setting: `arith`, `package.module:function`, or null (no reward column). Called
+    as fn(prompt text, completion text) -> float per completion before its part is written;
+    checked at start-up (importable, callable with two arguments)."""
     if not name:
         return None
     target = "rollout.tasks.arith:reward" if name == "arith" else name
@@ -229,8 +211,8 @@ def write_part(parts_dir: Path, k: int, rows: list[dict]) -> Path:
 
 
 def scan_parts(parts_dir: Path, n: int, prompts: list[tuple[str, Any]]) -> tuple[set[int], int]:
-    """(prompt indices done, next part number). Removes tmp files of a wave killed mid-write.
-    Raises rather than resume into output it would corrupt (other prompts, partial groups)."""
+    """(prompt indices done, next part number); removes tmp files of a wave killed mid-write. Raises
+    rather than resume into output it would corrupt (other prompts, partial groups)."""
     import pyarrow.parquet as pq
     for tmp in parts_dir.glob(".part-*.tmp"):
         tmp.unlink()
@@ -254,8 +236,8 @@ def scan_parts(parts_dir: Path, n: int, prompts: list[tuple[str, Any]]) -> tuple
 
 
 def _check_fingerprint(out: Path, cfg) -> None:
-    """Refuse to resume into an output made with another model, data or sampling config
-    (data.limit and engine settings may change between runs)."""
+    """Refuse to resume into an output of another model, data or sampling config (data.limit and
+    engine settings may change)."""
     fp = {"model": cfg.model.path, "data": {k: cfg.data[k] for k in ("path", "prompt_field", "split")},
           "sampling": OmegaConf.to_container(cfg.sampling, resolve=True), "reward": cfg.reward}
     path = out / "job.json"
@@ -280,16 +262,12 @@ def _changed(old: dict, new: dict, prefix: str = "") -> Iterator[tuple[str, Any,
 
 
 def _rows(outs: dict[int, Any], prompts, reward_fn) -> list[dict]:
-    rows = []
-    for i in sorted(outs):
-        o, prompt = outs[i], prompts[i][0]
-        for g, c in enumerate(o.completions):       # completions come in sample order
-            rows.append({"prompt_index": i, "prompt": prompt, "prompt_ids": o.prompt_token_ids, "sample_index": g,
-                         "completion_ids": c.token_ids, "text": c.text, "logprobs": c.logprobs,
-                         "processed_logprobs": c.processed_logprobs, "policy_versions": c.policy_versions,
-                         "finish_reason": c.finish_reason,
-                         "reward": reward_fn(prompt, c.text or "") if reward_fn else None})
-    return rows
+    """One row per completion, by prompt index then sample (completions come in sample order)."""
+    return [{"prompt_index": i, "prompt": prompts[i][0], "prompt_ids": outs[i].prompt_token_ids, "sample_index": g,
+             "completion_ids": c.token_ids, "text": c.text, "logprobs": c.logprobs,
+             "processed_logprobs": c.processed_logprobs, "policy_versions": c.policy_versions,
+             "finish_reason": c.finish_reason, "reward": reward_fn(prompts[i][0], c.text or "") if reward_fn else None}
+            for i in sorted(outs) for g, c in enumerate(outs[i].completions)]
 
 
 # ---- where the rollouts run: one worker here, or a Ray fleet -------------------------------------
@@ -315,9 +293,8 @@ class _LocalRollouts:
         return MetricsSink(self.worker, **kw)
 
     def results(self, waves, prompts, params, batch: int) -> Iterator[list[tuple[int, int, Any]]]:
-        """[(wave, prompt index, RequestOutput)] finished by each worker step. The next wave is
-        queued as soon as the current one starts draining, so the batch stays full across wave
-        boundaries (at most two waves in flight)."""
+        """[(wave, prompt index, RequestOutput)] finished by each worker step. The next wave is queued
+        as the current one starts draining (at most two in flight): the batch stays full."""
         owner: dict[int, tuple[int, int]] = {}          # request id -> (wave, prompt index)
         nxt = 0
         while True:
@@ -343,14 +320,12 @@ class _LocalRollouts:
 
 
 class _FleetRollouts:
-    """fleet.num_workers > 1: a RolloutFleet of Ray actors builds the engines; this process
-    holds only the tokenizer (chat templates) and the model's config.json (prompt validation)."""
+    """fleet.num_workers > 1: Ray actors build the engines; this process holds only the tokenizer and
+    the model's config.json (prompt validation)."""
 
     def __init__(self, cfg, model_path):
         import importlib.util
-
         from transformers import AutoConfig
-
         from rollout.engine import _load_tokenizer
         if importlib.util.find_spec("ray") is None:
             raise ImportError(f"fleet.num_workers={cfg.fleet.num_workers} runs workers as Ray actors: "
@@ -380,7 +355,6 @@ class _FleetRollouts:
 
     def start(self) -> None:
         import ray
-
         from rollout.fleet import EngineSpec, RolloutFleet
         fc = self.fc
         if ray.is_initialized():
@@ -406,9 +380,8 @@ class _FleetRollouts:
         return _FleetMetricsSink(self.fleet, self.cuda, **kw)
 
     def results(self, waves, prompts, params, batch: int) -> Iterator[list[tuple[int, int, Any]]]:
-        """[(wave, prompt index, RequestOutput)] per prompt, in completion order. Prompts go out in
-        wave order with at most two waves per live worker in flight (as one worker keeps), so
-        waves finish roughly in order and each actor's batch stays full across wave boundaries."""
+        """[(wave, prompt index, RequestOutput)] per prompt, in completion order. At most two waves per
+        live worker in flight (as one worker keeps): waves finish roughly in order, batches stay full."""
         order = [(w, i) for w, idx in enumerate(waves) for i in idx]
         stream = self.fleet.stream([prompts[i][1] for _, i in order], [params(i) for _, i in order],
                                    max_inflight=2 * batch * self.fleet.num_live)
@@ -446,73 +419,33 @@ class _FleetRollouts:
             self.own_ray = False
 
 
-class _FleetView:
-    """The worker / engine attributes MetricsSink reads outside _snapshot and log, for a fleet."""
-
-    def __init__(self, fleet, cuda: bool):
-        self.fleet, self.engine = fleet, self
-        self.device = SimpleNamespace(type="cuda" if cuda else "cpu")
-
-    @property
-    def policy_version(self) -> int:
-        return self.fleet.version
-
-
 class _FleetMetricsSink(MetricsSink):
-    """MetricsSink over a RolloutFleet: the same run, samples table, reward and version ages;
-    rates and gauges summed over the workers' stats (fleet.stats()), plus each worker's
-    generated tok/s and queue depth and the fleet's live actors, version skew and faults."""
+    """MetricsSink over a RolloutFleet: the gauges summed over the workers' stats (fleet.stats()),
+    plus each worker's generated tok/s and queue depth, the live actors, version skew and faults."""
 
     def __init__(self, fleet, cuda: bool, **kw):
-        self.fleet = fleet
-        self._stats: dict = {"workers": {}}
-        super().__init__(_FleetView(fleet, cuda), **kw)
+        self.fleet, self._stats = fleet, {"workers": {}}
+        super().__init__(fleet, cuda=cuda, **kw)
 
-    def _snapshot(self):
+    def _workers(self) -> dict:
         try:
             self._stats = self.fleet.stats()
         except Exception as exc:  # noqa: BLE001  an actor died since the last call: keep the last stats
             log.warning("fleet stats: %r", exc)
-        ws = self._stats["workers"]
         # keyed by (slot, restarts): a restarted actor's counters start again from 0
-        gen = {(i, w["restarts"]): w["generated_tokens"] for i, w in ws.items()}
-        pre = {(i, w["restarts"]): w["prefill_tokens"] for i, w in ws.items()}
-        return time.perf_counter(), gen, pre, sum(w.get("gpu_busy_ms", 0.0) for w in ws.values())
+        return {(i, w["restarts"]): w for i, w in self._stats["workers"].items()}
 
-    def log(self, extra: dict | None = None) -> dict:
-        now, gen, pre, busy = snap = self._snapshot()
-        t0, gen0, pre0, busy0 = self._last
-        self._last, dt = snap, max(now - t0, 1e-9)
-        st, ws = self._stats, self._stats["workers"]
-        rate = {k: max(v - gen0.get(k, 0), 0) / dt for k, v in gen.items()}
+    def _policy_version(self) -> int:
+        return self.fleet.version
 
-        def total(key: str) -> float:
-            return sum(w.get(key, 0) for w in ws.values())
-
-        discarded = total("discarded_tokens")
-        m = {
-            "throughput/gen_tok_s": sum(rate.values()),
-            "throughput/prefill_tok_s": sum(max(v - pre0.get(k, 0), 0) for k, v in pre.items()) / dt,
-            "batch/running": total("running_seqs"),
-            "batch/occupancy": total("running_seqs") / max(total("max_num_seqs"), 1),
-            "kv/pages_used": total("kv_pages_used"),
-            "kv/usage": total("kv_pages_used") / max(total("kv_pages_total"), 1),
-            "sched/preemptions": total("preemptions"),
-            "sched/recomputed_tokens": total("recomputed_tokens"),
-            "weights/updates": st.get("weight_updates", 0), "weights/policy_version": self.fleet.version,
-            "tokens/generated": total("generated_tokens"), "tokens/discarded": discarded,
-            "tokens/aborted": self.aborted_tokens, "tokens/wasted": discarded + self.aborted_tokens,
-            "rollouts/completions": self.completions,
-            **{f"tokens/version_age_{a}": c for a, c in sorted(self.ages.items())},
-            **{f"fleet/{k}": st.get(k, 0) for k in ("num_live", "version_skew", "dead_actors",
-                                                    "restarted_actors", "resubmitted_prompts")},
-            **{f"fleet/worker_{i}/gen_tok_s": r for (i, _), r in rate.items()},
-            **{f"fleet/worker_{i}/{k}": w[k] for i, w in ws.items()
-               for k in ("outstanding", "load", "kv_demand", "kv_used_frac") if k in w},
-        }
-        if self.cuda and ws:
-            m["gpu/busy_pct"] = 100.0 * max(busy - busy0, 0) / (dt * 1e3) / len(ws)
-        return self._emit(m, extra)
+    def _extra(self, workers: dict, gen_rates: dict) -> dict:
+        st = self._stats
+        return {"weights/updates": st.get("weight_updates", 0),
+                **{f"fleet/{k}": st.get(k, 0) for k in ("num_live", "version_skew", "dead_actors",
+                                                        "restarted_actors", "resubmitted_prompts")},
+                **{f"fleet/worker_{i}/gen_tok_s": r for (i, _), r in gen_rates.items()},
+                **{f"fleet/worker_{i}/{k}": w[k] for (i, _), w in workers.items()
+                   for k in ("outstanding", "load", "kv_demand", "kv_used_frac") if k in w}}
 
 
 # ---- the job -------------------------------------------------------------------------------------
@@ -526,12 +459,8 @@ def run(cfg) -> dict:
                          f"or null for the embedded model)")
     cfg = merged
     import torch
-
-    from rollout import SamplingParams
     from rollout.tasks import arith
-
-    # Everything that can be wrong is checked before the output dir is touched: the cheap
-    # settings first, then the model, then every prompt (tokenized, lengths, vocabulary).
+    # Everything is checked before the output dir is touched: settings, then the model, then every prompt.
     if cfg.fleet.num_workers < 1:
         raise ValueError(f"fleet.num_workers must be >= 1, got {cfg.fleet.num_workers}")
     if cfg.batch_prompts < 1:
@@ -556,7 +485,6 @@ def run(cfg) -> dict:
 def _generate(cfg, rollouts, base, prompts, reward_fn, t_start: float) -> dict:
     from tqdm.auto import tqdm
     from tqdm.contrib.logging import logging_redirect_tqdm
-
     n, B = base.n, cfg.batch_prompts
     out = Path(cfg.output_dir)
     parts_dir = out / "rollouts"
@@ -599,9 +527,8 @@ def _generate(cfg, rollouts, base, prompts, reward_fn, t_start: float) -> dict:
                     tot["tokens"] += sum(len(r["completion_ids"]) for r in rows)
                     tot["reward_sum"] += sum(rw)
                     tot["rewards"] += len(rw)
-                    el = time.perf_counter() - t0
                     log.info("%s: %d prompts, %d completions; total %d tokens, %.0f tok/s", path.name,
-                             len(waves[w]), len(rows), tot["tokens"], tot["tokens"] / el)
+                             len(waves[w]), len(rows), tot["tokens"], tot["tokens"] / (time.perf_counter() - t0))
                 sink.maybe_log()
                 rate = (rollouts.generated_tokens() - gen0) / max(time.perf_counter() - t0, 1e-9)
                 bar.set_postfix(tok_s=f"{rate:.0f}", refresh=False)

@@ -1,34 +1,13 @@
-"""W&B metrics for a RolloutWorker: a small sink over `wandb` (no framework of our own).
+"""W&B metrics for a RolloutWorker (or, through `_workers`, a fleet of them): a small sink over `wandb`.
 
-Each `log()` writes one history row: rates over the window since the last row, gauges of
-the engine now, and running totals. The job calls it for every committed parquet part and,
-through `maybe_log()` between worker steps, every `log_every_s` within a long wave:
-
-    throughput/gen_tok_s, throughput/prefill_tok_s   engine.metrics deltas / window
-    gpu/busy_pct                                     compute-stream busy time / window (CUDA only)
-    batch/running, batch/occupancy                   running sequences, / max_num_seqs
-    kv/pages_used, kv/usage                          pages held, / usable pages
-    sched/preemptions, sched/recomputed_tokens
-    weights/updates, weights/staging_ms, weights/barrier_ms, weights/policy_version
-    tokens/version_age_<a>                           completed tokens sampled <a> versions behind
-                                                     the live weights (when the completion finished)
-    tokens/discarded                                 sampled but in no output: the pipeline launches
-                                                     step k+1 before it reads step k's tokens, so a
-                                                     sequence that stops on EOS or a stop string in
-                                                     step k has one more token in flight, dropped (a
-                                                     length limit is known ahead and costs none); also
-                                                     the tokens in flight of a preempted or aborted
-                                                     sequence. About one per completion: 24% of the
-                                                     sampled tokens for ~3-token arithmetic answers,
-                                                     ~1/(L+1) for L-token completions
-    tokens/aborted                                   tokens of completions with finish_reason "abort"
-    tokens/wasted                                    discarded + aborted
-    rollouts/completions, rollouts/mean_reward       totals; reward over the window
-
-`close()` logs a `samples` wandb.Table (prompt, text, reward, finish_reason) of the latest
-completions, in a last metrics row if tokens were generated since the previous one (else in a
-row of its own, not a row of zero rates), and the summary. `read_offline_run` reads an
-offline run back without the network.
+`log()` writes one history row, for every committed part and (through `maybe_log()`) every `log_every_s`
+within a wave: rates over the window since the last row, gauges now and running totals:
+throughput/gen_tok_s, throughput/prefill_tok_s, gpu/busy_pct (CUDA), batch/running, batch/occupancy,
+kv/pages_used, kv/usage, sched/preemptions, sched/recomputed_tokens, weights/updates, weights/staging_ms,
+weights/barrier_ms, weights/policy_version, tokens/version_age_<a> (completed tokens sampled <a> versions
+behind the live weights), tokens/discarded (sampled but in no output: the token in flight when a sequence
+stops, is preempted or aborted), tokens/aborted, tokens/wasted, rollouts/completions, rollouts/mean_reward.
+`close()` logs a `samples` table and the summary; `read_offline_run` reads an offline run back.
 """
 from __future__ import annotations
 
@@ -41,13 +20,12 @@ from typing import Optional
 
 
 class MetricsSink:
-    def __init__(self, worker, *, mode: str = "offline", project: str = "rollout", name: Optional[str] = None,
-                 dir: Optional[str] = None, log_every_s: float = 10.0, samples_table_size: int = 64,
-                 config: Optional[dict] = None):
+    def __init__(self, worker, *, cuda: Optional[bool] = None, mode: str = "offline", project: str = "rollout",
+                 name: Optional[str] = None, dir: Optional[str] = None, log_every_s: float = 10.0,
+                 samples_table_size: int = 64, config: Optional[dict] = None):
         import wandb
-        self.wandb = wandb
-        self.worker, self.engine = worker, worker.engine
-        self.cuda = self.engine.device.type == "cuda"
+        self.wandb, self.worker = wandb, worker
+        self.cuda = worker.engine.device.type == "cuda" if cuda is None else cuda
         if dir:
             Path(dir).mkdir(parents=True, exist_ok=True)
         # console="off": wandb would otherwise wrap stdout/stderr under the progress bar.
@@ -62,14 +40,26 @@ class MetricsSink:
         self._last = self._snapshot()
         self._next = time.monotonic() + self.log_every_s
 
+    def _workers(self) -> dict:
+        """RolloutWorker.stats() per worker, under a key that changes when a worker's counters restart."""
+        return {0: self.worker.stats()}
+
+    def _policy_version(self) -> int:
+        return self.worker.policy_version
+
+    def _extra(self, workers: dict, gen_rates: dict) -> dict:
+        """Keys that are not sums over the workers."""
+        return {k: workers[0][k] for k in ("weights/updates", "weights/staging_ms", "weights/barrier_ms")}
+
     def _snapshot(self):
-        m = self.engine.metrics
-        return time.perf_counter(), m["generated_tokens"], m["prefill_tokens"], self.engine.pipeline.busy_ms
+        ws = self._workers()
+        return (time.perf_counter(), {k: w["generated_tokens"] for k, w in ws.items()},
+                {k: w["prefill_tokens"] for k, w in ws.items()}, sum(w.get("gpu_busy_ms", 0.0) for w in ws.values()),
+                ws)
 
     def observe(self, rows: list[dict]) -> None:
-        """Rows as the job writes them (prompt, text, reward, finish_reason, completion_ids,
-        policy_versions)."""
-        live = self.engine.policy_version
+        """Rows as the job writes them (prompt, text, reward, finish_reason, completion_ids, policy_versions)."""
+        live = self._policy_version()
         for r in rows:
             self.completions += 1
             self.ages.update(live - v for v in r["policy_versions"])
@@ -84,34 +74,34 @@ class MetricsSink:
         return self.log() if time.monotonic() >= self._next else None
 
     def log(self, extra: Optional[dict] = None) -> dict:
-        now, gen, pre, busy = snap = self._snapshot()
-        t0, gen0, pre0, busy0 = self._last
+        now, gen, pre, busy, ws = snap = self._snapshot()
+        t0, gen0, pre0, busy0, _ = self._last
         self._last, dt = snap, max(now - t0, 1e-9)
-        eng, sched, w = self.engine, self.engine.scheduler, self.worker.weights.metrics
-        discarded = sched.num_discarded_tokens
+        rates = {k: max(v - gen0.get(k, 0), 0) / dt for k, v in gen.items()}
+
+        def total(key: str) -> float:
+            return sum(w.get(key, 0) for w in ws.values())
+
+        discarded = total("discarded_tokens")
         m = {
-            "throughput/gen_tok_s": (gen - gen0) / dt,
-            "throughput/prefill_tok_s": (pre - pre0) / dt,
-            "batch/running": len(sched.running),
-            "batch/occupancy": len(sched.running) / sched.max_num_seqs,
-            "kv/pages_used": eng.kv.alloc.num_used,
-            "kv/usage": eng.kv.alloc.num_used / max(eng.kv.alloc.num_usable, 1),
-            "sched/preemptions": sched.num_preemptions,
-            "sched/recomputed_tokens": sched.num_recomputed_tokens,
-            "weights/updates": w["updates"], "weights/staging_ms": w["staging_ms"],
-            "weights/barrier_ms": w["barrier_ms"], "weights/policy_version": eng.policy_version,
-            "tokens/generated": gen, "tokens/discarded": discarded, "tokens/aborted": self.aborted_tokens,
-            "tokens/wasted": discarded + self.aborted_tokens,
+            "throughput/gen_tok_s": sum(rates.values()),
+            "throughput/prefill_tok_s": sum(max(v - pre0.get(k, 0), 0) for k, v in pre.items()) / dt,
+            "batch/running": total("running_seqs"),
+            "batch/occupancy": total("running_seqs") / max(total("max_num_seqs"), 1),
+            "kv/pages_used": total("kv_pages_used"),
+            "kv/usage": total("kv_pages_used") / max(total("kv_pages_total"), 1),
+            "sched/preemptions": total("preemptions"),
+            "sched/recomputed_tokens": total("recomputed_tokens"),
+            "weights/policy_version": self._policy_version(),
+            "tokens/generated": total("generated_tokens"), "tokens/discarded": discarded,
+            "tokens/aborted": self.aborted_tokens, "tokens/wasted": discarded + self.aborted_tokens,
             "rollouts/completions": self.completions,
             **{f"tokens/version_age_{a}": c for a, c in sorted(self.ages.items())},
+            **self._extra(ws, rates),
         }
-        if self.cuda:
-            m["gpu/busy_pct"] = 100.0 * (busy - busy0) / (dt * 1e3)
-        return self._emit(m, extra)
-
-    def _emit(self, m: dict, extra: Optional[dict]) -> dict:
-        """Add the mean reward since the last log, write the row, schedule the next one."""
-        if self._rewards:
+        if self.cuda and ws:
+            m["gpu/busy_pct"] = 100.0 * max(busy - busy0, 0) / (dt * 1e3) / len(ws)
+        if self._rewards:                 # the mean reward since the last row
             m["rollouts/mean_reward"] = sum(self._rewards) / len(self._rewards)
             self._rewards = []
         self.run.log({**m, **(extra or {})})
@@ -133,11 +123,9 @@ class MetricsSink:
 
 
 def read_offline_run(run_dir) -> tuple[list[dict], dict]:
-    """(history rows, final summary) of an offline run folder (`.../offline-run-*`), read
-    from its `.wandb` file: the LevelDB-log framing (32 KiB blocks, 7-byte record headers
-    after a 7-byte `:W&B` file header) around wandb's protobuf `Record`s."""
+    """(history rows, final summary) of an offline run folder (`.../offline-run-*`) from its `.wandb` file:
+    LevelDB-log framing (32 KiB blocks, 7-byte record headers, a 7-byte `:W&B` header) around protobuf `Record`s."""
     from wandb.proto import wandb_internal_pb2 as pb
-
     (path,) = Path(run_dir).glob("*.wandb")
     data = path.read_bytes()
     if data[:4] != b":W&B":
@@ -145,11 +133,8 @@ def read_offline_run(run_dir) -> tuple[list[dict], dict]:
     history, summary, buf, pos, block = [], {}, b"", 7, 32768
     while pos + 7 <= len(data):
         left = block - pos % block
-        if left < 7:                      # block trailer padding
-            pos += left
-            continue
-        _crc, size, kind = struct.unpack("<IHB", data[pos:pos + 7])
-        if kind == 0:                     # zero padding to the block end
+        _crc, size, kind = struct.unpack("<IHB", data[pos:pos + 7]) if left >= 7 else (0, 0, 0)
+        if kind == 0:                     # the block's trailer, or zero padding to its end
             pos += left
             continue
         chunk, pos = data[pos + 7:pos + 7 + size], pos + 7 + size

@@ -1,24 +1,21 @@
 """Weight updates for a live engine, without draining it.
 
-    validate   every name, shape and dtype, before anything changes (atomic: a bad
-               update is rejected whole and the old weights keep serving)
-    stage      copy into standby buffers on a side stream while decoding goes on;
-               checksum what was sent (fp64 sums: also how NaN / inf are found, one
-               host sync per update, after which the update is accepted or refused whole)
-    commit     at a batch boundary: the compute stream waits on the staging event and
-               copies IN PLACE into the parameters (CUDA graphs keep their pointers);
+    validate   every name, shape and dtype before anything changes (a bad update is rejected whole)
+    stage      copy into standby buffers on a side stream while decoding goes on; fp64 checksums of
+               what was sent (also how NaN / inf are found: one host sync per update)
+    commit     at a batch boundary, IN PLACE into the parameters (CUDA graphs keep their pointers);
                batches already enqueued finish on the old weights
-    verify     checksum of what landed == checksum of what was sent; parameter
-               pointers unchanged. Cheap, always on.
+    verify     checksum of what landed == checksum of what was sent; parameter pointers unchanged
 
-On CPU there are no streams: staging and commit are ordered copies.
-Transports: tensors from the same process, or a bucketed torch.distributed broadcast
-from a trainer rank (gloo on CPU, NCCL on GPU): `send_weights` / `receive_weights`.
+On CPU staging and commit are ordered copies. Transports: tensors from this process, or a bucketed
+torch.distributed broadcast from a trainer rank (`send_weights` / `receive_weights`; gloo or NCCL).
 """
 from __future__ import annotations
 
 import contextlib
+import datetime
 import logging
+import socket
 import time
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator, Optional
@@ -26,6 +23,7 @@ from typing import Iterable, Iterator, Optional
 import torch
 
 log = logging.getLogger(__name__)
+
 
 class WeightUpdateError(ValueError):
     pass
@@ -56,8 +54,8 @@ class _Landing:
 
 
 def free_bytes(device: torch.device) -> Optional[int]:
-    """Device memory a new allocation can use: free on the device plus what torch's caching
-    allocator holds unused. None on CPU (no fixed budget)."""
+    """Device memory a new allocation can use (free plus what torch's caching allocator holds unused);
+    None on CPU (no fixed budget)."""
     if device.type != "cuda":
         return None
     free, _ = torch.cuda.mem_get_info(device)
@@ -69,14 +67,12 @@ def _sums_of(st: _Staged, names: list[str]) -> torch.Tensor:
 
 
 def _checksums(tensors: list[torch.Tensor]) -> torch.Tensor:
-    # One read of each tensor; the same reduction on the same device and dtype is
-    # deterministic, so an exact copy gives bit-equal sums.
+    # the same reduction on the same device and dtype is deterministic: an exact copy gives bit-equal sums
     return torch.stack([t.sum(dtype=torch.float64) for t in tensors]) if tensors else torch.zeros(0)
 
 
 class WeightSync:
-    """Stages and commits updates into one engine's model. Thread-safe staging is the
-    caller's concern (the RL worker serialises stage() and commit())."""
+    """Stages and commits updates into one engine's model (the caller serialises stage() and commit())."""
 
     def __init__(self, engine, *, require_full: bool = False):
         self.engine = engine
@@ -122,8 +118,7 @@ class WeightSync:
         return items
 
     def stage(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, adopt: bool = False) -> None:
-        """Validate, copy into standby buffers and check them (prepare, check_finite, install in one
-        call; RolloutWorker runs the check without holding its lock)."""
+        """prepare, check_finite and install in one call (RolloutWorker runs the check outside its lock)."""
         self.install(self.check_finite(self.prepare(named_tensors, version, adopt)))
 
     def _check_version(self, version) -> None:
@@ -138,10 +133,9 @@ class WeightSync:
 
     def prepare(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int,
                 adopt: bool = False) -> _Staged:
-        """Validate names, shapes and dtypes, then copy into standby buffers and checksum them (a
-        side stream on CUDA; nothing waits here). adopt: tensors already on this device are kept as
-        the standby buffers, not copied (the caller hands them over, e.g. freshly received buckets):
-        an 8B update then needs one extra copy of the weights, not two."""
+        """Validate, then copy into standby buffers and checksum them (a side stream on CUDA; nothing
+        waits here). adopt: tensors already on this device are the standby buffers, not copied (the
+        caller hands them over, e.g. received buckets): one extra copy of the weights, not two."""
         self._check_version(version)
         items = self.validate(named_tensors)
         copied = [name for name, t in items if not (adopt and t.device == self.device)]
@@ -168,13 +162,12 @@ class WeightSync:
 
     @staticmethod
     def check_finite(st: _Staged) -> _Staged:
-        """Refuse the update whole, naming a tensor, if any element is NaN or inf: an fp64 sum of
-        bf16 / fp16 / fp32 values is finite exactly when every element is (their largest values
-        times any tensor size stay far below fp64's range). One host sync for the whole update."""
+        """Refuse the update whole, naming a tensor, if any element is NaN or inf: an fp64 sum of bf16 /
+        fp16 / fp32 values is finite exactly when every element is (fp64's range is far larger)."""
         if st.event is not None:
             st.event.synchronize()
         names = list(st.sums)
-        ok = torch.stack([st.sums[n] for n in names]).isfinite().tolist() if names else []
+        ok = _sums_of(st, names).isfinite().tolist()
         bad = [n for n, good in zip(names, ok) if not good]
         if bad:
             raise WeightUpdateError(f"weight update rejected: {len(bad)} tensors hold NaN or inf, e.g. {bad[:3]}; "
@@ -199,23 +192,21 @@ class WeightSync:
                 f"or a smaller kv_cache_memory)")
 
     def _check_room(self, nbytes: int) -> None:
-        """Staging holds a device copy of every tensor it does not adopt. Refuse the update before
-        allocating any, rather than fail with an out-of-memory error halfway through."""
+        """Refuse an update whose staging copies would not fit before allocating any (not an OOM halfway)."""
         short = self._short_of_room(nbytes)
         if short:
             raise WeightUpdateError(f"weight update rejected: {short}")
 
     def warn_if_no_room(self) -> None:
-        """At start-up, not at the first update an hour in: say that a full update cannot be
-        staged now (each update is still checked, and refused cleanly, when it comes)."""
+        """At start-up, not at the first update an hour in: warn that a full update cannot be staged now."""
         short = self._short_of_room(sum(t.numel() * t.element_size() for t in self.targets.values()))
         if short:
             log.warning("a full weight update would be refused: %s", short)
 
     # ---- commit at a batch boundary ---------------------------------------------------------
     def commit(self) -> Optional[int]:
-        """Apply the staged update in place, ordered on the compute stream between the
-        batches already launched and the next one. Returns the new version, or None."""
+        """Apply the staged update in place, on the compute stream between the batches already launched
+        and the next one. Returns the new version, or None."""
         st, self.pending = self.pending, None
         if st is None:
             return None
@@ -256,8 +247,7 @@ class WeightSync:
         return st.version
 
     def verify(self, block: bool = False) -> bool:
-        """Compare landed and sent checksums once they are ready (without blocking unless
-        asked). Raises if an update did not land exactly."""
+        """Compare landed and sent checksums once ready (blocking only if asked); raise on a mismatch."""
         ld = self._landing
         if ld is None:
             return True
@@ -276,6 +266,21 @@ class WeightSync:
 
 
 # ---- torch.distributed transport ---------------------------------------------------------------
+def free_port(host: str = "") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def join_group(backend: str, addr: str, port: int, rank: int, world_size: int, timeout_s: float) -> None:
+    """(Re)join this process's default torch.distributed group; rank 0 (the sender) hosts the store."""
+    import torch.distributed as dist
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+
+
 def _buckets(specs: list[tuple[str, tuple, torch.dtype]], bucket_bytes: int):
     """Group consecutive tensors of one dtype into buckets of at most bucket_bytes."""
     bucket, size, dtype = [], 0, None
@@ -295,8 +300,7 @@ def _manifest_bytes(manifest) -> int:
 
 
 def _every_rank_has_room(ok: bool, device, group) -> bool:
-    """One vote before the buckets: a receiver that ran out of memory halfway through the
-    broadcasts would leave every other rank blocked in a collective until its timeout."""
+    """One vote before the buckets: a receiver out of memory halfway would block every other rank."""
     import torch.distributed as dist
     flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
@@ -305,10 +309,9 @@ def _every_rank_has_room(ok: bool, device, group) -> bool:
 
 def send_weights(named_tensors: Iterable[tuple[str, torch.Tensor]], *, src: int = 0, group=None,
                  bucket_bytes: int = 256 << 20, device=None) -> int:
-    """Trainer side: broadcast a manifest, then the tensors packed into flat buckets.
-    Returns bytes sent. Every rank of `group` must call send_weights (src) or receive_weights."""
+    """Trainer side: broadcast a manifest, then the tensors packed into flat buckets; returns bytes sent.
+    Every rank of `group` must call send_weights (src) or receive_weights."""
     import torch.distributed as dist
-
     items = [(n, t.detach()) for n, t in named_tensors]
     manifest = [(n, tuple(t.shape), t.dtype) for n, t in items]
     dist.broadcast_object_list([manifest], src=src, group=group)
@@ -328,11 +331,9 @@ def send_weights(named_tensors: Iterable[tuple[str, torch.Tensor]], *, src: int 
 
 def receive_weights(*, src: int = 0, group=None, device=None,
                     bucket_bytes: int = 256 << 20) -> Iterator[tuple[str, torch.Tensor]]:
-    """Worker side of send_weights: yields (name, tensor) views of the received buckets.
-    Every rank first votes whether it has device room for the whole update; if one has not, all
-    raise WeightUpdateError before any bucket moves."""
+    """Worker side of send_weights: (name, tensor) views of the received buckets. If any rank lacks
+    device room for the whole update, all raise WeightUpdateError before any bucket moves."""
     import torch.distributed as dist
-
     box = [None]
     dist.broadcast_object_list(box, src=src, group=group)
     manifest = box[0]

@@ -1,26 +1,14 @@
 """AsyncGRPOTrainer (trl 1.16, `trl/experimental/async_grpo`) adapters over a RolloutWorker.
 
 `AsyncGRPOTrainer(..., rollout_worker=EngineRolloutWorker(...), weight_transfer=EngineWeightTransfer(worker))`.
+TRL's call order: init_weight_transfer -> pause -> send_weights -> resume -> update_model_version(1) -> start
+-> (every weight_sync_steps: pause -> send_weights -> resume -> update_model_version(v)) -> stop -> destroy.
 
-TRL's call order (`_TrainBeginCallback`, `_sync_weight_merged`, `_inner_training_loop`):
-    init_weight_transfer -> pause -> send_weights -> resume -> update_model_version(1) -> start
-    -> (every weight_sync_steps: pause -> send_weights -> resume -> update_model_version(v)) -> stop -> destroy
-
-- `EngineWeightTransfer` (WeightTransferProtocol): `pause()` is a no-op (we never drain); `send_weights(iterator)`
-  consumes the iterator (the trainer's FSDP2 `full_tensor()` gathers are collectives, so it must finish before
-  returning), maps names and casts to the worker's dtype/device into a staging copy; `resume()` hands it to
-  `worker.update_weights(version)`, which validates it whole and commits it in place at the worker's next batch
-  boundary. Requests in flight keep running; every token carries the version that sampled it.
-- `EngineRolloutWorker` (RolloutWorkerProtocol): streams scored groups. It keeps `max_inflight_groups` prompts
-  submitted to the worker's background loop (one request with n = num_generations per prompt: one prefill, shared
-  KV pages), scores each finished group with the reward functions, normalises advantages within the group, and puts
-  one `RolloutSample` per completion onto `rollout_buffer`. `model_version` of a sample = the policy version live
-  at its first decoded token (conservative for `max_staleness`), in trainer numbering.
-  `metrics_queue` gets `gen/*` gauges and rates the trainer reduces in `log()`.
-
-The old logprobs are our fp32 `log_softmax(logits / T)` of the sampled token; AsyncGRPO uses them directly as
-`old_log_probs` in its PPO ratio (no separate IS term). AsyncGRPOTrainer itself needs CUDA (its constructor queries
-the device name) and FSDP2; on CPU only the protocols can be exercised (tests/test_trl_async.py).
+`EngineWeightTransfer` never drains: `send_weights` copies the (collective) iterator into the worker's names and
+dtypes, `resume()` stages it, the worker commits at its next batch boundary. `EngineRolloutWorker` keeps
+`max_inflight_groups` prompts generating (n = num_generations each), scores finished groups, normalises advantages
+within each, and queues one `RolloutSample` per completion (`model_version`: the version live at its first token).
+Our logprobs are AsyncGRPO's `old_log_probs`. The trainer itself needs CUDA and FSDP2; on CPU only the protocols run.
 """
 from __future__ import annotations
 
@@ -44,15 +32,9 @@ from .trl_generator import (_WeightMapper, _request_seed, check_trl_version, new
 log = logging.getLogger(__name__)
 
 
-def _rollout_sample_cls():
-    from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
-
-    return RolloutSample
-
-
 class EngineWeightTransfer:
-    """WeightTransferProtocol over a RolloutWorker in this process. `defer_commit=False` stages straight into the
-    worker from `send_weights` (one copy fewer; the worker may then commit before `resume()` is called)."""
+    """WeightTransferProtocol over a RolloutWorker in this process. `defer_commit=False` stages from `send_weights`
+    (the worker may then commit before `resume()`)."""
 
     def __init__(self, worker, *, name_map: Optional[Callable[[str], Optional[str]]] = None,
                  defer_commit: bool = True):
@@ -106,17 +88,11 @@ class EngineWeightTransfer:
 
 
 class EngineRolloutWorker:
-    """RolloutWorkerProtocol over a RolloutWorker: streams scored groups as TRL `RolloutSample`s.
-
-    Args:
-        worker: the RolloutWorker (its background loop is started by `start()` unless already running).
-        dataset: rows with a "prompt" (string or chat messages); other keys go to the reward functions.
-        processing_class: tokenizer (chat template for conversational prompts).
-        reward_funcs: callables `f(prompts=, completions=, completion_ids=, **row_keys) -> list[float | None]`.
-        args: an AsyncGRPOConfig / GRPOConfig (sampling fields, num_generations, chat_template_kwargs,
-            queue_maxsize); or pass `sampling_params` and `num_generations` directly.
-        max_inflight_groups: prompts generating at once (default: 4).
-    """
+    """RolloutWorkerProtocol over a RolloutWorker (its loop started by `start()` unless running): streams scored
+    groups as TRL `RolloutSample`s. `dataset` rows have a "prompt" (text or chat messages), other keys go to the
+    reward functions `f(prompts=, completions=, completion_ids=, **row_keys) -> list[float | None]`. `args` (an
+    AsyncGRPOConfig / GRPOConfig) gives the sampling fields, num_generations, chat_template_kwargs and queue_maxsize,
+    or pass `sampling_params` and `num_generations`."""
 
     def __init__(self, worker, *, dataset: Iterable[dict], processing_class, reward_funcs: Sequence[Callable],
                  args=None, num_generations: Optional[int] = None, sampling_params: Optional[SamplingParams] = None,
@@ -156,7 +132,6 @@ class EngineRolloutWorker:
         self._heartbeat = time.time()
         self._started_worker_loop = False
         self._group_ids = itertools.count()
-        self.groups_done = 0
         self._barrier_seen = float(worker.weights.metrics.get("barrier_ms", 0.0))
         self.calls: list[str] = []
 
@@ -239,7 +214,6 @@ class EngineRolloutWorker:
                     tokens += sum(len(c.token_ids) for c in out.completions)
                     for s in samples:
                         self._put(s)
-                    self.groups_done += 1
                 now = time.perf_counter()
                 if now - last_push >= self.metrics_interval_s and tokens:
                     self._push({"gen/tokens_per_s": (float(tokens), now - t_window)})
@@ -272,7 +246,7 @@ class EngineRolloutWorker:
         return delta
 
     def _score(self, gid: int, row: dict, prompt_ids: list[int], out) -> list:
-        RolloutSample = _rollout_sample_cls()
+        from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
         G = len(out.completions)
         prompt = row["prompt"]
         texts = self.tokenizer.batch_decode([c.token_ids for c in out.completions], skip_special_tokens=True)

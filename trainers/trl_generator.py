@@ -1,23 +1,17 @@
 """TRL plug-in generator: our RolloutWorker as the completion backend of TRL's GRPOTrainer / RLOOTrainer.
 
 Route A (primary): `attach_generator(trainer, worker)` puts a `TRLGenerationAdapter` into the trainer's vLLM
-generation slot (`trainer.vllm_generation`, private seam of trl 1.16). `args.use_vllm` stays False, so TRL never
-imports vLLM; after attaching, `trainer.use_vllm = True` makes TRL call our `sync_weights()` / `generate()` and keep
-its importance-sampling (IS) correction, which compares our sampling logprobs with its own recompute.
+generation slot (`trainer.vllm_generation`, a private seam of trl 1.16; TRL never imports vLLM) and keeps TRL's
+importance-sampling (IS) correction. Route B: `make_rollout_func(worker)` for TRL's public `rollout_func=` hook
+(no IS correction there). Route C (AsyncGRPOTrainer): `trainers.trl_async`.
 
-Route B (fallback): `make_rollout_func(worker)` for TRL's public `rollout_func=` hook. TRL computes no IS correction
-on that route (it only does when `use_vllm`), so prefer route A for GRPO.
-
-Route C (AsyncGRPOTrainer): see `trainers.trl_async`.
-
-Logprob contract: per sampled token, fp32 `log_softmax(logits / T)` over the full vocabulary with T =
-`args.temperature`: exactly what TRL recomputes (no top-p/top-k/min-p renormalisation, no repetition penalty).
+Logprob contract: per sampled token, fp32 `log_softmax(logits / T)` over the full vocabulary, T = `args.temperature`:
+what TRL recomputes (no top-p/top-k/min-p renormalisation, no repetition penalty).
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import logging
 import time
 import warnings
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
@@ -26,16 +20,12 @@ import torch
 
 from rollout.request import SamplingParams
 
-log = logging.getLogger(__name__)
-
-# The trl versions this adapter was written against and tested with. The generation slot, `_metrics`,
-# `_last_loaded_step` and the AsyncGRPO protocols are private or experimental seams of trl.
+# The tested trl range: the generation slot, `_metrics`, `_last_loaded_step` and AsyncGRPO are private seams.
 TRL_MIN_VERSION = "1.16"
 TRL_MAX_VERSION = "1.17"   # exclusive
 TRL_REQUIREMENT = f"trl>={TRL_MIN_VERSION},<{TRL_MAX_VERSION}"
 
-# Wrapper prefixes that never exist in the checkpoint: DDP / accelerate (`module.`), torch.compile (`_orig_mod.`),
-# activation checkpointing and FSDP1 wrappers.
+# Wrapper names never in the checkpoint: DDP / accelerate, torch.compile, activation checkpointing, FSDP1.
 _WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 _WRAPPER_INFIXES = ("_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "_orig_mod.")
 
@@ -44,7 +34,6 @@ _WRAPPER_INFIXES = ("_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "_or
 def check_trl_version(version: Optional[str] = None) -> str:
     """Raise a clear error unless trl (or `version`) is in the tested range; return the version."""
     from packaging.version import Version
-
     if version is None:
         try:
             import trl
@@ -72,39 +61,21 @@ _KWARG_HARMLESS = {"n", "logprobs", "skip_special_tokens", "spaces_between_speci
 
 
 def sampling_params_from_trl_args(args, eos_ids: Iterable[int]) -> SamplingParams:
-    """Map a GRPOConfig / RLOOConfig / AsyncGRPOConfig onto our SamplingParams (n=1; the adapter sets n per request).
+    """A GRPOConfig / RLOOConfig / AsyncGRPOConfig as our SamplingParams (n=1; the adapter sets n per request).
 
-    | TRL field                 | ours                                                                   |
-    |---------------------------|------------------------------------------------------------------------|
-    | max_completion_length     | max_new_tokens                                                         |
-    | temperature               | temperature (sampling and logprob temperature)                         |
-    | top_p / top_k / min_p     | top_p / top_k (0, None or -1 = off -> 0) / min_p (None -> 0.0)         |
-    | repetition_penalty        | repetition_penalty                                                     |
-    | generation_kwargs         | overrides the fields above: max_tokens/max_new_tokens, temperature,    |
-    |                           | top_p, top_k, min_p, repetition_penalty, seed, stop, stop_token_ids,   |
-    |                           | ignore_eos; formatting keys (logprobs, skip_special_tokens, ...) are   |
-    |                           | ignored; anything else raises (we would silently change the algorithm) |
-    | eos_ids (trainer.eos_token_ids) | stop_token_ids (+ generation_kwargs stop_token_ids); the engine's own |
-    |                           | EOS set is switched off (ignore_eos=True) so we stop on exactly the    |
-    |                           | ids TRL treats as EOS. `ignore_eos=True` in generation_kwargs drops    |
-    |                           | eos_ids (vLLM semantics: stop_token_ids still stop).                   |
-
-    A length cut never gets an EOS appended (finish_reason "length"), which `mask_truncated_completions` and
-    `completions/clipped_ratio` rely on.
+    generation_kwargs (`_KWARG_ALIASES`) override the config's fields, formatting keys are ignored, anything else
+    raises. The engine stops on exactly eos_ids (TRL's EOS; dropped by ignore_eos=True) plus stop_token_ids.
     """
     kw = getattr(args, "generation_kwargs", None) or {}
     if isinstance(kw, str):   # a JSON string (CLI); TRL's configs usually parse it already
         import json
         kw = json.loads(kw)
     kw = dict(kw)
-    top_k = getattr(args, "top_k", 0)
     min_p = getattr(args, "min_p", None)
     fields: dict[str, Any] = dict(
-        max_new_tokens=int(args.max_completion_length),
-        temperature=float(args.temperature),
-        top_p=float(getattr(args, "top_p", 1.0)),
-        top_k=0 if top_k is None or top_k < 0 else int(top_k),
-        min_p=0.0 if min_p is None else float(min_p),
+        max_new_tokens=args.max_completion_length, temperature=float(args.temperature),
+        top_p=float(getattr(args, "top_p", 1.0)), top_k=getattr(args, "top_k", 0),
+        min_p=None if min_p is None else float(min_p),
         repetition_penalty=float(getattr(args, "repetition_penalty", 1.0)),
         seed=None, stop=[], ignore_eos=False, stop_token_ids=[])
     unknown = sorted(k for k in kw if k not in _KWARG_ALIASES and k not in _KWARG_HARMLESS)
@@ -121,12 +92,10 @@ def sampling_params_from_trl_args(args, eos_ids: Iterable[int]) -> SamplingParam
         fields["top_k"] = 0
     if fields["min_p"] is None:
         fields["min_p"] = 0.0
-    if isinstance(fields["stop"], str):
-        fields["stop"] = [fields["stop"]]
-    fields["stop"] = list(fields["stop"] or [])
+    stop = fields["stop"]
+    fields["stop"] = [stop] if isinstance(stop, str) else list(stop or [])
     stop_ids = [int(t) for t in (fields["stop_token_ids"] or [])]
-    user_ignore_eos = bool(fields["ignore_eos"])
-    if not user_ignore_eos:
+    if not fields["ignore_eos"]:
         stop_ids = [int(t) for t in eos_ids if t is not None] + stop_ids
     fields["stop_token_ids"] = list(dict.fromkeys(stop_ids))   # dedup, keep order
     fields["ignore_eos"] = True       # the engine's own EOS set is replaced by the trainer's
@@ -141,24 +110,18 @@ def sampling_params_from_trl_args(args, eos_ids: Iterable[int]) -> SamplingParam
 
 # ---- weights: trainer model -> our HF names ----------------------------------------------------------------------
 def _strip_wrappers(name: str) -> str:
-    changed = True
-    while changed:
-        changed = False
-        for p in _WRAPPER_PREFIXES:
-            if name.startswith(p):
-                name, changed = name[len(p):], True
+    while name.startswith(_WRAPPER_PREFIXES):
+        name = name.split(".", 1)[1]          # each prefix is one dotted component
     for p in _WRAPPER_INFIXES:
         name = name.replace(p, "")
     return name
 
 
 class _TRLParamWalker:
-    """Borrows trl.generation.VLLMGeneration's parameter walk (FSDP1/2 summon/full_tensor, DeepSpeed ZeRO-3 gathers,
-    PEFT merge/unmerge, `modules_to_save` / `base_layer` renames) without constructing it (that needs vLLM)."""
+    """trl's VLLMGeneration parameter walk (FSDP1/2, ZeRO-3 gathers, PEFT merge, renames) without building it."""
 
     def __init__(self, model, accelerator, dist):
         from trl.generation.vllm_generation import VLLMGeneration as V
-
         self.model, self.accelerator, self._dist = model, accelerator, dist
         for name in ("_iter_named_params", "_iter_fsdp_params", "_iter_fsdp1_params", "_iter_fsdp2_params",
                      "_fix_param_name_to_vllm"):
@@ -166,15 +129,13 @@ class _TRLParamWalker:
 
 
 def iter_trainer_weights(trainer) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) for every parameter of the trainer's model, in checkpoint naming, PEFT adapters merged.
-    Every rank must iterate (the gathers are collectives). Tensors are only valid until the generator advances."""
+    """(name, tensor) per parameter of the trainer's model, checkpoint names, PEFT merged. Every rank must iterate
+    (the gathers are collectives); a tensor is valid only until the generator advances."""
     model = trainer.model
     acc = getattr(trainer, "accelerator", None)
     if acc is not None:
-        try:
+        with contextlib.suppress(Exception):   # unusual wrappers
             model = acc.unwrap_model(model)
-        except Exception:   # pragma: no cover - unusual wrappers
-            pass
     dist = getattr(trainer, "_dist", None)
     if dist is not None and acc is not None:
         walker = _TRLParamWalker(model, acc, dist)
@@ -189,13 +150,11 @@ class _WeightMapper:
     """Maps trainer parameter names onto the worker's HF tensor names and casts to the worker's dtype/device."""
 
     def __init__(self, worker, name_map: Optional[Callable[[str], Optional[str]]] = None):
-        self.worker = worker
         self.name_map = name_map
         self.targets = worker.weights.targets        # hf name -> the engine's view (dtype, device, shape)
 
     def map(self, named: Iterable[tuple[str, torch.Tensor]], *, copy: bool) -> list[tuple[str, torch.Tensor]]:
-        out, seen = [], set()
-        embed = None
+        out, seen, embed = [], set(), None
         for name, t in named:
             name = _strip_wrappers(name)
             if self.name_map is not None:
@@ -237,15 +196,9 @@ def _request_seed(base: int, call: int, index: int) -> int:
 class TRLGenerationAdapter:
     """Duck-types `trl.generation.VLLMGeneration` (trl 1.16) over a rank-local `RolloutWorker`.
 
-    - `sync_weights()`: walks the trainer model (PEFT merged, wrapper prefixes stripped), casts to the worker's
-      dtype and stages the update with `version = trainer.state.global_step`; the worker commits it in place at its
-      next batch boundary (no drain). Every rank pushes to its own worker.
-    - `generate(prompts, images, num_generations, profiler)`: one row per input row, input order. Consecutive
-      identical rows (TRL's G copies) become one request with n = run length (<= num_generations): the prompt is
-      prefilled once and its KV pages are shared. Returns (prompt_ids, completion_ids, logprobs (B, T, 1) of the
-      sampled token, logprob_token_ids (B, T, 1)).
-    - Per batch it appends `gen/policy_version`, `gen/policy_version_lag`, `gen/tokens_per_s`,
-      `gen/weight_barrier_ms`, `gen/weight_sync_ms` to `trainer._metrics[mode]` (-> `train/gen/*` in W&B).
+    `sync_weights()` stages the trainer's weights as version `trainer.state.global_step` (committed at the worker's
+    next batch boundary). `generate` returns one row per input row; consecutive identical rows (TRL's G copies) are
+    one request with n = run length. Per batch it appends `gen/*` metrics to `trainer._metrics[mode]`.
     """
 
     mode = "server"     # what TRL's tool loop checks (it then reads max_model_len from the model config)
@@ -275,12 +228,8 @@ class TRLGenerationAdapter:
         self.sync_history: list[int] = []       # trainer versions pushed (or adopted)
         self.batch_versions: list[list[int]] = []  # per generate call: sorted distinct token versions (trainer terms)
 
-    # -- versions --------------------------------------------------------------------------------------------------
     def to_trainer_version(self, worker_version: int) -> int:
         return worker_version - self._offset
-
-    def _newest_worker_version(self) -> int:
-        return newest_worker_version(self.worker)
 
     # -- weights ------------------------------------------------------------------------------------------------------
     def sync_weights(self) -> None:
@@ -288,27 +237,20 @@ class TRLGenerationAdapter:
         step = int(self.trainer.state.global_step)
         dist = getattr(self.trainer, "_dist", None)
         sharded = bool(getattr(self.trainer, "is_deepspeed_enabled", False) or getattr(dist, "is_fsdp", False))
-        # Copy while the parameter is gathered / the PEFT adapter is merged (ZeRO-3 / FSDP free the gathered tensor
-        # when the walk moves on, unmerge_adapter() rewrites the base weights in place at its end); otherwise the
-        # worker's staging copy is the only one.
+        # copy while gathered / merged (ZeRO-3 / FSDP free the gathered tensor as the walk moves on, PEFT unmerges
+        # in place at its end); otherwise the worker's staging copy is the only one
         items = self._mapper.map(iter_trainer_weights(self.trainer), copy=sharded or _is_peft(self.trainer.model))
         with worker_lock(self.worker):        # no commit can run between reading the versions and staging
-            newest = self._newest_worker_version()
-            version = step + self._offset
-            if version <= newest:
-                if not self._synced and self._same_as_live(items):
-                    # First sync and the worker already serves these exact weights (built from the same
-                    # checkpoint): adopt them as this trainer version instead of re-sending.
-                    self._offset = self.worker.policy_version - step
-                    self._synced = True
-                    self.sync_history.append(step)
-                    self._last_sync_ms = (time.perf_counter() - t0) * 1e3
-                    return
-                # The worker already went past this version number (e.g. it served another trainer): keep versions
-                # monotone for the worker and report trainer-side numbers through the offset.
+            newest = newest_worker_version(self.worker)
+            if step + self._offset > newest:
+                self.worker.update_weights(items, version=step + self._offset)
+            elif not self._synced and self._same_as_live(items):
+                # first sync and the worker already serves these exact weights: adopt them as this version
+                self._offset = self.worker.policy_version - step
+            else:
+                # the worker went past this version (it served another trainer): monotone, reported via the offset
                 self._offset = newest + 1 - step
-                version = step + self._offset
-            self.worker.update_weights(items, version=version)
+                self.worker.update_weights(items, version=step + self._offset)
         self._synced = True
         self.sync_history.append(step)
         self._last_sync_ms = (time.perf_counter() - t0) * 1e3
@@ -394,8 +336,7 @@ def _is_peft(model) -> bool:
 
 
 def worker_lock(worker):
-    """The worker's step lock: (policy_version, pending update) must be read together, or a commit running on the
-    worker's background thread can be seen half done (pending already taken, version not yet bumped)."""
+    """The worker's step lock: (policy_version, pending update) read together, never a commit half done."""
     locked = getattr(worker, "locked", None)
     return locked() if locked is not None else contextlib.nullcontext()
 
@@ -418,16 +359,13 @@ def _trainer_eos_ids(trainer) -> list[int]:
 
 
 def attach_generator(trainer, worker, **kw) -> TRLGenerationAdapter:
-    """Make `worker` the completion generator of a TRL `GRPOTrainer` or `RLOOTrainer` (trl 1.16.x).
+    """Make `worker` the completion generator of a TRL `GRPOTrainer` or `RLOOTrainer` built with use_vllm=False.
 
-    The one-line change from vLLM: build the trainer with `use_vllm=False` (default), then
-    `attach_generator(trainer, worker)`. Sets `trainer.vllm_generation = adapter`, `trainer.use_vllm = True`,
-    `trainer.vllm_mode = "server"`, `trainer._last_loaded_step = -1`, so TRL syncs weights every step, generates
-    through us, and keeps its importance-sampling correction. Keyword arguments go to `TRLGenerationAdapter`.
+    Sets `trainer.vllm_generation`, `use_vllm = True`, `vllm_mode = "server"`, `_last_loaded_step = -1`: TRL syncs
+    weights every step, generates through us and keeps its IS correction. Keyword arguments go to the adapter.
     """
     check_trl_version()
     from trl import GRPOTrainer, RLOOTrainer
-
     if not isinstance(trainer, (GRPOTrainer, RLOOTrainer)):
         raise TypeError(f"attach_generator supports GRPOTrainer and RLOOTrainer, got {type(trainer).__name__}; "
                         f"for AsyncGRPOTrainer use trainers.trl_async (EngineRolloutWorker, EngineWeightTransfer)")
@@ -455,15 +393,11 @@ def attach_generator(trainer, worker, **kw) -> TRLGenerationAdapter:
 
 # ---- route B: rollout_func -----------------------------------------------------------------------------------------
 def make_rollout_func(worker, **kw) -> Callable[[list, Any], dict]:
-    """A TRL `rollout_func(prompts, trainer) -> dict` over `worker` (public, experimental TRL hook).
+    """A TRL `rollout_func(prompts, trainer) -> dict` over `worker` (TRL's public, experimental hook).
 
-    It applies the chat template itself (conversational prompts, with `chat_template_kwargs`) or tokenises plain
-    strings like TRL does, syncs the weights whenever `trainer.state.global_step` changes, and returns
-    `prompt_ids`, `completion_ids` and flat per-token `logprobs` (one row per input row, input order).
-
-    NOTE: on this route TRL applies NO importance-sampling correction (it only does when `use_vllm` is set): our
-    logprobs are stored as `sampling_per_token_logps` (used by `off_policy_mask_threshold`) but no IS ratio is
-    formed and no `sampling/importance_sampling_ratio/*` metric is logged. Use `attach_generator` (route A) to keep it.
+    Tokenises as TRL does (chat template for conversational prompts), syncs the weights whenever
+    `trainer.state.global_step` changes, and returns `prompt_ids`, `completion_ids` and per-token `logprobs`.
+    On this route TRL forms NO importance-sampling ratio (only with `use_vllm`); use `attach_generator` to keep it.
     Keyword arguments go to the internal `TRLGenerationAdapter`.
     """
     state: dict[str, Any] = {"trainer": None, "adapter": None, "step": None}
@@ -491,7 +425,6 @@ def make_rollout_func(worker, **kw) -> Callable[[list, Any], dict]:
 def tokenize_prompts(trainer, prompts: list) -> list[list[int]]:
     """Prompt ids as TRL's `_tokenize_prompts` makes them (text-only)."""
     from trl.data_utils import is_conversational
-
     proc = trainer.processing_class
     if is_conversational({"prompt": prompts[0]}):
         out = proc.apply_chat_template(

@@ -5,12 +5,8 @@
              attach_http_generator(trainer, "http://127.0.0.1:8000")
              trainer.train()
 
-The in-process adapter (`trl_generator.TRLGenerationAdapter`: route A, weight walk, TRL's sampling
-fields, G-copy de-dup, versions, gen/* metrics) runs unchanged over `HTTPWorker`, which stands in
-for a RolloutWorker: generation goes to the native /generate (exact logprobs and per-token policy
-versions, so TRL's importance-sampling correction is kept), weights go through a torch.distributed
-group (default; gloo on CPU, NCCL on GPU: this process becomes rank 0 of its own default group) or by
-CUDA IPC (a server on the same node).
+The in-process `TRLGenerationAdapter` runs over `HTTPWorker`, a stand-in RolloutWorker: generation by the native
+/generate (exact logprobs and versions), weights over a torch.distributed group (rank 0 here) or by CUDA IPC.
 """
 from __future__ import annotations
 
@@ -27,8 +23,8 @@ TRANSPORTS = ("group", "ipc")
 
 
 class _RemoteWeights:
-    """What the adapter reads of RolloutWorker.weights: the tensor names with their dtypes (device None:
-    the trainer's tensors are sent from where they are), the staged version and the barrier stat."""
+    """What the adapter reads of RolloutWorker.weights: tensor names and dtypes (device None: sent from where they
+    are), the staged version and the barrier stat."""
 
     def __init__(self, client: RolloutClient):
         self.client = client
@@ -80,9 +76,8 @@ class HTTPWorker:
 def attach_http_generator(trainer, base_url: str = "http://127.0.0.1:8000", *, api_key: Optional[str] = None,
                           admin_key: Optional[str] = None, weight_transport: str = "group",
                           **kw) -> TRLGenerationAdapter:
-    """`attach_generator` with the engine behind `python -m rollout.serve` at `base_url`. One trainer process
-    per server (the weight push and the versions are rank-local). Keyword arguments go to TRLGenerationAdapter;
-    the HTTPWorker is `adapter.worker` (close it after training to leave the weight group)."""
+    """`attach_generator` with the engine behind `python -m rollout.serve` at `base_url`, from one trainer process.
+    Keyword arguments go to TRLGenerationAdapter; close `adapter.worker` after training to leave the weight group."""
     acc = getattr(trainer, "accelerator", None)
     if acc is not None and acc.num_processes > 1:
         raise NotImplementedError("attach_http_generator drives a server from a single trainer process (the weight "

@@ -1,22 +1,22 @@
 """The HTTP server against the engine in-process, and a weight update through the server.
 
-    # P3: 64 prompts x n=8, P=256, G=4096 on Qwen2.5-1.5B random weights; in-process, and as 64 concurrent
+    # 64 prompts x n=8, P=256, G=4096 on Qwen2.5-1.5B random weights: in-process, and as 64 concurrent
     # streaming /v1/completions requests (token ids in, return_token_ids, logprobs=0) to a server process
     python -m rollout.bench.serve throughput --shape qwen2.5-1.5b --out bench/results/<name>.json
-    # the Llama-3-8B shape: a trainer process on the same GPU sends new weights by CUDA IPC while
-    # the server decodes; staging time and the decode stall (the worker's weights/barrier_ms)
+    # Llama-3-8B: a trainer process on the same GPU sends new weights by CUDA IPC while the server
+    # decodes; staging time and the decode stall (weights/barrier_ms)
     python -m rollout.bench.serve ipc --shape llama3-8b --out ...
     # CPU smoke: throughput --shape tiny --device cpu --dtype float32 --prompts 4 --n 2 --prompt-len 16 --gen-len 16
 
-The server runs in a child process (the HTTP client here does not share its GIL) over the same seeded
-random weights, before the in-process run. tok/s = generated tokens / wall of the whole workload (HTTP:
-first request sent to last answer); time to first token per HTTP request (p50 / p99). Target: HTTP >= 90%
-of in-process.
+The server runs in a child process (no shared GIL) over the same seeded random weights. tok/s =
+generated tokens / wall of the whole workload; time to first token per HTTP request (p50 / p99).
+Target: HTTP >= 90% of in-process.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import multiprocessing as mp
 import statistics
@@ -24,6 +24,7 @@ import time
 
 import torch
 
+from ..weights import free_port
 from .__main__ import run_meta, write_json
 from .fleet import _prompts, random_engine
 from .shapes import SHAPES, make_config
@@ -46,11 +47,12 @@ def _serve_child(args, kw: dict, port: int) -> None:
                                               max_queued_requests=1 << 20), port=port, log_level="warning")
 
 
-def _start_server(args, kw: dict):
+@contextlib.contextmanager
+def _server(args, kw: dict):
+    """The benchmark server in a child process, up and warmed; its URL."""
     import httpx
-
     from ..client import RolloutClient
-    port = _port()
+    port = free_port("127.0.0.1")
     proc = mp.get_context("spawn").Process(target=_serve_child, args=(args, kw, port), daemon=True)
     proc.start()
     url, deadline = f"http://127.0.0.1:{port}", time.time() + 1800     # an 8B draw and graph capture take a while
@@ -58,15 +60,12 @@ def _start_server(args, kw: dict):
         if not proc.is_alive() or time.time() > deadline:
             raise RuntimeError("the benchmark server did not come up")
         time.sleep(0.5)
-    httpx.post(url + "/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 8}, timeout=600)   # warm-up
-    return proc, url
-
-
-def _port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    try:
+        httpx.post(url + "/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 8}, timeout=600)   # warm-up
+        yield url
+    finally:
+        proc.terminate()
+        proc.join(120)
 
 
 async def _stream_all(url: str, prompts, body: dict) -> dict:
@@ -102,14 +101,10 @@ def throughput(args) -> dict:
     P, G, n = args.prompt_len, args.gen_len, args.n
     kw = _engine_kwargs(args, args.prompts * n)
     prompts = _prompts(args.prompts, P, cfg.vocab_size, seed=0)
-    proc, url = _start_server(args, kw)   # first: its GPU memory is surely free once the process is gone
-    try:
+    with _server(args, kw) as url:        # first: its GPU memory is surely free once the process is gone
         body = {"n": n, "max_tokens": G, "temperature": 1.0, "ignore_eos": True, "logprobs": 0,
                 "return_token_ids": True}
         http = asyncio.run(_stream_all(url, prompts, body))
-    finally:
-        proc.terminate()
-        proc.join(120)
     worker = RolloutWorker(random_engine(args.shape, 0, args.device, args.dtype, kw))
     worker.generate(prompts[:2], SamplingParams(max_new_tokens=8, ignore_eos=True))      # warm-up
     t0 = time.perf_counter()
@@ -133,8 +128,7 @@ def ipc(args) -> dict:
         raise SystemExit("the ipc mode needs CUDA (CUDA IPC shares device memory between processes)")
     cfg = make_config(args.shape)
     P, G = args.prompt_len, args.gen_len
-    proc, url = _start_server(args, _engine_kwargs(args, args.prompts))
-    try:
+    with _server(args, _engine_kwargs(args, args.prompts)) as url:
         new = random_model(cfg, getattr(torch, args.dtype), torch.device("cuda"), seed=1).hf_targets()
         client, result = RolloutClient(url), {}
 
@@ -148,9 +142,6 @@ def ipc(args) -> dict:
             return await task
         decode = asyncio.run(decode_and_update())
         m = client.metrics()
-    finally:
-        proc.terminate()
-        proc.join(120)
     versions = decode.pop("versions")
     result.update(staging_ms=m["rollout_weight_staging_ms_total"], barrier_ms=m["rollout_weight_barrier_ms_total"],
                   tokens_after_update=sum(v == 1 for v in versions), decode=decode,

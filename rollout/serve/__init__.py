@@ -18,8 +18,7 @@ __all__ = ["ServeOptions", "UvicornServer", "build_app", "serve", "start_in_thre
 
 class UvicornServer(uvicorn.Server):
     async def shutdown(self, sockets=None):
-        # Before uvicorn waits for open requests: answer them (partial outputs, finish_reason
-        # "abort") so shutdown never waits on a long generation.
+        # answer open requests first (partial outputs, "abort"): shutdown never waits on a long generation
         server = self.config.app.state.server
         server.closing = True
         server.loop.post(server.loop.fail_pending)

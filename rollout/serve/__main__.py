@@ -69,7 +69,6 @@ def main(argv: Optional[list[str]] = None) -> None:
     from ..tasks.arith import ensure_default_model
     from ..worker import RolloutWorker
     from . import serve
-
     engine = RolloutEngine.from_pretrained(args.model or ensure_default_model(), config)
     serve(RolloutWorker(engine), opts, host=args.host, port=args.port, log_level=args.log_level)
 

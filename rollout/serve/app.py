@@ -43,8 +43,7 @@ def _error(status: int, message: str, headers=None) -> Response:     # OpenAI's 
 
 
 class BodyLimit:
-    """ASGI middleware: 413 for a body over max_bytes (by Content-Length, or counted as it arrives);
-    the body is read here and handed on whole."""
+    """ASGI middleware: 413 for a body over max_bytes (by Content-Length, or counted as it arrives)."""
 
     def __init__(self, app, max_bytes: int):
         self.app, self.max_bytes = app, max_bytes

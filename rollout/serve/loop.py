@@ -1,16 +1,15 @@
 """EngineLoop: the one thread that owns a RolloutWorker.
 
-HTTP handlers never touch the engine: they enqueue a command (a callable run between two steps)
-and await its future, or read the items the loop puts on their request's asyncio queue:
-    ("added", engine_ids) | ("error", exc) | ("delta", prompt_index, sample_index, Delta)
-    | ("done", prompt_index, RequestOutput)
-The loop runs `worker.step()` (weight commit at the batch boundary, stale policies, one engine
-step) while there is work and it is not paused, then hands the step's finished outputs and stream
-deltas to the event loop in one `call_soon_threadsafe`.
+HTTP handlers never touch the engine: they enqueue a command (a callable run between two steps) and
+await its future, or read what the loop puts on their request's asyncio queue:
+    ("added", engine_ids) | ("error", exc) | ("delta", prompt_index, sample_index, Delta) | ("done", prompt_index, out)
+The loop runs `worker.step()` while there is work and it is not paused, then hands the step's outputs
+and stream deltas to the event loop in one `call_soon_threadsafe`.
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -110,10 +109,8 @@ class EngineLoop:
     def _flush(self) -> None:
         items, self._outbox = self._outbox, []
         if items:
-            try:
+            with contextlib.suppress(RuntimeError):      # the event loop is closed: nobody is listening
                 self.aloop.call_soon_threadsafe(_deliver, items)
-            except RuntimeError:          # the event loop is closed: nobody is listening
-                pass
 
     def _answer(self, fut, result, exc=None) -> None:
         self._flush()                     # outputs first, then what was waiting on them
@@ -148,9 +145,9 @@ class EngineLoop:
         self._finish(self.engine.abort(ids))
         return ids
 
-    def abort_all(self, reason: str = "abort") -> None:
+    def abort_all(self) -> None:
         self._finish(self.engine.drain())
-        self._finish(self.engine.abort(list(self.engine.requests), reason=reason))
+        self._finish(self.engine.abort(list(self.engine.requests)))
 
     def _finish(self, outs) -> None:
         for out in outs:
@@ -259,9 +256,6 @@ class EngineLoop:
 
     def _shutdown(self) -> None:
         self._holding = False
-        while True:                       # commands already queued run (adds are answered below)
-            try:
-                self._run_command(*self._commands.get_nowait())
-            except queue.Empty:
-                break
+        while not self._commands.empty():     # commands already queued run (adds are answered below)
+            self._run_command(*self._commands.get_nowait())
         self.fail_pending()

@@ -1,12 +1,11 @@
-"""Request schemas (pydantic) and conversions: OpenAI / vLLM field names -> SamplingParams, and
-RequestOutputs -> OpenAI completion and chat shapes, whole or as stream chunks.
-
-Unknown fields are refused (400 naming them) rather than ignored: a silently dropped sampling
-option changes an RL algorithm without a trace.
+"""Request schemas (pydantic) and conversions: OpenAI / vLLM fields -> SamplingParams, RequestOutputs ->
+OpenAI completion and chat shapes (whole or stream chunks). Unknown fields are a 400, not ignored: a
+silently dropped sampling option changes an RL algorithm without a trace.
 """
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import time
 from typing import Any, Literal, Optional, Union
@@ -167,14 +166,12 @@ class Formatter:
         self._text = [""] * total
         self._offset = [0] * total
 
-    # ---- pieces ------------------------------------------------------------------------------
     def _name(self, t: int) -> str:
         if self.as_ids:
             return f"token_id:{t}"
-        s = self._names.get(t)
-        if s is None:
-            s = self._names[t] = self.tok.decode([t], skip_special_tokens=False)
-        return s
+        if t not in self._names:
+            self._names[t] = self.tok.decode([t], skip_special_tokens=False)
+        return self._names[t]
 
     def _logprobs(self, j: int, ids, lps, tops) -> Optional[dict]:
         if not self.want_logprobs:
@@ -187,10 +184,8 @@ class Formatter:
             return {"content": [{**entry(s, lp), "top_logprobs": [entry(self._name(k), v)
                                                                   for k, v in (top or {}).items()]}
                                 for s, lp, top in zip(names, lps, tops)]}
-        offsets = []
-        for s in names:
-            offsets.append(self._offset[j])
-            self._offset[j] += len(s)
+        offsets = list(itertools.accumulate(map(len, names), initial=self._offset[j]))
+        self._offset[j] = offsets.pop()
         top_dicts = [{**{self._name(k): _finite(v) for k, v in (top or {}).items()}, s: _finite(lp)}
                      for s, lp, top in zip(names, lps, tops)]
         return {"tokens": names, "token_logprobs": [_finite(x) for x in lps], "top_logprobs": top_dicts,
@@ -223,7 +218,6 @@ class Formatter:
         p = sum(len(x) for x in self.prompts)
         return {"prompt_tokens": p, "completion_tokens": completion_tokens, "total_tokens": p + completion_tokens}
 
-    # ---- whole responses -----------------------------------------------------------------------
     def response(self, outs: list[RequestOutput]) -> dict:
         choices, ntok = [], 0
         for p, out in enumerate(outs):         # prompt-major: the n choices of prompt 0, then prompt 1
@@ -234,7 +228,6 @@ class Formatter:
                 ntok += len(c.token_ids)
         return self._envelope(choices, self.usage(ntok), prompt=True)
 
-    # ---- stream chunks -------------------------------------------------------------------------
     def first_chunks(self) -> list[dict]:
         if not self.chat:
             return []

@@ -1,11 +1,9 @@
-"""Server side of the three weight transports. Each yields (hf_name, tensor) pairs that the engine
-loop stages whole (RolloutWorker.update_weights) and commits at a batch boundary. These run in a
-worker thread, never on the engine thread: reading a checkpoint or waiting on a collective must
-not stall decode."""
+"""Server side of the three weight transports: (hf_name, tensor) pairs the engine loop stages whole
+and commits at a batch boundary. They run in a worker thread, so reading a checkpoint or waiting on
+a collective does not stall decode."""
 from __future__ import annotations
 
 import base64
-import datetime
 import pickle
 from pathlib import Path
 
@@ -13,13 +11,11 @@ import torch
 
 
 def read_safetensors(path: str, targets: dict) -> list[tuple[str, torch.Tensor]]:
-    """A safetensors folder (model.safetensors, or shards with an index), cast to the engine's dtypes.
-    A tied head the engine does not hold and rotary buffers are skipped; any other unknown name is
-    kept, so the worker rejects the update whole and names it."""
+    """A safetensors folder (one file, or shards with an index), cast to the engine's dtypes. A tied
+    head the engine does not hold and rotary buffers are skipped; other unknown names are kept (the
+    worker rejects the update whole, naming them)."""
     from safetensors import safe_open
-
     from ..models.loader import checkpoint_files
-
     folder = Path(path)
     if not folder.is_dir():
         raise ValueError(f"path {path!r} is not a folder on the server")
@@ -37,13 +33,11 @@ def read_safetensors(path: str, targets: dict) -> list[tuple[str, torch.Tensor]]
 
 def load_ipc_handles(handles_b64: str, device: torch.device) -> list[tuple[str, torch.Tensor]]:
     """Rebuild CUDA tensors a trainer process on this node shared with torch's ForkingPickler (the
-    storage stays the trainer's: the engine copies it while staging). Unpickling runs code the
-    client chose: this route belongs behind the admin key on a trusted host."""
+    engine copies them while staging). Unpickling runs the client's code: admin key, trusted host."""
     if device.type != "cuda":
         raise ValueError(f"update_weights_from_ipc shares CUDA memory between processes on one node; this engine "
                          f"runs on {device.type} (use update_weights_from_disk or update_weights_from_group)")
     import torch.multiprocessing  # noqa: F401  (registers the CUDA tensor rebuilders)
-
     items = pickle.loads(base64.b64decode(handles_b64))
     if not isinstance(items, list) or not all(isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], str)
                                               and isinstance(x[1], torch.Tensor) for x in items):
@@ -53,23 +47,16 @@ def load_ipc_handles(handles_b64: str, device: torch.device) -> list[tuple[str, 
 
 def join_group(master_address: str, master_port: int, world_size: int, rank: int, backend: str,
                timeout_s: float) -> None:
-    """Join the trainer's torch.distributed group (the trainer is rank 0 and hosts the store). The
-    server process has no other group, so it uses the default one, as RolloutFleet's actors do."""
-    import torch.distributed as dist
-
+    """Join the trainer's torch.distributed group (the trainer is rank 0) as this process's default one."""
+    from ..weights import join_group as join
     if not 0 < rank < world_size:
         raise ValueError(f"rank_offset must be in [1, world_size), got {rank} with world_size={world_size}")
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    dist.init_process_group(backend, init_method=f"tcp://{master_address}:{master_port}", rank=rank,
-                            world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
+    join(backend, master_address, master_port, rank, world_size, timeout_s)
 
 
 def receive_group(device: torch.device, bucket_bytes: int) -> list[tuple[str, torch.Tensor]]:
     import torch.distributed as dist
-
     from ..weights import receive_weights
-
     if not dist.is_initialized():
         raise ValueError("no weight group: POST /init_weight_group first")
     if device.type == "cuda":
