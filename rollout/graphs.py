@@ -1,17 +1,11 @@
-"""CUDA graphs for decode steps: one graph per (slot, batch-size bucket, sampling mode), all
-captured into one shared memory pool.
+"""CUDA graphs for decode steps: one per (slot, batch-size bucket, sampling mode), all in one
+memory pool.
 
-A graph replays the whole decode step of one slot: carry-over from the other slot's sampled
-tokens, the forward, the lm_head, the sampler, and the copy of the results into the slot's
-static output buffers. Its inputs are the slot's static device buffers, so replaying it after
-an upload runs the new batch. Every tensor a graph allocates is a temporary of that step
-(results are copied out to buffers allocated outside the pool), so graphs can share one pool:
-they never run concurrently (one compute stream) and none reads another's pool memory. Peak
-memory is then one step's activations, not one per graph or per slot.
-
-Modes (the sampler's static shape): "greedy" and "sample" use the fused one-pass Triton
-sampler, "truncate" its top-k / top-p / min-p kernel (the torch sampler on the torch backend).
-Penalties and top logprobs run eagerly.
+A graph replays a slot's whole decode step (carry-over, forward, lm_head, sampler, copy into the
+slot's static outputs) from the slot's static input buffers. Everything it allocates is a
+temporary of that step and graphs never run concurrently, so they share one pool: peak memory is
+one step's activations. Modes: "greedy" and "sample" (the one-pass fused sampler), "truncate"
+(top-k / top-p / min-p); penalties and top logprobs run eagerly.
 """
 from __future__ import annotations
 
@@ -28,8 +22,7 @@ MODES = ("greedy", "sample", "truncate")
 
 
 def default_buckets(max_rows: int) -> list[int]:
-    """1, 2, 4, then steps of 8 to 64, 16 to 128, 32 beyond: a padded row costs little in a
-    weight-bound decode (GEMM rows are nearly free, attention skips empty contexts)."""
+    """1, 2, 4, then steps of 8 to 64, 16 to 128, 32 beyond (a padded row costs little)."""
     sizes = [1, 2, 4] + list(range(8, 65, 8)) + list(range(80, 129, 16)) + list(range(160, 4097, 32))
     out = [b for b in sizes if b < max_rows]
     return out + [max_rows]
@@ -42,8 +35,7 @@ def mode_of(all_greedy: bool, any_truncation: bool) -> str:
 
 
 class DecodeGraphs:
-    """`step(slot, bucket, mode)` runs one decode step eagerly from the slot's static buffers;
-    this class captures it per key and replays it."""
+    """Captures `step(slot, bucket, mode)` (one eager decode step from static buffers) per key."""
 
     def __init__(self, step: Callable[[int, int, str], None], compute_stream, buckets: list[int],
                  modes: tuple[str, ...] = MODES):
@@ -56,14 +48,10 @@ class DecodeGraphs:
         self.capture_s = 0.0
 
     def bucket_for(self, rows: int) -> Optional[int]:
-        for b in self.buckets:
-            if b >= rows:
-                return b
-        return None
+        return next((b for b in self.buckets if b >= rows), None)
 
     def capture(self, progress: bool = True, slots: tuple[int, ...] = (0, 1)) -> None:
-        """Largest bucket first, so the pool is sized once and smaller graphs reuse it.
-        `slots`: both in service; one only to measure what the second slot costs."""
+        """Largest bucket first, so smaller graphs reuse the pool. `slots`: (0,) only to measure."""
         t0 = time.perf_counter()
         keys = [(s, b, m) for b in reversed(self.buckets) for m in self.modes for s in slots]
         bar = None
@@ -71,9 +59,8 @@ class DecodeGraphs:
             from tqdm.auto import tqdm
             bar = tqdm(total=len(keys), desc="capturing CUDA graphs", unit="graph")
         self.pool = torch.cuda.graph_pool_handle()
-        # No garbage collection during capture: collecting an older engine's graphs frees
-        # device memory, which is not permitted while a stream captures (the capture fails and
-        # leaves the CUDA RNG in capture state).
+        # No garbage collection during capture: freeing an older engine's graphs' memory while a
+        # stream captures fails the capture.
         gc.collect()
         gc.disable()
         try:

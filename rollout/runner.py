@@ -1,6 +1,5 @@
-"""Model runner: owns the device KV page pool; uploads a Batch, applies the carry-over
-from the previous batch's sampled tokens, runs the model forward, the lm_head on the
-rows that sample, and the sampler."""
+"""Model runner: owns the device KV page pool; uploads a Batch, applies the carry-over from the
+previous batch's sampled tokens, runs the forward, the lm_head on sampling rows, and the sampler."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -29,10 +28,8 @@ class DeviceBatch:
 
 
 def apply_carry_over(input_ids: torch.Tensor, carry: torch.Tensor, prev_tokens: torch.Tensor) -> torch.Tensor:
-    """Fill the tokens the previous batch sampled into this batch's input ids.
-    `prev_tokens` is the other slot's output buffer [max_rows + 1] whose last entry is
-    never written (stays 0), so carry == -1 gathers a harmless 0 that the select drops.
-    A select rather than an add: replaying it twice is harmless."""
+    """Fill the tokens the previous batch sampled into this batch's input ids. prev_tokens' last
+    entry stays 0, so carry == -1 gathers a harmless 0 that the select drops (replay-safe)."""
     return torch.where(carry >= 0, prev_tokens[carry], input_ids)
 
 
@@ -45,13 +42,9 @@ def carry_penalty_ids(penalty: torch.Tensor, prev_tokens: torch.Tensor) -> torch
 class ModelRunner:
     def __init__(self, model: DecoderLM, *, num_pages: int, page_size: int, kv_dtype: torch.dtype,
                  attention_backend: str = "torch", num_host_pages: int = 0, batch_invariant: bool = False):
-        if attention_backend not in ("torch", "triton"):
-            raise ValueError(f"attention_backend must be 'torch' or 'triton', got {attention_backend!r}")
         self.attention_backend = attention_backend
-        # The Triton backend also samples with the fused kernel where its contract applies.
         self.fused_sampler = attention_backend == "triton"
-        # Batch-invariant mode (engine checks it applies): the model's GEMMs, the attention
-        # dispatch and the sampler's logprob reduction all use configs fixed per shape, not per batch.
+        # GEMMs, attention and the sampler's reductions use configs fixed per shape, not per batch.
         self.batch_invariant = batch_invariant
         model.batch_invariant = batch_invariant
         self.model = model
@@ -80,9 +73,8 @@ class ModelRunner:
 
     def upload(self, batch: Batch, host: Optional[dict[str, torch.Tensor]] = None,
                bufs: Optional[dict[str, torch.Tensor]] = None) -> DeviceBatch:
-        """Host -> device copies of one step's inputs, on the caller's current stream. With the
-        builder's `host` buffers and a slot's device `bufs`, copies into the static buffers,
-        padding rows included; without, copies the batch's own tensors into fresh ones."""
+        """Host -> device copies of one step's inputs on the current stream: from the builder's
+        `host` buffers (padding rows included) into a slot's static `bufs`, or into fresh tensors."""
         T, S, R = batch.num_tokens, len(batch.seq_lens_host), batch.num_rows
         if batch.padded_to:
             T = S = R = batch.padded_to
@@ -104,8 +96,7 @@ class ModelRunner:
 
     def device_batch(self, dev: dict[str, torch.Tensor], batch_or_flags, *, decode_only: bool = False,
                      has_carry: bool = True) -> DeviceBatch:
-        """Wrap device tensors (one per STEP_FIELDS name) for `run`. The second argument is the
-        host Batch, or for a graph's static step the SamplingTensors carrying only its flags."""
+        """Device tensors (one per STEP_FIELDS name) for `run`, with the host Batch or flags only."""
         if isinstance(batch_or_flags, Batch):
             b = batch_or_flags
             st, lens, qsl = b.sampling, b.seq_lens_host, b.query_start_host
@@ -132,10 +123,8 @@ class ModelRunner:
             v[dst] = v[src]
 
     def swap_pages(self, out_moves: list[tuple[int, int]], in_moves: list[tuple[int, int]]) -> None:
-        """Preemption by swap, on the current (compute) stream before a step's forward. Out:
-        the device -> host copy waits for the step in flight, whose KV writes it must include,
-        and for the freed pages' new owners only after that. Swap events are rare (one per
-        victim), so they block the host instead of tracking pinned-buffer lifetimes."""
+        """Preemption by swap, on the compute stream before a step's forward (after the step in
+        flight). Swaps are rare, so they block the host rather than track pinned-buffer lifetimes."""
         if out_moves:
             d = torch.tensor([m[0] for m in out_moves], device=self.device)
             h = torch.tensor([m[1] for m in out_moves])
