@@ -128,13 +128,11 @@ class BatchBuilder:
             seq, n, start = item.seq, item.num_new, item.start
             decode_only &= n == 1 and item.num_samples == 1
             for j, tok in enumerate(seq.token_ids[start:start + n]):
+                row = -1
                 if tok == PLACEHOLDER:
-                    ids.append(0)
-                    carry.append(carried(seq, start + j))
-                    has_carry = True
-                else:
-                    ids.append(tok)
-                    carry.append(-1)
+                    tok, row, has_carry = 0, carried(seq, start + j), True
+                ids.append(tok)
+                carry.append(row)
             positions.extend(range(start, start + n))
             table = seq.block_table
             kv_pos.extend(table[p // ps] * ps + p % ps for p in range(start, start + n))
@@ -191,8 +189,7 @@ class BatchBuilder:
             decode_only=decode_only)
 
     def _build_decode(self, sched: SchedulerOutput) -> Batch | None:
-        """The general path's buffers for a steady decode step (one token and row per sequence, no
-        penalty), writing per item only what changes step to step; else None, having written nothing."""
+        """`build` for steady decode (one token and row a sequence, no penalty), else None (nothing written)."""
         npb, ps, prm = self.np, self.kv.page_size, self._param_rows
         items, targets = sched.items, sched.targets
         S = len(items)
@@ -206,16 +203,13 @@ class BatchBuilder:
             p = seq.request.params
             if item.num_new != 1 or item.num_samples != 1 or p.repetition_penalty != 1.0:
                 return None
-            tok = seq.token_ids[start]
+            tok, row = seq.token_ids[start], -1
             if tok == PLACEHOLDER:
                 bid, row = seq.inflight[start]
                 assert bid == prev, "placeholder not from the previous batch"
-                ids.append(0)
-                carry.append(row)
-                has_carry = True
-            else:
-                ids.append(tok)
-                carry.append(-1)
+                tok, has_carry = 0, True
+            ids.append(tok)
+            carry.append(row)
             starts.append(start)
             params.append(p)
             key = (seq.seq_id, seq.table_version)

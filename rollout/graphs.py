@@ -1,11 +1,7 @@
-"""CUDA graphs for decode steps: one per (slot, batch-size bucket, sampling mode), all in one
-memory pool.
-
-A graph replays a slot's whole decode step (carry-over, forward, lm_head, sampler, copy into the
-slot's static outputs) from the slot's static input buffers. Everything it allocates is a
-temporary of that step and graphs never run concurrently, so they share one pool: peak memory is
-one step's activations. Modes: "greedy" and "sample" (the one-pass fused sampler), "truncate"
-(top-k / top-p / min-p); penalties and top logprobs run eagerly.
+"""CUDA graphs for decode steps, one per (slot, batch-size bucket, sampling mode): each replays a
+slot's whole step (carry-over, forward, lm_head, sampler, copy to static outputs). Graphs never run
+concurrently and allocate only step temporaries, so they share one pool (one step's activations).
+Modes: "greedy", "sample", "truncate"; penalties and top logprobs run eagerly.
 """
 from __future__ import annotations
 
@@ -52,40 +48,29 @@ class DecodeGraphs:
 
     def capture(self, progress: bool = True, slots: tuple[int, ...] = (0, 1)) -> None:
         """Largest bucket first, so smaller graphs reuse the pool. `slots`: (0,) only to measure."""
+        from tqdm.auto import tqdm
         t0 = time.perf_counter()
         keys = [(s, b, m) for b in reversed(self.buckets) for m in self.modes for s in slots]
-        bar = None
-        if progress:
-            from tqdm.auto import tqdm
-            bar = tqdm(total=len(keys), desc="capturing CUDA graphs", unit="graph")
         self.pool = torch.cuda.graph_pool_handle()
-        # No garbage collection during capture: freeing an older engine's graphs' memory while a
-        # stream captures fails the capture.
+        # No gc during capture: freeing an older engine's graphs' memory would fail the capture.
         gc.collect()
         gc.disable()
         try:
-            self._capture(keys, slots, bar)
+            for slot, bucket, mode in tqdm(keys, desc="capturing CUDA graphs", unit="graph", disable=not progress):
+                if slot == slots[0]:   # warm-up (Triton compiles, cuBLAS workspaces) outside any capture
+                    with torch.cuda.stream(self.stream):
+                        self.step(slot, bucket, mode)
+                    self.stream.synchronize()
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=self.pool, stream=self.stream):
+                    self.step(slot, bucket, mode)
+                self.graphs[(slot, bucket, mode)] = g
         finally:
             gc.enable()
         torch.cuda.synchronize()
-        if bar is not None:
-            bar.close()
         self.capture_s = time.perf_counter() - t0
         log.info("captured %d CUDA graphs (buckets %s, modes %s) in %.1f s",
                  len(keys), self.buckets, self.modes, self.capture_s)
-
-    def _capture(self, keys, slots, bar) -> None:
-        for slot, bucket, mode in keys:
-            if slot == slots[0]:   # warm-up (Triton compiles, cuBLAS workspaces) outside any capture
-                with torch.cuda.stream(self.stream):
-                    self.step(slot, bucket, mode)
-                self.stream.synchronize()
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=self.pool, stream=self.stream):
-                self.step(slot, bucket, mode)
-            self.graphs[(slot, bucket, mode)] = g
-            if bar is not None:
-                bar.update(1)
 
     def replay(self, slot: int, bucket: int, mode: str) -> None:
         """On the caller's current stream."""

@@ -5,9 +5,8 @@
                 d2h stream:     copy outputs to pinned host -> d2h_done[s]
     wait(k):    the host's only blocking call: d2h_done[s].synchronize()
 
-The engine calls launch(k) before wait(k-1), so the CPU builds batch k+1 while the GPU runs
-batch k; slot s is rewritten only by batch k+2, after the host waited on batch k. Sync mode waits
-in launch() (the comparison baseline); on CPU launch() runs the step in place.
+launch(k) runs before wait(k-1), so the CPU builds batch k+1 while the GPU runs batch k (slot s is
+rewritten only by batch k+2). Sync mode waits in launch(); on CPU launch() runs the step in place.
 """
 from __future__ import annotations
 

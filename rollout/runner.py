@@ -73,8 +73,7 @@ class ModelRunner:
 
     def upload(self, batch: Batch, host: Optional[dict[str, torch.Tensor]] = None,
                bufs: Optional[dict[str, torch.Tensor]] = None) -> DeviceBatch:
-        """Host -> device copies of one step's inputs on the current stream: from the builder's
-        `host` buffers (padding rows included) into a slot's static `bufs`, or into fresh tensors."""
+        """One step's inputs to the device (current stream): `host` buffers into `bufs`, or fresh tensors."""
         T, S, R = batch.num_tokens, len(batch.seq_lens_host), batch.num_rows
         if batch.padded_to:
             T = S = R = batch.padded_to
@@ -123,20 +122,18 @@ class ModelRunner:
             v[dst] = v[src]
 
     def swap_pages(self, out_moves: list[tuple[int, int]], in_moves: list[tuple[int, int]]) -> None:
-        """Preemption by swap, on the compute stream before a step's forward (after the step in
-        flight). Swaps are rare, so they block the host rather than track pinned-buffer lifetimes."""
+        """Preemption by swap before a step's forward; rare, so it blocks the host (no buffer tracking)."""
+        caches = [(c, hc) for dev, host in zip(self.kv_caches, self.host_kv) for c, hc in zip(dev, host)]
         if out_moves:
             d = torch.tensor([m[0] for m in out_moves], device=self.device)
             h = torch.tensor([m[1] for m in out_moves])
-            for (k, v), (hk, hv) in zip(self.kv_caches, self.host_kv):
-                hk[h] = k[d].cpu()
-                hv[h] = v[d].cpu()
+            for c, hc in caches:
+                hc[h] = c[d].cpu()
         if in_moves:
             h = torch.tensor([m[0] for m in in_moves])
             d = torch.tensor([m[1] for m in in_moves], device=self.device)
-            for (k, v), (hk, hv) in zip(self.kv_caches, self.host_kv):
-                k[d] = hk[h].to(self.device)
-                v[d] = hv[h].to(self.device)
+            for c, hc in caches:
+                c[d] = hc[h].to(self.device)
 
     @torch.inference_mode()
     def run(self, dev: DeviceBatch, prev_tokens: Optional[torch.Tensor]) -> Optional[SamplerOutput]:

@@ -1,14 +1,11 @@
-"""Token sampling and the logprob contract: the torch reference (`sample`), and which sampler a
-step runs (`sample_step`: the fused Triton kernels where they apply).
+"""Token sampling and the logprob contract: the torch reference (`sample`) and a step's choice of
+sampler (`sample_step`: the fused Triton kernels where they apply).
 
-  * ``logprobs``: log_softmax(logits.float() / T) over the full vocab at the sampled token, no
-    penalty, no truncation (T = 1 for greedy rows): what RL trainers recompute.
-  * ``processed_logprobs`` / ``kept_mass``: the token under the distribution sampled from (HF's
-    repetition penalty -> temperature -> top_k -> top_p -> min_p, renormalised).
-
-Gumbel-max with noise from a counter-based hash of (seed, counter, vocab index): a row's token
-depends only on its own inputs, not on the batch, device or global RNG. No host syncs; shapes
-depend only on R, V and the static flags, so CUDA graphs can capture it.
+  * ``logprobs``: log_softmax(logits.float() / T) at the sampled token over the full vocab, no
+    penalty or truncation (T = 1 when greedy): what RL trainers recompute.
+  * ``processed_logprobs`` / ``kept_mass``: under the distribution sampled from (HF's penalty ->
+    temperature -> top_k -> top_p -> min_p). Gumbel-max with counter-hash noise of (seed, counter,
+    vocab index): a row's token depends only on its own inputs. No host syncs (graph-capturable).
 """
 from __future__ import annotations
 
@@ -64,8 +61,7 @@ def _hash32(seeds: torch.Tensor, counters: torch.Tensor, vocab_size: int) -> tor
     k1 = _fmix32((a + c_lo * 0x165667B1) & _M32)  # distinct per counter for one seed
     k2 = _fmix32((k1 + 0x7F4A7C15) & _M32)
     v = (torch.arange(vocab_size, device=seeds.device, dtype=torch.int64) * _GOLDEN) & _M32
-    # A second keyed round (k2): with k1 alone, rows whose k1 differ by a multiple of _GOLDEN
-    # would be shifted copies of each other.
+    # A second keyed round (k2): with k1 alone, rows could be shifted copies of each other.
     h = _fmix32((k1[:, None] + v[None, :]) & _M32)
     return _fmix32(h ^ k2[:, None])
 
@@ -100,8 +96,7 @@ def _truncation_mask(scores: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     # top_k: keep values >= k-th largest (ties at the boundary kept, as HF).
     k = torch.where(st.top_k > 0, st.top_k.clamp(max=V), V)
     keep = vals >= vals.gather(1, (k - 1)[:, None])
-    # top_p: keep while the mass strictly before the token is < top_p (an exclusive prefix sum by
-    # shifting, not cumsum - p, which cancels badly); top_p >= 1 is off, whatever the rounding.
+    # top_p: keep while the mass before the token (shifted cumsum) is < top_p; top_p >= 1 is off.
     probs = torch.softmax(vals.masked_fill(~keep, float("-inf")), dim=-1)
     before = torch.cat([torch.zeros_like(probs[:, :1]), probs.cumsum(-1)[:, :-1]], dim=-1)
     keep = keep & ((before < st.top_p[:, None]) | (st.top_p[:, None] >= 1.0))
@@ -161,8 +156,7 @@ INVARIANT_SAMPLER_SPLITS = 8
 
 
 def sample_step(logits: torch.Tensor, st: SamplingTensors, fused: bool, batch_invariant: bool) -> SamplerOutput:
-    """A step's sampler: with `fused` (the Triton backend) and no repetition penalty, the fused
-    Triton kernels (their vocab splits fixed in batch-invariant mode); else `sample`."""
+    """The fused Triton sampler with `fused` and no repetition penalty, else `sample`."""
     if not fused or st.any_penalty:
         return sample(logits, st)
     from .kernels.fused_truncation import default_row_splits, fused_sample_full

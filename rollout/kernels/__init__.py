@@ -63,9 +63,8 @@ def _dot_in_k_order(a, b, out_dtype):
 
 
 def fix_interpreter() -> None:
-    """Under TRITON_INTERPRET=1 only. (1) triton 3.6's interpreter gives scalars `__index__ =
-    int(array)`, which numpy >= 2.3 rejects, breaking `range()` over runtime bounds: re-patch it
-    after triton's own patching. (2) tl.dot sums in K order whatever the tile (_dot_in_k_order)."""
+    """Under TRITON_INTERPRET=1: scalars' `__index__` that numpy >= 2.3 accepts (triton 3.6's breaks
+    `range()` over runtime bounds), and tl.dot summing in K order (_dot_in_k_order)."""
     import triton
     if not triton.knobs.runtime.interpret:
         return

@@ -48,18 +48,14 @@ def rmsnorm_store(x, w_ptr, out_row_ptr, cols, m, N, eps):
 
 def add_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, delta: Optional[torch.Tensor] = None,
                 out: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """x, delta [T, N] -> (rmsnorm(r) * weight, r), r = x + delta (x without delta), in HF's order.
-    delta may be [S, T, N] fp32 split-K partials (skinny_gemm(partials=True)), summed as that
-    GEMM's fix-up would. `out`: preallocated (normed, residual)."""
+    """x, delta [T, N] -> (rmsnorm(r) * weight, r), r = x + delta (or x), in HF's order. delta may be
+    [S, T, N] fp32 split-K partials, summed as the GEMM's fix-up would. `out`: (normed, residual)."""
     T, N = x.shape
     assert x.stride(1) == 1 and weight.is_contiguous() and weight.numel() == N
     parts = delta is not None and delta.dim() == 3
     if parts:
         assert delta.shape[1:] == (T, N) and delta.dtype == torch.float32 and delta.stride(2) == 1
-    if out is not None:
-        out, res = out
-    else:
-        out, res = torch.empty_like(x), (torch.empty_like(x) if delta is not None else x)
+    out, res = out if out is not None else (torch.empty_like(x), torch.empty_like(x) if delta is not None else x)
     if T:
         block = triton.next_power_of_2(N)
         d = delta if delta is not None else x

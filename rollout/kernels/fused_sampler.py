@@ -1,14 +1,10 @@
-"""Fused sampling + full-vocab logprob without an fp32 [R, V] copy of the logits.
+"""Fused sampling + full-vocab logprob without an fp32 [R, V] copy of the logits: `fused_sample`
+(no truncation) and the helpers kernels/fused_truncation.py shares. Contract: `rollout.sampler.sample`
+for rows without a repetition penalty (u bit-identical to `counter_uniform`).
 
-`fused_sample_full` (kernels/fused_truncation.py) has `rollout.sampler.sample`'s contract for rows
-without a repetition penalty: logprob = log_softmax(x / T)[token] in fp32 (T = 1 when greedy);
-greedy rows take the first argmax; sampled rows the argmax of x / T - log(-log u), u bit-identical
-to `rollout.sampler.counter_uniform`; kept = top_k -> top_p -> min_p with the reference's ties.
-
-Without truncation, `fused_sample`: kernel 1, grid (R, S), streams BLOCK_V chunks of a row's split
-(online max and per-lane sums of exp, per-lane best perturbed score); with S > 1 kernel 2 merges
-the splits. Chunks that cannot win (max x / T + max Gumbel < best) skip their noise: exact.
-No host syncs; shapes depend only on (R, V, S) and static flags: CUDA-graph capturable.
+Kernel 1, grid (R, S), streams BLOCK_V chunks of a row's split (online max and sum of exp, per-lane
+best perturbed score; chunks that cannot win skip their noise, exactly); with S > 1 kernel 2 merges
+the splits. No host syncs; shapes depend only on (R, V, S) and static flags (graph-capturable).
 """
 from __future__ import annotations
 
@@ -29,8 +25,7 @@ _GUMBEL_MAX = tl.constexpr(17.0)
 
 @triton.jit
 def _log_precise(x):
-    # -log(u): libdevice logf is what torch.log calls, so bit-equal to the reference (lg2.approx's
-    # error near u = 1 is where Gumbel winners live).
+    # -log(u): libdevice logf, which torch.log calls, so bit-equal to the reference.
     if _ON_GPU:
         return libdevice.log(x)
     else:
@@ -92,8 +87,7 @@ def _row_temperature(temp_ptr, row):
 
 @triton.jit
 def _finish(row_ptr, t, m, total, tok, tok_out, lp_out, stats_out, R, STATS: tl.constexpr):
-    # m = max raw x; m / T == max(x / T) bit for bit, so only log(sum) differs from the reference.
-    # STATS: also store (max / T, log sum), from which top logprobs are computed.
+    # m / T == max(x / T) bit for bit; STATS: also store (max / T, log sum) for top logprobs.
     xt = tl.math.div_rn(tl.load(row_ptr + tok).to(tl.float32), t)
     mt = tl.math.div_rn(m, t)
     log_z = _log_precise(total)
@@ -197,9 +191,8 @@ def fused_sample(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.T
                  counters: torch.Tensor, *, greedy_only: bool = False, num_splits: int | None = None,
                  block_v: int = 2048, num_warps: int = 8, out: tuple[torch.Tensor, torch.Tensor] | None = None,
                  stats: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [R, V] (unit stride in V), temperature [R] f32 (<= 0: greedy), seeds / counters [R]
-    int64 -> (token_ids [R] int64, logprobs [R] f32). greedy_only: no noise code compiled. out:
-    preallocated (token_ids, logprobs). stats: [2, R] f32 written with (max x / T, log sum exp)."""
+    """logits [R, V], temperature [R] f32 (<= 0: greedy), seeds / counters [R] int64 -> (token_ids
+    int64, logprobs f32) [R], into `out` if given. stats: [2, R] f32 <- (max x / T, log sum exp)."""
     R, V = logits.shape
     assert logits.stride(1) == 1 and logits.dtype in (torch.bfloat16, torch.float16, torch.float32)
     dev = logits.device

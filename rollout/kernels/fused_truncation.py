@@ -1,14 +1,10 @@
-"""Top-k / top-p / min-p in Triton for the fused sampler (contract: kernels/fused_sampler.py), and
-`fused_sample_full`, which dispatches a batch to them.
+"""Top-k / top-p / min-p for the fused sampler, and `fused_sample_full`, which dispatches a batch.
 
-`_trunc_kernel`, one program per row: pass 1 max / sum exp; top-k: a radix select of the k-th
-largest value over monotone integer keys of x (4-bit digits, one histogram pass each: 4 for bf16,
-5 fp16, 8 fp32); top-p: a radix select of the boundary value by cumulative mass over the top-k
-survivors, then the first c of its ties by index; min-p: e(x) >= min_p; final pass: kept set, its
-mass, Gumbel-max over it. Exact up to fp32 rounding of masses at the top-p / min-p boundaries.
-Split rows (`row_splits` S > 1, the engine's default): the same passes over S contiguous chunks
-per row, grid (R, S), one launch per pass, cross-chunk sums reduced in a fixed order by the next
-launch (deterministic, no atomics).
+`_trunc_kernel`, one program per row: max / sum exp; top-k by a radix select of the k-th largest
+value over monotone integer keys (4-bit digits, one histogram pass each); top-p by a radix select
+of the boundary by cumulative mass, then the first of its ties by index; min-p: e(x) >= min_p; a
+final pass samples the kept set. Split rows (`row_splits` S > 1): the same passes over S chunks a
+row, one launch per pass, partials reduced in a fixed order by the next launch (deterministic).
 """
 
 from __future__ import annotations
@@ -27,8 +23,7 @@ from .fused_sampler import (_NEG_BIG, _finish, _gumbel_pruned, _log_precise, _me
 
 @triton.jit
 def _key(x, SHIFT: tl.constexpr):
-    # Integer key whose unsigned order is x's float order (-0.0 takes +0.0's key); >> SHIFT drops
-    # the low bits the input dtype never sets (bf16: 16, fp16: 12).
+    # Unsigned key in x's float order (-0.0 = +0.0); >> SHIFT drops bits the dtype never sets.
     b = x.to(tl.uint32, bitcast=True)
     k = tl.where((b >> 31) != 0, b ^ 0xFFFFFFFF, b | 0x80000000)
     return tl.where(x == 0, 0x80000000, k) >> SHIFT
@@ -50,10 +45,8 @@ def _radix_hist(row_ptr, V: tl.constexpr, lo, pre, m, c, D: tl.constexpr, NDIG: 
 @triton.jit
 def _hist_range(ptr, n, lo, pre, m, c, D: tl.constexpr, NDIG: tl.constexpr, SHIFT: tl.constexpr,
                 MASS: tl.constexpr, SKIP: tl.constexpr, LOOP: tl.constexpr, HBLOCK: tl.constexpr):
-    # One pass over ptr[:n] (LOOP >= n, static): 16-bin histogram of digit D (top first) of the
-    # keys >= lo whose higher digits equal pre: counts and, with MASS, sums of e(x) =
-    # exp2((x - m) * c), in [16, HBLOCK] per-lane accumulators reduced once (deterministic).
-    # SKIP: blocks without a candidate skip the compares.
+    # 16-bin histogram over ptr[:n] of digit D of the keys >= lo with higher digits == pre: counts
+    # and (MASS) sums of exp2((x - m) * c), per lane, reduced once. SKIP: skip candidate-free blocks.
     TOP: tl.constexpr = 4 * NDIG - 4
     lanes = tl.arange(0, HBLOCK)
     bins = tl.arange(0, 16)[:, None]
@@ -82,16 +75,14 @@ def _hist_range(ptr, n, lo, pre, m, c, D: tl.constexpr, NDIG: tl.constexpr, SHIF
 @triton.jit
 def _select_count(cnt, k):
     # Highest bin b with sum(cnt[b:]) >= k (it holds the k-th largest), and sum(cnt[b + 1:]).
-    # The suffix sums are exact integers and fall with b, so b = #{b: suffix >= k} - 1.
     b = tl.sum((tl.cumsum(cnt, 0, reverse=True) >= k).to(tl.int32), 0) - 1
     return b, tl.sum(tl.where(tl.arange(0, 16) > b, cnt, 0), 0)
 
 
 @triton.jit
 def _select_mass(cnt, mass, target, above, top_p, FIRST: tl.constexpr):
-    # Bins high -> low from `above` (mass above this prefix): the first non-empty bin whose
-    # inclusive cumulative mass reaches target, else the lowest non-empty one. FIRST: target =
-    # top_p * the total (Zk). -> (bin, mass strictly above it, its count, target).
+    # The first non-empty bin (high -> low) whose cumulative mass from `above` reaches target, else
+    # the lowest non-empty one (FIRST: target = top_p * total) -> (bin, mass above, count, target).
     bins = tl.arange(0, 16)
     incl = above + tl.cumsum(mass, 0, reverse=True)
     low = tl.min(tl.where(cnt > 0, bins, 16), 0)
@@ -107,8 +98,7 @@ def _select_mass(cnt, mass, target, above, top_p, FIRST: tl.constexpr):
 def _final_block(row_ptr, idx, V, m, c, inv_t, kth, min_p, vstar, n_keep, do_p, ties, t_raw, k1, k2, bound,
                  kept_e, kept_n, best, bidx, mask_ptr, row, SHIFT: tl.constexpr, MASK: tl.constexpr,
                  SAMPLE: tl.constexpr):
-    """One block of the final pass: the kept set (top-k key, min-p mass, top-p boundary with its
-    ties in index order, `ties` those before this block), kept mass and count, Gumbel-max."""
+    """One block of the final pass: the kept set (`ties`: v* ties before it), its mass and count, the sample."""
     ok = idx < V
     x = tl.load(row_ptr + idx, mask=ok, other=float("-inf")).to(tl.float32)
     key = _key(x, SHIFT)
@@ -159,8 +149,7 @@ def _trunc_kernel(logits_ptr, stride, temp_ptr, topk_ptr, topp_ptr, minp_ptr, se
         m = m_new
     total = tl.sum(s, 0)
 
-    # top-k: radix select of the k-th largest key, one 4-bit digit per pass, top digit first;
-    # kept <=> key >= kth, so ties at the boundary are all kept (the reference's vals >= kth).
+    # top-k: radix select of the k-th largest key, top digit first; ties at kth all kept (as HF).
     kth = tl.full([], 0, tl.uint32)
     if do_k:
         krem = top_k.to(tl.int32)  # rank of the k-th largest among keys with the prefix so far
@@ -173,9 +162,8 @@ def _trunc_kernel(logits_ptr, stride, temp_ptr, topk_ptr, topp_ptr, minp_ptr, se
             krem -= above
         kth = pre
 
-    # top-p over the top-k survivors (mass Zk): a token is kept iff the mass before it is
-    # < top_p * Zk. The boundary v* (a radix select by per-bin masses) keeps every key above it
-    # and the first c of its n ties, c = #{r < n: G(v*) + r e* < top_p * Zk} >= 1.
+    # top-p over the top-k survivors: keys above the boundary v* (a radix select by mass) and the
+    # first c of its n ties, c = #{r < n: G(v*) + r e* < top_p * Zk} >= 1.
     vstar = tl.full([], 0, tl.uint32)
     n_keep = V
     if do_p:
@@ -194,8 +182,7 @@ def _trunc_kernel(logits_ptr, stride, temp_ptr, topk_ptr, topp_ptr, minp_ptr, se
         q = tl.where(e_star > 0, (target - above) / e_star, n.to(tl.float32))
         n_keep = tl.minimum(tl.maximum(tl.ceil(q), 1.0), n.to(tl.float32)).to(tl.int32)
 
-    # Final pass in index order. min-p: the max survivor is the global max (e = 1), so the test
-    # is e >= min_p.
+    # Final pass in index order; min-p is e >= min_p (the max survivor has e = 1).
     k1, k2 = _row_keys(tl.load(seed_ptr + row), tl.load(ctr_ptr + row))
     bound = float("-inf")
     best = tl.full([BLOCK_V], float("-inf"), tl.float32)
@@ -217,11 +204,8 @@ def _trunc_kernel(logits_ptr, stride, temp_ptr, topk_ptr, topp_ptr, minp_ptr, se
     tl.store(plp_ptr + row, lp - km)
 
 
-# Split rows: the same passes as _trunc_kernel, each a launch over (row, chunk), cross-chunk
-# partials reduced by later launches in a fixed order. Launches: pass A (_sample_kernel's max /
-# sum-exp partials), one per radix digit (NDIG top-k, then NDIG top-p), the final pass and a
-# per-row merge. Launch J does the select of digit J - 1 in each of the row's programs (same
-# bits); chunk 0 stores the state (slot J) for launch J + 1.
+# Split rows: pass A (_sample_kernel's partials), one launch per radix digit (NDIG top-k, NDIG
+# top-p; launch J selects digit J - 1 in every program, chunk 0 stores slot J), final, merge.
 # Buffers: cnt [2 NDIG, R, S, 16] int32, mass [NDIG, R, S, 16] f32, state [2 NDIG, R, 4] int32:
 # top-k slots (prefix, remaining rank); top-p slots (prefix, kth, mass above, target) as bits.
 @triton.jit
@@ -249,8 +233,7 @@ def _k_advance(state_ptr, cnt_ptr, row, R, top_k, D: tl.constexpr, SPLITS: tl.co
 @triton.jit
 def _p_advance(state_ptr, cnt_ptr, mass_ptr, row, R, top_p, D: tl.constexpr, NDIG: tl.constexpr,
                SPLITS: tl.constexpr, BLOCK_S: tl.constexpr):
-    # Top-p state after the selects of digits 0..D-1 (D >= 1) -> (prefix, kth, mass above,
-    # target, selected bin, its count).
+    # Top-p state after digits 0..D-1 -> (prefix, kth, mass above, target, selected bin, count).
     J: tl.constexpr = NDIG + D - 1
     st = state_ptr + (J * R + row) * 4
     pre = tl.load(st).to(tl.uint32, bitcast=True)
@@ -326,8 +309,7 @@ def _split_final_kernel(logits_ptr, stride, temp_ptr, topk_ptr, topp_ptr, minp_p
                         V: tl.constexpr, SAMPLE: tl.constexpr, MASK: tl.constexpr, NDIG: tl.constexpr,
                         SHIFT: tl.constexpr, SPLITS: tl.constexpr, CHUNK: tl.constexpr,
                         BLOCK_V: tl.constexpr, BLOCK_S: tl.constexpr):
-    # _trunc_kernel's final pass over one chunk -> partials fo [2, R, S] f32 (kept mass, best
-    # score), io [2, R, S] int32 (kept count, best index).
+    # The final pass over one chunk -> fo [2, R, S] (kept mass, best score), io (kept count, index).
     row = tl.program_id(0)
     split = tl.program_id(1)
     row_ptr = logits_ptr + row.to(tl.int64) * stride
@@ -348,8 +330,7 @@ def _split_final_kernel(logits_ptr, stride, temp_ptr, topk_ptr, topp_ptr, minp_p
         e_star = tl.exp2((_key_value(vstar, SHIFT) - m) * c)
         q = tl.where(e_star > 0, (target - above) / e_star, n.to(tl.float32))
         n_keep = tl.minimum(tl.maximum(tl.ceil(q), 1.0), n.to(tl.float32)).to(tl.int32)
-        # The last digit's per-chunk count of the selected bin counts the keys == v*: its
-        # exclusive prefix over chunks is this chunk's tie offset.
+        # The last digit's per-chunk counts of the bin are the v* ties: their prefix is this chunk's.
         last = _psum(cnt_ptr + ((2 * NDIG - 1) * R + row) * (SPLITS * 16), split, SPLITS, BLOCK_S)
         ties = tl.sum(tl.where(tl.arange(0, 16) == b, last, 0), 0)
     elif do_k:
@@ -440,10 +421,9 @@ def fused_sample_full(logits: torch.Tensor, st: SamplingTensors, *, out: Sampler
                       block_v: int = 1024, num_warps: int = 8, hist_block: int | None = None,
                       num_splits: int | None = None, row_splits: int | None = None,
                       _kept_mask: torch.Tensor | None = None) -> SamplerOutput:
-    """`rollout.sampler.sample`'s contract for rows without a repetition penalty. No truncation:
-    `fused_sample`; else `_trunc_kernel`, or with row_splits S > 1 each row in S chunks (tokens
-    equal up to fp32 rounding at the top-p boundary). out: preallocated outputs (top fields
-    ignored). block_v / num_warps / hist_block: the truncation kernels'; num_splits: fused_sample's."""
+    """`rollout.sampler.sample`'s contract for rows without a repetition penalty: `fused_sample`, or
+    `_trunc_kernel`, or with row_splits S > 1 the split kernels (tokens equal up to fp32 rounding at
+    the top-p boundary). out: preallocated outputs (top fields ignored); num_splits: fused_sample's."""
     if st.any_penalty:
         raise ValueError("repetition penalty rows take rollout.sampler.sample")
     R, V = logits.shape

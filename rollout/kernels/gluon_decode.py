@@ -1,17 +1,9 @@
-"""Split-KV paged decode attention in Gluon with a cp.async ring for the K / V tiles (sm_90 only;
-layers/attention.py's `pick_decode` chooses it, at `GLUON_TILE`).
+"""Split-KV paged decode attention in Gluon with a cp.async ring for the K / V tiles (sm_90 only).
 
-Same math and grid as paged_decode's split kernel, leaving the same partials for its merge kernel
-with several splits. Unlike Triton 3.6 (one K / V buffer, nothing streaming during compute), each
-program keeps STAGES - 1 tiles in flight: tile t + STAGES - 1 is issued (rows past the split's end
-zero-filled) before tile t is waited for, its pages looked up one iteration early. One copy group
-per tile, so `wait_group(STAGES - 1)`. Row sums are kept per column and reduced once at the end.
-
-Two forms (FORMS): the GROUP query heads as the rows of a 16-row MMA tile
-(_gluon_decode_split_kernel, any split count), or keys as the rows and heads as 8 columns
-(_gluon_decode_keys_kernel, one split, GROUP <= 8: half the MMAs and exps for GROUP = 4). One
-split: the ring's shared memory caps the programs an SM holds, so the grid cannot pile onto the
-SMs the QKV GEMM frees first under PDL, and the merge kernel goes.
+Same math and partials as paged_decode's split kernel, but each program keeps STAGES - 1 tiles in
+flight (tile t + STAGES - 1 issued, its pages looked up, before tile t is waited for). Two forms
+(FORMS): the query heads as the rows of a 16-row MMA tile (_gluon_decode_split_kernel), or keys as
+rows and heads as 8 columns (_gluon_decode_keys_kernel: one split, GROUP <= 8, half the MMAs).
 """
 from __future__ import annotations
 
@@ -180,12 +172,9 @@ def _gluon_decode_keys_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, sm
                               GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, PAGE_SIZE: gl.constexpr,
                               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr,
                               EARLY: gl.constexpr, num_warps: gl.constexpr):
-    """The one-split kernel with the MMAs transposed: s^T = K q^T and o^T = V^T p^T, keys and head
-    dim as the MMA's M, the GROUP query heads as its N (8): half the split kernel's MMAs at GROUP 4.
-
-    EARLY (KernelSwitches.gluon_early): the ring's first STAGES - 1 tiles are issued before the PDL
-    wait where they cannot hold the step's own key, so K / V are in flight when the wait ends.
-    seq_lens and block tables must not be the previous kernel's output (the engine uploads them)."""
+    """The one-split kernel with the MMAs transposed (s^T = K q^T, o^T = V^T p^T): the GROUP query
+    heads are the MMA's N (8). EARLY: the ring's first tiles are issued before the PDL wait where
+    they cannot hold the step's own key (seq_lens and block tables must be uploaded, not computed)."""
     b = gl.program_id(0)
     kvh = gl.program_id(1)
     row_b = b * s_bt
@@ -253,9 +242,8 @@ def decode_split(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                  seq_lens: torch.Tensor, scale_log2: float, out: torch.Tensor, po: torch.Tensor, plse: torch.Tensor,
                  num_splits: int, block_n: int, stages: int, form: str = "heads", *, pdl: int,
                  num_warps: int = 4, early: bool = False) -> None:
-    """paged_decode's split kernel (bf16, head_dim 128, GROUP <= 16, no window): with one split
-    `out` [B, Hq, D], else fp32 partials po [B, Hq, splits, D] and plse [B, Hq, splits] for its
-    merge kernel. form: one of FORMS; early: the keys form's copies before the PDL wait."""
+    """paged_decode's split kernel (bf16, head_dim 128, GROUP <= 16, no window) into `out` with one
+    split, else fp32 partials po [B, Hq, splits, D] and plse [B, Hq, splits]. form: one of FORMS."""
     B, Hq, D = q.shape
     _, page_size, Hkv, _ = k_cache.shape
     assert q.dtype == k_cache.dtype == v_cache.dtype == out.dtype == torch.bfloat16 and D == 128

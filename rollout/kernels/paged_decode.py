@@ -1,12 +1,8 @@
-"""Split-KV paged decode attention (one query token per sequence), GQA-packed.
-
-Kernel 1, grid (B, Hkv, NUM_SPLITS): the GROUP query heads of a KV head are the rows of one tile
-(padded to >= 16 for tensor cores); it walks its split of the context in BLOCK_N-key tiles through
-the block table, fp32 online softmax in the log2 domain, and writes a normalised partial and its
-log-sum-exp (the output itself with one split). Kernel 2, grid (B, Hq), merges the splits.
-Split bounds come from seq_len in the kernel, so one CUDA graph per batch bucket serves every
-context; rows with seq_len 0 (padding) write zeros. kernels/gluon_decode.py is kernel 1 with a
-copy pipeline (`gluon=True`).
+"""Split-KV paged decode attention (one query per sequence), GQA-packed. Kernel 1, grid (B, Hkv,
+NUM_SPLITS), takes a KV head's GROUP query heads as a tile's rows over its split of the context
+(fp32 online softmax, log2 domain) and writes a normalised partial and its log-sum-exp (the output
+with one split); kernel 2 merges. Split bounds come from seq_len in the kernel, so one graph per
+batch bucket serves every context; seq_len 0 (padding) writes zeros.
 """
 from __future__ import annotations
 
@@ -89,8 +85,7 @@ def _decode_split_kernel(
 @triton.jit
 def load_kv_tile(k_ptr, v_ptr, bt_ptr, seq, kvh, n0, pos, valid, s_kp, s_ks, s_kh, s_vp, s_vs, s_vh, s_bt,
                  HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
-    """K and V [BLOCK_N, HEAD_DIM] of keys n0 + arange(BLOCK_N) of sequence `seq`, KV head kvh,
-    through the block table; 0 where not `valid`. A tile within one page takes one lookup."""
+    """K and V [BLOCK_N, HEAD_DIM] of keys n0 + arange(BLOCK_N) of sequence `seq` (0 where not `valid`)."""
     dims = tl.arange(0, HEAD_DIM)
     if BLOCK_N <= PAGE_SIZE:
         page = tl.load(bt_ptr + seq * s_bt + n0 // PAGE_SIZE).to(tl.int64)
@@ -151,9 +146,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            num_warps: int = 4, num_stages: int = 2, gluon: bool = False, form: str = "keys",
                            early: bool = False) -> torch.Tensor:
     """q [B, Hq, D]; caches [num_pages, page_size, Hkv, D]; block_tables [B, P] int32; seq_lens [B]
-    int32 (context incl. the current token, already cached) -> [B, Hq, D]. Graph-capturable.
-    gluon: kernels/gluon_decode.py's kernel at this tile, in `form` ("keys" falls back to "heads"
-    beyond one split or GROUP 8); early: its keys form's first copies before the PDL wait."""
+    int32 (incl. the current token, cached) -> [B, Hq, D]. gluon: gluon_decode's kernel in `form`
+    ("keys" becomes "heads" beyond one split or GROUP 8); early: its keys form's EARLY."""
     B, Hq, D = q.shape
     _, page_size, Hkv, Dk = k_cache.shape
     assert Dk == D and v_cache.shape == k_cache.shape and Hq % Hkv == 0, "shape mismatch"
@@ -161,7 +155,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     assert page_size & (page_size - 1) == 0, "page_size must be a power of two"
     assert q.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1 and block_tables.stride(1) == 1
     assert block_tables.dtype == torch.int32 and seq_lens.dtype == torch.int32 and seq_lens.is_contiguous()
-    if block_n is None:   # fp32 dots run on FMA units, not tensor cores: 64-key tiles spill registers
+    if block_n is None:   # fp32 dots run on FMA units: 64-key tiles spill registers
         block_n = 16 if q.dtype == torch.float32 else 64
     assert block_n >= 16 and num_splits >= 1
     if out is None:

@@ -1,9 +1,8 @@
 """Causal varlen attention over paged KV (chunked prefill; also correct for mixed batches).
 
-q [T, Hq, D] packs S sequences (query_start_loc); sequence s's queries are the last q_len
-positions of its context seq_lens[s], their K/V already in the pages. Grid (T // BLOCK_Q + S query
-tiles, Hkv): tile ids of sequence s start at qsl[s] // BLOCK_Q + s and a program finds its sequence
-by binary search. A tile's rows are BLOCK_Q tokens x the GROUP query heads of one KV head.
+q [T, Hq, D] packs S sequences (query_start_loc), each the last q_len positions of its context.
+Grid (T // BLOCK_Q + S query tiles, Hkv): tile ids of sequence s start at qsl[s] // BLOCK_Q + s,
+found by binary search; a tile's rows are BLOCK_Q tokens x one KV head's GROUP query heads.
 Batch-invariant mode (split_len) cuts every row's keys at fixed multiples of split_len.
 """
 from __future__ import annotations
@@ -15,12 +14,10 @@ import triton
 import triton.language as tl
 
 from . import fix_interpreter
-from .paged_decode import load_kv_tile
+from .paged_decode import LOG2E, load_kv_tile
 from .pdl import enter, pdl_for
 
 fix_interpreter()
-
-LOG2E = 1.4426950408889634
 
 
 @triton.jit
@@ -28,8 +25,7 @@ def _attend(q, k_ptr, v_ptr, bt_ptr, seq, kvh, q_pos, k_lo, k_hi, sm_scale_log2,
             s_kp, s_ks, s_kh, s_vp, s_vs, s_vh, s_bt,
             BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
             USE_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr):
-    """Online softmax of the tile's rows over keys [k_lo, k_hi), each row masked to its causal /
-    window range -> unnormalised (m, l, acc); a block with no key for a row leaves it unchanged."""
+    """Online softmax of the tile's rows over keys [k_lo, k_hi), causal / windowed -> (m, l, acc)."""
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
@@ -56,8 +52,7 @@ def _attend(q, k_ptr, v_ptr, bt_ptr, seq, kvh, q_pos, k_lo, k_hi, sm_scale_log2,
 
 @triton.jit
 def _merge(m_run, l_run, acc_run, m, l, acc):
-    """Fold one KV split's (m, l, acc) into the running ones, by the same ops in both invariant
-    paths (prefill registers, decode merge kernel); a split with no key leaves a row unchanged."""
+    """Fold one KV split's (m, l, acc) into the running ones (the same ops in both invariant paths)."""
     m_new = tl.maximum(m_run, m)
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
     a = tl.exp2(m_run - m_use)
@@ -177,12 +172,8 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             split_len: int = 0, decode_rows: bool = False) -> torch.Tensor:
     """q [T, Hq, D] (S sequences packed by query_start_loc [S+1] int32); seq_lens [S] int32, each
     context after this chunk; caches [num_pages, page_size, Hkv, D]; block_tables [S, P] int32
-    -> [T, Hq, D] (rows past query_start_loc[S] unwritten).
-
-    split_len > 0 (batch-invariant): keys cut at multiples of split_len, the splits folded in
-    position order, so a row's bits do not depend on its tile. decode_rows (T == S, one query
-    each): one program per split and a merge kernel, with the same arithmetic. No fp contraction
-    in this mode, so both kernels round alike."""
+    -> [T, Hq, D]. split_len > 0 (batch-invariant): keys cut at multiples of split_len, folded in
+    position order (no fp contraction); decode_rows (T == S): one program a split and a merge kernel."""
     T, Hq, D = q.shape
     _, page_size, Hkv, Dk = k_cache.shape
     S = seq_lens.shape[0]

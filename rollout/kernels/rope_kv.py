@@ -1,13 +1,8 @@
-"""Fused RoPE on q and k plus the K/V write into the page pool.
-
-Grid (token, 1 + q head groups): program 0 rotates the token's K heads and writes K and V, the
-others rotate Q_HEADS q heads each. Rounds as `DecoderLM.rope` + `apply_rope` + `write_kv` do
-(fp32 angles, cos/sin in the activation dtype, each product and sum rounded). slot_mapping [n]
-int64, n <= T; tokens past n or with a negative slot (graph padding) are not written.
-
-`qkv_rope_and_write_kv` does the same in the QKV skinny GEMM's epilogue: each program takes
-matching row blocks of a head's two halves as one weight tile and rounds the products as the GEMM
-would store them, so q and the cache get the same bits (with split-K after `splitk_fixup`).
+"""Fused RoPE on q and k plus the K/V write into the page pool, rounded as `DecoderLM.rope` +
+`apply_rope` + `write_kv` round (fp32 angles; cos/sin, products and sums in the activation dtype).
+Grid (token, 1 + q head groups): program 0 rotates K and writes K and V. Tokens past
+slot_mapping's length or with a negative slot (graph padding) are not written.
+`qkv_rope_and_write_kv` does the same in the QKV skinny GEMM's epilogue, with the same bits.
 """
 from __future__ import annotations
 
@@ -54,7 +49,7 @@ def rotate_halves(x1, x2, c, s, dt):
 
 @triton.jit
 def _rotate(x_ptr, o_ptr, heads, h_ok, f, c, s, HALF: tl.constexpr, s_xh, s_oh):
-    """Rotate-half RoPE on rows `heads` of one token; returns nothing, stores to o_ptr."""
+    """Rotate-half RoPE on rows `heads` of one token, stored to o_ptr."""
     m = h_ok[:, None]
     x1 = tl.load(x_ptr + heads[:, None] * s_xh + f[None, :], mask=m, other=0.0).to(tl.float32)
     x2 = tl.load(x_ptr + heads[:, None] * s_xh + HALF + f[None, :], mask=m, other=0.0).to(tl.float32)
@@ -153,8 +148,7 @@ def _qkv_rope_kernel(
 def _rope_epilogue(acc, qo_ptr, pos_ptr, inv_freq_ptr, kc_ptr, vc_ptr, slot_ptr, n_slots, M, head, f, rm,
                    s_qot, s_qoh, s_kcs, s_kch, s_vcs, s_vch, HQ: tl.constexpr, HKV: tl.constexpr,
                    HALF: tl.constexpr, BLOCK_M: tl.constexpr, P: tl.constexpr, PRECISE: tl.constexpr):
-    """acc [2P, BLOCK_M] (P frequency pairs' two halves of head `head`) rounded as the GEMM would
-    store them, then q rotated, or k rotated and cached, or v cached."""
+    """acc [2P, BLOCK_M] of head `head` rounded as stored, then q rotated, k rotated and cached, or v cached."""
     dt = qo_ptr.dtype.element_ty
     x1, x2 = tl.split(tl.permute(tl.reshape(acc, (2, P, BLOCK_M)), (1, 2, 0)))     # [P, BLOCK_M] halves
     x1 = x1.to(dt).to(tl.float32)                # as the GEMM would store them

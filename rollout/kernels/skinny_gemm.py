@@ -1,11 +1,7 @@
-"""y = x @ w.T for a few rows of x (decode: M <= 64 tokens), w an nn.Linear weight [N, K].
-
-Decode GEMMs are weight streaming: each program takes BLOCK_N weight rows over all of K as the
-MMA's left operand (acc[BLOCK_N, BLOCK_M] = w @ x.T), so 16 rows still use tensor cores and a
-row's bits do not depend on M; fp32 accumulation in K order, one cast at the end. A config may
-split K over `split_k` programs per tile; the last to arrive adds the partials in split order
-(deterministic). `silu_mul`: each program takes BLOCK_N / 2 gate rows and the matching up rows
-and its epilogue writes SiLU(gate) * up. Which config runs at which shape: rollout/layers/linear.py.
+"""y = x @ w.T for a few rows of x (decode: M <= 64), w an nn.Linear weight [N, K]: each program
+streams BLOCK_N weight rows over all of K as the MMA's left operand (so a row's bits do not depend
+on M; fp32 in K order), optionally split over K (`split_k`, partials added in split order) or with
+a SiLU * up epilogue (`silu_mul`). Which config runs at which shape: rollout/layers/linear.py.
 """
 from __future__ import annotations
 
@@ -57,8 +53,7 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, s_
 
 @triton.jit
 def gate_up_rows(tile, I, BLOCK_N: tl.constexpr):
-    """SiLU tile `tile`'s rows of the fused gate_up weight (I gate rows, then I up rows): the first
-    half gate rows, the rest the same columns' up rows -> (output column of each row, weight row)."""
+    """SiLU tile `tile`'s gate rows, then the same columns' up rows -> (output column, weight row)."""
     r = tl.arange(0, BLOCK_N)
     cols = tile * (BLOCK_N // 2) + r % (BLOCK_N // 2)
     return cols, cols + (r >= BLOCK_N // 2).to(tl.int32) * I
@@ -76,9 +71,8 @@ def silu_epilogue(acc, y_ptr, tile, rm, M, I, s_ym, BLOCK_M: tl.constexpr, BLOCK
 
 @triton.jit
 def splitk_fixup(acc, ws_ptr, cnt_ptr, tile, cols, rm, N, BLOCK_M: tl.constexpr, SPLIT_K: tl.constexpr):
-    """Split-K fix-up: store this program's fp32 partial of tile `tile`; the last of its SPLIT_K
-    programs to arrive (an arrival counter it resets) adds the partials in split order.
-    -> (the sum, or acc elsewhere; is_last)."""
+    """Store this program's fp32 partial of tile `tile`; the last of its SPLIT_K programs to arrive
+    (an arrival counter it resets) adds them in split order. -> (the sum, or acc; is_last)."""
     n_ok = cols[:, None] < N
     tl.store(ws_ptr + (tl.program_id(1) * BLOCK_M + rm[None, :]) * N + cols[:, None], acc, mask=n_ok)
     tl.debug_barrier()                        # every thread's partial before the release
@@ -96,9 +90,8 @@ def splitk_fixup(acc, ws_ptr, cnt_ptr, tile, cols, rm, N, BLOCK_M: tl.constexpr,
 def weight_rows_times_x(x_ptr, w_ptr, w_rows, rn, rm, M, N, s_xm, s_wn, kt0, kt1, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, PDL: tl.constexpr,
                         TILED: tl.constexpr):
-    """acc [BLOCK_N, BLOCK_M] = w[w_rows] @ x[rm].T over K tiles [kt0, kt1), fp32 in K order; rn < N
-    masks weight rows unless EVEN_N. With PDL the first weight tile loads before the wait.
-    TILED: w points at this tile's packed run (pack_weight_tiles); w_rows and s_wn are ignored."""
+    """acc [BLOCK_N, BLOCK_M] = w[w_rows] @ x[rm].T over K tiles [kt0, kt1), the first weight tile
+    loaded before the PDL wait. TILED: w points at this tile's packed run (w_rows, s_wn unused)."""
     rk = tl.arange(0, BLOCK_K)
     if TILED:
         W_KT: tl.constexpr = BLOCK_N * BLOCK_K
@@ -186,9 +179,8 @@ _COUNTERS: dict = {}     # device -> int32 arrival counters (zero between calls)
 
 
 def split_counters(device: torch.device, tiles: int) -> torch.Tensor:
-    """One zeroed counter per output tile (`splitk_fixup`), reset by the kernel after each use, so
-    one buffer per device serves every call. Made on the first eager call (graph warm-up runs
-    each shape eagerly); split-K calls on one device must not overlap on two streams."""
+    """One zeroed counter per output tile (`splitk_fixup` resets it), one buffer per device, made on
+    the first eager call; split-K calls on one device must not overlap on two streams."""
     buf = _COUNTERS.get(device)
     if buf is None or buf.numel() < tiles:
         if torch.cuda.is_available() and device.type == "cuda" and torch.cuda.is_current_stream_capturing():
@@ -202,12 +194,9 @@ def skinny_gemm(x: torch.Tensor, w: torch.Tensor, block_n: int, block_k: int, nu
                 bias: Optional[torch.Tensor] = None, block_m: Optional[int] = None,
                 partials: bool = False, silu_mul: bool = False, tiled: bool = False) -> torch.Tensor:
     """x [M, K] (unit stride in K), w [N, K] contiguous, bias [N] or None -> y [M, N] in x's dtype.
-    split_k > 1: each tile's K shared by split_k programs ((K / block_k) % split_k == 0).
-    block_m: None = one M tile (M <= 64); else tiles of block_m rows, any M.
-    partials: return the fp32 partials [split_k, M, N] (a view) for a consumer that sums them in
-    split order (fused_ops.add_rmsnorm); the GEMM skips its fix-up.
-    silu_mul: w is the fused gate_up weight [2I, K]; returns silu(gate) * up [M, I] (no split-K, bias).
-    tiled: w is pack_weight_tiles(weight, block_n, block_k, "silu" if silu_mul else "rows")."""
+    block_m: None = one M tile (M <= 64), else tiles of block_m rows. partials: return the fp32
+    split-K partials [split_k, M, N] for add_rmsnorm to sum. silu_mul: w is the fused gate_up weight
+    [2I, K] -> silu(gate) * up [M, I]. tiled: w is pack_weight_tiles(weight, block_n, block_k, order)."""
     if tiled:
         assert block_m is None, "tiled: decode rows (one M tile)"
         w = packed_as_rows(w, block_n, block_k)

@@ -29,8 +29,7 @@ class AttentionMetadata:
 
 # The Triton decode tile (H200 sweeps): 64-key tiles (16 in fp32), 4 warps, 2 stages.
 DECODE_TILE = dict(block_n=None, num_warps=4, num_stages=2)
-# The Gluon decode tile: keys as the MMA's rows, 128-key tiles in 2 stages (one program an SM),
-# 8 warps: the fastest in the H200's decode graphs.
+# The Gluon decode tile: keys as the MMA's rows, 128-key tiles, 2 stages, 8 warps (fastest, H200).
 GLUON_TILE = dict(block_n=128, num_stages=2, num_warps=8, form="keys")
 GLUON_PROGRAMS_PER_SM = 2
 PROGRAMS_PER_SM = 4     # of the Triton decode tile on one SM (103 registers, 38 KB shared, ptxas)
@@ -40,16 +39,14 @@ INVARIANT_TILE = dict(block_m=64, block_n=64, num_warps=4, num_stages=3)
 
 
 def pick_num_splits(batch: int, num_kv_heads: int, num_sms: int = 132, max_splits: int = 16) -> int:
-    """The most KV splits whose grid (batch x KV heads x splits) fits on the GPU at once,
-    PROGRAMS_PER_SM an SM: a smaller grid piles onto the SMs PDL frees first, a larger one runs a
-    partial second wave. A function of the batch size only (one CUDA graph per bucket)."""
+    """The most KV splits whose grid fits on the GPU at once, PROGRAMS_PER_SM an SM (smaller piles
+    onto the SMs PDL frees first, larger runs a second wave); the batch size's alone (graph-safe)."""
     return max(1, min(max_splits, PROGRAMS_PER_SM * num_sms // max(1, batch * num_kv_heads)))
 
 
 def pick_decode(batch: int, num_kv_heads: int, num_sms: int = 132, gluon_ok: bool = False) -> tuple:
-    """(splits, gluon): the Gluon kernel (where `gluon_ok`) with one split where its grid is more
-    than one and at most GLUON_PROGRAMS_PER_SM programs an SM (where it was measured faster);
-    elsewhere Triton's kernel at pick_num_splits."""
+    """(splits, gluon): the Gluon kernel with one split where `gluon_ok` and its grid is 1 to
+    GLUON_PROGRAMS_PER_SM programs an SM (measured faster), else Triton's at pick_num_splits."""
     if gluon_ok and num_sms < batch * num_kv_heads <= GLUON_PROGRAMS_PER_SM * num_sms:
         return 1, True
     return pick_num_splits(batch, num_kv_heads, num_sms), False
@@ -65,9 +62,8 @@ def attend(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, sliding_w
 
 def paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, sliding_window=None,
                     switches: Optional[KernelSwitches] = None) -> torch.Tensor:
-    """The Triton kernels, with paged_attention_ref's arguments: decode-only batches the split-KV
-    decode kernel (pick_decode), others the varlen prefill kernel; batch-invariant mode the varlen
-    kernel for every batch, with KV splits at fixed positions. switches: None = the defaults."""
+    """The Triton kernels: the decode kernel for decode-only batches (pick_decode), else the varlen
+    kernel, which batch-invariant mode takes for every batch (fixed KV splits). switches: None = defaults."""
     from ..kernels import paged_decode, paged_prefill, sm_count
     switches = switches or _DEFAULT_SWITCHES
     if meta.batch_invariant:
@@ -85,14 +81,6 @@ def paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, 
                                                  meta.seq_lens, scale, sliding_window)
 
 
-def rope_and_attend(q, k, v, positions, inv_freq, k_cache, v_cache, meta: AttentionMetadata, scale: float,
-                    sliding_window=None, switches: Optional[KernelSwitches] = None) -> torch.Tensor:
-    """RoPE + the K/V write (one kernel), then `paged_attention`; q, k, v un-rotated."""
-    from ..kernels.rope_kv import rope_and_write_kv
-    q = rope_and_write_kv(q, k, v, positions, inv_freq, k_cache, v_cache, meta.slot_mapping)
-    return paged_attention(q, k_cache, v_cache, meta, scale, sliding_window, switches)
-
-
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """k, v: [T, Hkv, D]; caches: [pages, page_size, Hkv, D]."""
@@ -103,8 +91,7 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                         scale: float, sliding_window: Optional[int] = None) -> torch.Tensor:
-    """q: [T, Hq, D] -> [T, Hq, D], causal per sequence, scores / softmax / value sum in fp32 (as
-    the kernels accumulate). Decode rows run as one batched gather, prefill chunks per sequence."""
+    """q: [T, Hq, D] -> [T, Hq, D], causal per sequence, in fp32 (as the kernels accumulate)."""
     out = torch.zeros_like(q)    # rows of no sequence (graph padding) stay 0, as in the kernels
     qsl, lens = meta.query_start_host, meta.seq_lens_host
     decode = [i for i in range(len(lens)) if qsl[i + 1] - qsl[i] == 1]
@@ -152,7 +139,6 @@ def _decode_batched(q, k_cache, v_cache, meta, scale, window, rows, out):
         allowed &= (L - 1 - k_pos) < window
     scores = scores.masked_fill(~allowed[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
-    # Columns past a row's length read other pages (e.g. the trash page): zero them, or a 0 weight
-    # times a NaN there would poison the row.
+    # Columns past a row's length read other pages: zero them, or 0 x NaN there poisons the row.
     v = v.masked_fill(~allowed[:, :, None, None], 0.0)
     out[tok] = torch.einsum("shgk,skhd->shgd", probs, v).reshape(len(rows), Hq, D).to(q.dtype)

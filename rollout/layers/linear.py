@@ -16,8 +16,7 @@ from ..env import KernelSwitches, parse_skinny_configs
 MAX_M = 64      # decode rows: the skinny GEMM's one row tile (kernels/skinny_gemm.py's MAX_M)
 
 # (N, K) -> ((largest M, (BLOCK_N, BLOCK_K, num_warps, num_stages[, split_k]) or None for cuBLAS), ...):
-# the fastest per M range in the H200 sweeps (`python -m rollout.bench.gemm --shape llama3-8b`,
-# gate_up also `rollout.bench.step_variants`). Shapes not here stay on cuBLAS.
+# the fastest per M range in the H200 sweeps (rollout.bench.gemm, step_variants); others use cuBLAS.
 SKINNY_CONFIGS = {
     (6144, 4096): ((32, (64, 128, 4, 5)),),                                        # fused QKV
     (4096, 4096): ((16, (32, 256, 4, 5)), (32, (32, 256, 4, 5))),                  # o_proj
@@ -51,9 +50,7 @@ def _triton_ok() -> bool:
     return triton_available()
 
 
-@functools.lru_cache(maxsize=None)
-def _overrides(spec: str) -> dict:
-    return parse_skinny_configs(spec)
+_overrides = functools.lru_cache(maxsize=None)(parse_skinny_configs)    # KernelSwitches.skinny_configs -> dict
 
 
 def skinny_config(lin: nn.Module, x: torch.Tensor, overrides: Optional[dict] = None):
@@ -86,7 +83,6 @@ class Gemms:
         return skinny_config(lin, x, _overrides(self.switches.skinny_configs)) if self.mode == "skinny" else None
 
     def __call__(self, lin: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """x @ lin.weight.T (+ bias)."""
         if self.mode == "invariant":
             return batch_invariant_gemm(x, lin.weight, getattr(lin, "bias", None))
         cfg = self.config(lin, x)
@@ -106,24 +102,21 @@ class Gemms:
         return cfg
 
     def add_norm(self, lin: nn.Module, x: torch.Tensor, residual: torch.Tensor, norm: nn.Module):
-        """add_rmsnorm(residual, delta=lin(x)) -> (normed, new residual); with splitk_into_norm the
-        norm sums a split-K GEMM's partials itself (same bits)."""
+        """add_rmsnorm(residual, delta=lin(x)); with splitk_into_norm it sums split-K partials itself."""
         from ..kernels.fused_ops import add_rmsnorm
         cfg = self._fusable(lin, x, split_k=True) if self.switches.splitk_into_norm else None
         delta = self(lin, x) if cfg is None else self._skinny(lin, x, cfg, partials=True)
         return add_rmsnorm(residual, norm.weight, norm.eps, delta=delta)
 
     def silu_gate_up(self, lin: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """silu(gate) * up of the fused gate_up projection; with silu_in_gate_up in the skinny
-        GEMM's epilogue where it takes the shape without split-K (same bits)."""
+        """silu(gate) * up of gate_up; with silu_in_gate_up in the (unsplit) skinny GEMM's epilogue."""
         from ..kernels.fused_ops import silu_mul
         cfg = self._fusable(lin, x, split_k=False) if self.switches.silu_in_gate_up else None
         return silu_mul(self(lin, x)) if cfg is None else self._skinny(lin, x, cfg, "silu", silu_mul=True)
 
     def qkv_rope(self, lin: nn.Module, x: torch.Tensor, num_heads: int, positions, inv_freq, k_cache, v_cache,
                  slot_mapping) -> Optional[torch.Tensor]:
-        """With rope_in_qkv, where the skinny GEMM takes the QKV projection in tiles of whole
-        frequency-pair blocks: RoPE'd q, with k and v cached in the GEMM's epilogue. Else None."""
+        """With rope_in_qkv where the skinny GEMM's tiles fit: RoPE'd q, k and v cached by its epilogue."""
         cfg = self._fusable(lin, x, split_k=None) if self.switches.rope_in_qkv else None
         if cfg is None or (k_cache.shape[3] // 2) % (cfg[0] // 2):
             return None
@@ -133,16 +126,14 @@ class Gemms:
                                      tiled=tiled)
 
 
-# Batch-invariant mode: one tile shape per weight whatever the row count (fixed BLOCK_N, BLOCK_K,
-# warps and K order, no split-K), so a row gets the same bits at any batch size. Only what leaves
-# each element's MMA chain alone follows M: pipeline depth and the row tile (the MMA's N side).
+# Batch-invariant mode: one tile shape per weight at any row count (no split-K), so a row's bits do
+# not depend on the batch; only the pipeline depth and the row tile (the MMA's N side) follow M.
 INVARIANT_BLOCK_M = 64
 INVARIANT_SMALL_M_TILES = True      # False: 64-row tiles at every M (the GPU test runs both)
 
 
 def _invariant_table(table: dict) -> dict:
-    """(N, K) -> (BLOCK_N, BLOCK_K, num_warps, num_stages): the decode table's config without split-K
-    for the largest M <= 32, else its first config without split-K."""
+    """(N, K) -> the decode table's unsplit config for the largest M <= 32, else its first unsplit one."""
     out = {}
     for nk, entries in table.items():
         unsplit = [(max_m, cfg[:4]) for max_m, cfg in entries if cfg is not None and cfg[4:] in ((), (1,))]

@@ -12,15 +12,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import env
-from ..layers.attention import AttentionMetadata, attend, paged_attention, rope_and_attend, write_kv
+from ..layers.attention import AttentionMetadata, attend, paged_attention, write_kv
 from ..layers.linear import Gemms, pick_config, plain_linear, weight_for
 
-SUPPORTED_ARCHITECTURES = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-}
+SUPPORTED_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                           "qwen3": "Qwen3ForCausalLM"}
 
 
 def check_supported(hf_config) -> str:
@@ -73,10 +69,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        xf = x.float()
+        return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -135,17 +129,15 @@ class Attention(nn.Module):
         return self.o_proj(o.reshape(x.shape[0], self.q_size))
 
     def attend_fused(self, x, positions, inv_freq, kv_cache, meta: AttentionMetadata, gemms: Gemms):
-        """The Triton path up to o_proj: RoPE and the K/V write in one kernel (or the QKV GEMM's
-        epilogue), then paged attention -> [T, q_size]."""
+        """The Triton path up to o_proj (RoPE + K/V write fused, maybe into the QKV GEMM) -> [T, q_size]."""
         k_cache, v_cache = kv_cache
         q = None if self.qk_norm else gemms.qkv_rope(self.qkv_proj, x, self.num_heads, positions, inv_freq,
                                                      k_cache, v_cache, meta.slot_mapping)
-        if q is not None:
-            o = paged_attention(q, k_cache, v_cache, meta, self.scale, self.sliding_window, gemms.switches)
-        else:
+        if q is None:
+            from ..kernels.rope_kv import rope_and_write_kv
             q, k, v = self._qkv(x, gemms)
-            o = rope_and_attend(q, k, v, positions, inv_freq, k_cache, v_cache, meta, self.scale,
-                                self.sliding_window, gemms.switches)
+            q = rope_and_write_kv(q, k, v, positions, inv_freq, k_cache, v_cache, meta.slot_mapping)
+        o = paged_attention(q, k_cache, v_cache, meta, self.scale, self.sliding_window, gemms.switches)
         return o.reshape(x.shape[0], self.q_size)
 
 
@@ -246,9 +238,8 @@ class DecoderLM(nn.Module):
 
     def pack_decode_weights(self, rows: int, on: bool = True) -> int:
         """Beside each decode GEMM weight the skinny GEMM takes at `rows` rows, a copy packed for its
-        tile shape, which decode kernels read from then on (repack after weight updates). A copy
-        already there in the same shape and order is refilled in place; on=False drops the copies.
-        Returns the bytes packed."""
+        tile shape (refilled in place if there; repack after weight updates), which decode kernels
+        read from then on; on=False drops them. Returns the bytes packed."""
         from ..kernels.skinny_gemm import pack_weight_tiles
         overrides = self.kernels.gemm_overrides()
         total = 0

@@ -35,8 +35,7 @@ def build_model(hf_config, dtype: torch.dtype, device: torch.device) -> DecoderL
     with torch.device(device):
         model = DecoderLM(hf_config)
     model.to(dtype)
-    # RoPE frequencies stay fp32, as in HF: recomputed, since `.to(bf16)` rounded them (bf16
-    # frequencies put angles ~1 rad off by position 300).
+    # RoPE frequencies stay fp32 as in HF (recomputed: `.to(bf16)` rounded them).
     model.inv_freq = rope_inv_freq(hf_config, model.head_dim).to(device)
     return model.eval().requires_grad_(False)
 
