@@ -1,7 +1,5 @@
-"""CPU batch builder: a SchedulerOutput as flat step inputs in fixed-size host buffers (pinned on
-CUDA; stable addresses for graphs). Lists are gathered per field and written with one numpy slice
-assignment each (numpy views share the memory), not per-item torch ops (~10 us apiece).
-"""
+"""CPU batch builder: a SchedulerOutput as flat step inputs in fixed host buffers (pinned on CUDA, stable
+for graphs), each field written with one numpy slice assignment (not per-item torch ops, ~10 us each)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -98,10 +96,8 @@ class BatchBuilder:
         self.host = {name: torch.zeros(field_shape(key, *self.dims), dtype=dtype, pin_memory=pin_memory)
                      for name, (key, dtype) in STEP_FIELDS.items()}
         self.np = {name: t.numpy() for name, t in self.host.items()}
-        # (seq_id, table_version) each block-table row holds: rows are rewritten only on a change.
-        self._rows: list = [None] * max_num_seqs
-        # The sequence whose sampling parameters each row holds (`_build_decode`), else None.
-        self._param_rows: list = [None] * max_num_seqs
+        self._rows: list = [None] * max_num_seqs          # (seq_id, table_version) of each block-table row
+        self._param_rows: list = [None] * max_num_seqs    # the sequence whose sampling params a row holds
         self.fast_decode = True       # off: the general path only (its comparison test, bench.host)
 
     def build(self, sched: SchedulerOutput) -> Batch:
@@ -115,8 +111,7 @@ class BatchBuilder:
         ids, carry, positions, kv_pos, logits_idx, qsl, seq_lens = [], [], [], [], [], [0], []
         row_src, penalty_rows = [], []       # (params, target) and penalty token ids of each sampled row
         any_trunc = any_pen = has_carry = False
-        all_greedy = decode_only = True
-        top_n = 0
+        all_greedy, decode_only, top_n = True, True, 0
         targets = iter(sched.targets)
 
         def carried(seq, pos) -> int:
@@ -196,8 +191,7 @@ class BatchBuilder:
         ids, carry, starts, params, fresh = [], [], [], [], []
         prev = sched.batch_id - 1
         has_carry = any_trunc = False
-        all_greedy = True
-        top_n = 0
+        all_greedy, top_n = True, 0
         for s, item in enumerate(items):
             seq, start = item.seq, item.start
             p = seq.request.params

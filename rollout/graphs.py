@@ -20,14 +20,11 @@ MODES = ("greedy", "sample", "truncate")
 def default_buckets(max_rows: int) -> list[int]:
     """1, 2, 4, then steps of 8 to 64, 16 to 128, 32 beyond (a padded row costs little)."""
     sizes = [1, 2, 4] + list(range(8, 65, 8)) + list(range(80, 129, 16)) + list(range(160, 4097, 32))
-    out = [b for b in sizes if b < max_rows]
-    return out + [max_rows]
+    return [b for b in sizes if b < max_rows] + [max_rows]
 
 
 def mode_of(all_greedy: bool, any_truncation: bool) -> str:
-    if any_truncation:
-        return "truncate"
-    return "greedy" if all_greedy else "sample"
+    return "truncate" if any_truncation else "greedy" if all_greedy else "sample"
 
 
 class DecodeGraphs:
@@ -72,6 +69,5 @@ class DecodeGraphs:
         log.info("captured %d CUDA graphs (buckets %s, modes %s) in %.1f s",
                  len(keys), self.buckets, self.modes, self.capture_s)
 
-    def replay(self, slot: int, bucket: int, mode: str) -> None:
-        """On the caller's current stream."""
+    def replay(self, slot: int, bucket: int, mode: str) -> None:     # on the caller's current stream
         self.graphs[(slot, bucket, mode)].replay()

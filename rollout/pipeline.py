@@ -43,7 +43,6 @@ class InFlight:
     keep_alive: tuple = ()                # device tensors in use until the outputs are read
     outputs: Optional[SamplerOutput] = None   # CPU path: the outputs themselves
     top: Optional[tuple] = None               # CUDA path: pinned host top-logprob ids and values
-    has_outputs: bool = False
 
 
 class DevicePipeline:
@@ -110,7 +109,7 @@ class DevicePipeline:
         self.current ^= 1
         batch = slot.builder.build(sched)
         R = batch.num_rows
-        flight = InFlight(sched, s, R, batch.num_top_logprobs, has_outputs=R > 0)
+        flight = InFlight(sched, s, R, batch.num_top_logprobs)
         if not self.cuda:
             self.runner.swap_pages(sched.swap_out, sched.swap_in)
             out = self._compute(s, self.runner.upload(batch, slot.builder.host))
@@ -176,7 +175,7 @@ class DevicePipeline:
             ref, t0 = self._trace_ref
             self.gpu_spans.append((t0 + ref.elapsed_time(ev["start"]) / 1e3, t0 + ref.elapsed_time(ev["end"]) / 1e3))
         flight.keep_alive = ()
-        if not flight.has_outputs:
+        if not flight.num_rows:
             return None
         host = self.slots[flight.slot].host_out
         R = flight.num_rows

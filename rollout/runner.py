@@ -28,8 +28,7 @@ class DeviceBatch:
 
 
 def apply_carry_over(input_ids: torch.Tensor, carry: torch.Tensor, prev_tokens: torch.Tensor) -> torch.Tensor:
-    """Fill the tokens the previous batch sampled into this batch's input ids. prev_tokens' last
-    entry stays 0, so carry == -1 gathers a harmless 0 that the select drops (replay-safe)."""
+    """The previous batch's sampled tokens into input ids (carry -1 gathers prev_tokens' unwritten 0)."""
     return torch.where(carry >= 0, prev_tokens[carry], input_ids)
 
 
@@ -44,28 +43,25 @@ class ModelRunner:
                  attention_backend: str = "torch", num_host_pages: int = 0, batch_invariant: bool = False):
         self.attention_backend = attention_backend
         self.fused_sampler = attention_backend == "triton"
-        # GEMMs, attention and the sampler's reductions use configs fixed per shape, not per batch.
-        self.batch_invariant = batch_invariant
+        self.batch_invariant = batch_invariant     # configs fixed per shape, not per batch
         model.batch_invariant = batch_invariant
         self.model = model
         self.device = next(model.parameters()).device
         self.page_size = page_size
         shape = (num_pages, page_size, model.num_kv_heads, model.head_dim)
-        # One allocation, each layer's K and V caches views of it (freed or swapped as one).
+        # One allocation; each layer's K and V caches are views of it.
         self.kv_pool = torch.zeros((len(model.layers), 2) + shape, dtype=kv_dtype, device=self.device)
         self.kv_caches = [(pool[0], pool[1]) for pool in self.kv_pool]
         # Swap space: host pages (pinned on CUDA) with the device pages' layout, host page 0 unused.
         pin = self.device.type == "cuda"
-        self.host_kv = [(torch.empty((num_host_pages + 1,) + shape[1:], dtype=kv_dtype, pin_memory=pin),
-                         torch.empty((num_host_pages + 1,) + shape[1:], dtype=kv_dtype, pin_memory=pin))
+        self.host_kv = [tuple(torch.empty((2, num_host_pages + 1) + shape[1:], dtype=kv_dtype, pin_memory=pin))
                         for _ in model.layers] if num_host_pages else []
 
     @staticmethod
     def kv_bytes_per_page(hf_config, page_size: int, dtype: torch.dtype) -> int:
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
         kv_heads = hf_config.num_key_value_heads or hf_config.num_attention_heads
-        elem = torch.tensor([], dtype=dtype).element_size()
-        return 2 * hf_config.num_hidden_layers * page_size * kv_heads * head_dim * elem
+        return 2 * hf_config.num_hidden_layers * page_size * kv_heads * head_dim * dtype.itemsize
 
     def device_buffers(self, builder: BatchBuilder) -> dict[str, torch.Tensor]:
         """One slot's device mirror of the builder's host buffers (stable addresses for graphs)."""
@@ -117,9 +113,8 @@ class ModelRunner:
     def copy_pages(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         if src.numel() == 0:
             return
-        for k, v in self.kv_caches:
-            k[dst] = k[src]
-            v[dst] = v[src]
+        for layer in self.kv_pool:      # [2, pages, ...]: K and V together
+            layer[:, dst] = layer[:, src]
 
     def swap_pages(self, out_moves: list[tuple[int, int]], in_moves: list[tuple[int, int]]) -> None:
         """Preemption by swap before a step's forward; rare, so it blocks the host (no buffer tracking)."""

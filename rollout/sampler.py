@@ -20,7 +20,6 @@ _GOLDEN = 0x9E3779B9  # odd: v -> v * _GOLDEN is a bijection mod 2**32
 @dataclass
 class SamplingTensors:
     """One row per logits row to sample (R rows), all on the logits' device."""
-
     temperature: torch.Tensor  # [R] float32, 0 => greedy
     top_k: torch.Tensor  # [R] int64, 0 => off
     top_p: torch.Tensor  # [R] float32, 1.0 => off
@@ -93,16 +92,14 @@ def _truncation_mask(scores: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     R, V = scores.shape
     # Stable sort: sorted position 0 is torch.argmax's choice, the always-kept greedy token.
     vals, idx = torch.sort(scores, dim=-1, descending=True, stable=True)
-    # top_k: keep values >= k-th largest (ties at the boundary kept, as HF).
-    k = torch.where(st.top_k > 0, st.top_k.clamp(max=V), V)
+    k = torch.where(st.top_k > 0, st.top_k.clamp(max=V), V)     # top_k: ties at the boundary kept, as HF
     keep = vals >= vals.gather(1, (k - 1)[:, None])
     # top_p: keep while the mass before the token (shifted cumsum) is < top_p; top_p >= 1 is off.
     probs = torch.softmax(vals.masked_fill(~keep, float("-inf")), dim=-1)
     before = torch.cat([torch.zeros_like(probs[:, :1]), probs.cumsum(-1)[:, :-1]], dim=-1)
     keep = keep & ((before < st.top_p[:, None]) | (st.top_p[:, None] >= 1.0))
     keep[:, 0] = True
-    # min_p on the renormalised survivors; the max prob sits at sorted position 0.
-    probs = torch.softmax(vals.masked_fill(~keep, float("-inf")), dim=-1)
+    probs = torch.softmax(vals.masked_fill(~keep, float("-inf")), dim=-1)    # min_p on the survivors
     keep = keep & (probs >= st.min_p[:, None] * probs[:, :1])
     keep[:, 0] = True
     return torch.zeros_like(keep).scatter_(1, idx, keep)
@@ -115,13 +112,11 @@ def sample(logits: torch.Tensor, st: SamplingTensors) -> SamplerOutput:
     temp = torch.where(greedy, 1.0, st.temperature)[:, None]
     xt = x / temp
     lp_full = torch.log_softmax(xt, dim=-1)
-
     if st.any_penalty and st.penalty_token_ids is not None:
         scaled = _apply_repetition_penalty(x, st) / temp
         lp_proc = torch.log_softmax(scaled, dim=-1)
     else:
         scaled, lp_proc = xt, lp_full
-
     if st.any_truncation:
         keep = _truncation_mask(scaled, st)
         scores = scaled.masked_fill(~keep, float("-inf"))
@@ -131,7 +126,6 @@ def sample(logits: torch.Tensor, st: SamplingTensors) -> SamplerOutput:
     else:
         scores = scaled
         kept_mass = torch.zeros(x.shape[0], dtype=torch.float32, device=x.device)
-
     # Greedy: truncation keeps sorted position 0, so this is the penalised logits' first argmax.
     if st.all_greedy:
         token_ids = scores.argmax(dim=-1)
@@ -140,19 +134,16 @@ def sample(logits: torch.Tensor, st: SamplingTensors) -> SamplerOutput:
         u = counter_uniform(st.seeds, st.counters, x.shape[1], x.device)
         gumbel = torch.where(greedy[:, None], 0.0, -torch.log(-torch.log(u)))
         token_ids = (scores + gumbel).argmax(dim=-1)
-
     tok = token_ids[:, None]
     logprobs = lp_full.gather(1, tok).squeeze(1)
     processed = lp_proc.gather(1, tok).squeeze(1) - kept_mass
-
     top_ids = top_lps = None
     if st.num_top_logprobs > 0:
         top_lps, top_ids = torch.topk(lp_full, st.num_top_logprobs, dim=-1)
     return SamplerOutput(token_ids, logprobs, processed, kept_mass, top_ids, top_lps)
 
 
-# The fused sampler's vocab splits in batch-invariant mode (by default they follow the row count).
-INVARIANT_SAMPLER_SPLITS = 8
+INVARIANT_SAMPLER_SPLITS = 8    # the fused sampler's vocab splits in batch-invariant mode (else per row count)
 
 
 def sample_step(logits: torch.Tensor, st: SamplingTensors, fused: bool, batch_invariant: bool) -> SamplerOutput:

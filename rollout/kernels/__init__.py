@@ -1,6 +1,5 @@
-"""Triton kernels and their launch wrappers (which one runs at which shape: rollout/layers/).
-Submodules import triton; this package does not, so `triton_available()` works without it and
-tests can set TRITON_INTERPRET=1 before triton is first imported."""
+"""Triton kernels and their launch wrappers (which runs at which shape: rollout/layers/). Submodules
+import triton; this package does not, so tests can set TRITON_INTERPRET=1 before triton loads."""
 from __future__ import annotations
 
 import functools
@@ -15,8 +14,7 @@ def sm_count(device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
-# triton.knobs, launch_pdl and gdc_wait / gdc_launch_dependents are new in triton 3.4 (torch 2.8).
-TRITON_MIN = (3, 4)
+TRITON_MIN = (3, 4)     # triton.knobs, launch_pdl, gdc_wait / gdc_launch_dependents (torch 2.8)
 
 
 @functools.cache
@@ -32,10 +30,7 @@ def triton_version() -> tuple | None:
 
 def triton_available() -> bool:
     """triton is installed at TRITON_MIN or newer (a source build counts as new enough)."""
-    if importlib.util.find_spec("triton") is None:
-        return False
-    version = triton_version()
-    return version is None or version >= TRITON_MIN
+    return importlib.util.find_spec("triton") is not None and (triton_version() or TRITON_MIN) >= TRITON_MIN
 
 
 def resolve_backend(requested: str, device_type: str) -> str:

@@ -1,6 +1,5 @@
-"""Fused small ops of the decoder layer: residual add + RMSNorm, and SiLU(gate) * up, one launch
-each instead of several torch ops. They round where torch's eager ops round, so switching them
-on moves logprobs by reduction order only."""
+"""Fused residual add + RMSNorm and SiLU(gate) * up, one launch each, rounding where torch's eager
+ops round (so switching them on moves logprobs by reduction order only)."""
 from __future__ import annotations
 
 from typing import Optional
@@ -87,8 +86,7 @@ def silu_times(g, u, dt):
 
 def silu_mul(gate_up: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """gate_up [T, 2I] (gate then up, as our fused projection writes them) -> silu(gate) * up."""
-    T, two_i = gate_up.shape
-    inter = two_i // 2
+    T, inter = gate_up.shape[0], gate_up.shape[1] // 2
     assert gate_up.stride(1) == 1
     if out is None:
         out = torch.empty((T, inter), dtype=gate_up.dtype, device=gate_up.device)

@@ -19,8 +19,7 @@ from . import sm_count
 _INTERPRET = bool(triton.knobs.runtime.interpret)
 _ON_GPU = tl.constexpr(not _INTERPRET)
 _NEG_BIG = tl.constexpr(-1.0e30)  # finite "-inf" for running maxima: never (-inf) - (-inf) = nan
-# Largest Gumbel noise a 24-bit u can give: -log(-log(1 - 2**-24)) = 16.64.
-_GUMBEL_MAX = tl.constexpr(17.0)
+_GUMBEL_MAX = tl.constexpr(17.0)   # > the largest Gumbel noise of a 24-bit u: -log(-log(1 - 2**-24)) = 16.64
 
 
 @triton.jit
@@ -77,8 +76,7 @@ def _gumbel_pruned(score, block_max, idx, k1, k2, bound):
 
 @triton.jit
 def _row_temperature(temp_ptr, row):
-    """(T as given, T used, 1/T, log2(e)/T) for a row; T <= 0 is greedy and uses T = 1. Scores use
-    x * (1/T), <= 1 ulp from x / T (greedy rows exact); sums of exp work on raw x."""
+    """(T as given, T used, 1/T, log2(e)/T); T <= 0 is greedy (T = 1). x * (1/T) is <= 1 ulp from x / T."""
     t_raw = tl.load(temp_ptr + row)
     t = tl.where(t_raw > 0, t_raw, 1.0)
     inv_t = 1.0 / t

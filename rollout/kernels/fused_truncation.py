@@ -380,8 +380,7 @@ _MAX_ROW_SPLITS = 32  # every program of a step sums its row's S x 16 partials: 
 
 
 def default_row_splits(R: int, V: int, device, block: int = 1024) -> int:
-    """Chunks per row for the split path: at least 8 (fastest on the H200), more at small R for ~3
-    programs per SM, at least one `block` each, at most 32, a power of two (few compiles)."""
+    """Chunks per row: >= 8 (fastest on the H200), ~3 programs an SM at small R, <= 32, a power of two."""
     by_sms = pow2_floor(min(max(8, triton.cdiv(3 * sm_count(torch.device(device)), max(R, 1))), _MAX_ROW_SPLITS))
     return max(1, min(by_sms, triton.cdiv(V, block)))
 
@@ -397,12 +396,11 @@ def _trunc_split(logits, st, S, chunk, tok, lp, plp, km, stats, mask, block_v, h
     ndig, shift = _DIGITS[logits.dtype]
     temp, top_k, top_p = st.temperature.float(), st.top_k.long(), st.top_p.float()
     seeds, counters = st.seeds.long(), st.counters.long()
-    f32 = torch.empty(3 * R * S + ndig * R * S * 16 + 2 * R * S, dtype=torch.float32, device=dev)
-    i32 = torch.empty(R * S + 2 * ndig * R * S * 16 + 2 * ndig * R * 4 + 2 * R * S, dtype=torch.int32, device=dev)
-    pf, mass, fo = f32.split([3 * R * S, ndig * R * S * 16, 2 * R * S])
-    pi, cnt, state, io = i32.split([R * S, 2 * ndig * R * S * 16, 2 * ndig * R * 4, 2 * R * S])
+    f32, i32 = [3 * R * S, ndig * R * S * 16, 2 * R * S], [R * S, 2 * ndig * R * S * 16, 2 * ndig * R * 4, 2 * R * S]
+    pf, mass, fo = torch.empty(sum(f32), dtype=torch.float32, device=dev).split(f32)
+    pi, cnt, state, io = torch.empty(sum(i32), dtype=torch.int32, device=dev).split(i32)
     const = {"V": V, "SPLITS": S, "CHUNK": chunk, "BLOCK_S": triton.next_power_of_2(S)}
-    # Pass A: per-chunk max and sum-exp (its argmax / index partials are unused).
+    # Pass A: per-chunk max and sum-exp.
     _sample_kernel[(R, S)](logits, logits.stride(0), temp, seeds, counters, tok, lp, lp, pf, pi, R, V,
                            SAMPLE=False, STATS=False, SPLITS=S, CHUNK=chunk, BLOCK_V=block_v, num_warps=num_warps)
     for j in range(2 * ndig):

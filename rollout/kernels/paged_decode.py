@@ -122,8 +122,7 @@ def _decode_merge_kernel(po_ptr, plse_ptr, out_ptr, s_ob, s_oh,
 def _gluon_usable() -> bool:
     """Gluon's API changes between releases: the kernel needs triton >= 3.6."""
     from . import triton_version
-    version = triton_version()
-    if version is not None and version < (3, 6):
+    if (triton_version() or (3, 6)) < (3, 6):
         return False
     try:
         from . import gluon_decode  # noqa: F401
@@ -164,13 +163,11 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if B == 0:
         return out
     group = Hq // Hkv
+    po = plse = out     # unused with one split
     if num_splits > 1:   # fp32 partials; torch.empty is graph-safe
         po = torch.empty((B, Hq, num_splits, D), dtype=torch.float32, device=q.device)
         plse = torch.empty((B, Hq, num_splits), dtype=torch.float32, device=q.device)
-    else:
-        po = plse = out  # unused
-    # fp32 inputs: ieee dot (default would be tf32, ~1e-3 error); bf16/fp16 ignore this.
-    prec = "ieee" if q.dtype == torch.float32 else "tf32"
+    prec = "ieee" if q.dtype == torch.float32 else "tf32"     # fp32: no tf32 rounding (~1e-3) in tl.dot
     pdl = pdl_for(q)
     if gluon:
         if not gluon_supported(q, k_cache, sliding_window):

@@ -197,11 +197,10 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     block_q = block_m // group
     prec = "ieee" if fp32 else "tf32"     # fp32: no tf32 rounding in tl.dot
     max_splits = triton.cdiv(block_tables.shape[1] * page_size, split_len) if decode_rows else 1
+    ws = wml = out      # unused without decode_rows
     if decode_rows:   # fp32 partials (acc; m and l interleaved); graph-safe like the decode kernel's
         ws = torch.empty((T, Hq, max_splits, D), dtype=torch.float32, device=q.device)
         wml = torch.empty((T, Hq, max_splits, 2), dtype=torch.float32, device=q.device)
-    else:
-        ws = wml = out      # unused
     pdl = pdl_for(q) if split_len > 0 else 0
     _prefill_kernel[(T // block_q + S, Hkv, max_splits)](
         q, k_cache, v_cache, out, block_tables, query_start_loc, seq_lens, ws, wml, scale * LOG2E,

@@ -1,10 +1,7 @@
-"""Programmatic dependent launch (PDL, sm_90+): the next kernel's programs launch while the
-previous one finishes, do what does not depend on it (a GEMM's first weight tile), then wait.
-
-Race-free rule: a kernel launched with PDL calls `enter` before it reads anything an earlier
-kernel wrote and before its first store (the graph pool reuses freed blocks). The wait is
-transitive. `enter` launches dependents before waiting, so the grid two kernels ahead can already
-be loading weights. ROLLOUT_PDL=0 or `set_enabled(False)` before graph capture turns it off.
+"""Programmatic dependent launch (PDL, sm_90+): the next kernel's programs launch while the previous
+one finishes and do what does not depend on it. Rule: a PDL kernel calls `enter` before it reads
+anything an earlier kernel wrote and before its first store (the graph pool reuses freed blocks).
+ROLLOUT_PDL=0 or `set_enabled(False)` before graph capture turns it off.
 """
 from __future__ import annotations
 

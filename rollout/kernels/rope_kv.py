@@ -19,8 +19,7 @@ from .skinny_gemm import packed_as_rows, split_counters, splitk_fixup, weight_ro
 
 fix_interpreter()
 
-# libdevice's cos/sin do full range reduction (angles reach ~1e5 rad); the interpreter has none.
-PRECISE = tl.constexpr(not triton.knobs.runtime.interpret)
+PRECISE = tl.constexpr(not triton.knobs.runtime.interpret)   # libdevice cos/sin: full range reduction
 Q_HEADS_PER_PROGRAM = 8   # a power of two
 
 
@@ -194,11 +193,10 @@ def qkv_rope_and_write_kv(x: torch.Tensor, w: torch.Tensor, num_heads: int, posi
         return out_q
     pdl = pdl_for(x)
     tiles, bm = (num_heads + 2 * Hkv) * (half // pairs), max(16, triton.next_power_of_2(T))
+    ws = cnt = out_q   # unused without split-K
     if split_k > 1:   # fp32 partials [split, row tile, N]; torch.empty is graph-safe
         ws = torch.empty((split_k, bm, w.shape[0]), dtype=torch.float32, device=x.device)
         cnt = split_counters(x.device, tiles)
-    else:
-        ws, cnt = out_q, out_q   # unused
     _qkv_rope_kernel[(tiles, split_k)](
         x, w, out_q, positions, inv_freq.float().contiguous(), k_cache, v_cache, slot_mapping, ws, cnt,
         slot_mapping.numel(),

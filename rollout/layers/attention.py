@@ -18,8 +18,7 @@ class AttentionMetadata:
     block_tables: torch.Tensor      # [S, max_pages] int32
     seq_lens: torch.Tensor          # [S] int32, context length after this step
     query_start_loc: torch.Tensor   # [S + 1] int32
-    # Host copies for the torch reference; None inside a CUDA graph's static step.
-    seq_lens_host: Optional[list[int]]
+    seq_lens_host: Optional[list[int]]      # host copies for the torch reference (None in graphs)
     query_start_host: Optional[list[int]]
     page_size: int
     backend: str = "torch"          # "torch" (reference) or "triton" (rollout.kernels)
@@ -27,15 +26,12 @@ class AttentionMetadata:
     batch_invariant: bool = False   # every row through the varlen kernel (per-row reduction order)
 
 
-# The Triton decode tile (H200 sweeps): 64-key tiles (16 in fp32), 4 warps, 2 stages.
-DECODE_TILE = dict(block_n=None, num_warps=4, num_stages=2)
-# The Gluon decode tile: keys as the MMA's rows, 128-key tiles, 2 stages, 8 warps (fastest, H200).
-GLUON_TILE = dict(block_n=128, num_stages=2, num_warps=8, form="keys")
+DECODE_TILE = dict(block_n=None, num_warps=4, num_stages=2)    # the H200 sweeps' (64 keys, 16 in fp32)
+GLUON_TILE = dict(block_n=128, num_stages=2, num_warps=8, form="keys")     # the fastest in the H200's graphs
 GLUON_PROGRAMS_PER_SM = 2
 PROGRAMS_PER_SM = 4     # of the Triton decode tile on one SM (103 registers, 38 KB shared, ptxas)
 INVARIANT_SPLIT_LEN = 1024     # batch-invariant KV split length, a multiple of BLOCK_N
-# Batch-invariant mode's one tile for prefill and decode rows alike (a row's bits depend on it).
-INVARIANT_TILE = dict(block_m=64, block_n=64, num_warps=4, num_stages=3)
+INVARIANT_TILE = dict(block_m=64, block_n=64, num_warps=4, num_stages=3)   # batch-invariant mode's, every row
 
 
 def pick_num_splits(batch: int, num_kv_heads: int, num_sms: int = 132, max_splits: int = 16) -> int:
@@ -45,8 +41,7 @@ def pick_num_splits(batch: int, num_kv_heads: int, num_sms: int = 132, max_split
 
 
 def pick_decode(batch: int, num_kv_heads: int, num_sms: int = 132, gluon_ok: bool = False) -> tuple:
-    """(splits, gluon): the Gluon kernel with one split where `gluon_ok` and its grid is 1 to
-    GLUON_PROGRAMS_PER_SM programs an SM (measured faster), else Triton's at pick_num_splits."""
+    """(splits, gluon): one-split Gluon where `gluon_ok` at 1 to GLUON_PROGRAMS_PER_SM programs an SM."""
     if gluon_ok and num_sms < batch * num_kv_heads <= GLUON_PROGRAMS_PER_SM * num_sms:
         return 1, True
     return pick_num_splits(batch, num_kv_heads, num_sms), False

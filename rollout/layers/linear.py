@@ -1,6 +1,5 @@
-"""Which GEMM runs each linear layer: F.linear (cuBLAS), the batch-invariant GEMM, or, for a
-decode-sized bf16 x on the GPU, the skinny Triton GEMM where the swept table says it beats cuBLAS,
-with its fused epilogues and packed weights. `Gemms(mode, switches)` is per model."""
+"""Which GEMM runs each linear layer: F.linear (cuBLAS), the batch-invariant GEMM, or for decode-sized
+bf16 x the skinny Triton GEMM where the swept table says it wins, with fused epilogues (`Gemms`)."""
 from __future__ import annotations
 
 import functools
@@ -25,8 +24,7 @@ SKINNY_CONFIGS = {
     (128256, 4096): ((64, (64, 128, 4, 3)),),                                      # lm_head
 }
 
-# Where the weight is packed (pack_decode_weights) these come first (faster packed, slower not).
-SKINNY_CONFIGS_PACKED = {
+SKINNY_CONFIGS_PACKED = {     # first where the weight is packed (pack_decode_weights)
     (4096, 4096): ((16, (32, 256, 4, 5)), (32, (64, 128, 4, 5, 2))),               # o_proj
     (28672, 4096): ((32, (128, 64, 8, 5)),),                                       # gate_up
     (4096, 14336): ((16, (32, 256, 4, 5)), (32, (64, 128, 4, 5, 2))),              # down_proj
@@ -34,8 +32,7 @@ SKINNY_CONFIGS_PACKED = {
 
 
 def pick_config(N: int, K: int, M: int, packed: bool = False, overrides: Optional[dict] = None):
-    """The skinny-GEMM config of an [N, K] weight at M rows (a packed weight's if `packed`), or None
-    for cuBLAS. `overrides` ({(N, K): config or None}) replace both tables at every M <= MAX_M."""
+    """The skinny-GEMM config of an [N, K] weight at M rows, or None (cuBLAS); `overrides` win at M <= 64."""
     if overrides and (N, K) in overrides:
         return overrides[(N, K)] if M <= MAX_M else None
     for max_m, cfg in (SKINNY_CONFIGS_PACKED.get((N, K), ()) if packed else ()) + SKINNY_CONFIGS.get((N, K), ()):
@@ -74,8 +71,7 @@ def plain_linear(lin: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class Gemms:
-    """The GEMM forms of one forward. mode "plain": F.linear; "skinny": the skinny GEMM where
-    skinny_config gives a config, with `switches`' epilogue fusions; "invariant": batch_invariant_gemm."""
+    """The GEMM forms of one forward: mode "plain" (F.linear), "skinny" (where configured) or "invariant"."""
     mode: str
     switches: KernelSwitches
 

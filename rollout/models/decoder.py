@@ -1,7 +1,5 @@
-"""One compact decoder for the Llama family: Llama (llama3 RoPE scaling), Mistral (sliding
-window), Qwen2/Qwen2.5 (QKV bias) and Qwen3 (q/k RMSNorm), with fused QKV and gate/up weights.
-The math mirrors transformers' eager code (so logits can be checked against it) without importing it.
-"""
+"""One decoder for Llama (llama3 RoPE), Mistral (sliding window), Qwen2 (QKV bias) and Qwen3 (q/k norm),
+fused QKV and gate/up weights; its math mirrors transformers' eager code without importing it."""
 from __future__ import annotations
 
 import math
@@ -19,13 +17,12 @@ SUPPORTED_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCa
                            "qwen3": "Qwen3ForCausalLM"}
 
 
-def check_supported(hf_config) -> str:
+def check_supported(hf_config) -> None:
     model_type = getattr(hf_config, "model_type", None)
     if model_type not in SUPPORTED_ARCHITECTURES:
         supported = ", ".join(f"{k} ({v})" for k, v in SUPPORTED_ARCHITECTURES.items())
         raise ValueError(f"unsupported model_type {model_type!r} (architectures "
                          f"{getattr(hf_config, 'architectures', None)}); supported: {supported}")
-    return model_type
 
 
 def rope_parameters(cfg) -> dict:
@@ -94,8 +91,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=o_bias)
         self.qk_norm = cfg.model_type == "qwen3"
         if self.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.q_norm, self.k_norm = (RMSNorm(self.head_dim, cfg.rms_norm_eps) for _ in range(2))
         self.scale = self.head_dim ** -0.5
         self.sliding_window = self._window(cfg, layer_idx)
 

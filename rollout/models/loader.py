@@ -31,12 +31,10 @@ def resolve_dtype(dtype: Union[str, torch.dtype, None], hf_config, device: torch
 
 
 def build_model(hf_config, dtype: torch.dtype, device: torch.device) -> DecoderLM:
-    check_supported(hf_config)
-    with torch.device(device):
+    with torch.device(device):       # DecoderLM checks the architecture
         model = DecoderLM(hf_config)
     model.to(dtype)
-    # RoPE frequencies stay fp32 as in HF (recomputed: `.to(bf16)` rounded them).
-    model.inv_freq = rope_inv_freq(hf_config, model.head_dim).to(device)
+    model.inv_freq = rope_inv_freq(hf_config, model.head_dim).to(device)    # fp32 as in HF; `.to` rounded it
     return model.eval().requires_grad_(False)
 
 
@@ -106,7 +104,6 @@ def copy_hf_tensors(model: DecoderLM, named_tensors, source: str = "state dict")
 
 def load_checkpoint(model: DecoderLM, path: Path) -> None:
     from safetensors import SafetensorError, safe_open
-
     filled: set[str] = set()
     for file in checkpoint_files(path):
         try:
@@ -122,7 +119,6 @@ def load_checkpoint(model: DecoderLM, path: Path) -> None:
 
 def load_model(path: Union[str, Path], dtype, device: torch.device, config_overrides: Optional[dict] = None):
     from transformers import AutoConfig
-
     path = Path(path)
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"{path} is not a local Hugging Face checkpoint folder (no config.json)")
