@@ -396,9 +396,9 @@ def _trunc_split(logits, st, S, chunk, tok, lp, plp, km, stats, mask, block_v, h
     ndig, shift = _DIGITS[logits.dtype]
     temp, top_k, top_p = st.temperature.float(), st.top_k.long(), st.top_p.float()
     seeds, counters = st.seeds.long(), st.counters.long()
-    f32, i32 = [3 * R * S, ndig * R * S * 16, 2 * R * S], [R * S, 2 * ndig * R * S * 16, 2 * ndig * R * 4, 2 * R * S]
-    pf, mass, fo = torch.empty(sum(f32), dtype=torch.float32, device=dev).split(f32)
-    pi, cnt, state, io = torch.empty(sum(i32), dtype=torch.int32, device=dev).split(i32)
+    fs, ns = [3 * R * S, ndig * R * S * 16, 2 * R * S], [R * S, 2 * ndig * R * S * 16, 2 * ndig * R * 4, 2 * R * S]
+    pf, mass, fo = torch.empty(sum(fs), dtype=torch.float32, device=dev).split(fs)      # fp32 buffers' sizes: fs
+    pi, cnt, state, io = torch.empty(sum(ns), dtype=torch.int32, device=dev).split(ns)  # int32: ns
     const = {"V": V, "SPLITS": S, "CHUNK": chunk, "BLOCK_S": triton.next_power_of_2(S)}
     # Pass A: per-chunk max and sum-exp.
     _sample_kernel[(R, S)](logits, logits.stride(0), temp, seeds, counters, tok, lp, lp, pf, pi, R, V,
