@@ -1,10 +1,5 @@
-"""CPU batch builder: turns a SchedulerOutput into flat step inputs written into
-fixed-size host buffers (allocated once, pinned on CUDA), so a device pipeline can
-copy them in one go and a captured graph can read them at stable addresses.
-
-Python lists are gathered per field and written with one numpy slice assignment each
-(numpy views share the pinned memory), not with per-item torch ops (~10 us apiece).
-"""
+"""CPU batch builder: a SchedulerOutput as flat step inputs in fixed host buffers (pinned on CUDA, stable
+for graphs), each field written with one numpy slice assignment (not per-item torch ops, ~10 us each)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -12,6 +7,7 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from .kv_cache import TRASH_PAGE, KVCacheManager
 from .request import PLACEHOLDER, SamplingParams
@@ -27,7 +23,6 @@ class RowField(NamedTuple):
     per_step: bool = False      # else fixed per sequence: the decode path rewrites it only on a new one
 
 
-# The per-row sampling inputs, one line each (builders, padding and device buffers iterate it).
 SAMPLING_FIELDS = {
     "temperature": RowField(torch.float32, 0.0, lambda p, t: p.temperature),
     "top_k": RowField(torch.int64, 0, lambda p, t: p.top_k),
@@ -89,8 +84,7 @@ class Batch:
 
     @property
     def graph_safe(self) -> bool:
-        """Decode steps whose sampling has a fixed shape: no penalty (its token list grows)
-        and no top logprobs (their width is per batch)."""
+        """Decode steps of fixed sampling shape: no penalty, no top logprobs."""
         return self.decode_only and not self.sampling.any_penalty and self.num_top_logprobs == 0
 
 
@@ -102,36 +96,22 @@ class BatchBuilder:
         self.host = {name: torch.zeros(field_shape(key, *self.dims), dtype=dtype, pin_memory=pin_memory)
                      for name, (key, dtype) in STEP_FIELDS.items()}
         self.np = {name: t.numpy() for name, t in self.host.items()}
-        # (seq_id, table_version) each block-table row holds: a row is rewritten only when its
-        # sequence or that sequence's pages changed (a new page every page_size decode steps);
-        # rewriting every row would be the largest host cost of a 512-sequence decode step.
-        self._rows: list = [None] * max_num_seqs
-        # The sequence whose sampling parameters each row holds (decode steps only; see
-        # `_build_decode`); None where another path wrote the row.
-        self._param_rows: list = [None] * max_num_seqs
+        self._rows: list = [None] * max_num_seqs          # (seq_id, table_version) of each block-table row
+        self._param_rows: list = [None] * max_num_seqs    # the sequence whose sampling params a row holds
         self.fast_decode = True       # off: the general path only (its comparison test, bench.host)
 
     def build(self, sched: SchedulerOutput) -> Batch:
-        """Flatten one scheduled step. Tokens sampled by the previous batch (still in
-        flight) are PLACEHOLDERs on the host: their input gets id 0 and a carry-over entry
-        naming the previous batch's output row, which the device gathers before the forward."""
+        """Flatten one scheduled step; PLACEHOLDERs (in flight) get id 0 and a carry-over row."""
         if self.fast_decode and not sched.copies:
             batch = self._build_decode(sched)
             if batch is not None:
                 return batch
         self._param_rows = [None] * len(self._param_rows)
         ps, npb = self.kv.page_size, self.np
-        ids: list[int] = []
-        carry: list[int] = []
-        positions: list[int] = []
-        kv_pos: list[int] = []
-        qsl, seq_lens = [0], []
-        row_src: list[tuple] = []       # (params, target) of each sampled row
-        logits_idx: list[int] = []
-        penalty_rows: list[list[int]] = []
+        ids, carry, positions, kv_pos, logits_idx, qsl, seq_lens = [], [], [], [], [], [0], []
+        row_src, penalty_rows = [], []       # (params, target) and penalty token ids of each sampled row
         any_trunc = any_pen = has_carry = False
-        all_greedy = decode_only = True
-        top_n = 0
+        all_greedy, decode_only, top_n = True, True, 0
         targets = iter(sched.targets)
 
         def carried(seq, pos) -> int:
@@ -143,13 +123,11 @@ class BatchBuilder:
             seq, n, start = item.seq, item.num_new, item.start
             decode_only &= n == 1 and item.num_samples == 1
             for j, tok in enumerate(seq.token_ids[start:start + n]):
+                row = -1
                 if tok == PLACEHOLDER:
-                    ids.append(0)
-                    carry.append(carried(seq, start + j))
-                    has_carry = True
-                else:
-                    ids.append(tok)
-                    carry.append(-1)
+                    tok, row, has_carry = 0, carried(seq, start + j), True
+                ids.append(tok)
+                carry.append(row)
             positions.extend(range(start, start + n))
             table = seq.block_table
             kv_pos.extend(table[p // ps] * ps + p % ps for p in range(start, start + n))
@@ -185,12 +163,8 @@ class BatchBuilder:
                              *((name, [f.value(*src) for src in row_src]) for name, f in SAMPLING_FIELDS.items()),
                              ("copy_src", [x[0] for x in sched.copies]), ("copy_dst", [x[1] for x in sched.copies])):
             npb[name][:len(values)] = values
-        penalty = None
-        if any_pen:
-            width = max(len(x) for x in penalty_rows)
-            penalty = torch.full((r, width), -1, dtype=torch.int64)
-            for i, row in enumerate(penalty_rows):
-                penalty[i, :len(row)] = torch.tensor(row, dtype=torch.int64)
+        penalty = pad_sequence([torch.tensor(x, dtype=torch.int64) for x in penalty_rows], batch_first=True,
+                               padding_value=-1) if any_pen else None
         return self._batch(t, s, r, c, seq_lens, qsl, penalty, top_n, all_greedy, any_trunc, any_pen, has_carry,
                            decode_only and s > 0 and c == 0)
 
@@ -210,42 +184,31 @@ class BatchBuilder:
             decode_only=decode_only)
 
     def _build_decode(self, sched: SchedulerOutput) -> Batch | None:
-        """The general path's buffers for a step where every sequence computes one token and
-        samples one row (steady decode). Per item it reads only what changes from step to step
-        (input token or carry-over row, position, a block-table row when its pages changed);
-        KV positions, lengths and row indices come from numpy, and a row's per-sequence sampling
-        fields are written only when the row changes sequence (~3x faster at 512 sequences).
-        None, having written nothing the general path relies on, when an item is not a
-        one-token, one-row decode or has a repetition penalty (its token lists grow per step)."""
+        """`build` for steady decode (one token and row a sequence, no penalty), else None (nothing written)."""
         npb, ps, prm = self.np, self.kv.page_size, self._param_rows
         items, targets = sched.items, sched.targets
         S = len(items)
         ids, carry, starts, params, fresh = [], [], [], [], []
         prev = sched.batch_id - 1
         has_carry = any_trunc = False
-        all_greedy = True
-        top_n = 0
+        all_greedy, top_n = True, 0
         for s, item in enumerate(items):
             seq, start = item.seq, item.start
             p = seq.request.params
             if item.num_new != 1 or item.num_samples != 1 or p.repetition_penalty != 1.0:
                 return None
-            tok = seq.token_ids[start]
+            tok, row = seq.token_ids[start], -1
             if tok == PLACEHOLDER:
                 bid, row = seq.inflight[start]
                 assert bid == prev, "placeholder not from the previous batch"
-                ids.append(0)
-                carry.append(row)
-                has_carry = True
-            else:
-                ids.append(tok)
-                carry.append(-1)
+                tok, has_carry = 0, True
+            ids.append(tok)
+            carry.append(row)
             starts.append(start)
             params.append(p)
             key = (seq.seq_id, seq.table_version)
             if self._rows[s] != key:
-                table = seq.block_table
-                npb["block_tables"][s, :len(table)] = table
+                npb["block_tables"][s, :len(seq.block_table)] = seq.block_table
                 self._rows[s] = key
             if prm[s] is not seq:
                 fresh.append(s)
@@ -270,9 +233,7 @@ class BatchBuilder:
                            any_trunc, False, has_carry, S > 0)
 
     def pad(self, batch: Batch, size: int) -> None:
-        """Fill rows [B, size) of a decode batch with inert entries for a graph of `size` rows:
-        token 0 written to the trash page, context length 0 (attention reads nothing and
-        writes zeros), no carry-over, each sampling field's inert value."""
+        """Fill rows [B, size) of a decode batch with inert entries (trash page, length 0) for a graph."""
         B = batch.num_rows
         assert batch.decode_only and B <= size <= self.dims[1]
         npb = self.np

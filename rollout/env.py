@@ -11,9 +11,8 @@
 | `ROLLOUT_SKINNY_CONFIGS` | empty | `NxK=BN,BK,W,S[,SK]` or `NxK=cublas`, space-separated: the decode GEMM of that weight shape takes this config at every row count |
 | `ROLLOUT_GIT_COMMIT` | unset | the commit stamped into benchmark JSON where the tree has no `.git` |
 
-All but the last are kernel switches with the same results either way (A/B timing); the
-defaults are the measured-fastest. They land in `KernelSwitches`, which `EngineConfig.kernels`
-carries, so a benchmark can build engines under other switches without touching the environment.
+All but the last are kernel switches (same results either way; the defaults measured fastest),
+landing in `KernelSwitches` (`EngineConfig.kernels`, so benchmarks can vary them per engine).
 """
 from __future__ import annotations
 
@@ -62,8 +61,7 @@ class KernelSwitches:
             return environ.get(name, "1") != "0"
         return cls(gluon_decode=on("ROLLOUT_GLUON_DECODE"), gluon_early=on("ROLLOUT_GLUON_EARLY"),
                    splitk_into_norm=on("ROLLOUT_SPLITK_NORM"), silu_in_gate_up=on("ROLLOUT_SILU_GATE_UP"),
-                   rope_in_qkv=on("ROLLOUT_ROPE_QKV"),
-                   skinny_configs=environ.get("ROLLOUT_SKINNY_CONFIGS", ""))
+                   rope_in_qkv=on("ROLLOUT_ROPE_QKV"), skinny_configs=environ.get("ROLLOUT_SKINNY_CONFIGS", ""))
 
 
 PDL: bool = os.environ.get("ROLLOUT_PDL", "1") != "0"

@@ -1,16 +1,12 @@
-"""Device pipeline: two slots and (on CUDA) three non-default streams chained by events.
+"""Device pipeline: two slots and (on CUDA) three streams chained by events.
 
-    launch(k):  h2d stream:     upload slot s inputs             -> h2d_done[s]
-                compute stream: wait h2d_done[s]; carry-over from slot 1-s's outputs,
-                                forward, sample, write slot s outputs -> compute_done[s]
-                d2h stream:     wait compute_done[s]; copy outputs to pinned host -> d2h_done[s]
+    launch(k):  h2d stream:     upload slot s inputs -> h2d_done[s]
+                compute stream: carry-over from slot 1-s's outputs, forward, sample -> end[s]
+                d2h stream:     copy outputs to pinned host -> d2h_done[s]
     wait(k):    the host's only blocking call: d2h_done[s].synchronize()
 
-The engine calls launch(k) before wait(k-1), so the CPU builds batch k+1 while the GPU
-runs batch k. In sync mode launch() waits for its own batch before returning: the same
-batches, the GPU idle while the CPU works (the comparison baseline). On CPU there are
-no streams and launch() runs the step in place. Slot s is rewritten only by batch k+2,
-after the host waited on batch k, so no buffer is overwritten while in use.
+launch(k) runs before wait(k-1), so the CPU builds batch k+1 while the GPU runs batch k (slot s is
+rewritten only by batch k+2). Sync mode waits in launch(); on CPU launch() runs the step in place.
 """
 from __future__ import annotations
 
@@ -33,8 +29,7 @@ _OUT_FIELDS = ("token_ids", "logprobs", "processed_logprobs", "kept_mass")
 class Slot:
     builder: BatchBuilder                 # pinned host input buffers
     bufs: Optional[dict]                  # their device mirror (CUDA only; CPU uses the host buffers)
-    out: dict[str, torch.Tensor]          # device outputs; out["token_ids"] has max_rows + 1
-                                          # entries, the last never written (stays 0)
+    out: dict[str, torch.Tensor]          # device outputs; token_ids' extra last entry stays 0
     host_out: dict[str, torch.Tensor]     # pinned host copies of the outputs
     events: dict[str, object] = field(default_factory=dict)
 
@@ -48,7 +43,6 @@ class InFlight:
     keep_alive: tuple = ()                # device tensors in use until the outputs are read
     outputs: Optional[SamplerOutput] = None   # CPU path: the outputs themselves
     top: Optional[tuple] = None               # CUDA path: pinned host top-logprob ids and values
-    has_outputs: bool = False
 
 
 class DevicePipeline:
@@ -70,19 +64,12 @@ class DevicePipeline:
         self.graphs: Optional[DecodeGraphs] = None
         if self.cuda:
             self.h2d, self.compute, self.d2h = (torch.cuda.Stream(self.device) for _ in range(3))
-            if cuda_graphs:
-                if runner.attention_backend != "triton":
-                    raise ValueError("cuda_graphs needs attention_backend='triton' (the torch reference "
-                                     "attention reads host-side lengths)")
+            if cuda_graphs:   # the engine checks the backend (Triton) and the modes
                 top = min(graph_max_batch or max_num_seqs, max_num_seqs, max_num_batched_tokens)
-                bad = set(graph_modes) - set(MODES)
-                if bad:
-                    raise ValueError(f"unknown CUDA graph modes {sorted(bad)}; known: {MODES}")
                 self.graphs = DecodeGraphs(self._static_step, self.compute, default_buckets(top), graph_modes)
 
     def _make_slot(self, kv, T, S, P) -> Slot:
-        builder = BatchBuilder(kv, max_num_batched_tokens=T, max_num_seqs=S, max_pages_per_seq=P,
-                               pin_memory=self.cuda)
+        builder = BatchBuilder(kv, max_num_batched_tokens=T, max_num_seqs=S, max_pages_per_seq=P, pin_memory=self.cuda)
         out = {f: torch.zeros(S + 1 if f == "token_ids" else S, device=self.device,
                               dtype=torch.int64 if f == "token_ids" else torch.float32) for f in _OUT_FIELDS}
         host_out, events, bufs = {}, {}, None
@@ -97,7 +84,6 @@ class DevicePipeline:
         if self.graphs is not None and not self.graphs.graphs:
             self.graphs.capture(progress)
 
-    # ---- one step on the compute stream ----------------------------------------------------
     def _compute(self, s: int, dev: DeviceBatch) -> Optional[SamplerOutput]:
         """Carry-over from the other slot, forward, sample; results into slot s's outputs."""
         out = self.runner.run(dev, self.slots[1 - s].out["token_ids"])
@@ -123,7 +109,7 @@ class DevicePipeline:
         self.current ^= 1
         batch = slot.builder.build(sched)
         R = batch.num_rows
-        flight = InFlight(sched, s, R, batch.num_top_logprobs, has_outputs=R > 0)
+        flight = InFlight(sched, s, R, batch.num_top_logprobs)
         if not self.cuda:
             self.runner.swap_pages(sched.swap_out, sched.swap_in)
             out = self._compute(s, self.runner.upload(batch, slot.builder.host))
@@ -189,7 +175,7 @@ class DevicePipeline:
             ref, t0 = self._trace_ref
             self.gpu_spans.append((t0 + ref.elapsed_time(ev["start"]) / 1e3, t0 + ref.elapsed_time(ev["end"]) / 1e3))
         flight.keep_alive = ()
-        if not flight.has_outputs:
+        if not flight.num_rows:
             return None
         host = self.slots[flight.slot].host_out
         R = flight.num_rows

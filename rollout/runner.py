@@ -1,6 +1,5 @@
-"""Model runner: owns the device KV page pool; uploads a Batch, applies the carry-over
-from the previous batch's sampled tokens, runs the model forward, the lm_head on the
-rows that sample, and the sampler."""
+"""Model runner: owns the device KV page pool; uploads a Batch, applies the carry-over from the
+previous batch's sampled tokens, runs the forward, the lm_head on sampling rows, and the sampler."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -29,10 +28,7 @@ class DeviceBatch:
 
 
 def apply_carry_over(input_ids: torch.Tensor, carry: torch.Tensor, prev_tokens: torch.Tensor) -> torch.Tensor:
-    """Fill the tokens the previous batch sampled into this batch's input ids.
-    `prev_tokens` is the other slot's output buffer [max_rows + 1] whose last entry is
-    never written (stays 0), so carry == -1 gathers a harmless 0 that the select drops.
-    A select rather than an add: replaying it twice is harmless."""
+    """The previous batch's sampled tokens into input ids (carry -1 gathers prev_tokens' unwritten 0)."""
     return torch.where(carry >= 0, prev_tokens[carry], input_ids)
 
 
@@ -45,34 +41,27 @@ def carry_penalty_ids(penalty: torch.Tensor, prev_tokens: torch.Tensor) -> torch
 class ModelRunner:
     def __init__(self, model: DecoderLM, *, num_pages: int, page_size: int, kv_dtype: torch.dtype,
                  attention_backend: str = "torch", num_host_pages: int = 0, batch_invariant: bool = False):
-        if attention_backend not in ("torch", "triton"):
-            raise ValueError(f"attention_backend must be 'torch' or 'triton', got {attention_backend!r}")
         self.attention_backend = attention_backend
-        # The Triton backend also samples with the fused kernel where its contract applies.
         self.fused_sampler = attention_backend == "triton"
-        # Batch-invariant mode (engine checks it applies): the model's GEMMs, the attention
-        # dispatch and the sampler's logprob reduction all use configs fixed per shape, not per batch.
-        self.batch_invariant = batch_invariant
+        self.batch_invariant = batch_invariant     # configs fixed per shape, not per batch
         model.batch_invariant = batch_invariant
         self.model = model
         self.device = next(model.parameters()).device
         self.page_size = page_size
         shape = (num_pages, page_size, model.num_kv_heads, model.head_dim)
-        # One allocation, each layer's K and V caches views of it (freed or swapped as one).
+        # One allocation; each layer's K and V caches are views of it.
         self.kv_pool = torch.zeros((len(model.layers), 2) + shape, dtype=kv_dtype, device=self.device)
         self.kv_caches = [(pool[0], pool[1]) for pool in self.kv_pool]
         # Swap space: host pages (pinned on CUDA) with the device pages' layout, host page 0 unused.
         pin = self.device.type == "cuda"
-        self.host_kv = [(torch.empty((num_host_pages + 1,) + shape[1:], dtype=kv_dtype, pin_memory=pin),
-                         torch.empty((num_host_pages + 1,) + shape[1:], dtype=kv_dtype, pin_memory=pin))
+        self.host_kv = [tuple(torch.empty((2, num_host_pages + 1) + shape[1:], dtype=kv_dtype, pin_memory=pin))
                         for _ in model.layers] if num_host_pages else []
 
     @staticmethod
     def kv_bytes_per_page(hf_config, page_size: int, dtype: torch.dtype) -> int:
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
         kv_heads = hf_config.num_key_value_heads or hf_config.num_attention_heads
-        elem = torch.tensor([], dtype=dtype).element_size()
-        return 2 * hf_config.num_hidden_layers * page_size * kv_heads * head_dim * elem
+        return 2 * hf_config.num_hidden_layers * page_size * kv_heads * head_dim * dtype.itemsize
 
     def device_buffers(self, builder: BatchBuilder) -> dict[str, torch.Tensor]:
         """One slot's device mirror of the builder's host buffers (stable addresses for graphs)."""
@@ -80,9 +69,7 @@ class ModelRunner:
 
     def upload(self, batch: Batch, host: Optional[dict[str, torch.Tensor]] = None,
                bufs: Optional[dict[str, torch.Tensor]] = None) -> DeviceBatch:
-        """Host -> device copies of one step's inputs, on the caller's current stream. With the
-        builder's `host` buffers and a slot's device `bufs`, copies into the static buffers,
-        padding rows included; without, copies the batch's own tensors into fresh ones."""
+        """One step's inputs to the device (current stream): `host` buffers into `bufs`, or fresh tensors."""
         T, S, R = batch.num_tokens, len(batch.seq_lens_host), batch.num_rows
         if batch.padded_to:
             T = S = R = batch.padded_to
@@ -104,8 +91,7 @@ class ModelRunner:
 
     def device_batch(self, dev: dict[str, torch.Tensor], batch_or_flags, *, decode_only: bool = False,
                      has_carry: bool = True) -> DeviceBatch:
-        """Wrap device tensors (one per STEP_FIELDS name) for `run`. The second argument is the
-        host Batch, or for a graph's static step the SamplingTensors carrying only its flags."""
+        """Device tensors (one per STEP_FIELDS name) for `run`, with the host Batch or flags only."""
         if isinstance(batch_or_flags, Batch):
             b = batch_or_flags
             st, lens, qsl = b.sampling, b.seq_lens_host, b.query_start_host
@@ -127,27 +113,22 @@ class ModelRunner:
     def copy_pages(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         if src.numel() == 0:
             return
-        for k, v in self.kv_caches:
-            k[dst] = k[src]
-            v[dst] = v[src]
+        for layer in self.kv_pool:      # [2, pages, ...]: K and V together
+            layer[:, dst] = layer[:, src]
 
     def swap_pages(self, out_moves: list[tuple[int, int]], in_moves: list[tuple[int, int]]) -> None:
-        """Preemption by swap, on the current (compute) stream before a step's forward. Out:
-        the device -> host copy waits for the step in flight, whose KV writes it must include,
-        and for the freed pages' new owners only after that. Swap events are rare (one per
-        victim), so they block the host instead of tracking pinned-buffer lifetimes."""
+        """Preemption by swap before a step's forward; rare, so it blocks the host (no buffer tracking)."""
+        caches = [(c, hc) for dev, host in zip(self.kv_caches, self.host_kv) for c, hc in zip(dev, host)]
         if out_moves:
             d = torch.tensor([m[0] for m in out_moves], device=self.device)
             h = torch.tensor([m[1] for m in out_moves])
-            for (k, v), (hk, hv) in zip(self.kv_caches, self.host_kv):
-                hk[h] = k[d].cpu()
-                hv[h] = v[d].cpu()
+            for c, hc in caches:
+                hc[h] = c[d].cpu()
         if in_moves:
             h = torch.tensor([m[0] for m in in_moves])
             d = torch.tensor([m[1] for m in in_moves], device=self.device)
-            for (k, v), (hk, hv) in zip(self.kv_caches, self.host_kv):
-                k[d] = hk[h].to(self.device)
-                v[d] = hv[h].to(self.device)
+            for c, hc in caches:
+                c[d] = hc[h].to(self.device)
 
     @torch.inference_mode()
     def run(self, dev: DeviceBatch, prev_tokens: Optional[torch.Tensor]) -> Optional[SamplerOutput]:

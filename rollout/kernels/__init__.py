@@ -1,10 +1,5 @@
-"""Triton kernels and their launch wrappers: paged decode / prefill attention, RoPE + KV write,
-the decode GEMMs, fused small ops, the sampler. Which one runs at which shape is rollout/layers/'s.
-
-Submodules import triton at import time; this package does not, so `triton_available()` works
-without it, and the CPU interpreter tests can set TRITON_INTERPRET=1 before triton is first
-imported (triton reads it when it is imported and when kernels are decorated).
-"""
+"""Triton kernels and their launch wrappers (which runs at which shape: rollout/layers/). Submodules
+import triton; this package does not, so tests can set TRITON_INTERPRET=1 before triton loads."""
 from __future__ import annotations
 
 import functools
@@ -19,16 +14,12 @@ def sm_count(device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
-# The kernels use triton.knobs, the launch_pdl launch option and triton.language.extra.cuda's
-# gdc_wait / gdc_launch_dependents (PDL), all new in triton 3.4 (torch 2.8); torch 2.6 / 2.7 ship
-# triton 3.2 / 3.3, on which every kernel module fails to import.
-TRITON_MIN = (3, 4)
+TRITON_MIN = (3, 4)     # triton.knobs, launch_pdl, gdc_wait / gdc_launch_dependents (torch 2.8)
 
 
 @functools.cache
 def triton_version() -> tuple | None:
-    """(major, minor) of the installed triton from its package metadata (without importing it), None
-    when no distribution says (a source build)."""
+    """(major, minor) of the installed triton from package metadata, None for a source build."""
     for dist in ("triton", "pytorch-triton"):
         try:
             return tuple(int(p) for p in re.findall(r"\d+", importlib.metadata.version(dist))[:2])
@@ -38,18 +29,12 @@ def triton_version() -> tuple | None:
 
 
 def triton_available() -> bool:
-    """True when triton can be imported at a version the kernels run on (TRITON_MIN; a build whose
-    version no metadata gives is taken as new enough). Checked without importing it."""
-    if importlib.util.find_spec("triton") is None:
-        return False
-    version = triton_version()
-    return version is None or version >= TRITON_MIN
+    """triton is installed at TRITON_MIN or newer (a source build counts as new enough)."""
+    return importlib.util.find_spec("triton") is not None and (triton_version() or TRITON_MIN) >= TRITON_MIN
 
 
 def resolve_backend(requested: str, device_type: str) -> str:
-    """The engine's attention_backend: "auto" is the Triton kernels (attention, fused sampler,
-    decode GEMMs, CUDA graphs) on CUDA and the torch reference on CPU. Triton on CUDA with no
-    usable triton raises, naming the way out, rather than running the slow reference unasked."""
+    """"auto" is Triton on CUDA, torch on CPU; Triton on CUDA without a usable triton raises."""
     if requested not in ("auto", "torch", "triton"):
         raise ValueError(f"attention_backend must be 'auto', 'torch' or 'triton', got {requested!r}")
     backend = requested if requested != "auto" else "triton" if device_type == "cuda" else "torch"
@@ -63,10 +48,7 @@ def resolve_backend(requested: str, device_type: str) -> str:
 
 
 def _dot_in_k_order(a, b, out_dtype):
-    """a [..., M, K] @ b [..., K, N] summed over K in index order, so an output element's bits do
-    not depend on the tile's M or N. numpy's matmul goes to BLAS, whose kernel (and so summation
-    order) follows the matrix shape: OpenBLAS 0.3.31 gives a row other bits at M = 1 and M = 16,
-    which broke the tests that compare two kernels' tilings bit for bit."""
+    """a @ b summed over K in index order: bits independent of the tile shape (unlike BLAS)."""
     import numpy as np
     a, b = a.astype(out_dtype), b.astype(out_dtype)
     out = np.zeros(a.shape[:-1] + b.shape[-1:], out_dtype)
@@ -76,11 +58,8 @@ def _dot_in_k_order(a, b, out_dtype):
 
 
 def fix_interpreter() -> None:
-    """Under TRITON_INTERPRET=1 only. (1) triton 3.6's interpreter holds scalars as 1-element numpy
-    arrays and gives them `__index__ = int(array)`, which numpy >= 2.3 rejects, so `range()` over
-    runtime bounds (our KV loops) fails. Re-patch `__index__` after triton's own patching (its
-    scope restores attributes LIFO, so the original comes back after each launch). (2) tl.dot
-    sums in K order whatever the tile shape (_dot_in_k_order), as an MMA does within a tile."""
+    """Under TRITON_INTERPRET=1: scalars' `__index__` that numpy >= 2.3 accepts (triton 3.6's breaks
+    `range()` over runtime bounds), and tl.dot summing in K order (_dot_in_k_order)."""
     import triton
     if not triton.knobs.runtime.interpret:
         return

@@ -1,11 +1,5 @@
-"""Fused small ops of the decoder layer: residual add + RMSNorm, and SiLU(gate) * up.
-
-A decode step at B = 32 spends more time in small elementwise kernels than in their bytes:
-each torch op is one launch of a few microseconds even inside a CUDA graph, and the eager
-RMSNorm alone is ~7 of them. These kernels do one pass each and round where torch's eager
-bf16 ops round (after the add, after normalising, after the weight product; after SiLU,
-after the product), so switching them on moves logprobs by reduction order only.
-"""
+"""Fused residual add + RMSNorm and SiLU(gate) * up, one launch each, rounding where torch's eager
+ops round (so switching them on moves logprobs by reduction order only)."""
 from __future__ import annotations
 
 from typing import Optional
@@ -22,8 +16,7 @@ fix_interpreter()
 
 @triton.jit
 def _add_rmsnorm_kernel(x_ptr, d_ptr, w_ptr, out_ptr, res_ptr, N, eps, s_x, s_d, s_dp, s_o, s_r,
-                        HAS_DELTA: tl.constexpr, DELTA_PARTIALS: tl.constexpr, BLOCK: tl.constexpr,
-                        PDL: tl.constexpr):
+                        HAS_DELTA: tl.constexpr, DELTA_PARTIALS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -44,8 +37,7 @@ def _add_rmsnorm_kernel(x_ptr, d_ptr, w_ptr, out_ptr, res_ptr, N, eps, s_x, s_d,
 
 @triton.jit
 def rmsnorm_store(x, w_ptr, out_row_ptr, cols, m, N, eps):
-    """rmsnorm(x) * w of one row x (activation dtype) stored at out_row_ptr + cols, rounded as HF
-    rounds: the norm in fp32, cast, then times the weight. The tail of `_add_rmsnorm_kernel`'s row."""
+    """Store rmsnorm(x) * w of one row, rounded as HF: the norm in fp32, cast, then times w."""
     xf = x.to(tl.float32)
     inv = 1.0 / tl.sqrt_rn(tl.sum(xf * xf, axis=0) / N + eps)
     y = (xf * inv).to(out_row_ptr.dtype.element_ty)
@@ -55,20 +47,14 @@ def rmsnorm_store(x, w_ptr, out_row_ptr, cols, m, N, eps):
 
 def add_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, delta: Optional[torch.Tensor] = None,
                 out: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """x, delta [T, N] -> (rmsnorm(r) * weight, r) with r = x + delta (r = x without delta).
-    HF's order: residual add in the activation dtype; norm in fp32, cast, then times weight.
-    delta may also be [S, T, N] fp32: a split-K GEMM's partials (skinny_gemm(partials=True)),
-    summed here as that GEMM's fix-up would sum them, then rounded to x's dtype.
-    `out`: preallocated (normed, residual) to write (tests poison them)."""
+    """x, delta [T, N] -> (rmsnorm(r) * weight, r), r = x + delta (or x), in HF's order. delta may be
+    [S, T, N] fp32 split-K partials, summed as the GEMM's fix-up would. `out`: (normed, residual)."""
     T, N = x.shape
     assert x.stride(1) == 1 and weight.is_contiguous() and weight.numel() == N
     parts = delta is not None and delta.dim() == 3
     if parts:
         assert delta.shape[1:] == (T, N) and delta.dtype == torch.float32 and delta.stride(2) == 1
-    if out is not None:
-        out, res = out
-    else:
-        out, res = torch.empty_like(x), (torch.empty_like(x) if delta is not None else x)
+    out, res = out if out is not None else (torch.empty_like(x), torch.empty_like(x) if delta is not None else x)
     if T:
         block = triton.next_power_of_2(N)
         d = delta if delta is not None else x
@@ -93,17 +79,14 @@ def _silu_mul_kernel(gu_ptr, out_ptr, inter, s_gu, s_o, BLOCK: tl.constexpr, PDL
 
 @triton.jit
 def silu_times(g, u, dt):
-    """silu(g) * u of dt-valued g and u (given in fp32), rounded as torch's eager ops round: the
-    SiLU to dt, then the product to dt. Shared with the gate_up GEMM's SiLU epilogue
-    (skinny_gemm, silu_mul=True), so both give the same bits."""
+    """silu(g) * u (fp32 in), rounded to dt after each op as torch (shared with the GEMM epilogue)."""
     s = (g / (1.0 + tl.exp(-g))).to(dt)
     return (s.to(tl.float32) * u).to(dt)
 
 
 def silu_mul(gate_up: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """gate_up [T, 2I] (gate then up, as our fused projection writes them) -> silu(gate) * up."""
-    T, two_i = gate_up.shape
-    inter = two_i // 2
+    T, inter = gate_up.shape[0], gate_up.shape[1] // 2
     assert gate_up.stride(1) == 1
     if out is None:
         out = torch.empty((T, inter), dtype=gate_up.dtype, device=gate_up.device)

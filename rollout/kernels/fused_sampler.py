@@ -1,27 +1,10 @@
-"""Fused sampling + full-vocab logprob without an fp32 [R, V] copy of the logits.
+"""Fused sampling + full-vocab logprob without an fp32 [R, V] copy of the logits: `fused_sample`
+(no truncation) and the helpers kernels/fused_truncation.py shares. Contract: `rollout.sampler.sample`
+for rows without a repetition penalty (u bit-identical to `counter_uniform`).
 
-`fused_sample_full` (kernels/fused_truncation.py, which also holds the top-k / top-p / min-p
-kernels) has the contract of `rollout.sampler.sample` for rows without a repetition penalty
-(those keep the torch path):
-  * logprob = log_softmax(x / T)[token] in fp32 (T = 1 for greedy rows, temperature <= 0);
-  * greedy rows: argmax x over the kept tokens, first index on ties (= argmax x: the top-1 is
-    always kept);
-  * sampled rows: argmax over the kept tokens of x_v / T - log(-log u_v), u from the same 32-bit
-    counter hash and the same (0, 1) mapping as `rollout.sampler.counter_uniform` (bit-identical u);
-  * kept = top_k -> top_p -> min_p with the reference's tie rules; processed_logprob = logprob -
-    kept_mass, kept_mass = log(kept mass / all), exactly 0 when nothing is cut.
-
-No truncation in the batch (static flag): `fused_sample`, one pass. Kernel 1, grid (R, S): a
-program streams BLOCK_V-wide chunks of its split of a row. Per chunk: one CTA max of the raw x
-(running max m), per-lane sums of exp((x - m) / T) rescaled when m grows, and a per-lane best
-(perturbed score, index). With S == 1 it finishes the row, else it writes per-split partials that
-kernel 2 (grid R) merges. The winner's x is re-read once at the end instead of being carried
-through the loop. Sampled rows skip the noise of chunks that cannot win (max x / T + max Gumbel <
-best so far): exact, and most chunks for peaked LLM logits.
-Cost (sm_90 SASS, BLOCK_V 2048, 8 warps, 72 regs): ~24 instructions per element, ~72 with the
-noise (hash ~20, libdevice logf ~20): sampled rows are ALU-bound, greedy rows ~memory-bound.
-
-No host syncs; shapes depend only on (R, V, S) and static flags: CUDA-graph capturable.
+Kernel 1, grid (R, S), streams BLOCK_V chunks of a row's split (online max and sum of exp, per-lane
+best perturbed score; chunks that cannot win skip their noise, exactly); with S > 1 kernel 2 merges
+the splits. No host syncs; shapes depend only on (R, V, S) and static flags (graph-capturable).
 """
 from __future__ import annotations
 
@@ -33,20 +16,15 @@ from triton.language.extra import libdevice
 from . import sm_count
 
 
-# Read once, as triton.jit does at decoration time.
 _INTERPRET = bool(triton.knobs.runtime.interpret)
 _ON_GPU = tl.constexpr(not _INTERPRET)
 _NEG_BIG = tl.constexpr(-1.0e30)  # finite "-inf" for running maxima: never (-inf) - (-inf) = nan
-# Largest Gumbel noise a 24-bit u can give: -log(-log(1 - 2**-24)) = 16.64. A block whose max
-# x / T is this far below the best score so far cannot win, so its noise is skipped (exact).
-_GUMBEL_MAX = tl.constexpr(17.0)
+_GUMBEL_MAX = tl.constexpr(17.0)   # > the largest Gumbel noise of a 24-bit u: -log(-log(1 - 2**-24)) = 16.64
 
 
 @triton.jit
 def _log_precise(x):
-    # -log(u): libdevice logf is CUDA's logf, which torch.log calls, so -log u is bit-equal to the
-    # reference. (tl.log is the same code in triton 3.6; approximate lg2 would be useless here:
-    # its ~2**-22 absolute error near u = 1, where -log u ~ 6e-8, is where Gumbel winners live.)
+    # -log(u): libdevice logf, which torch.log calls, so bit-equal to the reference.
     if _ON_GPU:
         return libdevice.log(x)
     else:
@@ -55,8 +33,7 @@ def _log_precise(x):
 
 @triton.jit
 def _log_fast(x):
-    # Outer log of -log(-log u): lg2.approx's absolute error (2**-22.6) is below the fp32 rounding
-    # of the scores it feeds; 1 MUFU op instead of ~20 instructions.
+    # Outer log of -log(-log u): lg2.approx's error (2**-22.6) is below the scores' fp32 rounding.
     if _ON_GPU:
         return tl.inline_asm_elementwise("lg2.approx.f32 $0, $1;", "=f,f", [x], dtype=tl.float32,
                                          is_pure=True, pack=1) * 0.6931471805599453
@@ -88,9 +65,7 @@ def _uniform(idx, k1, k2):  # = rollout.sampler._to_uniform(_hash32(...)): top 2
 
 @triton.jit
 def _gumbel_pruned(score, block_max, idx, k1, k2, bound):
-    """score + Gumbel noise, and the best perturbed score so far. A block whose best unperturbed
-    score is more than the largest possible noise below `bound` cannot win: its noise is skipped
-    and it scores -inf (exact, and most blocks for peaked LLM logits)."""
+    """(score + Gumbel noise, best so far); a block that cannot reach `bound` scores -inf (exact)."""
     if block_max + _GUMBEL_MAX > bound:
         score = score - _log_fast(-_log_precise(_uniform(idx, k1, k2)))
         bound = tl.maximum(bound, tl.max(score, 0))
@@ -101,10 +76,7 @@ def _gumbel_pruned(score, block_max, idx, k1, k2, bound):
 
 @triton.jit
 def _row_temperature(temp_ptr, row):
-    """(T as given, T used, 1/T, log2(e)/T) for a row: T <= 0 is greedy and uses T = 1.
-    Scores use x * (1/T) (1 op vs ~8 for IEEE x / T): <= 1 ulp from the reference's x / T, so
-    only near-ties can flip; greedy rows (T = 1) are exact. Sums of exp work on raw x:
-    exp2((x - m) * log2(e)/T) never rounds a large x / T before the subtraction."""
+    """(T as given, T used, 1/T, log2(e)/T); T <= 0 is greedy (T = 1). x * (1/T) is <= 1 ulp from x / T."""
     t_raw = tl.load(temp_ptr + row)
     t = tl.where(t_raw > 0, t_raw, 1.0)
     inv_t = 1.0 / t
@@ -113,10 +85,7 @@ def _row_temperature(temp_ptr, row):
 
 @triton.jit
 def _finish(row_ptr, t, m, total, tok, tok_out, lp_out, stats_out, R, STATS: tl.constexpr):
-    # m = max raw x. Division is monotone, so m / T == max(x / T) bit for bit, and
-    # (x_tok / T - max) is exactly the reference's; only log(sum) differs (summation order).
-    # x_tok is re-read once instead of being carried through the loop. STATS: also store
-    # (max / T, log sum) so any x's logprob is (x / T - max / T) - log sum (top logprobs).
+    # m / T == max(x / T) bit for bit; STATS: also store (max / T, log sum) for top logprobs.
     xt = tl.math.div_rn(tl.load(row_ptr + tok).to(tl.float32), t)
     mt = tl.math.div_rn(m, t)
     log_z = _log_precise(total)
@@ -142,8 +111,7 @@ def _sample_kernel(logits_ptr, stride, temp_ptr, seed_ptr, ctr_ptr, tok_ptr, lp_
     m = _NEG_BIG + 0.0  # running max of raw x (scalar); s: per-lane sum of exp((x - m) / T)
     bound = float("-inf")  # best perturbed score so far (scalar), for pruning
     s = tl.zeros([BLOCK_V], tl.float32)
-    # Per-lane best: lane j sees j, j+BLOCK_V, ... in order, so strict '>' keeps its first best
-    # index; the final min-index-among-maxima restores torch.argmax's first index globally.
+    # Per-lane best with strict '>' then the min index among maxima: torch.argmax's first index.
     best = tl.full([BLOCK_V], float("-inf"), tl.float32)
     bidx = tl.zeros([BLOCK_V], tl.int32)
     for start in range(0, CHUNK, BLOCK_V):  # static trip count (CHUNK depends on V, S only)
@@ -175,8 +143,7 @@ def _sample_kernel(logits_ptr, stride, temp_ptr, seed_ptr, ctr_ptr, tok_ptr, lp_
 
 @triton.jit
 def _merged_z(pf_ptr, temp_ptr, row, R, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr):
-    """A row's split partials (raw max, sum of exp) merged at its temperature -> (the partials'
-    offsets and mask, the row max, the sum Z of exp((x - max) / T), T)."""
+    """A row's split partials merged -> (offsets, mask, row max, sum of exp((x - max) / T), T)."""
     offs = tl.arange(0, BLOCK_S)
     ok = offs < SPLITS
     off = row * SPLITS + offs
@@ -213,13 +180,8 @@ def split_chunks(V: int, S: int, block: int) -> tuple[int, int]:
 
 
 def default_num_splits(R: int, V: int, device, block_v: int = 2048) -> int:
-    """About 4 programs per SM (the sampled-row loop is ALU-bound: hash + 2 logs per element),
-    at least one BLOCK_V chunk per split, rounded down to a power of two: SPLITS and CHUNK are
-    constexprs, so each value is its own compiled kernel (~0.4 s on the H200 when first met; an
-    eager step with a row count of a new class stalled the GPU for that long), and powers of two
-    leave 8 classes on 132 SMs, which the decode graphs' buckets compile at capture. Depends only on
-    (R, V, device): static under CUDA graphs. Logprobs vary in the last ulp with S (summation
-    order); tokens never do. Pass a fixed num_splits for bit-level batch-size invariance."""
+    """About 4 programs per SM, at least one BLOCK_V chunk each, a power of two (few compiles).
+    Logprobs vary in the last ulp with S, tokens never; fix num_splits for batch invariance."""
     return max(1, min(pow2_floor(triton.cdiv(4 * sm_count(torch.device(device)), max(R, 1))), triton.cdiv(V, block_v)))
 
 
@@ -227,12 +189,8 @@ def fused_sample(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.T
                  counters: torch.Tensor, *, greedy_only: bool = False, num_splits: int | None = None,
                  block_v: int = 2048, num_warps: int = 8, out: tuple[torch.Tensor, torch.Tensor] | None = None,
                  stats: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> (token_ids [R] int64, logprobs [R] float32). logits [R, V] bf16/fp16/fp32 (unit
-    stride along V), temperature [R] f32 (<= 0: greedy), seeds / counters [R] int64.
-    greedy_only: every row is greedy (no noise code compiled). out: optional preallocated
-    (token_ids, logprobs) written in place (e.g. static CUDA-graph outputs). block_v / num_warps:
-    2048 / 8 keeps ~71 registers (3 CTAs per SM on sm_90); to be tuned on the GPU.
-    stats: optional [2, R] float32 written with (max x / T, log sum exp(x / T - max x / T)) per row."""
+    """logits [R, V], temperature [R] f32 (<= 0: greedy), seeds / counters [R] int64 -> (token_ids
+    int64, logprobs f32) [R], into `out` if given. stats: [2, R] f32 <- (max x / T, log sum exp)."""
     R, V = logits.shape
     assert logits.stride(1) == 1 and logits.dtype in (torch.bfloat16, torch.float16, torch.float32)
     dev = logits.device
@@ -264,13 +222,9 @@ def _uniform_kernel(seed_ptr, ctr_ptr, u_ptr, V, BLOCK_V: tl.constexpr):
 
 
 def counter_uniform_triton(seeds: torch.Tensor, counters: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """The kernel's u[r, v] as a float32 [R, V] tensor: tests check it equals
-    `rollout.sampler.counter_uniform` bit for bit."""
+    """The kernel's u[r, v] as float32 [R, V] (tests compare it with counter_uniform)."""
     u = torch.empty(seeds.shape[0], vocab_size, dtype=torch.float32, device=seeds.device)
     if seeds.shape[0]:
-        _uniform_kernel[(seeds.shape[0], triton.cdiv(vocab_size, 1024))](seeds, counters, u, vocab_size,
-                                                                         BLOCK_V=1024)
+        _uniform_kernel[(seeds.shape[0], triton.cdiv(vocab_size, 1024))](seeds, counters, u, vocab_size, BLOCK_V=1024)
     return u
 
-
-# 4-bit radix digits covering the fp32 bits an input dtype can set -> (digits, low bits dropped).

@@ -1,24 +1,10 @@
-"""Top-k / top-p / min-p in Triton for the fused sampler (see kernels/fused_sampler.py for the
-contract and the one-pass kernel), and `fused_sample_full`, which dispatches a batch to them.
+"""Top-k / top-p / min-p for the fused sampler, and `fused_sample_full`, which dispatches a batch.
 
-Truncation (`_trunc_kernel`, grid (R,), one program per row, re-reading the row from L2): pass 1
-max / sum exp; top-k: a radix select of the k-th largest value over monotone integer keys of x
-(4-bit digits, one histogram pass each: 4 for bf16, 5 fp16, 8 fp32); top-p: a radix select of the
-boundary value by cumulative mass over the top-k survivors, then the first c of its ties by
-index; min-p: e(x) >= min_p; final pass: kept set, its mass, Gumbel-max over it. Passes for bf16:
-2 without truncation or with min-p alone, 6 with top-k or top-p, 10 with both (past the top
-digits most blocks hold no candidate and skip the histogram). Exact up to fp32 rounding of masses
-at the top-p / min-p boundaries (the reference rounds too, differently).
-Cost (sm_90 SASS loop sizes, not yet timed; 8 warps, 80 regs): per element ~21 instructions in
-pass 1, ~85 per count pass, ~150 per mass pass (16 compare-and-adds each), up to ~150 in the final
-pass (less where a block's noise is pruned): ALU-bound, unlike the one-pass kernel.
-Measured (H200, V = 151,936, bf16, graphs, R = 64 / 256): top-p 0.9 1,440 / 2,196 us, top-k 50
-1,088 / 1,719, all three 1,978 / 3,158: one SM per row, its passes serial.
-Split rows (`row_splits` S > 1; the engine's default, `default_row_splits`): the same passes over S contiguous chunks per
-row, grid (R, S), one launch per pass (2 * digits + 3: 11 for bf16), the cross-chunk sums reduced
-in a fixed order by the next launch (deterministic, no atomics); the top-p tie rank of a chunk
-starts at the boundary ties of the chunks before it (the last digit's per-chunk counts). sm_90
-registers (ptxas, not timed): radix steps 38-64, final pass 92 (sampled bf16), merge 31.
+`_trunc_kernel`, one program per row: max / sum exp; top-k by a radix select of the k-th largest
+value over monotone integer keys (4-bit digits, one histogram pass each); top-p by a radix select
+of the boundary by cumulative mass, then the first of its ties by index; min-p: e(x) >= min_p; a
+final pass samples the kept set. Split rows (`row_splits` S > 1): the same passes over S chunks a
+row, one launch per pass, partials reduced in a fixed order by the next launch (deterministic).
 """
 
 from __future__ import annotations
@@ -31,17 +17,13 @@ import triton.language as tl
 
 from ..sampler import SamplerOutput, SamplingTensors
 from . import sm_count
-from .fused_sampler import (_NEG_BIG, _finish, _gumbel_pruned, _log_precise, _merged_z,
-                            _row_keys, _row_temperature, _sample_kernel, fused_sample, pow2_floor,
-                            split_chunks)
+from .fused_sampler import (_NEG_BIG, _finish, _gumbel_pruned, _log_precise, _merged_z, _row_keys, _row_temperature,
+                            _sample_kernel, fused_sample, pow2_floor, split_chunks)
 
 
 @triton.jit
 def _key(x, SHIFT: tl.constexpr):
-    # Integer key whose unsigned order is x's float order: negatives get every bit flipped,
-    # non-negatives the sign bit set; -0.0 takes +0.0's key (the reference compares them equal).
-    # >> SHIFT drops low bits the input dtype never sets (bf16: 16, fp16: 12): after the flip they
-    # are constant within each sign, so the order is kept and the key is exact.
+    # Unsigned key in x's float order (-0.0 = +0.0); >> SHIFT drops bits the dtype never sets.
     b = x.to(tl.uint32, bitcast=True)
     k = tl.where((b >> 31) != 0, b ^ 0xFFFFFFFF, b | 0x80000000)
     return tl.where(x == 0, 0x80000000, k) >> SHIFT
@@ -63,12 +45,8 @@ def _radix_hist(row_ptr, V: tl.constexpr, lo, pre, m, c, D: tl.constexpr, NDIG: 
 @triton.jit
 def _hist_range(ptr, n, lo, pre, m, c, D: tl.constexpr, NDIG: tl.constexpr, SHIFT: tl.constexpr,
                 MASS: tl.constexpr, SKIP: tl.constexpr, LOOP: tl.constexpr, HBLOCK: tl.constexpr):
-    # One pass over ptr[:n] (LOOP >= n, static): 16-bin histogram of digit D (top first) of the
-    # keys >= lo whose higher digits equal pre: counts and, with MASS, sums of
-    # e(x) = exp2((x - m) * c). A compare-and-add into [16, HBLOCK] per-lane accumulators reduced
-    # once at the end: deterministic, weightable, and no per-block cross-thread reductions (they
-    # cost more than the compares). SKIP: blocks without a candidate skip the compares (past the
-    # top digits most blocks have none). n: the row (V) or one chunk of it (split path).
+    # 16-bin histogram over ptr[:n] of digit D of the keys >= lo with higher digits == pre: counts
+    # and (MASS) sums of exp2((x - m) * c), per lane, reduced once. SKIP: skip candidate-free blocks.
     TOP: tl.constexpr = 4 * NDIG - 4
     lanes = tl.arange(0, HBLOCK)
     bins = tl.arange(0, 16)[:, None]
@@ -97,18 +75,14 @@ def _hist_range(ptr, n, lo, pre, m, c, D: tl.constexpr, NDIG: tl.constexpr, SHIF
 @triton.jit
 def _select_count(cnt, k):
     # Highest bin b with sum(cnt[b:]) >= k (it holds the k-th largest), and sum(cnt[b + 1:]).
-    # The suffix sums are exact integers and fall with b, so b = #{b: suffix >= k} - 1.
     b = tl.sum((tl.cumsum(cnt, 0, reverse=True) >= k).to(tl.int32), 0) - 1
     return b, tl.sum(tl.where(tl.arange(0, 16) > b, cnt, 0), 0)
 
 
 @triton.jit
 def _select_mass(cnt, mass, target, above, top_p, FIRST: tl.constexpr):
-    # Bins scanned high -> low from `above` (the mass above this key prefix): the first non-empty
-    # bin whose inclusive cumulative mass reaches target; if rounding keeps every bin below it,
-    # the lowest non-empty one (nothing under it is cut). FIRST (top digit): target = top_p * the
-    # cumulative mass at the lowest non-empty bin (= Zk), so that bin always qualifies.
-    # -> (bin, mass strictly above it, its count, target).
+    # The first non-empty bin (high -> low) whose cumulative mass from `above` reaches target, else
+    # the lowest non-empty one (FIRST: target = top_p * total) -> (bin, mass above, count, target).
     bins = tl.arange(0, 16)
     incl = above + tl.cumsum(mass, 0, reverse=True)
     low = tl.min(tl.where(cnt > 0, bins, 16), 0)
@@ -124,9 +98,7 @@ def _select_mass(cnt, mass, target, above, top_p, FIRST: tl.constexpr):
 def _final_block(row_ptr, idx, V, m, c, inv_t, kth, min_p, vstar, n_keep, do_p, ties, t_raw, k1, k2, bound,
                  kept_e, kept_n, best, bidx, mask_ptr, row, SHIFT: tl.constexpr, MASK: tl.constexpr,
                  SAMPLE: tl.constexpr):
-    """One block of the final pass (single-program and split-row kernels alike): the kept set
-    (top-k key, min-p mass, top-p boundary with its ties kept in index order: `ties` counts the
-    boundary ties before this block), kept mass and count, and Gumbel-max over the kept tokens."""
+    """One block of the final pass: the kept set (`ties`: v* ties before it), its mass and count, the sample."""
     ok = idx < V
     x = tl.load(row_ptr + idx, mask=ok, other=float("-inf")).to(tl.float32)
     key = _key(x, SHIFT)
@@ -177,8 +149,7 @@ def _trunc_kernel(logits_ptr, stride, temp_ptr, topk_ptr, topp_ptr, minp_ptr, se
         m = m_new
     total = tl.sum(s, 0)
 
-    # top-k: radix select of the k-th largest key, one 4-bit digit per pass, top digit first;
-    # kept <=> key >= kth, so ties at the boundary are all kept (the reference's vals >= kth).
+    # top-k: radix select of the k-th largest key, top digit first; ties at kth all kept (as HF).
     kth = tl.full([], 0, tl.uint32)
     if do_k:
         krem = top_k.to(tl.int32)  # rank of the k-th largest among keys with the prefix so far
@@ -191,12 +162,8 @@ def _trunc_kernel(logits_ptr, stride, temp_ptr, topk_ptr, topp_ptr, minp_ptr, se
             krem -= above
         kth = pre
 
-    # top-p over the top-k survivors (mass Zk). In the reference's stable descending order a token
-    # is kept iff the mass before it is < top_p * Zk. With G(v) = survivor mass above value v, the
-    # boundary v* is the lowest value with G(v*) < top_p * Zk: keep every key above it, and of its
-    # n ties (equal mass e*) the first c by index, c = #{r < n: G(v*) + r e* < top_p * Zk} >= 1.
-    # v* = the first key, scanning down, whose inclusive cumulative mass reaches top_p * Zk: a
-    # radix select with per-bin masses.
+    # top-p over the top-k survivors: keys above the boundary v* (a radix select by mass) and the
+    # first c of its n ties, c = #{r < n: G(v*) + r e* < top_p * Zk} >= 1.
     vstar = tl.full([], 0, tl.uint32)
     n_keep = V
     if do_p:
@@ -215,9 +182,7 @@ def _trunc_kernel(logits_ptr, stride, temp_ptr, topk_ptr, topp_ptr, minp_ptr, se
         q = tl.where(e_star > 0, (target - above) / e_star, n.to(tl.float32))
         n_keep = tl.minimum(tl.maximum(tl.ceil(q), 1.0), n.to(tl.float32)).to(tl.int32)
 
-    # Final pass, blocks in index order: the kept set, its mass, and the Gumbel-max / greedy argmax
-    # over it (same noise and pruning as _sample_kernel). min-p: the max survivor is the global max
-    # (e = 1), so probs >= min_p * max prob <=> e >= min_p.
+    # Final pass in index order; min-p is e >= min_p (the max survivor has e = 1).
     k1, k2 = _row_keys(tl.load(seed_ptr + row), tl.load(ctr_ptr + row))
     bound = float("-inf")
     best = tl.full([BLOCK_V], float("-inf"), tl.float32)
@@ -239,33 +204,20 @@ def _trunc_kernel(logits_ptr, stride, temp_ptr, topk_ptr, topp_ptr, minp_ptr, se
     tl.store(plp_ptr + row, lp - km)
 
 
-# ------------------------------------------------ split rows: S programs per row (grid (R, S))
-# The same passes as _trunc_kernel, each a launch over (row, chunk): chunk s owns
-# [s * CHUNK, (s + 1) * CHUNK) of its row. Cross-chunk results are per-chunk partials reduced by
-# later launches in a fixed order (no atomics): bitwise deterministic, eager == graph replay.
-# Ordering between passes is stream order (each launch sees every write of the launches before
-# it); within a launch no program reads what another one writes. Launches: pass A (max / sum-exp
-# partials, _sample_kernel), one per radix digit (NDIG top-k, then NDIG top-p), the final pass and
-# a per-row merge: 2 * NDIG + 3 for every batch (11 for bf16). Step J's select of digit J - 1 is
-# done at the start of launch J by each of the row's S programs (same inputs, same code, same
-# bits; S * 16 loads each), instead of a separate select launch; chunk 0 stores the resulting
-# state (slot J) for launch J + 1.
-# Buffers: cnt [2 NDIG, R, S, 16] int32 (per-chunk counts of each step), mass [NDIG, R, S, 16]
-# f32 (top-p steps), state [2 NDIG, R, 4] int32: top-k slots (prefix, remaining rank); top-p
-# slots (prefix, kth, mass above, target) with the floats as bits.
+# Split rows: pass A (_sample_kernel's partials), one launch per radix digit (NDIG top-k, NDIG
+# top-p; launch J selects digit J - 1 in every program, chunk 0 stores slot J), final, merge.
+# Buffers: cnt [2 NDIG, R, S, 16] int32, mass [NDIG, R, S, 16] f32, state [2 NDIG, R, 4] int32:
+# top-k slots (prefix, remaining rank); top-p slots (prefix, kth, mass above, target) as bits.
 @triton.jit
 def _psum(ptr, upto, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr):
     # Sum of the [16] histograms of chunks [0, upto) of one row and step ([SPLITS, 16] at ptr).
-    # One deterministic tree per kernel: identical bits in every program that computes it.
     s = tl.arange(0, BLOCK_S)[:, None]
     return tl.sum(tl.load(ptr + s * 16 + tl.arange(0, 16)[None, :], mask=s < upto, other=0), 0)
 
 
 @triton.jit
-def _k_advance(state_ptr, cnt_ptr, row, R, top_k, D: tl.constexpr, SPLITS: tl.constexpr,
-               BLOCK_S: tl.constexpr):
-    # Top-k (prefix, remaining rank) after the selects of digits 0..D-1 (D >= 1): digit D-1's
-    # starting state (slot D-1; the initial one for D = 1) and its histogram summed over chunks.
+def _k_advance(state_ptr, cnt_ptr, row, R, top_k, D: tl.constexpr, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr):
+    # Top-k (prefix, remaining rank) after the selects of digits 0..D-1 (D >= 1).
     if D == 1:
         pre = tl.full([], 0, tl.uint32)
         krem = top_k.to(tl.int32)
@@ -281,8 +233,7 @@ def _k_advance(state_ptr, cnt_ptr, row, R, top_k, D: tl.constexpr, SPLITS: tl.co
 @triton.jit
 def _p_advance(state_ptr, cnt_ptr, mass_ptr, row, R, top_p, D: tl.constexpr, NDIG: tl.constexpr,
                SPLITS: tl.constexpr, BLOCK_S: tl.constexpr):
-    # Top-p state after the selects of digits 0..D-1 (D >= 1) -> (prefix, kth, mass above,
-    # target, selected bin, its count).
+    # Top-p state after digits 0..D-1 -> (prefix, kth, mass above, target, selected bin, count).
     J: tl.constexpr = NDIG + D - 1
     st = state_ptr + (J * R + row) * 4
     pre = tl.load(st).to(tl.uint32, bitcast=True)
@@ -306,8 +257,7 @@ def _split_step_kernel(logits_ptr, stride, temp_ptr, topk_ptr, topp_ptr, pf_ptr,
                        state_ptr, R, V: tl.constexpr, J: tl.constexpr, NDIG: tl.constexpr,
                        SHIFT: tl.constexpr, SPLITS: tl.constexpr, CHUNK: tl.constexpr,
                        HBLOCK: tl.constexpr, BLOCK_S: tl.constexpr):
-    # Radix step J: top-k digit J (J < NDIG), else top-p digit J - NDIG. Rows that do not use the
-    # phase exit at once (their slots stay unwritten and are never read).
+    # Radix step J: top-k digit J (J < NDIG), else top-p digit J - NDIG; rows without the phase exit.
     row = tl.program_id(0)
     split = tl.program_id(1)
     PHASE_P: tl.constexpr = J >= NDIG
@@ -359,8 +309,7 @@ def _split_final_kernel(logits_ptr, stride, temp_ptr, topk_ptr, topp_ptr, minp_p
                         V: tl.constexpr, SAMPLE: tl.constexpr, MASK: tl.constexpr, NDIG: tl.constexpr,
                         SHIFT: tl.constexpr, SPLITS: tl.constexpr, CHUNK: tl.constexpr,
                         BLOCK_V: tl.constexpr, BLOCK_S: tl.constexpr):
-    # _trunc_kernel's final pass over one chunk -> partials fo [2, R, S] f32 (kept mass, best
-    # score), io [2, R, S] int32 (kept count, best index).
+    # The final pass over one chunk -> fo [2, R, S] (kept mass, best score), io (kept count, index).
     row = tl.program_id(0)
     split = tl.program_id(1)
     row_ptr = logits_ptr + row.to(tl.int64) * stride
@@ -381,14 +330,12 @@ def _split_final_kernel(logits_ptr, stride, temp_ptr, topk_ptr, topp_ptr, minp_p
         e_star = tl.exp2((_key_value(vstar, SHIFT) - m) * c)
         q = tl.where(e_star > 0, (target - above) / e_star, n.to(tl.float32))
         n_keep = tl.minimum(tl.maximum(tl.ceil(q), 1.0), n.to(tl.float32)).to(tl.int32)
-        # The last digit's per-chunk count of the selected bin counts exactly the keys == v*
-        # (>= kth, prefix and digit equal): its exclusive prefix over chunks is this chunk's offset.
+        # The last digit's per-chunk counts of the bin are the v* ties: their prefix is this chunk's.
         last = _psum(cnt_ptr + ((2 * NDIG - 1) * R + row) * (SPLITS * 16), split, SPLITS, BLOCK_S)
         ties = tl.sum(tl.where(tl.arange(0, 16) == b, last, 0), 0)
     elif do_k:
         kth, _ = _k_advance(state_ptr, cnt_ptr, row, R, top_k, NDIG, SPLITS, BLOCK_S)
-    # As _trunc_kernel's final loop; the noise pruning bound starts afresh per chunk (still exact:
-    # a pruned block cannot beat this chunk's best, so not the row's).
+    # As _trunc_kernel's final loop; the pruning bound starts afresh per chunk (still exact).
     k1, k2 = _row_keys(tl.load(seed_ptr + row), tl.load(ctr_ptr + row))
     lanes = tl.arange(0, BLOCK_V)
     bound = float("-inf")
@@ -413,9 +360,7 @@ def _split_final_kernel(logits_ptr, stride, temp_ptr, topk_ptr, topp_ptr, minp_p
 def _split_merge_kernel(logits_ptr, stride, temp_ptr, pf_ptr, fo_ptr, io_ptr, tok_ptr, lp_ptr, plp_ptr,
                         km_ptr, stats_ptr, R, V: tl.constexpr, STATS: tl.constexpr, SPLITS: tl.constexpr,
                         BLOCK_S: tl.constexpr):
-    # Per row: Z from pass A's partials (as _merge_kernel), the token (chunks are contiguous, so
-    # the smallest index among the chunk winners at the top score is the row's first), the kept
-    # mass and count.
+    # Per row: Z from pass A's partials, the token (smallest index at the top score), kept mass.
     row = tl.program_id(0)
     off, ok, mx, total, t = _merged_z(pf_ptr, temp_ptr, row, R, SPLITS, BLOCK_S)
     best = tl.load(fo_ptr + R * SPLITS + off, mask=ok, other=float("-inf"))
@@ -435,15 +380,7 @@ _MAX_ROW_SPLITS = 32  # every program of a step sums its row's S x 16 partials: 
 
 
 def default_row_splits(R: int, V: int, device, block: int = 1024) -> int:
-    """Chunks per row for the split truncation path: at least 8, and more at small R for about 3
-    programs per SM (the histogram passes are ALU-bound; ~80 registers x 256 threads fit 3 CTAs
-    an SM); at least one `block` per chunk, at most 32. Measured on the H200 (V = 151,936, bf16,
-    graphs; bench/results/2026-11-29_kernels_fused-sampler-truncation_row-splits_315b2bc.json):
-    S = 8 was the fastest or within 1% of it for top-k, top-p, min-p and all three at R = 64 and
-    256 (R = 64 top-p 1,439 -> 377 us, top-k 1,087 -> 231; R = 256 top-k 1,757 -> 909), where
-    3 programs per SM alone would take 7 and 2. Rounded down to a power of two (8, 16, 32): the
-    split kernels are compiled per chunk width, and few classes keep eager steps from compiling
-    (`fused_sampler.default_num_splits`)."""
+    """Chunks per row: >= 8 (fastest on the H200), ~3 programs an SM at small R, <= 32, a power of two."""
     by_sms = pow2_floor(min(max(8, triton.cdiv(3 * sm_count(torch.device(device)), max(R, 1))), _MAX_ROW_SPLITS))
     return max(1, min(by_sms, triton.cdiv(V, block)))
 
@@ -459,12 +396,11 @@ def _trunc_split(logits, st, S, chunk, tok, lp, plp, km, stats, mask, block_v, h
     ndig, shift = _DIGITS[logits.dtype]
     temp, top_k, top_p = st.temperature.float(), st.top_k.long(), st.top_p.float()
     seeds, counters = st.seeds.long(), st.counters.long()
-    f32 = torch.empty(3 * R * S + ndig * R * S * 16 + 2 * R * S, dtype=torch.float32, device=dev)
-    i32 = torch.empty(R * S + 2 * ndig * R * S * 16 + 2 * ndig * R * 4 + 2 * R * S, dtype=torch.int32, device=dev)
-    pf, mass, fo = f32.split([3 * R * S, ndig * R * S * 16, 2 * R * S])
-    pi, cnt, state, io = i32.split([R * S, 2 * ndig * R * S * 16, 2 * ndig * R * 4, 2 * R * S])
+    fs, ns = [3 * R * S, ndig * R * S * 16, 2 * R * S], [R * S, 2 * ndig * R * S * 16, 2 * ndig * R * 4, 2 * R * S]
+    pf, mass, fo = torch.empty(sum(fs), dtype=torch.float32, device=dev).split(fs)      # fp32 buffers' sizes: fs
+    pi, cnt, state, io = torch.empty(sum(ns), dtype=torch.int32, device=dev).split(ns)  # int32: ns
     const = {"V": V, "SPLITS": S, "CHUNK": chunk, "BLOCK_S": triton.next_power_of_2(S)}
-    # Pass A: per-chunk max and sum-exp (its argmax / index partials are unused).
+    # Pass A: per-chunk max and sum-exp.
     _sample_kernel[(R, S)](logits, logits.stride(0), temp, seeds, counters, tok, lp, lp, pf, pi, R, V,
                            SAMPLE=False, STATS=False, SPLITS=S, CHUNK=chunk, BLOCK_V=block_v, num_warps=num_warps)
     for j in range(2 * ndig):
@@ -483,25 +419,9 @@ def fused_sample_full(logits: torch.Tensor, st: SamplingTensors, *, out: Sampler
                       block_v: int = 1024, num_warps: int = 8, hist_block: int | None = None,
                       num_splits: int | None = None, row_splits: int | None = None,
                       _kept_mask: torch.Tensor | None = None) -> SamplerOutput:
-    """`rollout.sampler.sample`'s contract (tokens, logprobs, processed_logprobs, kept_mass, top
-    logprobs) for rows without a repetition penalty, without an fp32 copy of the logits.
-    st.any_truncation False: `fused_sample` (one pass; processed = logprobs, kept_mass = 0).
-    True: `_trunc_kernel`, one program per row and several passes over it (rows without top-k /
-    top-p / min-p take two: max / sum, then the sample). Top logprobs: torch.topk of the raw
-    logits, turned into logprobs with the kernel's per-row (max / T, log sum): the values are the
-    reference's; on exact ties torch.topk may order (or, at the K-th place, pick) other indices of
-    the same value. out: preallocated token_ids / logprobs / processed_logprobs / kept_mass written
-    in place (its top fields are ignored). block_v / num_warps / hist_block: the truncation
-    kernel's block for its first and last passes, warps, and block for its histogram passes
-    (default 32 * num_warps: one element per thread, [16, hist_block] accumulators = 32 registers);
-    num_splits: the no-truncation kernel's.
-    row_splits (truncation only): None or 1 = `_trunc_kernel`, one program per row (the engine
-    passes `default_row_splits`: 3.6-4.7x faster at R = 64 on the H200, 1.2-1.9x at 256);
-    S > 1 = each row in S contiguous chunks (fewer where V / block is smaller; 1 chunk falls back
-    to `_trunc_kernel`), one program each per pass, 2 * digits + 3 launches. Same kept sets and
-    tokens as S = 1 (counts are exact; top-p masses are fp32 sums in another order, so a token
-    within rounding of the top-p boundary may flip, as between the kernel and the reference);
-    logprob / kept_mass differ from S = 1 in the last ulps (summation order); deterministic."""
+    """`rollout.sampler.sample`'s contract for rows without a repetition penalty: `fused_sample`, or
+    `_trunc_kernel`, or with row_splits S > 1 the split kernels (tokens equal up to fp32 rounding at
+    the top-p boundary). out: preallocated outputs (top fields ignored); num_splits: fused_sample's."""
     if st.any_penalty:
         raise ValueError("repetition penalty rows take rollout.sampler.sample")
     R, V = logits.shape
@@ -538,8 +458,7 @@ def fused_sample_full(logits: torch.Tensor, st: SamplingTensors, *, out: Sampler
                 NDIG=ndig, SHIFT=shift, BLOCK_V=block_v, HBLOCK=hblock, num_warps=num_warps)
     top_ids = top_lps = None
     if K:
-        # Same formula as the kernel's logprob ((x / T - max / T) - log sum); x / T divides as the
-        # reference does, and bf16 -> fp32 is exact, so only log sum's summation order differs.
+        # The kernel's formula ((x / T - max / T) - log sum): only log sum's summation order differs.
         vals, top_ids = torch.topk(logits, K, dim=-1)
         t = torch.where(st.temperature > 0, st.temperature, 1.0)[:, None]
         top_lps = (vals.float() / t - stats[0][:, None]) - stats[1][:, None]
@@ -547,8 +466,7 @@ def fused_sample_full(logits: torch.Tensor, st: SamplingTensors, *, out: Sampler
 
 
 def fused_kept_mask(logits: torch.Tensor, st: SamplingTensors, **kw) -> tuple[torch.Tensor, SamplerOutput]:
-    """Debug / tests: the truncation kernel's kept set as a bool [R, V] tensor (compiled only
-    here), with its outputs."""
+    """Tests: the truncation kernel's kept set as a bool [R, V] tensor, with its outputs."""
     mask = torch.full(logits.shape, -1, dtype=torch.int8, device=logits.device)  # poison: -1
     o = fused_sample_full(logits, replace(st, any_truncation=True), _kept_mask=mask, **kw)
     assert bool(((mask == 0) | (mask == 1)).all()), "kernel did not write every mask entry"

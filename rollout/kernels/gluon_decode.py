@@ -1,33 +1,9 @@
-"""Split-KV paged decode attention in Gluon with a cp.async ring for the K / V tiles. CUDA (sm_90)
-only. The engine takes it where layers/attention.py's `pick_decode` says (one split, at one to two
-programs a SM), at its `GLUON_TILE`.
+"""Split-KV paged decode attention in Gluon with a cp.async ring for the K / V tiles (sm_90 only).
 
-Same math and grid as paged_decode's split kernel (one program per sequence x KV head x split,
-the GROUP query heads of a KV head as the rows of a 16-row MMA tile, fp32 online softmax in the
-log2 domain); with several splits it leaves the same partials for paged_decode's merge kernel,
-with one it writes the output. What differs is how keys arrive. Triton 3.6 pipelines the
-block-table load in front of the K / V copies, so K and V get one shared-memory buffer and
-nothing streams while a tile is computed. Here each
-program keeps STAGES - 1 tiles in flight: tile t + STAGES - 1 is issued (cp.async, 16 bytes a
-thread, rows past the split's end zero-filled) before tile t is waited for, and the pages of the
-tile after that are looked up one iteration early.
-
-Two forms of the math (FORMS): the GROUP query heads as the rows of a 16-row MMA tile
-(_gluon_decode_split_kernel, any split count), or, the default where it applies (one split, GROUP
-<= 8), keys as the rows and the heads as 8 columns (_gluon_decode_keys_kernel: half the MMAs and
-exps for GROUP = 4).
-
-Why one split: the ring's shared memory sets how many programs share an SM (64-key tiles, 3
-stages, or 32-key tiles, 6: 96 KB, two; the default 128-key tiles, 2 stages: 128 KB, one). A
-one-split grid of B x Hkv = 256 programs (P1) then cannot pile onto the SMs the QKV GEMM leaves
-first under PDL (the placement that cost Triton's one-split tiles, at four a SM, 15 points), and
-the merge kernel and its launch go. At one a SM it runs in two waves, and still measured faster
-than one wave of 64-key tiles.
-
-Copy groups: one per tile (K and V), committed in tile order, STAGES - 1 before the loop and one
-per iteration; when tile t is needed STAGES - 1 newer groups exist, so `wait_group(STAGES - 1)`.
-The row sums are kept per column and reduced once at the end (one cross-warp reduction per tile,
-the max, instead of two).
+Same math and partials as paged_decode's split kernel, but each program keeps STAGES - 1 tiles in
+flight (tile t + STAGES - 1 issued, its pages looked up, before tile t is waited for). Two forms
+(FORMS): the query heads as the rows of a 16-row MMA tile (_gluon_decode_split_kernel), or keys as
+rows and heads as 8 columns (_gluon_decode_keys_kernel: one split, GROUP <= 8, half the MMAs).
 """
 from __future__ import annotations
 
@@ -48,8 +24,7 @@ def _asm(code: gl.constexpr, t):
 
 @gluon.jit
 def _enter(PDL: gl.constexpr, b):
-    """kernels/pdl.py's `enter` in Gluon: let the next grid launch, then wait for the previous
-    one. b: any scalar int32."""
+    """kernels/pdl.py's `enter` in Gluon; b: any scalar int32."""
     if PDL:
         _asm("griddepcontrol.launch_dependents; griddepcontrol.wait;", b)
 
@@ -90,8 +65,7 @@ def _ring_alloc(BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.conste
 @gluon.jit
 def _ring_fill(k_ring, v_ring, rows, dims, k_ptr, v_ptr, bt_ptr, row_b, kv_off, start, end, s_kp, s_ks, s_vp, s_vs,
                PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    """Issue the first STAGES - 1 tiles from key `start` on (one copy group each); return the pages
-    of the tile after them."""
+    """Issue the first STAGES - 1 tiles from key `start`; return the next tile's pages."""
     for j in gl.static_range(STAGES - 1):
         n0 = start + j * BLOCK_N
         _issue_tile(k_ring, v_ring, j, k_ptr, v_ptr, _tile_pages(bt_ptr, row_b, n0, rows, end, PAGE_SIZE), n0, rows,
@@ -108,9 +82,7 @@ def key_scores(q, k_t, n0, end, cols, scale_log2, mma: gl.constexpr, ROWS: gl.co
 
 @gluon.jit
 def softmax_step(s, m_i, l_cols):
-    """One key tile of the online softmax over scores s: (new running max, the tile's weights p,
-    the factor alpha that rescales what came before, per-column row sums). The caller adds
-    p @ V to its accumulator scaled by alpha."""
+    """One key tile of the online softmax -> (new max, weights p, rescale alpha, per-column sums)."""
     m_new = gl.maximum(m_i, gl.max(s, 1))
     m_use = gl.where(m_new == float("-inf"), 0.0, m_new)   # all-masked row: no NaN from -inf - -inf
     p = gl.exp2(s - m_use[:, None])
@@ -200,18 +172,9 @@ def _gluon_decode_keys_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, sm
                               GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, PAGE_SIZE: gl.constexpr,
                               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr,
                               EARLY: gl.constexpr, num_warps: gl.constexpr):
-    """The one-split kernel with the MMAs transposed: s^T = K q^T and o^T = V^T p^T, keys and the
-    head dim as the MMA's M (16 a warp), the GROUP query heads as its N (8). The split kernel pads
-    GROUP = 4 heads to 16 rows; here to 8 columns, so half the MMAs and exps for the same tile:
-    less work, and less energy at the board's power limit.
-
-    EARLY (KernelSwitches.gluon_early, the default): the ring's first STAGES - 1 tiles are issued
-    before the PDL wait where they cannot hold the step's own key (context > their keys), so a
-    program that launched early (on an SM the QKV GEMM leaves idle, or as its CTAs drain) has K / V
-    in flight when the wait ends. Only the previous steps' keys are read early; seq_lens and block
-    tables must not be the previous kernel's output (the engine copies them in before the step).
-    Issuing every slot early (the loop's first tile too, behind a branch in the loop) lost 9-11
-    points of P1's roofline."""
+    """The one-split kernel with the MMAs transposed (s^T = K q^T, o^T = V^T p^T): the GROUP query
+    heads are the MMA's N (8). EARLY: the ring's first tiles are issued before the PDL wait where
+    they cannot hold the step's own key (seq_lens and block tables must be uploaded, not computed)."""
     b = gl.program_id(0)
     kvh = gl.program_id(1)
     row_b = b * s_bt
@@ -279,10 +242,8 @@ def decode_split(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                  seq_lens: torch.Tensor, scale_log2: float, out: torch.Tensor, po: torch.Tensor, plse: torch.Tensor,
                  num_splits: int, block_n: int, stages: int, form: str = "heads", *, pdl: int,
                  num_warps: int = 4, early: bool = False) -> None:
-    """paged_decode's split kernel on bf16, head_dim 128, GROUP <= 16, no sliding window: with one
-    split the output `out` [B, Hq, D], else partial outputs po [B, Hq, num_splits, D] (fp32) and
-    plse [B, Hq, num_splits] for its merge kernel. (block_n, stages, form): the tile (form: one of
-    FORMS). early: the keys form issues its first tiles before the PDL wait."""
+    """paged_decode's split kernel (bf16, head_dim 128, GROUP <= 16, no window) into `out` with one
+    split, else fp32 partials po [B, Hq, splits, D] and plse [B, Hq, splits]. form: one of FORMS."""
     B, Hq, D = q.shape
     _, page_size, Hkv, _ = k_cache.shape
     assert q.dtype == k_cache.dtype == v_cache.dtype == out.dtype == torch.bfloat16 and D == 128

@@ -1,19 +1,8 @@
-"""Split-KV paged decode attention (one query token per sequence), GQA-packed.
-
-Kernel 1, grid (B, Hkv, NUM_SPLITS): one program takes the GROUP = Hq/Hkv query heads that
-share KV head `kvh` as the rows of one tile (padded to >= 16 rows so `tl.dot` runs on tensor
-cores), walks its split of the context in BLOCK_N-token tiles and reads each key's page through
-the block table (page of position p = block_tables[b, p // PAGE_SIZE], so tile and page size are
-independent). fp32 online softmax in the log2 domain; it writes a normalised partial output and
-its log-sum-exp. Kernel 2, grid (B, Hq), merges the splits by log-sum-exp weights. With
-NUM_SPLITS == 1 kernel 1 writes the output directly and kernel 2 is skipped.
-
-Split bounds come from seq_len inside the kernel, so the grid depends only on (B, NUM_SPLITS):
-one CUDA graph per batch bucket is valid at every context length. Rows with seq_len 0 (bucket
-padding) run no tile and write zeros. The wrapper does no host syncs.
-
-kernels/gluon_decode.py is kernel 1 with a real copy pipeline (`gluon=True`); layers/attention.py
-chooses the kernel, its tile and the split count.
+"""Split-KV paged decode attention (one query per sequence), GQA-packed. Kernel 1, grid (B, Hkv,
+NUM_SPLITS), takes a KV head's GROUP query heads as a tile's rows over its split of the context
+(fp32 online softmax, log2 domain) and writes a normalised partial and its log-sum-exp (the output
+with one split); kernel 2 merges. Split bounds come from seq_len in the kernel, so one graph per
+batch bucket serves every context; seq_len 0 (padding) writes zeros.
 """
 from __future__ import annotations
 
@@ -34,8 +23,7 @@ LOG2E = 1.4426950408889634
 
 @triton.jit
 def _decode_split_kernel(
-        q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, po_ptr, plse_ptr,
-        sm_scale_log2, window,
+        q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, po_ptr, plse_ptr, sm_scale_log2, window,
         s_qb, s_qh, s_kp, s_ks, s_kh, s_vp, s_vs, s_vh, s_bt, s_ob, s_oh,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
         BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr,
@@ -97,9 +85,7 @@ def _decode_split_kernel(
 @triton.jit
 def load_kv_tile(k_ptr, v_ptr, bt_ptr, seq, kvh, n0, pos, valid, s_kp, s_ks, s_kh, s_vp, s_vs, s_vh, s_bt,
                  HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
-    """K and V [BLOCK_N, HEAD_DIM] of keys pos = n0 + arange(BLOCK_N) (n0 a BLOCK_N multiple) of
-    sequence `seq`, KV head kvh, through the block table; 0 where not `valid`. A tile that lies in
-    one page (BLOCK_N <= PAGE_SIZE) takes one table lookup instead of one per key."""
+    """K and V [BLOCK_N, HEAD_DIM] of keys n0 + arange(BLOCK_N) of sequence `seq` (0 where not `valid`)."""
     dims = tl.arange(0, HEAD_DIM)
     if BLOCK_N <= PAGE_SIZE:
         page = tl.load(bt_ptr + seq * s_bt + n0 // PAGE_SIZE).to(tl.int64)
@@ -114,8 +100,7 @@ def load_kv_tile(k_ptr, v_ptr, bt_ptr, seq, kvh, n0, pos, valid, s_kp, s_ks, s_k
 
 @triton.jit
 def _decode_merge_kernel(po_ptr, plse_ptr, out_ptr, s_ob, s_oh,
-                         HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
-                         PDL: tl.constexpr):
+                         HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, PDL: tl.constexpr):
     enter(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -135,11 +120,9 @@ def _decode_merge_kernel(po_ptr, plse_ptr, out_ptr, s_ob, s_oh,
 
 @functools.lru_cache(maxsize=None)
 def _gluon_usable() -> bool:
-    """Gluon's API changes between triton releases; the kernel was written and measured on 3.6
-    (torch 2.11 on the H200). Older stacks keep Triton's kernel."""
+    """Gluon's API changes between releases: the kernel needs triton >= 3.6."""
     from . import triton_version
-    version = triton_version()
-    if version is not None and version < (3, 6):
+    if (triton_version() or (3, 6)) < (3, 6):
         return False
     try:
         from . import gluon_decode  # noqa: F401
@@ -149,8 +132,7 @@ def _gluon_usable() -> bool:
 
 
 def gluon_supported(q: torch.Tensor, k_cache: torch.Tensor, sliding_window: Optional[int]) -> bool:
-    """What the Gluon kernel takes: bf16 q and cache, head_dim 128, GQA groups <= 16, no sliding
-    window, on an sm_90+ GPU outside the Triton interpreter, with triton >= 3.6's Gluon."""
+    """The Gluon kernel takes bf16, head_dim 128, GQA groups <= 16, no window, sm_90+, compiled."""
     return (q.is_cuda and not triton.knobs.runtime.interpret and sliding_window is None and q.shape[2] == 128
             and q.dtype == k_cache.dtype == torch.bfloat16 and q.shape[1] // k_cache.shape[2] <= 16
             and sm90_or_later(q) and _gluon_usable())
@@ -162,12 +144,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            out: Optional[torch.Tensor] = None, block_n: Optional[int] = None,
                            num_warps: int = 4, num_stages: int = 2, gluon: bool = False, form: str = "keys",
                            early: bool = False) -> torch.Tensor:
-    """q [B, Hq, D]; k_cache, v_cache [num_pages, page_size, Hkv, D]; block_tables [B, P] int32;
-    seq_lens [B] int32 (context incl. the current token, already in the cache). -> [B, Hq, D]
-    in q's dtype. Shape-only host logic: safe to capture in a CUDA graph. gluon: the split kernel
-    of kernels/gluon_decode.py (where gluon_supported) at this tile instead of Triton's, in `form`
-    (gluon_decode.FORMS; "keys" takes one split and GROUP <= 8, the heads form runs elsewhere);
-    early: its keys form issues its first K / V tiles before the PDL wait."""
+    """q [B, Hq, D]; caches [num_pages, page_size, Hkv, D]; block_tables [B, P] int32; seq_lens [B]
+    int32 (incl. the current token, cached) -> [B, Hq, D]. gluon: gluon_decode's kernel in `form`
+    ("keys" becomes "heads" beyond one split or GROUP 8); early: its keys form's EARLY."""
     B, Hq, D = q.shape
     _, page_size, Hkv, Dk = k_cache.shape
     assert Dk == D and v_cache.shape == k_cache.shape and Hq % Hkv == 0, "shape mismatch"
@@ -175,7 +154,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     assert page_size & (page_size - 1) == 0, "page_size must be a power of two"
     assert q.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1 and block_tables.stride(1) == 1
     assert block_tables.dtype == torch.int32 and seq_lens.dtype == torch.int32 and seq_lens.is_contiguous()
-    if block_n is None:   # fp32 dots run on FMA units, not tensor cores: 64-key tiles spill registers
+    if block_n is None:   # fp32 dots run on FMA units: 64-key tiles spill registers
         block_n = 16 if q.dtype == torch.float32 else 64
     assert block_n >= 16 and num_splits >= 1
     if out is None:
@@ -184,13 +163,11 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if B == 0:
         return out
     group = Hq // Hkv
-    if num_splits > 1:   # partials in fp32; torch.empty is graph-safe (graph-private pool under capture)
+    po = plse = out     # unused with one split
+    if num_splits > 1:   # fp32 partials; torch.empty is graph-safe
         po = torch.empty((B, Hq, num_splits, D), dtype=torch.float32, device=q.device)
         plse = torch.empty((B, Hq, num_splits), dtype=torch.float32, device=q.device)
-    else:
-        po = plse = out  # unused
-    # fp32 inputs: ieee dot (default would be tf32, ~1e-3 error); bf16/fp16 ignore this.
-    prec = "ieee" if q.dtype == torch.float32 else "tf32"
+    prec = "ieee" if q.dtype == torch.float32 else "tf32"     # fp32: no tf32 rounding (~1e-3) in tl.dot
     pdl = pdl_for(q)
     if gluon:
         if not gluon_supported(q, k_cache, sliding_window):
@@ -203,16 +180,13 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                      block_n, num_stages, form, pdl=pdl, num_warps=num_warps, early=early)
     else:
         _decode_split_kernel[(B, Hkv, num_splits)](
-            q, k_cache, v_cache, block_tables, seq_lens, out, po, plse,
-            scale * LOG2E, int(sliding_window or 0),
-            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
-            out.stride(0), out.stride(1),
+            q, k_cache, v_cache, block_tables, seq_lens, out, po, plse, scale * LOG2E, int(sliding_window or 0),
+            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0),
+            v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1),
             GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=D, PAGE_SIZE=page_size,
             BLOCK_N=block_n, NUM_SPLITS=num_splits, USE_WINDOW=sliding_window is not None, DOT_PREC=prec,
             PDL=pdl, num_warps=num_warps, num_stages=num_stages, launch_pdl=bool(pdl))
     if num_splits > 1:
-        pdl = pdl_for(q)
         _decode_merge_kernel[(B, Hq)](po, plse, out, out.stride(0), out.stride(1), HEAD_DIM=D,
                                       NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits),
                                       PDL=pdl, num_warps=1 if D <= 64 else 2, launch_pdl=bool(pdl))

@@ -1,18 +1,9 @@
 """Causal varlen attention over paged KV (chunked prefill; also correct for mixed batches).
 
-q [T, Hq, D] packs S sequences (query_start_loc). Sequence s's queries are the last
-q_len = qsl[s+1] - qsl[s] positions of its context seq_lens[s]; their K/V are already in the
-pages. Grid (cdiv-free upper bound T // BLOCK_Q + S query tiles, Hkv): each sequence's tiles
-start at its own first token, tile ids of sequence s start at qsl[s] // BLOCK_Q + s (vLLM's
-unified-attention numbering), and a program finds its sequence by binary search over that.
-Tile ids past a sequence's last tile do nothing. A tile's rows are BLOCK_Q tokens x GROUP
-query heads of one KV head (GQA-packed, works for any GROUP <= BLOCK_M), so each K/V tile
-read through the block table serves all heads of the group.
-
-Batch-invariant mode (split_len) cuts every row's keys at fixed multiples of split_len
-(layers/attention.py's INVARIANT_SPLIT_LEN): a prefill tile folds its splits in registers, a decode
-step runs one program per split and a merge kernel, both with the same per-row ops (see
-paged_prefill_attention).
+q [T, Hq, D] packs S sequences (query_start_loc), each the last q_len positions of its context.
+Grid (T // BLOCK_Q + S query tiles, Hkv): tile ids of sequence s start at qsl[s] // BLOCK_Q + s,
+found by binary search; a tile's rows are BLOCK_Q tokens x one KV head's GROUP query heads.
+Batch-invariant mode (split_len) cuts every row's keys at fixed multiples of split_len.
 """
 from __future__ import annotations
 
@@ -23,12 +14,10 @@ import triton
 import triton.language as tl
 
 from . import fix_interpreter
-from .paged_decode import load_kv_tile
+from .paged_decode import LOG2E, load_kv_tile
 from .pdl import enter, pdl_for
 
 fix_interpreter()
-
-LOG2E = 1.4426950408889634
 
 
 @triton.jit
@@ -36,9 +25,7 @@ def _attend(q, k_ptr, v_ptr, bt_ptr, seq, kvh, q_pos, k_lo, k_hi, sm_scale_log2,
             s_kp, s_ks, s_kh, s_vp, s_vs, s_vh, s_bt,
             BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
             USE_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr):
-    """Online softmax of the tile's rows over keys [k_lo, k_hi) (k_lo a BLOCK_N multiple), each row
-    masked to its own causal / window range -> unnormalised (m, l, acc). A block with no key for
-    a row leaves that row's m, l, acc exactly as they were (alpha = 1, p = 0)."""
+    """Online softmax of the tile's rows over keys [k_lo, k_hi), causal / windowed -> (m, l, acc)."""
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
@@ -65,10 +52,7 @@ def _attend(q, k_ptr, v_ptr, bt_ptr, seq, kvh, q_pos, k_lo, k_hi, sm_scale_log2,
 
 @triton.jit
 def _merge(m_run, l_run, acc_run, m, l, acc):
-    """Fold one KV split's (m, l, acc) into the running ones. Splits are folded in position
-    order, one at a time, by the same ops in both invariant paths (in a prefill program's
-    registers and in the decode merge kernel), so a row gets the same bits in either. A split
-    with no key for a row (m = -inf) leaves it exactly unchanged."""
+    """Fold one KV split's (m, l, acc) into the running ones (the same ops in both invariant paths)."""
     m_new = tl.maximum(m_run, m)
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
     a = tl.exp2(m_run - m_use)
@@ -81,8 +65,7 @@ def _merge(m_run, l_run, acc_run, m, l, acc):
 
 @triton.jit(do_not_specialize=["num_seqs"])   # varies per step: one kernel for every count
 def _prefill_kernel(
-        q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, qsl_ptr, lens_ptr, ws_ptr, wml_ptr,
-        sm_scale_log2, window, num_seqs,
+        q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, qsl_ptr, lens_ptr, ws_ptr, wml_ptr, sm_scale_log2, window, num_seqs,
         s_qt, s_qh, s_kp, s_ks, s_kh, s_vp, s_vs, s_vh, s_bt, s_ot, s_oh,
         GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
         PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr,
@@ -158,9 +141,7 @@ def _prefill_kernel(
 def _decode_merge_kernel(ws_ptr, wml_ptr, lens_ptr, out_ptr, s_ot, s_oh,
                          GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                          SPLIT_LEN: tl.constexpr, MAX_SPLITS: tl.constexpr, PDL: tl.constexpr):
-    """Grid (B, Hkv), one query per sequence (token b is sequence b): fold the splits that hold
-    keys of its position (ctx - 1) with _merge, in position order, then normalise as the
-    prefill kernel does."""
+    """Grid (B, Hkv), token b is sequence b: fold its splits in position order, then normalise."""
     enter(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -187,19 +168,12 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             block_tables: torch.Tensor, query_start_loc: torch.Tensor,
                             seq_lens: torch.Tensor, scale: float, sliding_window: Optional[int] = None, *,
                             out: Optional[torch.Tensor] = None, block_m: Optional[int] = None,
-                            block_n: Optional[int] = None,
-                            num_warps: int = 4, num_stages: int = 2, split_len: int = 0,
-                            decode_rows: bool = False) -> torch.Tensor:
-    """q [T, Hq, D] (S sequences packed by query_start_loc [S+1] int32); seq_lens [S] int32 is
-    each context after this chunk; caches [num_pages, page_size, Hkv, D]; block_tables [S, P]
-    int32. -> [T, Hq, D] in q's dtype (rows past query_start_loc[S] are left unwritten).
-
-    split_len > 0 (batch-invariant mode): every row's keys are cut at multiples of split_len and
-    the splits folded in position order, so a row's bits do not depend on its tile. With
-    decode_rows (the caller guarantees one query per sequence, T == S) each split is its own
-    program and a second kernel folds them: a decode step gets split-KV parallelism with the
-    same arithmetic as a prefill tile. No fp contraction in this mode: a fused multiply-add is
-    the compiler's choice per kernel, and both kernels must round alike."""
+                            block_n: Optional[int] = None, num_warps: int = 4, num_stages: int = 2,
+                            split_len: int = 0, decode_rows: bool = False) -> torch.Tensor:
+    """q [T, Hq, D] (S sequences packed by query_start_loc [S+1] int32); seq_lens [S] int32, each
+    context after this chunk; caches [num_pages, page_size, Hkv, D]; block_tables [S, P] int32
+    -> [T, Hq, D]. split_len > 0 (batch-invariant): keys cut at multiples of split_len, folded in
+    position order (no fp contraction); decode_rows (T == S): one program a split and a merge kernel."""
     T, Hq, D = q.shape
     _, page_size, Hkv, Dk = k_cache.shape
     S = seq_lens.shape[0]
@@ -223,18 +197,15 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     block_q = block_m // group
     prec = "ieee" if fp32 else "tf32"     # fp32: no tf32 rounding in tl.dot
     max_splits = triton.cdiv(block_tables.shape[1] * page_size, split_len) if decode_rows else 1
+    ws = wml = out      # unused without decode_rows
     if decode_rows:   # fp32 partials (acc; m and l interleaved); graph-safe like the decode kernel's
         ws = torch.empty((T, Hq, max_splits, D), dtype=torch.float32, device=q.device)
         wml = torch.empty((T, Hq, max_splits, 2), dtype=torch.float32, device=q.device)
-    else:
-        ws = wml = out      # unused
     pdl = pdl_for(q) if split_len > 0 else 0
     _prefill_kernel[(T // block_q + S, Hkv, max_splits)](
-        q, k_cache, v_cache, out, block_tables, query_start_loc, seq_lens, ws, wml,
-        scale * LOG2E, int(sliding_window or 0), S,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
-        out.stride(0), out.stride(1),
+        q, k_cache, v_cache, out, block_tables, query_start_loc, seq_lens, ws, wml, scale * LOG2E,
+        int(sliding_window or 0), S, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_DIM=D, PAGE_SIZE=page_size, BLOCK_N=block_n,
         USE_WINDOW=sliding_window is not None, DOT_PREC=prec, SPLIT_LEN=split_len, SPLIT_PROGRAMS=decode_rows,
         MAX_SPLITS=max_splits, PDL=pdl, num_warps=num_warps, num_stages=num_stages, launch_pdl=bool(pdl),

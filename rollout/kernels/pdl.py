@@ -1,22 +1,7 @@
-"""Programmatic dependent launch (PDL, sm_90+) for the decode-step kernels.
-
-A decode step of the 8B shape is ~320 kernels inside one CUDA graph. Between two of them the
-GPU drains the first grid, then launches and ramps up the second: a few microseconds each in
-which HBM idles. With PDL the next kernel's programs are launched while the previous kernel
-finishes; they do what does not depend on it (the GEMM loads its first weight tile), then
-`griddepcontrol.wait` until the previous grid has completed and its writes are visible.
-
-The rule that keeps this race-free: a kernel launched with PDL calls `enter` before it reads
-anything an earlier kernel wrote and before its first store (a buffer it writes may still be
-read by the kernel before it: the graph's memory pool reuses freed blocks). Waiting on the
-previous grid is transitive: that grid itself waited on its own predecessor before finishing.
-Kernels without PDL (cuBLAS, torch ops) are ordered as usual.
-
-`enter` lets dependents launch first and then waits, so the grid two kernels ahead can already
-be resident and loading weights while a tiny kernel in between waits. Launching dependents only
-schedules them; their own wait still waits for this grid to complete.
-
-ROLLOUT_PDL=0 (rollout.env) or `set_enabled(False)` before an engine captures its graphs turns it off.
+"""Programmatic dependent launch (PDL, sm_90+): the next kernel's programs launch while the previous
+one finishes and do what does not depend on it. Rule: a PDL kernel calls `enter` before it reads
+anything an earlier kernel wrote and before its first store (the graph pool reuses freed blocks).
+ROLLOUT_PDL=0 or `set_enabled(False)` before graph capture turns it off.
 """
 from __future__ import annotations
 
@@ -33,8 +18,7 @@ _enabled = env.PDL
 
 
 def set_enabled(on: bool) -> None:
-    """Launches from now on use PDL (where the GPU supports it) or not. Graphs captured before
-    keep what they captured."""
+    """Launches from now on use PDL (where supported) or not; captured graphs keep theirs."""
     global _enabled
     _enabled = bool(on)
 

@@ -1,22 +1,8 @@
-"""Fused RoPE on q and k plus the K/V write into the page pool.
-
-Grid (token, 1 + q head groups): program 0 of a token rotates its K heads and writes K and V to
-the cache, the others rotate Q_HEADS q heads each (one program per token did everything before:
-32 programs at decode batch 32, each a long serial chain, ~4.7 us on the H200).
-
-Matches `DecoderLM.rope` + `apply_rope` + `attention.write_kv` bit for bit in intent: angles
-pos.float() * inv_freq in fp32, cos/sin rounded to the activation dtype, then the rotate-half
-form with each product and the sum rounded to the activation dtype (torch's eager bf16 ops
-round after every op; we do the same so logprobs do not move when this kernel is switched on).
-K/V rows go to slot = page * page_size + offset (slot_mapping [n] int64, n <= T; tokens past n
-or with a negative slot are not written, e.g. CUDA-graph padding).
-
-`qkv_rope_and_write_kv` does the same in the epilogue of the QKV projection's skinny GEMM
-(kernels/skinny_gemm.py's main loop): each program takes matching row blocks of a head's two
-halves as one weight tile, rounds the products to the activation dtype as the GEMM would store
-them, then rotates them with the same helpers, so q and the cache get the same bits with one
-kernel fewer per layer. With split-K the tile's last program to arrive does it, after the
-skinny GEMM's fix-up (`splitk_fixup`, the same summation order).
+"""Fused RoPE on q and k plus the K/V write into the page pool, rounded as `DecoderLM.rope` +
+`apply_rope` + `write_kv` round (fp32 angles; cos/sin, products and sums in the activation dtype).
+Grid (token, 1 + q head groups): program 0 rotates K and writes K and V. Tokens past
+slot_mapping's length or with a negative slot (graph padding) are not written.
+`qkv_rope_and_write_kv` does the same in the QKV skinny GEMM's epilogue, with the same bits.
 """
 from __future__ import annotations
 
@@ -33,16 +19,13 @@ from .skinny_gemm import packed_as_rows, split_counters, splitk_fixup, weight_ro
 
 fix_interpreter()
 
-# libdevice's cos/sin do full range reduction (angles reach ~1e4-1e5 rad at long context);
-# the interpreter has no libdevice, numpy's fp32 cos/sin are accurate there too.
-PRECISE = tl.constexpr(not triton.knobs.runtime.interpret)
-Q_HEADS_PER_PROGRAM = 8   # a power of two; 0: every q head of a token in one program
+PRECISE = tl.constexpr(not triton.knobs.runtime.interpret)   # libdevice cos/sin: full range reduction
+Q_HEADS_PER_PROGRAM = 8   # a power of two
 
 
 @triton.jit
 def cos_sin(pos, inv_freq_ptr, f, dt, PRECISE: tl.constexpr):
-    """cos and sin of the angles pos * inv_freq[f] (fp32; pos and f broadcast), rounded to dt as
-    torch's eager path rounds them; returned in fp32."""
+    """cos and sin of pos * inv_freq[f] (fp32, broadcast), rounded to dt as torch does; fp32 out."""
     ang = pos.to(tl.float32) * tl.load(inv_freq_ptr + f)
     if PRECISE:
         c = libdevice.cos(ang)
@@ -55,8 +38,7 @@ def cos_sin(pos, inv_freq_ptr, f, dt, PRECISE: tl.constexpr):
 
 @triton.jit
 def rotate_halves(x1, x2, c, s, dt):
-    """out = x * cos + rotate_half(x) * sin on the two halves (fp32 in), rounding like torch:
-    each product, then the sum. Returns the two output halves in dt."""
+    """x * cos + rotate_half(x) * sin on the two halves, each product and sum rounded to dt."""
     a1 = (x1 * c).to(dt).to(tl.float32)
     b1 = (x2 * s).to(dt).to(tl.float32)
     a2 = (x2 * c).to(dt).to(tl.float32)
@@ -66,7 +48,7 @@ def rotate_halves(x1, x2, c, s, dt):
 
 @triton.jit
 def _rotate(x_ptr, o_ptr, heads, h_ok, f, c, s, HALF: tl.constexpr, s_xh, s_oh):
-    """Rotate-half RoPE on rows `heads` of one token; returns nothing, stores to o_ptr."""
+    """Rotate-half RoPE on rows `heads` of one token, stored to o_ptr."""
     m = h_ok[:, None]
     x1 = tl.load(x_ptr + heads[:, None] * s_xh + f[None, :], mask=m, other=0.0).to(tl.float32)
     x2 = tl.load(x_ptr + heads[:, None] * s_xh + HALF + f[None, :], mask=m, other=0.0).to(tl.float32)
@@ -106,9 +88,8 @@ def _rope_kv_kernel(
 def rope_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                       inv_freq: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       slot_mapping: torch.Tensor, *, out_q: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """q [T, Hq, D], k/v [T, Hkv, D] (strided views of the fused QKV output are fine); positions
-    [T]; inv_freq [D/2] fp32; caches [num_pages, page_size, Hkv, D]; slot_mapping [n] int64.
-    Returns RoPE'd q (`out_q=q` rotates in place: each program reads its rows before writing)."""
+    """q [T, Hq, D], k/v [T, Hkv, D] (strided views fine); positions [T]; inv_freq [D/2] fp32; caches
+    [num_pages, page_size, Hkv, D]; slot_mapping [n] int64 -> RoPE'd q (`out_q=q`: in place)."""
     T, Hq, D = q.shape
     Hkv = k.shape[1]
     assert D % 2 == 0 and (D // 2) & (D // 2 - 1) == 0 and inv_freq.numel() == D // 2, "head_dim / inv_freq"
@@ -122,10 +103,9 @@ def rope_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positio
         out_q = torch.empty((T, Hq, D), dtype=q.dtype, device=q.device)
     if T == 0:
         return out_q
-    q_heads = min(triton.next_power_of_2(Hq), Q_HEADS_PER_PROGRAM or triton.next_power_of_2(Hq))
+    q_heads = min(triton.next_power_of_2(Hq), Q_HEADS_PER_PROGRAM)
     _rope_kv_kernel[(T, 1 + triton.cdiv(Hq, q_heads))](
-        q, k, v, out_q, positions, inv_freq.float().contiguous(), k_cache, v_cache, slot_mapping,
-        slot_mapping.numel(),
+        q, k, v, out_q, positions, inv_freq.float().contiguous(), k_cache, v_cache, slot_mapping, slot_mapping.numel(),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out_q.stride(0), out_q.stride(1), k_cache.stride(1), k_cache.stride(2), v_cache.stride(1), v_cache.stride(2),
         HQ=Hq, HKV=Hkv, Q_HEADS=q_heads, HKV_PAD=triton.next_power_of_2(Hkv), HALF=D // 2,
@@ -140,8 +120,7 @@ def _qkv_rope_kernel(
         x_ptr, w_ptr, qo_ptr, pos_ptr, inv_freq_ptr, kc_ptr, vc_ptr, slot_ptr, ws_ptr, cnt_ptr, n_slots, M, K,
         s_xm, s_wn, s_qot, s_qoh, s_kcs, s_kch, s_vcs, s_vch,
         HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PRECISE: tl.constexpr, PDL: tl.constexpr,
-        TILED: tl.constexpr):
+        BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PRECISE: tl.constexpr, PDL: tl.constexpr, TILED: tl.constexpr):
     P: tl.constexpr = BLOCK_N // 2              # frequency pairs per program
     pid = tl.program_id(0)
     if TILED:     # w packed by pack_weight_tiles (order "rope"): this program's run
@@ -168,8 +147,7 @@ def _qkv_rope_kernel(
 def _rope_epilogue(acc, qo_ptr, pos_ptr, inv_freq_ptr, kc_ptr, vc_ptr, slot_ptr, n_slots, M, head, f, rm,
                    s_qot, s_qoh, s_kcs, s_kch, s_vcs, s_vch, HQ: tl.constexpr, HKV: tl.constexpr,
                    HALF: tl.constexpr, BLOCK_M: tl.constexpr, P: tl.constexpr, PRECISE: tl.constexpr):
-    """acc [2P, BLOCK_M] (fp32 sums of P frequency pairs' two halves of head `head`) rounded as the
-    GEMM would store them, then q rotated, or k rotated and written to its cache slot, or v written."""
+    """acc [2P, BLOCK_M] of head `head` rounded as stored, then q rotated, k rotated and cached, or v cached."""
     dt = qo_ptr.dtype.element_ty
     x1, x2 = tl.split(tl.permute(tl.reshape(acc, (2, P, BLOCK_M)), (1, 2, 0)))     # [P, BLOCK_M] halves
     x1 = x1.to(dt).to(tl.float32)                # as the GEMM would store them
@@ -197,10 +175,8 @@ def qkv_rope_and_write_kv(x: torch.Tensor, w: torch.Tensor, num_heads: int, posi
                           inv_freq: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           slot_mapping: torch.Tensor, block_n: int, block_k: int, num_warps: int = 4,
                           num_stages: int = 4, split_k: int = 1, tiled: bool = False) -> torch.Tensor:
-    """The fused QKV projection x [T, K] @ w.T (w [(Hq + 2 Hkv) D, K], no bias; q, k, v heads in
-    order), RoPE on q and k, and the K/V write: the result of skinny_gemm (with the same split_k)
-    then rope_and_write_kv, in one kernel. T <= 64 (one row tile). Returns RoPE'd q [T, Hq, D].
-    tiled: w is skinny_gemm.pack_weight_tiles(weight, block_n, block_k, "rope", D) (same bits)."""
+    """skinny_gemm(x [T <= 64, K], w [(Hq + 2 Hkv) D, K]) then rope_and_write_kv, in one kernel ->
+    RoPE'd q [T, Hq, D]. tiled: w is pack_weight_tiles(weight, block_n, block_k, "rope", D)."""
     T, K = x.shape
     Hkv, D = k_cache.shape[2], k_cache.shape[3]
     half, pairs = D // 2, block_n // 2
@@ -217,11 +193,10 @@ def qkv_rope_and_write_kv(x: torch.Tensor, w: torch.Tensor, num_heads: int, posi
         return out_q
     pdl = pdl_for(x)
     tiles, bm = (num_heads + 2 * Hkv) * (half // pairs), max(16, triton.next_power_of_2(T))
+    ws = cnt = out_q   # unused without split-K
     if split_k > 1:   # fp32 partials [split, row tile, N]; torch.empty is graph-safe
         ws = torch.empty((split_k, bm, w.shape[0]), dtype=torch.float32, device=x.device)
         cnt = split_counters(x.device, tiles)
-    else:
-        ws, cnt = out_q, out_q   # unused
     _qkv_rope_kernel[(tiles, split_k)](
         x, w, out_q, positions, inv_freq.float().contiguous(), k_cache, v_cache, slot_mapping, ws, cnt,
         slot_mapping.numel(),

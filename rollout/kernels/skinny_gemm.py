@@ -1,25 +1,7 @@
-"""y = x @ w.T for a few rows of x (decode: M <= 64 tokens), w an nn.Linear weight [N, K].
-
-At M = 32 the Llama-3-8B decode GEMMs are pure weight streaming, and cuBLAS reads the weights
-at ~3.8 TB/s against a 4.27 TB/s copy (performance.md; our profile: 4.11 ms of GEMMs per step
-against 3.13 ms at peak). This kernel gives each program BLOCK_N weight rows over all of K,
-so the grid is N / BLOCK_N programs (the same result bitwise for a row whatever M is). The
-weight tile is the MMA's left operand (acc[BLOCK_N, BLOCK_M] = w @ x.T, the "swap AB" form), so
-a 16-row x still uses the tensor cores. Rounding: fp32 accumulation in K order, one cast at the
-end (cuBLAS also accumulates in fp32).
-
-A small N leaves SMs idle (o_proj at BLOCK_N 64: 64 programs on 132 SMs), so a config may
-split K over `split_k` programs per tile: each stores an fp32 partial, and the last to arrive
-(an atomic counter per tile) adds the partials in split order and writes the tile. The sum
-order is fixed, so results stay deterministic and M-independent for a given config.
-
-With `silu_mul` (the fused gate_up weight, gate rows then up rows) each program takes BLOCK_N / 2
-gate rows and the matching up rows as one weight tile, and its epilogue writes SiLU(gate) * up
-(fused_ops.silu_times after the same bf16 rounding of gate and up), so the decode step needs no
-SiLU kernel and gate_up's output never goes to memory.
-
-Which config runs at which shape (the H200 sweep's table, batch-invariant mode's fixed tiles) is
-rollout/layers/linear.py's.
+"""y = x @ w.T for a few rows of x (decode: M <= 64), w an nn.Linear weight [N, K]: each program
+streams BLOCK_N weight rows over all of K as the MMA's left operand (so a row's bits do not depend
+on M; fp32 in K order), optionally split over K (`split_k`, partials added in split order) or with
+a SiLU * up epilogue (`silu_mul`). Which config runs at which shape: rollout/layers/linear.py.
 """
 from __future__ import annotations
 
@@ -71,9 +53,7 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, s_
 
 @triton.jit
 def gate_up_rows(tile, I, BLOCK_N: tl.constexpr):
-    """The fused gate_up weight's rows of SiLU tile `tile`: rows [0, BLOCK_N / 2) are gate rows,
-    the rest the up rows of the same output columns (gate rows then up rows in the weight, I
-    each). Returns (the output column each row feeds, the weight row)."""
+    """SiLU tile `tile`'s gate rows, then the same columns' up rows -> (output column, weight row)."""
     r = tl.arange(0, BLOCK_N)
     cols = tile * (BLOCK_N // 2) + r % (BLOCK_N // 2)
     return cols, cols + (r >= BLOCK_N // 2).to(tl.int32) * I
@@ -81,8 +61,7 @@ def gate_up_rows(tile, I, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def silu_epilogue(acc, y_ptr, tile, rm, M, I, s_ym, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Store silu(gate) * up of a gate_up_rows tile's acc [BLOCK_N, BLOCK_M] (fp32) as y[rm, cols],
-    gate and up rounded as the GEMM would store them (the bits of fused_ops.silu_mul)."""
+    """Store silu(gate) * up of a gate_up_rows tile's acc as y[rm, cols] (fused_ops.silu_mul's bits)."""
     dt = y_ptr.dtype.element_ty
     g, u = tl.split(tl.permute(tl.reshape(acc, (2, BLOCK_N // 2, BLOCK_M)), (1, 2, 0)))
     cols = tile * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
@@ -92,10 +71,8 @@ def silu_epilogue(acc, y_ptr, tile, rm, M, I, s_ym, BLOCK_M: tl.constexpr, BLOCK
 
 @triton.jit
 def splitk_fixup(acc, ws_ptr, cnt_ptr, tile, cols, rm, N, BLOCK_M: tl.constexpr, SPLIT_K: tl.constexpr):
-    """Serial split-K fix-up: this program stores its fp32 partial [cols, rm] of output tile
-    `tile`; the last of the tile's SPLIT_K programs to arrive (an arrival counter, which it resets
-    for the next call) adds the partials in split order, so the bits do not depend on which
-    arrives last, and no atomics touch the output. Returns (the sum, or acc elsewhere; is_last)."""
+    """Store this program's fp32 partial of tile `tile`; the last of its SPLIT_K programs to arrive
+    (an arrival counter it resets) adds them in split order. -> (the sum, or acc; is_last)."""
     n_ok = cols[:, None] < N
     tl.store(ws_ptr + (tl.program_id(1) * BLOCK_M + rm[None, :]) * N + cols[:, None], acc, mask=n_ok)
     tl.debug_barrier()                        # every thread's partial before the release
@@ -113,12 +90,8 @@ def splitk_fixup(acc, ws_ptr, cnt_ptr, tile, cols, rm, N, BLOCK_M: tl.constexpr,
 def weight_rows_times_x(x_ptr, w_ptr, w_rows, rn, rm, M, N, s_xm, s_wn, kt0, kt1, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, PDL: tl.constexpr,
                         TILED: tl.constexpr):
-    """acc [BLOCK_N, BLOCK_M] = w[w_rows] @ x[rm].T over K tiles [kt0, kt1), fp32 in K order (the
-    weight tile is the MMA's left operand). rn < N masks weight rows unless EVEN_N. With PDL the
-    first weight tile is loaded before the wait on the previous kernel (weights are not its
-    output; two tiles measured no faster inside the decode graphs, bench/results/README.md).
-    TILED: w points at this tile's packed run [k_tiles, BLOCK_N, BLOCK_K] (pack_weight_tiles),
-    w_rows and s_wn are ignored."""
+    """acc [BLOCK_N, BLOCK_M] = w[w_rows] @ x[rm].T over K tiles [kt0, kt1), the first weight tile
+    loaded before the PDL wait. TILED: w points at this tile's packed run (w_rows, s_wn unused)."""
     rk = tl.arange(0, BLOCK_K)
     if TILED:
         W_KT: tl.constexpr = BLOCK_N * BLOCK_K
@@ -170,14 +143,10 @@ def pick_block_m(M: int) -> int:
 
 def pack_weight_tiles(w: torch.Tensor, block_n: int, block_k: int, order: str = "rows", head_dim: int = 0,
                       out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """w [N, K] -> [tiles, k_tiles, block_n, block_k] (into `out` if given, in place: CUDA graphs
-    keep its address): each program's weight tiles in the order it reads them, one contiguous run
-    per program, where the plain layout gives DRAM block_n rows of block_k * 2 bytes each K * 2
-    bytes apart (0.2-3.5 us faster a GEMM at M = 32 on the H200). The program's rows, by `order`:
-    "rows" consecutive rows (skinny_gemm); "silu" block_n / 2 gate rows then the same up rows of
-    the fused gate_up weight (silu_mul); "rope" block_n / 2 frequency pairs of one head of
-    `head_dim`, first halves then second halves (rope_kv's QKV kernel). Strided views, no copy
-    but the one into the result."""
+    """w [N, K] -> [tiles, k_tiles, block_n, block_k] (into `out` in place if given): each program's
+    weight tiles as one contiguous run in read order. The program's rows, by `order`: "rows"
+    consecutive (skinny_gemm); "silu" block_n / 2 gate rows then the same up rows (silu_mul);
+    "rope" block_n / 2 frequency pairs of one head, first halves then second (the QKV kernel)."""
     N, K = w.shape
     kt = K // block_k
     assert K % block_k == 0 and N % block_n == 0, f"[{N}, {K}] does not make {block_n} x {block_k} tiles"
@@ -200,8 +169,7 @@ def pack_weight_tiles(w: torch.Tensor, block_n: int, block_k: int, order: str = 
 
 
 def packed_as_rows(w: torch.Tensor, block_n: int, block_k: int) -> torch.Tensor:
-    """A pack_weight_tiles weight of this tile shape viewed [N, K], the plain weight's shape, for
-    the wrappers' shape checks and arguments (the TILED kernels find each program's run)."""
+    """A pack_weight_tiles weight viewed [N, K], the plain weight's shape, for the wrappers."""
     assert w.dim() == 4 and w.shape[2:] == (block_n, block_k) and w.is_contiguous(), \
         "tiled: a pack_weight_tiles weight of this config"
     return w.view(w.shape[0] * block_n, w.shape[1] * block_k)
@@ -211,11 +179,8 @@ _COUNTERS: dict = {}     # device -> int32 arrival counters (zero between calls)
 
 
 def split_counters(device: torch.device, tiles: int) -> torch.Tensor:
-    """One zeroed counter per output tile (`splitk_fixup`, here and in rope_kv's QKV kernel), reset
-    by the kernel itself after each use, so one buffer per device serves every call. Made on the
-    first (eager) call: CUDA-graph warm-up runs each shape eagerly before capture. Split-K calls on
-    one device must not overlap in time on two streams (the engine runs its forward on one
-    compute stream)."""
+    """One zeroed counter per output tile (`splitk_fixup` resets it), one buffer per device, made on
+    the first eager call; split-K calls on one device must not overlap on two streams."""
     buf = _COUNTERS.get(device)
     if buf is None or buf.numel() < tiles:
         if torch.cuda.is_available() and device.type == "cuda" and torch.cuda.is_current_stream_capturing():
@@ -229,17 +194,9 @@ def skinny_gemm(x: torch.Tensor, w: torch.Tensor, block_n: int, block_k: int, nu
                 bias: Optional[torch.Tensor] = None, block_m: Optional[int] = None,
                 partials: bool = False, silu_mul: bool = False, tiled: bool = False) -> torch.Tensor:
     """x [M, K] (unit stride in K), w [N, K] contiguous, bias [N] or None -> y [M, N] in x's dtype.
-    split_k > 1: each output tile's K is shared by split_k programs (more programs for a small N
-    than SMs would otherwise get); K / block_k must be a multiple of split_k.
-    block_m: None = one M tile of M rows rounded up (M <= 64); else tiles of block_m rows, any M.
-    partials: return the split_k fp32 partial products [split_k, M, N] (a strided view) instead of
-    adding them here: a consumer that sums them in split order (fused_ops.add_rmsnorm) gets the
-    same bits as y, and the GEMM skips its fix-up (barrier, counter, reload, store).
-    silu_mul: w is the fused gate_up weight [2I, K] (gate rows, then up rows); returns
-    silu(gate) * up [M, I], the bits of fused_ops.silu_mul(skinny_gemm(x, w, ...)). No split-K,
-    no bias.
-    tiled: w is pack_weight_tiles(weight, block_n, block_k, "silu" if silu_mul else "rows") [tiles,
-    k_tiles, block_n, block_k]; the same bits as the plain weight."""
+    block_m: None = one M tile (M <= 64), else tiles of block_m rows. partials: return the fp32
+    split-K partials [split_k, M, N] for add_rmsnorm to sum. silu_mul: w is the fused gate_up weight
+    [2I, K] -> silu(gate) * up [M, I]. tiled: w is pack_weight_tiles(weight, block_n, block_k, order)."""
     if tiled:
         assert block_m is None, "tiled: decode rows (one M tile)"
         w = packed_as_rows(w, block_n, block_k)

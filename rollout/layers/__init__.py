@@ -1,2 +1,1 @@
-"""Which kernel runs at which shape: linear.py for the GEMMs, attention.py for paged attention.
-rollout/kernels/ holds the kernels and their launch wrappers only."""
+"""Which kernel runs at which shape: linear.py for the GEMMs, attention.py for paged attention."""

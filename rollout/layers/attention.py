@@ -1,8 +1,5 @@
-"""Paged attention: the torch reference (CPU tests, CI), the K/V write, and which Triton kernel
-runs at which shape (CUDA default): the split-KV decode kernel (Gluon or Triton, and its split
-count), the varlen prefill kernel, or the batch-invariant varlen path. The Triton choice is a
-function of the shapes and the engine's KernelSwitches only, so CUDA graphs capture it.
-"""
+"""Paged attention: the torch reference, the K/V write, and which Triton kernel runs at which
+shape (a function of the shapes and KernelSwitches only, so CUDA graphs capture it)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -21,59 +18,30 @@ class AttentionMetadata:
     block_tables: torch.Tensor      # [S, max_pages] int32
     seq_lens: torch.Tensor          # [S] int32, context length after this step
     query_start_loc: torch.Tensor   # [S + 1] int32
-    # Host copies for the torch reference (no device sync needed to read them); None inside
-    # a CUDA graph's static step, which only the Triton backend runs.
-    seq_lens_host: Optional[list[int]]
+    seq_lens_host: Optional[list[int]]      # host copies for the torch reference (None in graphs)
     query_start_host: Optional[list[int]]
     page_size: int
     backend: str = "torch"          # "torch" (reference) or "triton" (rollout.kernels)
     decode_only: bool = False       # one query per sequence: the split-KV decode kernel applies
-    # Batch-invariant mode: every row through the varlen kernel, whose per-row reduction order
-    # does not depend on the step's other sequences (the decode kernel's split count does).
-    batch_invariant: bool = False
+    batch_invariant: bool = False   # every row through the varlen kernel (per-row reduction order)
 
 
-# The Triton decode tile (H200 sweeps, bench/results/*_kernels_micro.json and *_attn_layout_*.json):
-# 64-key tiles (16 in fp32), 4 warps, 2 stages.
-DECODE_TILE = dict(block_n=None, num_warps=4, num_stages=2)
-# The Gluon decode kernel's tile (kernels/gluon_decode.py): keys as the MMA's rows (the heads form
-# where GROUP > 8 or several splits). 128-key tiles in 2 stages: a 130 KB ring, one program an SM,
-# so P1's 256 programs run in two waves; in P1's decode graphs over 500-step windows +0.5 to +1.1
-# points over (64, 3) (two programs an SM). 8 warps (16 keys each for the MMAs): +0.5 points over 4.
-# Its first K / V tiles before the PDL wait (KernelSwitches.gluon_early): +0.4 to +0.6 points.
-GLUON_TILE = dict(block_n=128, num_stages=2, num_warps=8, form="keys")
+DECODE_TILE = dict(block_n=None, num_warps=4, num_stages=2)    # the H200 sweeps' (64 keys, 16 in fp32)
+GLUON_TILE = dict(block_n=128, num_stages=2, num_warps=8, form="keys")     # the fastest in the H200's graphs
 GLUON_PROGRAMS_PER_SM = 2
-# Programs of the Triton decode tile that fit on one SM together (sm_90a: 103 registers x 128
-# threads and 38 KB of shared memory each, from ptxas -v): 4.
-PROGRAMS_PER_SM = 4
-# Batch-invariant KV split length (a multiple of BLOCK_N): decode at B = 32, Hkv = 8 and 8K context
-# runs 2K programs, and a prefill tile folds one split per 1K keys (a few fp32 ops per row).
-INVARIANT_SPLIT_LEN = 1024
-# Batch-invariant mode's one tile config for prefill and decode rows alike (a row's bits depend on
-# it). 64-row tiles: a decode row fills GROUP of them (4 for Llama-3-8B), the rest is MMA and
-# softmax work on padding.
-INVARIANT_TILE = dict(block_m=64, block_n=64, num_warps=4, num_stages=3)   # 3 stages: +7% at 8-16K, H200
+PROGRAMS_PER_SM = 4     # of the Triton decode tile on one SM (103 registers, 38 KB shared, ptxas)
+INVARIANT_SPLIT_LEN = 1024     # batch-invariant KV split length, a multiple of BLOCK_N
+INVARIANT_TILE = dict(block_m=64, block_n=64, num_warps=4, num_stages=3)   # batch-invariant mode's, every row
 
 
 def pick_num_splits(batch: int, num_kv_heads: int, num_sms: int = 132, max_splits: int = 16) -> int:
-    """The most KV splits whose grid (batch x KV heads x splits programs) still fits on the GPU at
-    once, PROGRAMS_PER_SM on each SM. With PDL this grid is launched while the QKV GEMM still runs
-    on most SMs; what the H200 rows show fits the block scheduler filling the idle SMs to their
-    limit first, so a grid much smaller than the GPU's capacity leaves those SMs with more than
-    their share of the keys (one split at B = 32: -15 points), and one larger than it runs a
-    partial second wave. In the decode graphs (Llama-3-8B shape, context 4,352) B = 8 went from 5
-    splits to 8: +3.7 / +4.0 points of roofline; B = 16 from 3 to 4: +1.7 / +2.0; B = 32 keeps 2.
-    A function of the batch size only, so one CUDA graph per batch bucket serves every context.
-    num_sms: the device's (132: the H200's)."""
+    """The most KV splits whose grid fits on the GPU at once, PROGRAMS_PER_SM an SM (smaller piles
+    onto the SMs PDL frees first, larger runs a second wave); the batch size's alone (graph-safe)."""
     return max(1, min(max_splits, PROGRAMS_PER_SM * num_sms // max(1, batch * num_kv_heads)))
 
 
 def pick_decode(batch: int, num_kv_heads: int, num_sms: int = 132, gluon_ok: bool = False) -> tuple:
-    """(splits, gluon): the Gluon kernel (where `gluon_ok`) with one split where its grid (batch x
-    KV heads programs) is more than one program a SM and at most GLUON_PROGRAMS_PER_SM, the range
-    where it was measured, and no merge kernel runs (P1 and P5, B = 32 at the Llama-3-8B shape:
-    +0.5 to +0.7 points of roofline in the decode graphs); elsewhere Triton's kernel at
-    pick_num_splits."""
+    """(splits, gluon): one-split Gluon where `gluon_ok` at 1 to GLUON_PROGRAMS_PER_SM programs an SM."""
     if gluon_ok and num_sms < batch * num_kv_heads <= GLUON_PROGRAMS_PER_SM * num_sms:
         return 1, True
     return pick_num_splits(batch, num_kv_heads, num_sms), False
@@ -89,13 +57,8 @@ def attend(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, sliding_w
 
 def paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, sliding_window=None,
                     switches: Optional[KernelSwitches] = None) -> torch.Tensor:
-    """The Triton kernels, with paged_attention_ref's arguments. Decode-only batches (one query per
-    sequence) take the split-KV decode kernel (Gluon where `switches.gluon_decode` and it applies,
-    else Triton's) with a split count from the batch size alone (pick_decode; graph-safe); anything
-    with a longer chunk takes the varlen prefill kernel, which is correct for mixed batches too.
-    Batch-invariant mode takes the varlen kernel for every batch, with KV splits at fixed positions
-    (a decode row then gets the same bits in a mixed step, a pure one or a re-prefill, and decode
-    still gets split parallelism). switches: the model's (None: KernelSwitches' defaults)."""
+    """The Triton kernels: the decode kernel for decode-only batches (pick_decode), else the varlen
+    kernel, which batch-invariant mode takes for every batch (fixed KV splits). switches: None = defaults."""
     from ..kernels import paged_decode, paged_prefill, sm_count
     switches = switches or _DEFAULT_SWITCHES
     if meta.batch_invariant:
@@ -113,15 +76,6 @@ def paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, 
                                                  meta.seq_lens, scale, sliding_window)
 
 
-def rope_and_attend(q, k, v, positions, inv_freq, k_cache, v_cache, meta: AttentionMetadata, scale: float,
-                    sliding_window=None, switches: Optional[KernelSwitches] = None) -> torch.Tensor:
-    """RoPE on q and k plus the K/V write (one kernel), then `paged_attention` (q, k, v un-rotated,
-    as the QKV projection gives them)."""
-    from ..kernels.rope_kv import rope_and_write_kv
-    q = rope_and_write_kv(q, k, v, positions, inv_freq, k_cache, v_cache, meta.slot_mapping)
-    return paged_attention(q, k_cache, v_cache, meta, scale, sliding_window, switches)
-
-
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """k, v: [T, Hkv, D]; caches: [pages, page_size, Hkv, D]."""
@@ -130,13 +84,9 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v[:n])
 
 
-def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                        meta: AttentionMetadata, scale: float,
-                        sliding_window: Optional[int] = None) -> torch.Tensor:
-    """q: [T, Hq, D] -> [T, Hq, D]. Causal within each sequence. Scores, softmax and the
-    value sum are computed in fp32 (as flash-style kernels accumulate): rounding the
-    scores to bf16 before the softmax doubled our error against an fp32 forward.
-    Decode rows (one query) run as one batched gather; prefill chunks per sequence."""
+def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                        scale: float, sliding_window: Optional[int] = None) -> torch.Tensor:
+    """q: [T, Hq, D] -> [T, Hq, D], causal per sequence, in fp32 (as the kernels accumulate)."""
     out = torch.zeros_like(q)    # rows of no sequence (graph padding) stay 0, as in the kernels
     qsl, lens = meta.query_start_host, meta.seq_lens_host
     decode = [i for i in range(len(lens)) if qsl[i + 1] - qsl[i] == 1]
@@ -174,8 +124,7 @@ def _decode_batched(q, k_cache, v_cache, meta, scale, window, rows, out):
     sel = torch.tensor(rows, device=q.device)
     tok = torch.tensor([meta.query_start_host[i] for i in rows], device=q.device)
     bt = meta.block_tables[sel, :n_pages].long()                      # [S, P]
-    k = k_cache[bt].reshape(len(rows), n_pages * ps, Hkv, D).float()   # [S, K, Hkv, D]
-    v = v_cache[bt].reshape(len(rows), n_pages * ps, Hkv, D).float()
+    k, v = (c[bt].reshape(len(rows), n_pages * ps, Hkv, D).float() for c in (k_cache, v_cache))  # [S, K, Hkv, D]
     qd = q[tok].view(len(rows), Hkv, Hq // Hkv, D).float()              # [S, Hkv, G, D]
     scores = torch.einsum("shgd,skhd->shgk", qd, k) * scale
     L = meta.seq_lens[sel].long()[:, None]
@@ -185,7 +134,6 @@ def _decode_batched(q, k_cache, v_cache, meta, scale, window, rows, out):
         allowed &= (L - 1 - k_pos) < window
     scores = scores.masked_fill(~allowed[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
-    # Columns past a row's length read other pages (the trash page, where padding tokens write
-    # anything): zero them, or a 0 weight times a NaN there would poison the row.
+    # Columns past a row's length read other pages: zero them, or 0 x NaN there poisons the row.
     v = v.masked_fill(~allowed[:, :, None, None], 0.0)
     out[tok] = torch.einsum("shgk,skhd->shgd", probs, v).reshape(len(rows), Hq, D).to(q.dtype)

@@ -1,8 +1,5 @@
-"""One compact decoder for the Llama family: Llama (llama3 RoPE scaling), Mistral
-(sliding window), Qwen2/Qwen2.5 (QKV bias) and Qwen3 (q/k RMSNorm). Fused QKV and
-gate/up weights; tied or untied embeddings. The math mirrors transformers' eager
-modeling code so our logits can be checked against it, but none of it is imported.
-"""
+"""One decoder for Llama (llama3 RoPE), Mistral (sliding window), Qwen2 (QKV bias) and Qwen3 (q/k norm),
+fused QKV and gate/up weights; its math mirrors transformers' eager code without importing it."""
 from __future__ import annotations
 
 import math
@@ -13,25 +10,19 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import env
-from ..layers.attention import AttentionMetadata, attend, paged_attention, rope_and_attend, write_kv
+from ..layers.attention import AttentionMetadata, attend, paged_attention, write_kv
 from ..layers.linear import Gemms, pick_config, plain_linear, weight_for
 
-SUPPORTED_ARCHITECTURES = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-}
+SUPPORTED_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                           "qwen3": "Qwen3ForCausalLM"}
 
 
-def check_supported(hf_config) -> str:
+def check_supported(hf_config) -> None:
     model_type = getattr(hf_config, "model_type", None)
     if model_type not in SUPPORTED_ARCHITECTURES:
         supported = ", ".join(f"{k} ({v})" for k, v in SUPPORTED_ARCHITECTURES.items())
-        raise ValueError(f"unsupported model_type {model_type!r} "
-                         f"(architectures {getattr(hf_config, 'architectures', None)}); "
-                         f"supported: {supported}")
-    return model_type
+        raise ValueError(f"unsupported model_type {model_type!r} (architectures "
+                         f"{getattr(hf_config, 'architectures', None)}); supported: {supported}")
 
 
 def rope_parameters(cfg) -> dict:
@@ -75,10 +66,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        xf = x.float()
+        return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -102,8 +91,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=o_bias)
         self.qk_norm = cfg.model_type == "qwen3"
         if self.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.q_norm, self.k_norm = (RMSNorm(self.head_dim, cfg.rms_norm_eps) for _ in range(2))
         self.scale = self.head_dim ** -0.5
         self.sliding_window = self._window(cfg, layer_idx)
 
@@ -121,11 +109,9 @@ class Attention(nn.Module):
         return int(window)
 
     def _qkv(self, x, linear=plain_linear):
-        T = x.shape[0]
-        q, k, v = linear(self.qkv_proj, x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(T, self.num_heads, self.head_dim)
-        k = k.view(T, self.num_kv_heads, self.head_dim)
-        v = v.view(T, self.num_kv_heads, self.head_dim)
+        qkv = linear(self.qkv_proj, x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        heads = (self.num_heads, self.num_kv_heads, self.num_kv_heads)
+        q, k, v = (t.view(x.shape[0], n, self.head_dim) for t, n in zip(qkv, heads))
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         return q, k, v
@@ -139,17 +125,15 @@ class Attention(nn.Module):
         return self.o_proj(o.reshape(x.shape[0], self.q_size))
 
     def attend_fused(self, x, positions, inv_freq, kv_cache, meta: AttentionMetadata, gemms: Gemms):
-        """The Triton path up to o_proj: RoPE and the K/V write in one kernel (or in the QKV GEMM's
-        epilogue, Gemms.qkv_rope), then paged attention. Returns the attention output [T, q_size]."""
+        """The Triton path up to o_proj (RoPE + K/V write fused, maybe into the QKV GEMM) -> [T, q_size]."""
         k_cache, v_cache = kv_cache
         q = None if self.qk_norm else gemms.qkv_rope(self.qkv_proj, x, self.num_heads, positions, inv_freq,
                                                      k_cache, v_cache, meta.slot_mapping)
-        if q is not None:
-            o = paged_attention(q, k_cache, v_cache, meta, self.scale, self.sliding_window, gemms.switches)
-        else:
+        if q is None:
+            from ..kernels.rope_kv import rope_and_write_kv
             q, k, v = self._qkv(x, gemms)
-            o = rope_and_attend(q, k, v, positions, inv_freq, k_cache, v_cache, meta, self.scale,
-                                self.sliding_window, gemms.switches)
+            q = rope_and_write_kv(q, k, v, positions, inv_freq, k_cache, v_cache, meta.slot_mapping)
+        o = paged_attention(q, k_cache, v_cache, meta, self.scale, self.sliding_window, gemms.switches)
         return o.reshape(x.shape[0], self.q_size)
 
 
@@ -196,18 +180,13 @@ class DecoderLM(nn.Module):
         attn = self.layers[0].self_attn
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
         self.register_buffer("inv_freq", rope_inv_freq(cfg, attn.head_dim), persistent=False)
-        self.fused_small_ops = True   # with the Triton backend; the profile bench turns it off to compare
+        self.fused_small_ops = True   # with the Triton backend (the profile bench turns it off)
         self.skinny_gemm = True       # decode GEMMs: the skinny Triton GEMM where it beats cuBLAS
         self.use_kernel_switches(env.SWITCHES)
         self.batch_invariant = False  # set by the engine: every GEMM through batch_invariant_gemm
 
     def use_kernel_switches(self, switches: env.KernelSwitches) -> None:
-        """The kernel forms this model runs (the engine's EngineConfig.kernels): Gluon decode
-        attention, and the decode-GEMM epilogue fusions, each one kernel fewer per layer with the
-        same bits (H200, in the decode graphs): split-K o_proj / down_proj partials summed by the
-        next add + RMSNorm (+0.4-0.6% of the step), SiLU * up in the gate_up GEMM's epilogue
-        (+0.1-0.2%), RoPE + the K/V write in the QKV GEMM's epilogue (no qk-norm, no bias;
-        +0.2-0.3%). Decode graphs captured before keep the forms they captured."""
+        """The kernel forms this model runs (EngineConfig.kernels); graphs captured before keep theirs."""
         self.kernels = switches
 
     def gemms(self) -> Gemms:
@@ -215,8 +194,7 @@ class DecoderLM(nn.Module):
         return Gemms(mode, self.kernels)
 
     def rope(self, positions: torch.Tensor):
-        # fp32 angles, like HF; cast to the activation dtype after cos/sin.
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]    # fp32 angles, like HF
         emb = torch.cat((freqs, freqs), dim=-1)
         dtype = self.embed_tokens.weight.dtype
         return emb.cos().to(dtype), emb.sin().to(dtype)
@@ -231,10 +209,7 @@ class DecoderLM(nn.Module):
         return self.norm(x)
 
     def _forward_fused(self, input_ids, positions, kv_caches, meta: AttentionMetadata):
-        """Same math as `forward` with ~6 kernels per layer instead of ~35: each residual add
-        is fused into the RMSNorm that follows it (the next layer's input norm, or the final
-        norm), SiLU * up and RoPE + K/V write are kernels of their own or GEMM epilogues
-        (layers/linear.py's Gemms)."""
+        """`forward`'s math in ~6 kernels a layer: residual adds fused into the next RMSNorm."""
         from ..kernels.fused_ops import add_rmsnorm
         residual = self.embed_tokens(input_ids)
         gemms = self.gemms()
@@ -258,16 +233,9 @@ class DecoderLM(nn.Module):
         yield (self.embed_tokens if self.tie_word_embeddings else self.lm_head), "rows"
 
     def pack_decode_weights(self, rows: int, on: bool = True) -> int:
-        """Beside each decode GEMM weight that the skinny GEMM takes at `rows` rows, a copy packed
-        for that config's tile shape (skinny_gemm.pack_weight_tiles: one contiguous run per
-        program; the config: layers/linear.py's pick_config under this model's KernelSwitches),
-        which the decode kernels read from then on (weight_for; other row counts whose
-        config has another tile shape read the plain weight). Prefill keeps the plain weights
-        (cuBLAS needs them). Costs the packed weights' memory again; weight updates land in the
-        plain weights and must be followed by repack_decode_weights. A copy already there in the
-        same shape and order is refilled in place (another engine's graphs may read it); on=False
-        drops the copies (an engine that captured them must not run again). Returns the bytes
-        packed."""
+        """Beside each decode GEMM weight the skinny GEMM takes at `rows` rows, a copy packed for its
+        tile shape (refilled in place if there; repack after weight updates), which decode kernels
+        read from then on; on=False drops them. Returns the bytes packed."""
         from ..kernels.skinny_gemm import pack_weight_tiles
         overrides = self.kernels.gemm_overrides()
         total = 0
@@ -297,36 +265,27 @@ class DecoderLM(nn.Module):
         head = self.embed_tokens if self.tie_word_embeddings else self.lm_head
         return self.gemms()(head, hidden)
 
-    # ---- HF checkpoint names -> our fused parameters ---------------------------------
     def hf_param_slices(self):
-        """Yield (hf_name, parameter, row_start, row_end) for every HF tensor we hold.
-        The same map serves checkpoint loading and in-place weight updates."""
+        """Yield (hf_name, parameter, row_start, row_end) for every HF tensor we hold."""
         for i, layer in enumerate(self.layers):
             a, m = layer.self_attn, layer.mlp
-            pre = f"model.layers.{i}."
             qs, ks = a.q_size, a.kv_size
-            for suffix, param in (("weight", a.qkv_proj.weight), ("bias", a.qkv_proj.bias)):
-                if param is None:
-                    continue
-                yield pre + f"self_attn.q_proj.{suffix}", param, 0, qs
-                yield pre + f"self_attn.k_proj.{suffix}", param, qs, qs + ks
-                yield pre + f"self_attn.v_proj.{suffix}", param, qs + ks, qs + 2 * ks
-            yield pre + "self_attn.o_proj.weight", a.o_proj.weight, None, None
-            if a.o_proj.bias is not None:
-                yield pre + "self_attn.o_proj.bias", a.o_proj.bias, None, None
-            if a.qk_norm:
-                yield pre + "self_attn.q_norm.weight", a.q_norm.weight, None, None
-                yield pre + "self_attn.k_norm.weight", a.k_norm.weight, None, None
-            for suffix, param in (("weight", m.gate_up_proj.weight), ("bias", m.gate_up_proj.bias)):
-                if param is None:
-                    continue
-                yield pre + f"mlp.gate_proj.{suffix}", param, 0, m.inter
-                yield pre + f"mlp.up_proj.{suffix}", param, m.inter, 2 * m.inter
-            yield pre + "mlp.down_proj.weight", m.down_proj.weight, None, None
-            if m.down_proj.bias is not None:
-                yield pre + "mlp.down_proj.bias", m.down_proj.bias, None, None
-            yield pre + "input_layernorm.weight", layer.input_layernorm.weight, None, None
-            yield pre + "post_attention_layernorm.weight", layer.post_attention_layernorm.weight, None, None
+            modules = (   # (module, its HF name, or (HF name, rows) of each part of a fused weight)
+                (a.qkv_proj, (("self_attn.q_proj", 0, qs), ("self_attn.k_proj", qs, qs + ks),
+                              ("self_attn.v_proj", qs + ks, qs + 2 * ks))),
+                (a.o_proj, "self_attn.o_proj"),
+                *(((a.q_norm, "self_attn.q_norm"), (a.k_norm, "self_attn.k_norm")) if a.qk_norm else ()),
+                (m.gate_up_proj, (("mlp.gate_proj", 0, m.inter), ("mlp.up_proj", m.inter, 2 * m.inter))),
+                (m.down_proj, "mlp.down_proj"),
+                (layer.input_layernorm, "input_layernorm"),
+                (layer.post_attention_layernorm, "post_attention_layernorm"))
+            for module, parts in modules:
+                parts = ((parts, None, None),) if isinstance(parts, str) else parts
+                for suffix in ("weight", "bias"):
+                    param = getattr(module, suffix, None)
+                    if param is not None:
+                        for name, lo, hi in parts:
+                            yield f"model.layers.{i}.{name}.{suffix}", param, lo, hi
         yield "model.embed_tokens.weight", self.embed_tokens.weight, None, None
         yield "model.norm.weight", self.norm.weight, None, None
         if not self.tie_word_embeddings:
@@ -334,7 +293,4 @@ class DecoderLM(nn.Module):
 
     def hf_targets(self) -> dict[str, torch.Tensor]:
         """hf_name -> the view of our parameter that holds it (writes land in place)."""
-        out = {}
-        for name, param, lo, hi in self.hf_param_slices():
-            out[name] = param.data if lo is None else param.data[lo:hi]
-        return out
+        return {name: param.data if lo is None else param.data[lo:hi] for name, param, lo, hi in self.hf_param_slices()}

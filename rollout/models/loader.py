@@ -24,24 +24,17 @@ def resolve_dtype(dtype: Union[str, torch.dtype, None], hf_config, device: torch
         if isinstance(cfg_dtype, torch.dtype):
             return cfg_dtype
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    try:
-        out = getattr(torch, str(dtype))
-    except AttributeError:
-        out = None
+    out = getattr(torch, str(dtype), None)
     if not isinstance(out, torch.dtype) or not out.is_floating_point:
         raise ValueError(f"dtype must be 'auto' or a floating torch dtype name, got {dtype!r}")
     return out
 
 
 def build_model(hf_config, dtype: torch.dtype, device: torch.device) -> DecoderLM:
-    check_supported(hf_config)
-    with torch.device(device):
+    with torch.device(device):       # DecoderLM checks the architecture
         model = DecoderLM(hf_config)
     model.to(dtype)
-    # RoPE frequencies stay fp32, as in HF. Recomputed, not cast back: `.to(bf16)` already
-    # rounded them, and bf16 frequencies put angles ~1 rad off by position 300 (this was the
-    # 8B bf16 drift of issue 2: 0.45-0.98 mean |dlogp| from fp32 against HF's 0.07).
-    model.inv_freq = rope_inv_freq(hf_config, model.head_dim).to(device)
+    model.inv_freq = rope_inv_freq(hf_config, model.head_dim).to(device)    # fp32 as in HF; `.to` rounded it
     return model.eval().requires_grad_(False)
 
 
@@ -60,8 +53,7 @@ def init_random(model: DecoderLM, seed: int) -> None:
         elif "norm" in name:
             p.data.fill_(1.0)
         else:
-            w = torch.empty(p.shape, dtype=torch.float32).normal_(0.0, std, generator=gen)
-            p.data.copy_(w)
+            p.data.copy_(torch.empty(p.shape, dtype=torch.float32).normal_(0.0, std, generator=gen))
 
 
 def _read_json(file: Path) -> dict:
@@ -92,8 +84,7 @@ def checkpoint_files(path: Path) -> list[Path]:
 
 
 def copy_hf_tensors(model: DecoderLM, named_tensors, source: str = "state dict") -> set[str]:
-    """Copy (hf_name, tensor) pairs into the model's fused parameters, in place; returns
-    the names written. Shapes and names are checked; dtypes are cast."""
+    """Copy (hf_name, tensor) pairs into the fused parameters (names, shapes checked) -> names written."""
     targets = model.hf_targets()
     filled: set[str] = set()
     for name, t in named_tensors:
@@ -111,30 +102,23 @@ def copy_hf_tensors(model: DecoderLM, named_tensors, source: str = "state dict")
     return filled
 
 
-def check_complete(model: DecoderLM, filled: set[str], source: str) -> None:
-    missing = sorted(set(model.hf_targets()) - filled)
-    if missing:
-        raise ValueError(f"{source}: missing tensors {missing[:5]}"
-                         f"{' ...' if len(missing) > 5 else ''} ({len(missing)} in all)")
-
-
 def load_checkpoint(model: DecoderLM, path: Path) -> None:
     from safetensors import SafetensorError, safe_open
-
     filled: set[str] = set()
     for file in checkpoint_files(path):
         try:
             with safe_open(str(file), framework="pt") as f:
-                filled |= copy_hf_tensors(model, ((n, f.get_tensor(n)) for n in f.keys()),
-                                          f"checkpoint {file.name}")
+                filled |= copy_hf_tensors(model, ((n, f.get_tensor(n)) for n in f.keys()), f"checkpoint {file.name}")
         except SafetensorError as exc:       # truncated or not a safetensors file at all
             raise ValueError(f"{file} is not a readable safetensors file: {exc}") from exc
-    check_complete(model, filled, f"checkpoint {path}")
+    missing = sorted(set(model.hf_targets()) - filled)
+    if missing:
+        raise ValueError(f"checkpoint {path}: missing tensors {missing[:5]}{' ...' if len(missing) > 5 else ''} "
+                         f"({len(missing)} in all)")
 
 
 def load_model(path: Union[str, Path], dtype, device: torch.device, config_overrides: Optional[dict] = None):
     from transformers import AutoConfig
-
     path = Path(path)
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"{path} is not a local Hugging Face checkpoint folder (no config.json)")
