@@ -5,6 +5,7 @@ Turn 1 is the data's problem ("12+3="). After each answer the environment reward
 ("15+7="), as the chat template renders a next user message: its text right after the model's <eos>.
 Steps keep operands and results in [0, 99], the range the embedded model was trained on; a first answer
 outside it ends the chain. The steps depend on the problem only, so a GRPO group's samples share them.
+The embedded model never saw a problem after another: it answers the later steps with <eos> (reward 0).
 """
 from __future__ import annotations
 
