@@ -9,11 +9,13 @@ one row per completion. Rerunning with the same output_dir resumes: prompts whos
 a committed part are skipped. A seeded prompt's seed comes from (seed, prompt index), so a wave
 regenerated after a kill matches an uninterrupted run. fleet.num_workers == 1 runs one worker in
 this process (Ray never imported); more run as a rollout.fleet.RolloutFleet of Ray actors, with the
-same waves, parts and resume logic.
+same waves, parts and resume logic. With env.name set (`+experiment=agent`), each sample is a multi-turn
+trajectory (rollout.multiturn) against that environment, one worker, one row per trajectory, same parts.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import importlib
 import inspect
@@ -73,6 +75,13 @@ class FleetConfig:                       # several RolloutWorkers as Ray actors 
 
 
 @dataclass
+class EnvConfig:                         # multi-turn rollouts (rollout.multiturn); one worker (fleet.num_workers=1)
+    name: Optional[str] = None           # null = one completion per sample | arith_chain | package.module:factory,
+                                         # factory(prompt text, tokenizer) -> a rollout.multiturn.Environment
+    max_turns: int = 4
+
+
+@dataclass
 class JobConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -80,6 +89,7 @@ class JobConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     sampling: SamplingParams = field(default_factory=SamplingParams)
     fleet: FleetConfig = field(default_factory=FleetConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
     output_dir: str = "outputs/rollout"
     batch_prompts: int = 64
     reward: Optional[str] = None
@@ -158,26 +168,27 @@ def load_prompts(data, tokenizer, max_model_len: Optional[int] = None,
     return list(zip(texts, ids))
 
 
-def _reward_fn(name: Optional[str]):
-    """The `reward` setting: `arith`, `package.module:function`, or null (no reward column). Called
-    as fn(prompt text, completion text) -> float per completion before its part is written;
-    checked at start-up (importable, callable with two arguments)."""
+def _load_fn(setting: str, name: Optional[str], builtin: dict[str, str], args: tuple[str, ...]):
+    """A function setting: a builtin's name, `package.module:function`, or null; checked at start-up
+    (importable, callable with `args`). `reward` is called as fn(prompt text, completion text) -> float
+    per completion before its part is written; `env.name` as fn(prompt text, tokenizer) -> Environment."""
     if not name:
         return None
-    target = "rollout.tasks.arith:reward" if name == "arith" else name
+    target = builtin.get(name, name)
     mod, sep, attr = target.partition(":")
     if not (mod and sep and attr):
-        raise ValueError(f"reward={name!r}: expected 'arith', 'package.module:function' or null")
+        raise ValueError(f"{setting}={name!r}: expected {', '.join(map(repr, builtin))}, 'package.module:function' "
+                         f"or null")
     try:
         fn = getattr(importlib.import_module(mod), attr)
     except Exception as exc:  # noqa: BLE001  any import failure: name the setting, keep the cause
-        raise ValueError(f"reward={name!r}: cannot load {attr!r} from module {mod!r}: {exc!r}") from exc
+        raise ValueError(f"{setting}={name!r}: cannot load {attr!r} from module {mod!r}: {exc!r}") from exc
     if not callable(fn):
-        raise ValueError(f"reward={name!r}: {target} is a {type(fn).__name__}, not a function")
+        raise ValueError(f"{setting}={name!r}: {target} is a {type(fn).__name__}, not a function")
     try:
-        inspect.signature(fn).bind("prompt", "completion")
+        inspect.signature(fn).bind(*args)
     except TypeError as exc:
-        raise ValueError(f"reward={name!r}: {target} must take (prompt, completion): {exc}") from exc
+        raise ValueError(f"{setting}={name!r}: {target} must take ({', '.join(args)}): {exc}") from exc
     except ValueError:
         pass                                 # no introspectable signature (a builtin)
     return fn
@@ -199,11 +210,21 @@ def _schema():
                       ("reward", pa.float64())])
 
 
-def write_part(parts_dir: Path, k: int, rows: list[dict]) -> Path:
+def _trajectory_schema():
+    import pyarrow as pa
+    ints = pa.list_(pa.int32())
+    return pa.schema([("prompt_index", pa.int64()), ("prompt", pa.string()), ("sample_index", pa.int32()),
+                      ("token_ids", ints), ("generated", pa.list_(pa.bool_())), ("logprobs", pa.list_(pa.float32())),
+                      ("policy_versions", pa.list_(pa.int64())), ("spans", pa.list_(ints)),
+                      ("turn_rewards", pa.list_(pa.float64())), ("turn_finish_reasons", pa.list_(pa.string())),
+                      ("reward", pa.float64()), ("end", pa.string()), ("text", pa.string())])
+
+
+def write_part(parts_dir: Path, k: int, rows: list[dict], schema=None) -> Path:
     import pyarrow as pa
     import pyarrow.parquet as pq
     final, tmp = parts_dir / f"part-{k:05d}.parquet", parts_dir / f".part-{k:05d}.parquet.tmp"
-    pq.write_table(pa.Table.from_pylist(rows, schema=_schema()), tmp)
+    pq.write_table(pa.Table.from_pylist(rows, schema=schema or _schema()), tmp)
     with open(tmp, "rb") as f:
         os.fsync(f.fileno())             # the data is on disk before the rename makes it visible
     os.replace(tmp, final)
@@ -240,6 +261,8 @@ def _check_fingerprint(out: Path, cfg) -> None:
     engine settings may change)."""
     fp = {"model": cfg.model.path, "data": {k: cfg.data[k] for k in ("path", "prompt_field", "split")},
           "sampling": OmegaConf.to_container(cfg.sampling, resolve=True), "reward": cfg.reward}
+    if cfg.env.name:
+        fp["env"] = OmegaConf.to_container(cfg.env)
     path = out / "job.json"
     if path.exists():
         old = json.loads(path.read_text())
@@ -268,6 +291,17 @@ def _rows(outs: dict[int, Any], prompts, reward_fn) -> list[dict]:
              "processed_logprobs": c.processed_logprobs, "policy_versions": c.policy_versions,
              "finish_reason": c.finish_reason, "reward": reward_fn(prompts[i][0], c.text or "") if reward_fn else None}
             for i in sorted(outs) for g, c in enumerate(outs[i].completions)]
+
+
+def _trajectory_rows(trajs: dict[int, list], prompts, tokenizer) -> list[dict]:
+    """One row per trajectory, by prompt index then sample: the whole token sequence with its generated-token
+    mask, per-token logprobs and versions (0.0 / -1 where not generated), per-turn spans, rewards and finish
+    reasons, the total reward and how it ended; text: what follows the prompt, special tokens kept."""
+    return [{"prompt_index": i, "prompt": prompts[i][0], "sample_index": t.sample_index, "token_ids": t.token_ids,
+             "generated": t.generated, "logprobs": t.logprobs, "policy_versions": t.policy_versions,
+             "spans": [list(sp) for sp in t.spans], "turn_rewards": t.rewards, "turn_finish_reasons": t.finish_reasons,
+             "reward": sum(t.rewards), "end": t.end, "text": tokenizer.decode(t.token_ids[t.spans[0][0]:])}
+            for i in sorted(trajs) for t in trajs[i]]
 
 
 # ---- where the rollouts run: one worker here, or a Ray fleet -------------------------------------
@@ -307,13 +341,26 @@ class _LocalRollouts:
                 return
             yield [(*owner.pop(o.request_id), o) for o in self.worker.step()]
 
+    def trajectories(self, waves, prompts, params, make_env, max_turns: int) -> Iterator[list[tuple[int, int, Any]]]:
+        """[(wave, prompt index, its n Trajectories)] per wave, a wave's turns batched together."""
+        from rollout.multiturn import run_trajectories
+        for w, idx in enumerate(waves):
+            trajs = run_trajectories(self.worker, [prompts[i][1] for i in idx],
+                                     lambda j, k: make_env(prompts[idx[j]][0], self.tokenizer),
+                                     [params(i) for i in idx], max_turns)
+            n = len(trajs) // len(idx)       # ordered by (prompt, sample), n each
+            yield [(w, i, trajs[j * n:(j + 1) * n]) for j, i in enumerate(idx)]
+
     def generated_tokens(self) -> int:
         return self.engine.metrics["generated_tokens"]
 
     def summary(self, gen_s: float) -> dict:
         busy = self.engine.pipeline.busy_ms - self._busy0
         cuda = self.engine.device.type == "cuda" and gen_s > 0
-        return {"gpu_busy": f"{100 * busy / (gen_s * 1e3):.1f}%" if cuda else "n/a"}
+        st = self.engine.stats()
+        return {"gpu_busy": f"{100 * busy / (gen_s * 1e3):.1f}%" if cuda else "n/a",
+                "prefix_cache_hit_tokens": st["prefix_cache_hit_tokens"],
+                "prefix_cache_queried_tokens": st["prefix_cache_queries"]}
 
     def close(self) -> None:
         pass
@@ -467,7 +514,18 @@ def run(cfg) -> dict:
         raise ValueError(f"batch_prompts must be >= 1, got {cfg.batch_prompts}")
     if cfg.data.limit is not None and cfg.data.limit < 1:
         raise ValueError(f"data.limit must be >= 1 or null (every row), got {cfg.data.limit}")
-    reward_fn = _reward_fn(cfg.reward)
+    reward_fn = _load_fn("reward", cfg.reward, {"arith": "rollout.tasks.arith:reward"}, ("prompt", "completion"))
+    make_env = _load_fn("env.name", cfg.env.name, {"arith_chain": "rollout.tasks.arith_chain:ArithChain"},
+                        ("prompt", "tokenizer"))
+    if make_env is not None:
+        if cfg.env.max_turns < 1:
+            raise ValueError(f"env.max_turns must be >= 1, got {cfg.env.max_turns}")
+        if cfg.fleet.num_workers != 1:
+            raise ValueError(f"env.name={cfg.env.name!r}: multi-turn rollouts run on one worker; "
+                             f"set fleet.num_workers=1")
+        if reward_fn is not None:
+            raise ValueError(f"reward={cfg.reward!r} with env.name={cfg.env.name!r}: the environment rewards each "
+                             f"turn; set reward=null")
     device = cfg.engine.device or ("cuda" if torch.cuda.is_available() else "cpu")
     model_path = cfg.model.path or arith.ensure_default_model()
     rollouts = (_LocalRollouts(cfg, model_path, device) if cfg.fleet.num_workers == 1
@@ -477,12 +535,12 @@ def run(cfg) -> dict:
     prompts = load_prompts(cfg.data, rollouts.tokenizer, rollouts.max_model_len, rollouts.vocab_size)
     try:
         rollouts.start()                     # a fleet's actors build their engines here
-        return _generate(cfg, rollouts, base, prompts, reward_fn, t_start)
+        return _generate(cfg, rollouts, base, prompts, reward_fn, make_env, t_start)
     finally:
         rollouts.close()
 
 
-def _generate(cfg, rollouts, base, prompts, reward_fn, t_start: float) -> dict:
+def _generate(cfg, rollouts, base, prompts, reward_fn, make_env, t_start: float) -> dict:
     from tqdm.auto import tqdm
     from tqdm.contrib.logging import logging_redirect_tqdm
     n, B = base.n, cfg.batch_prompts
@@ -499,34 +557,45 @@ def _generate(cfg, rollouts, base, prompts, reward_fn, t_start: float) -> dict:
     waves = [pending[k:k + B] for k in range(0, len(pending), B)]
     log.info("%d prompts x %d samples: %d already in %s, %d to generate in %d waves",
              len(prompts), n, len(prompts) - len(pending), parts_dir, len(pending), len(waves))
+    if make_env is None:
+        source, schema = rollouts.results(waves, prompts, params, B), None
+        to_rows = functools.partial(_rows, prompts=prompts, reward_fn=reward_fn)
+    else:
+        source = rollouts.trajectories(waves, prompts, params, make_env, cfg.env.max_turns)
+        schema = _trajectory_schema()
+        to_rows = functools.partial(_trajectory_rows, prompts=prompts, tokenizer=rollouts.tokenizer)
 
     sink = rollouts.sink(config=OmegaConf.to_container(cfg, resolve=True),
                          **{**OmegaConf.to_container(cfg.logging, resolve=True), "dir": cfg.logging.dir or str(out)})
     got: list[dict] = [{} for _ in waves]
     tot = {"prompts": 0, "completions": 0, "tokens": 0, "reward_sum": 0.0, "rewards": 0}
+    turn_rewards = defaultdict(list)             # trajectories: turn -> its rewards
     t0, gen0 = time.perf_counter(), rollouts.generated_tokens()
     bar = tqdm(total=len(pending), desc="rollout", unit="prompt")
     ok = False
     try:
         with logging_redirect_tqdm():
-            for finished in rollouts.results(waves, prompts, params, B):
+            for finished in source:
                 for w, i, o in finished:
                     got[w][i] = o
                     bar.update(1)
                     if len(got[w]) < len(waves[w]):
                         continue
-                    rows = _rows(got[w], prompts, reward_fn)
+                    rows = to_rows(got[w])
                     got[w] = {}
-                    path = write_part(parts_dir, next_part, rows)
+                    path = write_part(parts_dir, next_part, rows, schema)
                     next_part += 1
                     sink.observe(rows)
                     sink.log()           # a row per part: a run of a few seconds still shows its rates
                     rw = [r["reward"] for r in rows if r["reward"] is not None]
                     tot["prompts"] += len(waves[w])
                     tot["completions"] += len(rows)
-                    tot["tokens"] += sum(len(r["completion_ids"]) for r in rows)
+                    tot["tokens"] += sum(v >= 0 for r in rows for v in r["policy_versions"])   # generated
                     tot["reward_sum"] += sum(rw)
                     tot["rewards"] += len(rw)
+                    for r in rows:
+                        for j, x in enumerate(r.get("turn_rewards", ())):
+                            turn_rewards[j].append(x)
                     log.info("%s: %d prompts, %d completions; total %d tokens, %.0f tok/s", path.name,
                              len(waves[w]), len(rows), tot["tokens"], tot["tokens"] / (time.perf_counter() - t0))
                 sink.maybe_log()
@@ -546,6 +615,8 @@ def _generate(cfg, rollouts, base, prompts, reward_fn, t_start: float) -> dict:
             "tok_s": round(tot["tokens"] / gen_s, 1) if gen_s > 0 else 0.0,
             "mean_reward": tot["reward_sum"] / tot["rewards"] if tot["rewards"] else None,
             **rollouts.summary(gen_s), "output": str(parts_dir)}
+        if turn_rewards:
+            summary["turn_mean_rewards"] = [round(sum(v) / len(v), 4) for _, v in sorted(turn_rewards.items())]
         sink.close(summary if ok else None)
     mr = summary["mean_reward"]
     print(f"rollout: {summary['prompts']} prompts ({summary['skipped_prompts']} already done), "
@@ -553,6 +624,9 @@ def _generate(cfg, rollouts, base, prompts, reward_fn, t_start: float) -> dict:
           f"({summary['tok_s']:.0f} tok/s), wall {summary['wall_s']:.1f} s, "
           f"mean reward {'n/a' if mr is None else f'{mr:.3f}'}, GPU busy {summary['gpu_busy']}; "
           f"{summary['parts']} parts in {summary['output']}")
+    if "turn_mean_rewards" in summary:
+        print(f"trajectories: mean reward per turn {summary['turn_mean_rewards']}; prefix cache served "
+              f"{summary['prefix_cache_hit_tokens']} of {summary['prefix_cache_queried_tokens']} prompt tokens")
     if "workers" in summary:
         per = ", ".join(f"worker {i} {r:.0f}" for i, r in summary["worker_tok_s"].items())
         print(f"fleet: {summary['workers']} workers, {summary['fleet_tok_s']:.0f} tok/s ({per}); "

@@ -49,26 +49,35 @@ class Environment(Protocol):
         ids (None to stop), this turn's reward, and whether the trajectory is done."""
 
 
+def turn_seed(seed: int, sample_index: int, turn: int) -> int:
+    """The seed of a seeded trajectory's later turn (turn >= 1; turn 0 is its prompt's request): from its
+    prompt's seed, its sample index and the turn, so it does not depend on what else runs in the call."""
+    return hash((seed, sample_index, turn)) % 2 ** 31
+
+
 def run_trajectories(runner, prompts, env_factory: Callable[[int, int], Environment],
-                     sampling_params: SamplingParams, max_turns: int) -> list[Trajectory]:
-    """Roll out len(prompts) * sampling_params.n trajectories of at most max_turns turns on a
-    RolloutEngine, or a RolloutWorker stepped inline (weight updates land between steps), which runs
-    nothing else meanwhile (like generate). env_factory(prompt index, sample index) makes each
-    trajectory's environment. Later turns sample one completion each (n = 1) under the same
-    params; with a seed, each (trajectory, turn) gets its own seed derived from it. Returns the
-    trajectories ordered by (prompt index, sample index)."""
+                     sampling_params, max_turns: int) -> list[Trajectory]:
+    """Roll out sum(n) trajectories of at most max_turns turns on a RolloutEngine, or a RolloutWorker
+    stepped inline (weight updates land between steps), which runs nothing else meanwhile (like generate).
+    sampling_params: one SamplingParams, or one per prompt. env_factory(prompt index, sample index) makes
+    each trajectory's environment. Later turns sample one completion each (n = 1) under their prompt's
+    params, seeded by turn_seed where it has a seed (prompts sharing one seed share their samples' streams,
+    as a group's first turn does). Returns the trajectories ordered by (prompt index, sample index)."""
     engine = getattr(runner, "engine", runner)
     if isinstance(max_turns, bool) or not isinstance(max_turns, int) or max_turns < 1:
         raise ValueError(f"max_turns must be an integer >= 1, got {max_turns!r}")
     if engine.requests or getattr(runner, "_thread", None) is not None:
         raise ValueError("run_trajectories needs the engine to itself (no other requests, no background loop)")
-    if not isinstance(sampling_params, SamplingParams):
-        raise ValueError(f"sampling_params must be a rollout.SamplingParams, got {type(sampling_params).__name__}")
-    first = runner.add_requests(prompts, sampling_params)
-    trajs = [Trajectory(i, k) for i in range(len(first)) for k in range(sampling_params.n)]
+    params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
+    if not all(isinstance(p, SamplingParams) for p in params):
+        raise ValueError(f"sampling_params must be a rollout.SamplingParams or one per prompt, "
+                         f"got {sampling_params!r:.80}")
+    first = runner.add_requests(prompts, params)
+    trajs = [Trajectory(i, k) for i, p in enumerate(params) for k in range(p.n)]
     envs = [env_factory(t.prompt_index, t.sample_index) for t in trajs]
-    n = sampling_params.n
-    pending = {rid: list(range(i * n, (i + 1) * n)) for i, rid in enumerate(first)}   # request -> trajectories
+    pending, j = {}, 0                                  # request -> its trajectories
+    for rid, p in zip(first, params):
+        pending[rid], j = list(range(j, j + p.n)), j + p.n
     try:
         while pending:
             nxt = []
@@ -80,11 +89,11 @@ def run_trajectories(runner, prompts, env_factory: Callable[[int, int], Environm
                     if _turn_done(t, c, envs[j], max_turns, engine):
                         nxt.append(j)
             if nxt:
-                params = [sampling_params if sampling_params.seed is None else
-                          dataclasses.replace(sampling_params, seed=hash((sampling_params.seed, j, len(trajs[j].spans)))
-                                              % 2 ** 31) for j in nxt]
-                params = [dataclasses.replace(p, n=1) for p in params]
-                for rid, j in zip(runner.add_requests([trajs[j].token_ids for j in nxt], params), nxt):
+                ps = [params[trajs[j].prompt_index] for j in nxt]
+                ps = [dataclasses.replace(p, n=1, seed=None if p.seed is None else
+                                          turn_seed(p.seed, trajs[j].sample_index, len(trajs[j].spans)))
+                      for p, j in zip(ps, nxt)]
+                for rid, j in zip(runner.add_requests([trajs[j].token_ids for j in nxt], ps), nxt):
                     pending[rid] = [j]
     except BaseException:
         runner.abort(list(pending))     # leave nothing of ours queued

@@ -24,12 +24,12 @@ N, LIMIT, WAVE = 4, 24, 8
 register_configs()
 
 
-def make_cfg(tmp, *overrides):
+def make_cfg(tmp, *overrides, experiment="grpo"):
     # log_every_s=0: a W&B row every worker step. This ~300-token run can end inside any fixed
     # interval on a fast CPU, leaving no row with sequences running.
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         return compose("config", overrides=[
-            "+experiment=grpo", f"sampling.n={N}", f"data.limit={LIMIT}", f"batch_prompts={WAVE}",
+            f"+experiment={experiment}", f"sampling.n={N}", f"data.limit={LIMIT}", f"batch_prompts={WAVE}",
             f"output_dir={tmp / 'out'}", "logging.mode=offline", f"logging.dir={tmp / 'wb'}",
             "logging.log_every_s=0", *overrides])
 
@@ -148,7 +148,7 @@ def test_bad_overrides_fail_clearly(tmp_path):
     assert "sampling.n=abc" in str(e.value) and "could not be converted to Integer" in str(e.value.__cause__)
     with pytest.raises(ConfigCompositionException, match="foo"):
         make_cfg(tmp_path, "foo=1")
-    with pytest.raises(ValueError, match="temperature must be 0 \(greedy\) or a finite number >= 1e-05, got -1.0"):
+    with pytest.raises(ValueError, match=r"temperature must be 0 \(greedy\) or a finite number >= 1e-05, got -1.0"):
         run(make_cfg(tmp_path, "sampling.temperature=-1"))
     with pytest.raises(ValueError, match=r"model\.path"):
         run(make_cfg(tmp_path, "model=local"))

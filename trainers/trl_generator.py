@@ -3,7 +3,8 @@
 Route A (primary): `attach_generator(trainer, worker)` puts a `TRLGenerationAdapter` into the trainer's vLLM
 generation slot (`trainer.vllm_generation`, a private seam of trl 1.16; TRL never imports vLLM) and keeps TRL's
 importance-sampling (IS) correction. Route B: `make_rollout_func(worker)` for TRL's public `rollout_func=` hook
-(no IS correction there). Route C (AsyncGRPOTrainer): `trainers.trl_async`.
+(no IS correction there), also for multi-turn trajectories (rollout.multiturn) under TRL's env_mask.
+Route C (AsyncGRPOTrainer): `trainers.trl_async`.
 
 Logprob contract: per sampled token, fp32 `log_softmax(logits / T)` over the full vocabulary, T = `args.temperature`:
 what TRL recomputes (no top-p/top-k/min-p renormalisation, no repetition penalty).
@@ -271,14 +272,8 @@ class TRLGenerationAdapter:
         prompts = [list(p) for p in prompts]
         if not prompts:
             return [], [], [], []
-        G = max(1, int(num_generations or 1))
-        runs = _consecutive_runs(prompts, G)
-        base = self.sampling_params
-        params = []
-        for k, (start, n) in enumerate(runs):
-            seed = None if base.seed is None else _request_seed(base.seed, self._calls, k)
-            params.append(dataclasses.replace(base, n=n, seed=seed))
-        self._calls += 1
+        runs = _consecutive_runs(prompts, max(1, int(num_generations or 1)))
+        params = self._params(runs)
         barrier0 = self.worker.weights.metrics.get("barrier_ms", 0.0)
         t0 = time.perf_counter()
         with (profiler if profiler is not None else contextlib.nullcontext()):
@@ -302,6 +297,13 @@ class TRLGenerationAdapter:
         if self.log_metrics:
             self._log_batch(versions, ntok, wall, self.worker.weights.metrics.get("barrier_ms", 0.0) - barrier0)
         return prompt_ids, completion_ids, logprobs, token_ids
+
+    def _params(self, runs) -> list[SamplingParams]:
+        """One request per run of identical rows (n = its length), seeded per call and run."""
+        base, call = self.sampling_params, self._calls
+        self._calls += 1
+        return [dataclasses.replace(base, n=n, seed=None if base.seed is None else _request_seed(base.seed, call, k))
+                for k, (_, n) in enumerate(runs)]
 
     def _run(self, prompts, params):
         if getattr(self.worker, "_thread", None) is not None:     # the worker's background loop is running
@@ -392,13 +394,17 @@ def attach_generator(trainer, worker, **kw) -> TRLGenerationAdapter:
 
 
 # ---- route B: rollout_func -----------------------------------------------------------------------------------------
-def make_rollout_func(worker, **kw) -> Callable[[list, Any], dict]:
+def make_rollout_func(worker, env_factory: Optional[Callable] = None, max_turns: int = 1,
+                      **kw) -> Callable[[list, Any], dict]:
     """A TRL `rollout_func(prompts, trainer) -> dict` over `worker` (TRL's public, experimental hook).
 
     Tokenises as TRL does (chat template for conversational prompts), syncs the weights whenever
     `trainer.state.global_step` changes, and returns `prompt_ids`, `completion_ids` and per-token `logprobs`.
     On this route TRL forms NO importance-sampling ratio (only with `use_vllm`); use `attach_generator` to keep it.
-    Keyword arguments go to the internal `TRLGenerationAdapter`.
+    With env_factory(prompt as TRL gives it, sample index) -> a rollout.multiturn.Environment, each row is a
+    trajectory of at most max_turns turns (the worker stepped inline): completion_ids are all its tokens after
+    the prompt, `env_mask` (1: sampled) is TRL's loss mask over them, `turn_rewards` reaches the reward functions.
+    Other keyword arguments go to the internal `TRLGenerationAdapter`.
     """
     state: dict[str, Any] = {"trainer": None, "adapter": None, "step": None}
 
@@ -415,11 +421,31 @@ def make_rollout_func(worker, **kw) -> Callable[[list, Any], dict]:
         prompt_ids = tokenize_prompts(trainer, prompts)
         mode = "train" if trainer.model.training else "eval"
         G = trainer.num_generations if mode == "train" else trainer.num_generations_eval
+        if env_factory is not None:
+            return _trajectory_batch(adapter, prompts, prompt_ids, G, env_factory, max_turns)
         p_ids, c_ids, lps, _ = adapter.generate(prompt_ids, None, G)
         return {"prompt_ids": p_ids, "completion_ids": c_ids, "logprobs": [[x[0] for x in row] for row in lps]}
 
     rollout_func.state = state      # for tests / introspection
     return rollout_func
+
+
+def _trajectory_batch(adapter: TRLGenerationAdapter, prompts, prompt_ids, G: int, env_factory, max_turns: int) -> dict:
+    from rollout.multiturn import run_trajectories
+    runs = _consecutive_runs(prompt_ids, G)
+    barrier0, t0 = adapter.worker.weights.metrics.get("barrier_ms", 0.0), time.perf_counter()
+    trajs = run_trajectories(adapter.worker, [prompt_ids[s] for s, _ in runs],
+                             lambda i, k: env_factory(prompts[runs[i][0]], k), adapter._params(runs), max_turns)
+    versions = [v for t in trajs for v in t.policy_versions if v >= 0]
+    if adapter.log_metrics:
+        adapter._log_batch(versions, len(versions), time.perf_counter() - t0,
+                           adapter.worker.weights.metrics.get("barrier_ms", 0.0) - barrier0)
+    cut = [t.spans[0][0] for t in trajs]           # the prompt's length
+    return {"prompt_ids": [t.token_ids[:c] for t, c in zip(trajs, cut)],
+            "completion_ids": [t.token_ids[c:] for t, c in zip(trajs, cut)],
+            "logprobs": [t.logprobs[c:] for t, c in zip(trajs, cut)],
+            "env_mask": [[int(g) for g in t.generated[c:]] for t, c in zip(trajs, cut)],
+            "turn_rewards": [t.rewards for t in trajs]}
 
 
 def tokenize_prompts(trainer, prompts: list) -> list[list[int]]:

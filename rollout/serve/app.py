@@ -259,7 +259,11 @@ class Server:
                 ("kv_pages_used", s["kv_pages_used"]), ("kv_pages_total", s["kv_pages_total"]),
                 ("policy_version", s["policy_version"]), ("weight_updates_total", s["weights/updates"]),
                 ("weight_barrier_ms_total", s["weights/barrier_ms"]), ("paused", int(self.loop.paused)),
-                ("weight_staging_ms_total", s["weights/staging_ms"]), ("preemptions_total", s["preemptions"])]
+                ("weight_staging_ms_total", s["weights/staging_ms"]), ("preemptions_total", s["preemptions"]),
+                # tokens of sequences admitted from scratch, and of them those served from cached KV (rate() both)
+                ("prefix_cache_queried_tokens_total", s["prefix_cache_queries"]),
+                ("prefix_cache_hit_tokens_total", s["prefix_cache_hit_tokens"]),
+                ("prefix_cache_pages", s["prefix_cache_pages"])]
 
     async def metrics(self) -> Response:
         rows = await self.loop.call(self._metric_rows)
