@@ -111,7 +111,7 @@ def load_checkpoint(model: DecoderLM, path: Path) -> None:
                 filled |= copy_hf_tensors(model, ((n, f.get_tensor(n)) for n in f.keys()), f"checkpoint {file.name}")
         except SafetensorError as exc:       # truncated or not a safetensors file at all
             raise ValueError(f"{file} is not a readable safetensors file: {exc}") from exc
-    missing = sorted(set(model.hf_targets()) - filled)
+    missing = model.hf_missing(filled)
     if missing:
         raise ValueError(f"checkpoint {path}: missing tensors {missing[:5]}{' ...' if len(missing) > 5 else ''} "
                          f"({len(missing)} in all)")
