@@ -31,9 +31,11 @@ def resolve_dtype(dtype: Union[str, torch.dtype, None], hf_config, device: torch
 
 
 def build_model(hf_config, dtype: torch.dtype, device: torch.device) -> DecoderLM:
-    with torch.device(device):       # DecoderLM checks the architecture
+    """The model with UNINITIALISED weights in `dtype` on `device` (load, init_random or copy into it):
+    built on the meta device, then allocated once (an fp32 build first would need 2x the memory)."""
+    with torch.device("meta"):       # DecoderLM checks the architecture
         model = DecoderLM(hf_config)
-    model.to(dtype)
+    model = model.to(dtype).to_empty(device=device)
     model.inv_freq = rope_inv_freq(hf_config, model.head_dim).to(device)    # fp32 as in HF; `.to` rounded it
     return model.eval().requires_grad_(False)
 
