@@ -30,7 +30,7 @@ def _case(T, H, I, E, k, dtype, seed):
 
 
 @pytest.mark.parametrize("T,E,k,block_m", [(1, 5, 2, 16), (7, 5, 2, 16), (37, 9, 3, 16), (37, 3, 3, 32),
-                                           (200, 7, 2, 64)])
+                                           (200, 7, 2, 64), (700, 9, 3, 16)])   # 17 chunks of 128 pairs: two row tiles
 def test_align_sorts_every_pair_once_into_padded_expert_blocks(T, E, k, block_m):
     _, _, ids, _, _ = _case(T, 8, 8, E, k, torch.float32, T + E)
     sorted_ids, expert_ids, npost = moe_align(ids, E, block_m)

@@ -1,7 +1,7 @@
 """Fused mixture-of-experts MLP: y[t] = sum_j w[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t])), e = ids[t, j].
 
-    moe_align    one program: the T*k (token, expert) pairs sorted by expert (stable), each expert's run
-                 padded to BLOCK_M, and the expert of every BLOCK_M block; padding slots hold T*k
+    moe_align    the T*k (token, expert) pairs sorted by expert (stable), each expert's run padded to
+                 BLOCK_M, and the expert of every BLOCK_M block; padding slots hold T*k
     gate_up      grouped GEMM over the sorted blocks, silu(gate) * up in its epilogue -> [T*k, I] by pair
     down         grouped GEMM, times the routing weight in its epilogue -> [T*k, H] by pair
     combine      sum over each token's k pairs in pair order (deterministic; no atomics)
@@ -23,33 +23,53 @@ fix_interpreter()
 
 
 @triton.jit
-def _moe_align_kernel(ids_ptr, sorted_ptr, expert_ptr, npost_ptr, N, E, SLOTS, BLOCKS,
-                      BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr):
+def _moe_count_kernel(ids_ptr, counts_ptr, N, E_PAD: tl.constexpr, CHUNK: tl.constexpr):
+    """counts[c, e]: pairs of chunk c routed to expert e."""
+    c = tl.program_id(0)
+    pairs = c * CHUNK + tl.arange(0, CHUNK)
+    ids = tl.load(ids_ptr + pairs, mask=pairs < N, other=-1).to(tl.int32)
     experts = tl.arange(0, E_PAD)
-    lane = tl.arange(0, CHUNK)
-    counts = tl.zeros([E_PAD], tl.int32)
-    for c0 in range(0, N, CHUNK):
-        ids = tl.load(ids_ptr + c0 + lane, mask=c0 + lane < N, other=-1).to(tl.int32)
-        counts += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    tl.store(counts_ptr + c * E_PAD + experts, tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0))
+
+
+@triton.jit
+def _moe_offsets_kernel(counts_ptr, expert_ptr, npost_ptr, E, CHUNKS, BLOCKS, BLOCK_M: tl.constexpr,
+                        E_PAD: tl.constexpr, ROWS: tl.constexpr):
+    """One program: each expert's run padded to BLOCK_M; counts[c, e] becomes the first slot of chunk c's
+    pairs of expert e; the expert of every block (E past the padded total)."""
+    experts = tl.arange(0, E_PAD)
+    rows = tl.arange(0, ROWS)
+    total = tl.zeros([E_PAD], tl.int32)
+    for r0 in range(0, CHUNKS, ROWS):
+        total += tl.sum(tl.load(counts_ptr + (r0 + rows)[:, None] * E_PAD + experts[None, :],
+                                mask=(r0 + rows)[:, None] < CHUNKS, other=0), axis=0)
+    padded = (total + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     ends = tl.cumsum(padded, axis=0)
-    total = tl.sum(padded, axis=0)
-    tl.store(npost_ptr, total)
-    for b0 in range(0, BLOCKS, CHUNK):     # block b's expert: how many experts' runs end at or before it
-        b = b0 + lane
+    tl.store(npost_ptr, tl.sum(padded, axis=0))
+    base = ends - padded
+    for r0 in range(0, CHUNKS, ROWS):
+        ptrs = counts_ptr + (r0 + rows)[:, None] * E_PAD + experts[None, :]
+        ok = (r0 + rows)[:, None] < CHUNKS
+        counts = tl.load(ptrs, mask=ok, other=0)
+        tl.store(ptrs, base[None, :] + tl.cumsum(counts, axis=0) - counts, mask=ok)
+        base += tl.sum(counts, axis=0)
+    for b0 in range(0, BLOCKS, ROWS):    # block b's expert: how many experts' runs end at or before it
+        b = b0 + rows
         owner = tl.sum((ends[None, :] <= b[:, None] * BLOCK_M).to(tl.int32), axis=1)
         tl.store(expert_ptr + b, tl.minimum(owner, E), mask=b < BLOCKS)
-    for s0 in range(0, SLOTS, CHUNK):
-        tl.store(sorted_ptr + s0 + lane, N, mask=s0 + lane < SLOTS)
-    tl.debug_barrier()                     # the padding fill lands before the scatter over it
-    base = ends - padded                   # next free slot of each expert's run
-    for c0 in range(0, N, CHUNK):
-        ids = tl.load(ids_ptr + c0 + lane, mask=c0 + lane < N, other=-1).to(tl.int32)
-        onehot = (ids[:, None] == experts[None, :]).to(tl.int32)
-        rank = tl.sum((tl.cumsum(onehot, axis=0) - onehot) * onehot, axis=1)    # same expert, earlier in chunk
-        slot = tl.sum(base[None, :] * onehot, axis=1) + rank
-        tl.store(sorted_ptr + slot, c0 + lane, mask=c0 + lane < N)
-        base += tl.sum(onehot, axis=0)
+
+
+@triton.jit
+def _moe_scatter_kernel(ids_ptr, counts_ptr, sorted_ptr, N, E_PAD: tl.constexpr, CHUNK: tl.constexpr):
+    """Each pair of chunk c to its slot: its chunk's first slot for its expert + earlier same-expert pairs."""
+    c = tl.program_id(0)
+    pairs = c * CHUNK + tl.arange(0, CHUNK)
+    ok = pairs < N
+    ids = tl.load(ids_ptr + pairs, mask=ok, other=-1).to(tl.int32)
+    onehot = (ids[:, None] == tl.arange(0, E_PAD)[None, :]).to(tl.int32)
+    rank = tl.sum((tl.cumsum(onehot, axis=0) - onehot) * onehot, axis=1)
+    slot = tl.load(counts_ptr + c * E_PAD + ids, mask=ok, other=0) + rank
+    tl.store(sorted_ptr + slot, pairs, mask=ok)
 
 
 @triton.jit
@@ -109,15 +129,21 @@ def _moe_down_kernel(a_ptr, w_ptr, y_ptr, topw_ptr, sorted_ptr, expert_ptr, npos
 
 
 def moe_align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """ids [T, k] -> (sorted pair ids [T*k + E*(block_m - 1)], expert of each block, padded total [1])."""
-    n = ids.numel()
-    slots = n + num_experts * (block_m - 1)
-    blocks = triton.cdiv(slots, block_m)
-    sorted_ids = torch.empty(blocks * block_m, dtype=torch.int32, device=ids.device)
+    """ids [T, k] -> (sorted pair ids [T*k + E*(block_m - 1), rounded up to blocks], expert of each block,
+    padded total [1]). Pairs are counted and scattered by 128-pair chunks in parallel; one program in
+    between turns the counts into offsets."""
+    n, chunk = ids.numel(), 128
+    chunks, e_pad = triton.cdiv(n, chunk), triton.next_power_of_2(num_experts)
+    blocks = triton.cdiv(n + num_experts * (block_m - 1), block_m)
+    sorted_ids = torch.full((blocks * block_m,), n, dtype=torch.int32, device=ids.device)
     expert_ids = torch.empty(blocks, dtype=torch.int32, device=ids.device)
     npost = torch.empty(1, dtype=torch.int32, device=ids.device)
-    _moe_align_kernel[(1,)](ids.contiguous(), sorted_ids, expert_ids, npost, n, num_experts, blocks * block_m, blocks,
-                            BLOCK_M=block_m, E_PAD=triton.next_power_of_2(num_experts), CHUNK=64)
+    counts = torch.empty(chunks, e_pad, dtype=torch.int32, device=ids.device)
+    ids = ids.contiguous()
+    _moe_count_kernel[(chunks,)](ids, counts, n, E_PAD=e_pad, CHUNK=chunk)
+    _moe_offsets_kernel[(1,)](counts, expert_ids, npost, num_experts, chunks, blocks, BLOCK_M=block_m, E_PAD=e_pad,
+                              ROWS=16)
+    _moe_scatter_kernel[(chunks,)](ids, counts, sorted_ids, n, E_PAD=e_pad, CHUNK=chunk)
     return sorted_ids, expert_ids, npost
 
 
