@@ -213,7 +213,8 @@ def write_part(parts_dir: Path, k: int, rows: list[dict]) -> Path:
     import pyarrow as pa
     import pyarrow.parquet as pq
     final, tmp = parts_dir / f"part-{k:05d}.parquet", parts_dir / f".part-{k:05d}.parquet.tmp"
-    table = pa.Table.from_pylist([{c: v for c, v in r.items() if c != "routed_experts"} for r in rows], schema=_schema())
+    plain = [{c: v for c, v in r.items() if c != "routed_experts"} for r in rows]
+    table = pa.Table.from_pylist(plain, schema=_schema())
     if rows and "routed_experts" in rows[0]:      # sampling.return_routed_experts
         table = table.append_column("routed_experts", _routed_column([r["routed_experts"] for r in rows]))
     pq.write_table(table, tmp)

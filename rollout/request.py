@@ -109,7 +109,8 @@ class SamplingParams:
             repetition_penalty=number("repetition_penalty", lambda x: x > 0, "a finite number > 0"),
             seed=integer("seed", 0, optional=True), stop_token_ids=[int(t) for t in stop_ids], stop=list(stop),
             ignore_eos=self.ignore_eos, top_logprobs=integer("top_logprobs", 0, vocab_size),
-            detokenize=self.detokenize, return_routed_experts=self.return_routed_experts, stale_kv=choice("stale_kv", ("keep", "recompute")),
+            detokenize=self.detokenize, return_routed_experts=self.return_routed_experts,
+            stale_kv=choice("stale_kv", ("keep", "recompute")),
             max_staleness=integer("max_staleness", 0, optional=True), on_stale=choice("on_stale", ("finish", "abort")))
 
     @property

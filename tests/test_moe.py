@@ -64,9 +64,8 @@ def moe_dirs(tmp_path_factory):
 
 
 def _engine(path, **kw):
-    kw = {"num_kv_pages": 128, "max_num_batched_tokens": 256, **kw}
-    return RolloutEngine.from_pretrained(path, device="cpu", dtype="float32", max_model_len=kw.pop("max_model_len", 256),
-                                         page_size=16, seed=0, **kw)
+    kw = {"num_kv_pages": 128, "max_num_batched_tokens": 256, "max_model_len": 256, **kw}
+    return RolloutEngine.from_pretrained(path, device="cpu", dtype="float32", page_size=16, seed=0, **kw)
 
 
 @torch.no_grad()
@@ -249,7 +248,8 @@ def test_native_generate_returns_routed_experts(moe_dirs):
         body = {"input_ids": [[BOS_ID, 40, 41, 42]], "sampling_params": {"n": 2, "max_new_tokens": 5, "seed": 1,
                                                                          "return_routed_experts": True}}
         out = httpx.post(url + "/generate", json=body, timeout=60).json()
-        plain = httpx.post(url + "/generate", json={**body, "sampling_params": {"max_new_tokens": 2}}, timeout=60).json()
+        plain = httpx.post(url + "/generate", json={**body, "sampling_params": {"max_new_tokens": 2}},
+                           timeout=60).json()
     finally:
         server.should_exit = True
         thread.join(30)

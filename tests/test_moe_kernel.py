@@ -20,17 +20,17 @@ from rollout.kernels.fused_moe import fused_moe, moe_align  # noqa: E402
 from rollout.layers.moe import DECODE_TILES, PREFILL_TILES, experts_reference, moe_tiles, route  # noqa: E402
 
 
-def _case(T, H, I, E, k, dtype, seed):
+def _case(T, H, inter, E, k, dtype, seed):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(T, H, generator=g).to(dtype)
-    w1 = (torch.randn(E, 2 * I, H, generator=g) / H ** 0.5).to(dtype)
-    w2 = (torch.randn(E, H, I, generator=g) / I ** 0.5).to(dtype)
+    w1 = (torch.randn(E, 2 * inter, H, generator=g) / H ** 0.5).to(dtype)
+    w2 = (torch.randn(E, H, inter, generator=g) / inter ** 0.5).to(dtype)
     weights, ids = route((torch.randn(T, E, generator=g) * 3).to(dtype), k, renormalize=seed % 2 == 0)
     return x, weights, ids, w1, w2
 
 
 @pytest.mark.parametrize("T,E,k,block_m", [(1, 5, 2, 16), (7, 5, 2, 16), (37, 9, 3, 16), (37, 3, 3, 32),
-                                           (200, 7, 2, 64), (700, 9, 3, 16)])   # 17 chunks of 128 pairs: two row tiles
+                                           (200, 7, 2, 64), (700, 9, 3, 16)])   # 700: 17 chunks of 128 pairs
 def test_align_sorts_every_pair_once_into_padded_expert_blocks(T, E, k, block_m):
     _, _, ids, _, _ = _case(T, 8, 8, E, k, torch.float32, T + E)
     sorted_ids, expert_ids, npost = moe_align(ids, E, block_m)
@@ -57,11 +57,11 @@ TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=4e-3,
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("T,H,I,E,k,tiles", [
+@pytest.mark.parametrize("T,H,inter,E,k,tiles", [
     (1, 40, 24, 5, 2, DECODE_TILES), (7, 40, 24, 5, 2, (16, 16, 16, 4, 2)), (13, 72, 40, 9, 3, (16, 32, 32, 4, 2)),
     (45, 48, 56, 6, 2, PREFILL_TILES), (3, 200, 136, 4, 4, (32, 64, 64, 4, 2))])
-def test_fused_moe_matches_the_reference(T, H, I, E, k, tiles, dtype):
-    x, weights, ids, w1, w2 = _case(T, H, I, E, k, dtype, T * H)
+def test_fused_moe_matches_the_reference(T, H, inter, E, k, tiles, dtype):
+    x, weights, ids, w1, w2 = _case(T, H, inter, E, k, dtype, T * H)
     got = fused_moe(x, weights, ids, w1, w2, tiles)
     want = experts_reference(x.float(), weights, ids, w1.float(), w2.float()) if dtype == torch.float32 else \
         experts_reference(x, weights, ids, w1, w2)

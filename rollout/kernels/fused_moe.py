@@ -81,16 +81,16 @@ def _block_pairs(sorted_ptr, expert_ptr, npost_ptr, N, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _moe_gate_up_kernel(x_ptr, w_ptr, y_ptr, sorted_ptr, expert_ptr, npost_ptr, N, I, H, TOP_K,
+def _moe_gate_up_kernel(x_ptr, w_ptr, y_ptr, sorted_ptr, expert_ptr, npost_ptr, N, INTER, H, TOP_K,
                         s_xm, s_we, s_wn, s_ym, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     e, pairs, ok, live = _block_pairs(sorted_ptr, expert_ptr, npost_ptr, N, BLOCK_M)
     if live:
         rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
-        n_ok = rn < I
+        n_ok = rn < INTER
         x_ptrs = x_ptr + (pairs // TOP_K).to(tl.int64)[:, None] * s_xm + rk[None, :]
         g_ptrs = w_ptr + e * s_we + rn.to(tl.int64)[None, :] * s_wn + rk[:, None]     # gate rows, [BLOCK_K, BLOCK_N]
-        u_ptrs = g_ptrs + I * s_wn                                                   # the same columns' up rows
+        u_ptrs = g_ptrs + INTER * s_wn                                                   # the same columns' up rows
         gate = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         for k0 in range(0, H, BLOCK_K):
@@ -107,7 +107,7 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, y_ptr, sorted_ptr, expert_ptr, npost_ptr, 
 
 
 @triton.jit
-def _moe_down_kernel(a_ptr, w_ptr, y_ptr, topw_ptr, sorted_ptr, expert_ptr, npost_ptr, N, H, I,
+def _moe_down_kernel(a_ptr, w_ptr, y_ptr, topw_ptr, sorted_ptr, expert_ptr, npost_ptr, N, H, INTER,
                      s_am, s_we, s_wn, s_ym, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     e, pairs, ok, live = _block_pairs(sorted_ptr, expert_ptr, npost_ptr, N, BLOCK_M)
     if live:
@@ -117,8 +117,8 @@ def _moe_down_kernel(a_ptr, w_ptr, y_ptr, topw_ptr, sorted_ptr, expert_ptr, npos
         a_ptrs = a_ptr + pairs.to(tl.int64)[:, None] * s_am + rk[None, :]
         w_ptrs = w_ptr + e * s_we + rn.to(tl.int64)[None, :] * s_wn + rk[:, None]
         acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-        for k0 in range(0, I, BLOCK_K):
-            k_ok = rk < I - k0
+        for k0 in range(0, INTER, BLOCK_K):
+            k_ok = rk < INTER - k0
             a = tl.load(a_ptrs, mask=ok[:, None] & k_ok[None, :], other=0.0)
             acc = tl.dot(a, tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0), acc)
             a_ptrs += BLOCK_K
@@ -152,19 +152,19 @@ def fused_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate_
     """x [T, H]; weights (fp32), ids [T, k]; w_gate_up [E, 2I, H], w_down [E, H, I];
     config (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) -> [T, H] in x's dtype."""
     T, H = x.shape
-    E, I = w_gate_up.shape[0], w_down.shape[2]
+    E, inter = w_gate_up.shape[0], w_down.shape[2]
     top_k = ids.shape[1]
     bm, bn, bk, warps, stages = config
     assert x.stride(1) == 1 and w_gate_up.is_contiguous() and w_down.is_contiguous()
     sorted_ids, expert_ids, npost = moe_align(ids, E, bm)
     blocks, n = expert_ids.numel(), T * top_k
-    act = torch.empty(n, I, dtype=x.dtype, device=x.device)
-    _moe_gate_up_kernel[(blocks, triton.cdiv(I, bn))](
-        x, w_gate_up, act, sorted_ids, expert_ids, npost, n, I, H, top_k, x.stride(0), w_gate_up.stride(0),
+    act = torch.empty(n, inter, dtype=x.dtype, device=x.device)
+    _moe_gate_up_kernel[(blocks, triton.cdiv(inter, bn))](
+        x, w_gate_up, act, sorted_ids, expert_ids, npost, n, inter, H, top_k, x.stride(0), w_gate_up.stride(0),
         w_gate_up.stride(1), act.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
     out = torch.empty(n, H, dtype=x.dtype, device=x.device)
     _moe_down_kernel[(blocks, triton.cdiv(H, bn))](
-        act, w_down, out, weights.float().contiguous(), sorted_ids, expert_ids, npost, n, H, I, act.stride(0),
+        act, w_down, out, weights.float().contiguous(), sorted_ids, expert_ids, npost, n, H, inter, act.stride(0),
         w_down.stride(0), w_down.stride(1), out.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
         num_stages=stages)
     return out.view(T, top_k, H).sum(1, dtype=torch.float32).to(x.dtype)

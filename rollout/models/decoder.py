@@ -164,12 +164,12 @@ class SparseMoE(nn.Module):
 
     def __init__(self, cfg):
         super().__init__()
-        E, I, H = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
-        self.num_experts, self.inter, self.top_k = E, I, cfg.num_experts_per_tok
+        E, inter, H = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+        self.num_experts, self.inter, self.top_k = E, inter, cfg.num_experts_per_tok
         self.renormalize = bool(getattr(cfg, "norm_topk_prob", False))
         self.gate = nn.Linear(H, E, bias=False)
-        self.gate_up = nn.Parameter(torch.empty(E, 2 * I, H))
-        self.down = nn.Parameter(torch.empty(E, H, I))
+        self.gate_up = nn.Parameter(torch.empty(E, 2 * inter, H))
+        self.down = nn.Parameter(torch.empty(E, H, inter))
         shared = getattr(cfg, "shared_expert_intermediate_size", 0)
         self.shared_expert = MLP(cfg, shared) if shared else None
         if shared:

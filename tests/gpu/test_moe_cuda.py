@@ -14,20 +14,20 @@ from rollout.layers.moe import experts_reference, moe_tiles, route  # noqa: E402
 MEAN_TOL, MAX_TOL = 0.1, 2.0
 
 
-def _inputs(T, H, I, E, k, seed=0):
+def _inputs(T, H, inter, E, k, seed=0):
     g = torch.Generator(device="cuda").manual_seed(seed)
     x = torch.randn(T, H, device="cuda", generator=g).bfloat16()
-    w1 = (torch.randn(E, 2 * I, H, device="cuda", generator=g) / H ** 0.5).bfloat16()
-    w2 = (torch.randn(E, H, I, device="cuda", generator=g) / I ** 0.5).bfloat16()
+    w1 = (torch.randn(E, 2 * inter, H, device="cuda", generator=g) / H ** 0.5).bfloat16()
+    w2 = (torch.randn(E, H, inter, device="cuda", generator=g) / inter ** 0.5).bfloat16()
     logits = (torch.randn(T, E, device="cuda", generator=g) * 2).bfloat16()
     return x, logits, w1, w2
 
 
-@pytest.mark.parametrize("T,H,I,E,k", [(1, 2048, 768, 128, 8), (32, 2048, 768, 128, 8), (300, 2048, 768, 128, 8),
+@pytest.mark.parametrize("T,H,inter,E,k", [(1, 2048, 768, 128, 8), (32, 2048, 768, 128, 8), (300, 2048, 768, 128, 8),
                                        (7, 200, 136, 9, 3), (129, 200, 136, 9, 3)])
-def test_fused_moe_matches_reference_bf16(T, H, I, E, k):
+def test_fused_moe_matches_reference_bf16(T, H, inter, E, k):
     from rollout.kernels.fused_moe import fused_moe
-    x, logits, w1, w2 = _inputs(T, H, I, E, k)
+    x, logits, w1, w2 = _inputs(T, H, inter, E, k)
     weights, ids = route(logits, k, True)
     got = fused_moe(x, weights, ids, w1, w2, moe_tiles(T, k, E)).float()
     exact = experts_reference(x.float(), weights, ids, w1.float(), w2.float())     # bf16 inputs, fp32 math
@@ -41,8 +41,8 @@ def test_fused_moe_matches_reference_bf16(T, H, I, E, k):
 
 def test_fused_moe_has_no_host_sync_and_replays_in_a_graph():
     from rollout.kernels.fused_moe import fused_moe
-    T, H, I, E, k = 24, 2048, 768, 128, 8
-    x, logits, w1, w2 = _inputs(T, H, I, E, k)
+    T, H, inter, E, k = 24, 2048, 768, 128, 8
+    x, logits, w1, w2 = _inputs(T, H, inter, E, k)
     ids_out = torch.empty(T, k, dtype=torch.int64, device="cuda")
 
     def step():
@@ -57,7 +57,7 @@ def test_fused_moe_has_no_host_sync_and_replays_in_a_graph():
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         out = step()
-    x2, logits2, _, _ = _inputs(T, H, I, E, k, seed=1)      # new tokens, new routing: same static shapes
+    x2, logits2, _, _ = _inputs(T, H, inter, E, k, seed=1)      # new tokens, new routing: same static shapes
     x.copy_(x2)
     logits.copy_(logits2)
     g.replay()
