@@ -175,11 +175,12 @@ class SparseMoE(nn.Module):
         if shared:
             self.shared_expert_gate = nn.Linear(H, 1, bias=False)
 
-    def forward(self, x, routed: Optional[torch.Tensor] = None, gemms: Optional[Gemms] = None):
-        """routed: [T, k] int64 where the router's expert ids go (the step's capture buffer), or None."""
+    def forward(self, x, routed: Optional[torch.Tensor] = None, gemms: Optional[Gemms] = None, fused: bool = False):
+        """routed: [T, k] int64 where the router's expert ids go (the step's capture buffer), or None;
+        fused: the Triton MoE kernels (the Triton backend), else the torch reference."""
         linear = gemms or plain_linear
         weights, ids = route(linear(self.gate, x), self.top_k, self.renormalize, routed)
-        out = experts(x, weights, ids, self.gate_up, self.down, fused=gemms is not None)
+        out = experts(x, weights, ids, self.gate_up, self.down, fused)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(linear(self.shared_expert_gate, x)) * self.shared_expert(x, gemms)
         return out
@@ -203,7 +204,7 @@ class DecoderLayer(nn.Module):
     def forward(self, x, cos, sin, kv_cache, meta, switches, routed=None):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta, switches)
         h = self.post_attention_layernorm(x)
-        return x + (self.mlp(h, routed) if self.sparse else self.mlp(h))
+        return x + (self.mlp(h, routed, fused=meta.backend == "triton") if self.sparse else self.mlp(h))
 
 
 def _mlp_parts(name: str, mlp: MLP):
@@ -271,7 +272,8 @@ class DecoderLM(nn.Module):
             h, residual = gemms.add_norm(layer.self_attn.o_proj, a, residual, layer.post_attention_layernorm)
             if layer.sparse:
                 norm = norms[i + 1]
-                h, residual = add_rmsnorm(residual, norm.weight, norm.eps, delta=layer.mlp(h, next(routed), gemms))
+                delta = layer.mlp(h, next(routed), gemms, fused=True)
+                h, residual = add_rmsnorm(residual, norm.weight, norm.eps, delta=delta)
                 continue
             act = gemms.silu_gate_up(layer.mlp.gate_up_proj, h)
             h, residual = gemms.add_norm(layer.mlp.down_proj, act, residual, norms[i + 1])
