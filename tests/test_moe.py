@@ -84,7 +84,7 @@ def check_routed(path, prompt, c) -> int:
     got = c.routed_experts
     assert got.dtype == np.int16 and got.shape == (len(prompt) + len(c.token_ids) - 1, 2, TOP_K)
     assert (got[clear] == want[clear]).all()
-    assert clear.mean() > 0.95          # the comparison is not vacuous
+    assert clear.mean() > 0.99          # the comparison is not vacuous (all clear on these weights)
     return int(clear.sum())
 
 
