@@ -151,6 +151,9 @@ class RolloutEngine:
         """batch_invariant=True: a sequence's tokens and logprobs do not depend on which other
         sequences share its steps (so a preempted and resumed run, or one in a bigger batch, gives
         the same bits). It runs on our Triton kernels only; say so before anything is allocated."""
+        if self.model.sparse_layers:     # the grouped GEMM's tiles follow the batch's pairs per expert
+            raise ValueError(f"batch_invariant=True does not cover mixture-of-experts models "
+                             f"({self.hf_config.model_type}): the fused MoE picks its tiles by batch size")
         if self.device.type != "cuda" or attention_backend != "triton":
             raise ValueError("batch_invariant=True needs the Triton kernels on a CUDA device "
                              f"(device {self.device.type}, attention_backend {attention_backend!r})")
@@ -247,6 +250,9 @@ class RolloutEngine:
                 raise ValueError(f"sampling_params for prompt {i} must be a rollout.SamplingParams, "
                                  f"got {type(p).__name__}")
             p = p.checked(self.vocab_size)
+            if p.return_routed_experts and not self.model.sparse_layers:
+                raise ValueError(f"sampling_params for prompt {i}: return_routed_experts=True needs a mixture-of-"
+                                 f"experts model; {self.hf_config.model_type} has no MoE layer")
             if p.n > self.scheduler.max_num_seqs:
                 raise ValueError(f"prompt {i}: n={p.n} samples exceed max_num_seqs={self.scheduler.max_num_seqs} "
                                  f"(a group's samples run together); raise max_num_seqs or split the group")
@@ -326,6 +332,7 @@ class RolloutEngine:
         for (prompt_ids, p, text), cont in zip(prepared, conts):
             seed = p.seed if p.seed is not None else self._rng.randrange(2 ** 31)
             req = Request(self._next_id, prompt_ids, p, seed, prompt=text, continue_from=cont)
+            req.routed_shape = (len(self.model.sparse_layers), self.model.top_k)
             self._next_id += 1
             self.requests[req.request_id] = req
             self.scheduler.add(req)
@@ -371,7 +378,8 @@ class RolloutEngine:
             return []
         cols = self._columns(out, flight.top_n)
         self.metrics["generated_tokens"] += len(cols[0])
-        return [self._finish(r) for r in self.scheduler.update_columns(flight.sched, *cols)]
+        routed = flight.routed.numpy() if flight.routed is not None else None
+        return [self._finish(r) for r in self.scheduler.update_columns(flight.sched, *cols, routed=routed)]
 
     def _fail(self, sched: SchedulerOutput, exc: Exception) -> None:
         """Finish every request with a sequence in the failed batch: finish_reason "error",

@@ -220,11 +220,25 @@ def _trajectory_schema():
                       ("reward", pa.float64()), ("end", pa.string()), ("text", pa.string())])
 
 
+def _routed_column(arrays: list):
+    """int16 [positions, layers, k] arrays -> a list<layers x <k x int16>> column, built from numpy."""
+    import numpy as np
+    import pyarrow as pa
+    _, L, k = arrays[0].shape
+    inner = pa.FixedSizeListArray.from_arrays(np.concatenate([a.reshape(-1) for a in arrays]), k)
+    offsets = pa.array(np.cumsum([0] + [len(a) for a in arrays]), pa.int32())
+    return pa.ListArray.from_arrays(offsets, pa.FixedSizeListArray.from_arrays(inner, L))
+
+
 def write_part(parts_dir: Path, k: int, rows: list[dict], schema=None) -> Path:
     import pyarrow as pa
     import pyarrow.parquet as pq
     final, tmp = parts_dir / f"part-{k:05d}.parquet", parts_dir / f".part-{k:05d}.parquet.tmp"
-    pq.write_table(pa.Table.from_pylist(rows, schema=schema or _schema()), tmp)
+    plain = [{c: v for c, v in r.items() if c != "routed_experts"} for r in rows]
+    table = pa.Table.from_pylist(plain, schema=schema or _schema())
+    if rows and "routed_experts" in rows[0]:      # sampling.return_routed_experts
+        table = table.append_column("routed_experts", _routed_column([r["routed_experts"] for r in rows]))
+    pq.write_table(table, tmp)
     with open(tmp, "rb") as f:
         os.fsync(f.fileno())             # the data is on disk before the rename makes it visible
     os.replace(tmp, final)
@@ -289,7 +303,8 @@ def _rows(outs: dict[int, Any], prompts, reward_fn) -> list[dict]:
     return [{"prompt_index": i, "prompt": prompts[i][0], "prompt_ids": outs[i].prompt_token_ids, "sample_index": g,
              "completion_ids": c.token_ids, "text": c.text, "logprobs": c.logprobs,
              "processed_logprobs": c.processed_logprobs, "policy_versions": c.policy_versions,
-             "finish_reason": c.finish_reason, "reward": reward_fn(prompts[i][0], c.text or "") if reward_fn else None}
+             "finish_reason": c.finish_reason, "reward": reward_fn(prompts[i][0], c.text or "") if reward_fn else None,
+             **({"routed_experts": c.routed_experts} if c.routed_experts is not None else {})}
             for i in sorted(outs) for g, c in enumerate(outs[i].completions)]
 
 

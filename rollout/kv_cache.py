@@ -120,7 +120,8 @@ class KVCacheManager:
         if not self.prefix_caching:
             return
         a, ps, parent, n = self.alloc, self.page_size, -1 - self.weights_version, 0
-        while n < (seq.num_tokens - 1) // ps:
+        # A cached position ran no forward here, so it has no routed experts to return: compute them all.
+        while n < (seq.num_tokens - 1) // ps and not seq.request.params.return_routed_experts:
             hit = a.cached.get((parent, tuple(seq.token_ids[n * ps:(n + 1) * ps])))
             if hit is None:
                 break

@@ -32,6 +32,8 @@ class Slot:
     out: dict[str, torch.Tensor]          # device outputs; token_ids' extra last entry stays 0
     host_out: dict[str, torch.Tensor]     # pinned host copies of the outputs
     events: dict[str, object] = field(default_factory=dict)
+    routed: Optional[torch.Tensor] = None       # MoE: [layers, T, k] int64 expert ids, written by every forward
+    routed_host: Optional[torch.Tensor] = None  # pinned int16, filled only for a step a sequence asks it of
 
 
 @dataclass
@@ -43,6 +45,7 @@ class InFlight:
     keep_alive: tuple = ()                # device tensors in use until the outputs are read
     outputs: Optional[SamplerOutput] = None   # CPU path: the outputs themselves
     top: Optional[tuple] = None               # CUDA path: pinned host top-logprob ids and values
+    routed: Optional[torch.Tensor] = None     # host [MoE layers, tokens, k] int16 when a sequence asked
 
 
 class DevicePipeline:
@@ -78,7 +81,13 @@ class DevicePipeline:
             host_out = {f: torch.zeros(S, dtype=t.dtype, pin_memory=True) for f, t in out.items()}
             events = {name: torch.cuda.Event(enable_timing=name in ("start", "end"))
                       for name in ("h2d_done", "start", "end", "d2h_done")}
-        return Slot(builder, bufs, out, host_out, events)
+        slot = Slot(builder, bufs, out, host_out, events)
+        model = self.runner.model
+        if model.sparse_layers:
+            slot.routed = torch.zeros(len(model.sparse_layers), T, model.top_k, dtype=torch.int64, device=self.device)
+            if self.cuda:
+                slot.routed_host = torch.zeros(slot.routed.numel(), dtype=torch.int16, pin_memory=True)
+        return slot
 
     def capture_graphs(self, progress: bool = True) -> None:
         if self.graphs is not None and not self.graphs.graphs:
@@ -86,7 +95,7 @@ class DevicePipeline:
 
     def _compute(self, s: int, dev: DeviceBatch) -> Optional[SamplerOutput]:
         """Carry-over from the other slot, forward, sample; results into slot s's outputs."""
-        out = self.runner.run(dev, self.slots[1 - s].out["token_ids"])
+        out = self.runner.run(dev, self.slots[1 - s].out["token_ids"], self.slots[s].routed)
         if out is not None:
             R = out.token_ids.shape[0]
             for f in _OUT_FIELDS:
@@ -108,14 +117,16 @@ class DevicePipeline:
         slot = self.slots[s]
         self.current ^= 1
         batch = slot.builder.build(sched)
-        R = batch.num_rows
+        R, T = batch.num_rows, batch.num_tokens
         flight = InFlight(sched, s, R, batch.num_top_logprobs)
+        routed = slot.routed is not None and any(i.seq.request.params.return_routed_experts for i in sched.items)
         if not self.cuda:
             self.runner.swap_pages(sched.swap_out, sched.swap_in)
             out = self._compute(s, self.runner.upload(batch, slot.builder.host))
             if out is not None and batch.padded_to:   # drop the padding rows' samples
                 out = SamplerOutput(*(getattr(out, f)[:R] for f in _OUT_FIELDS), top_ids=None, top_logprobs=None)
             flight.outputs = out
+            flight.routed = slot.routed[:, :T].to(torch.int16) if routed else None
             return flight
         bucket = None
         mode = mode_of(batch.sampling.all_greedy, batch.sampling.any_truncation)
@@ -148,8 +159,11 @@ class DevicePipeline:
                 if out is not None and out.top_ids is not None:   # rare: pinned buffers per launch
                     flight.top = tuple(torch.empty(x.shape, dtype=x.dtype, pin_memory=True).copy_(x, non_blocking=True)
                                        for x in (out.top_ids, out.top_logprobs))
+            if routed:
+                ids = slot.routed[:, :T].to(torch.int16)      # on this stream, alive until d2h_done
+                flight.routed = slot.routed_host[:ids.numel()].view(ids.shape).copy_(ids, non_blocking=True)
             ev["d2h_done"].record()
-        flight.keep_alive = (dev, out)
+        flight.keep_alive = (dev, out, ids if routed else None)
         if not self.async_mode:
             ev["d2h_done"].synchronize()
         return flight

@@ -13,6 +13,7 @@ import numbers
 from dataclasses import dataclass, field
 from typing import Optional
 
+import numpy as np
 
 # Below this a temperature overflows log_softmax(logits / T) for large logits: use 0 for greedy.
 MIN_TEMPERATURE = 1e-5
@@ -52,6 +53,7 @@ class SamplingParams:
     ignore_eos: bool = False
     top_logprobs: int = 0             # 0 = off
     detokenize: bool = True
+    return_routed_experts: bool = False   # MoE: Completion.routed_experts (the prefix cache is not used)
     # RL worker policies (applied by rollout.worker at each weight update):
     stale_kv: str = "keep"            # "keep" the KV computed by older weights, or "recompute" it
     max_staleness: Optional[int] = None   # versions behind the live weights before `on_stale`
@@ -97,7 +99,7 @@ class SamplingParams:
         stop = self.stop
         if isinstance(stop, str) or not _is_sequence(stop) or any(not isinstance(x, str) or not x for x in stop):
             bad("stop", "a list of non-empty strings")
-        for name in ("ignore_eos", "detokenize"):
+        for name in ("ignore_eos", "detokenize", "return_routed_experts"):
             if not isinstance(getattr(self, name), bool):
                 bad(name, "True or False")
         return SamplingParams(
@@ -107,7 +109,8 @@ class SamplingParams:
             repetition_penalty=number("repetition_penalty", lambda x: x > 0, "a finite number > 0"),
             seed=integer("seed", 0, optional=True), stop_token_ids=[int(t) for t in stop_ids], stop=list(stop),
             ignore_eos=self.ignore_eos, top_logprobs=integer("top_logprobs", 0, vocab_size),
-            detokenize=self.detokenize, stale_kv=choice("stale_kv", ("keep", "recompute")),
+            detokenize=self.detokenize, return_routed_experts=self.return_routed_experts,
+            stale_kv=choice("stale_kv", ("keep", "recompute")),
             max_staleness=integer("max_staleness", 0, optional=True), on_stale=choice("on_stale", ("finish", "abort")))
 
     @property
@@ -137,6 +140,9 @@ class Completion:
     top_logprobs: Optional[list[dict[int, float]]] = None
     stop_reason: Optional[object] = None  # the stop string or token id that ended it
     sample_index: int = 0             # within its request's group; a continuation keeps its sampler stream
+    # return_routed_experts: int16 [P + T - 1, MoE layers, top_k], the expert ids each position's forward
+    # was routed to (every prompt token and every generated token but the last), most probable first
+    routed_experts: Optional[np.ndarray] = None
 
 
 @dataclass
@@ -188,11 +194,36 @@ class Sequence:
         # Prefix cache (kv_cache.py): its leading pages whose cache entry is known, and that entry's id
         self.prefix_pages = NO_CACHE
         self.prefix_key = 0
+        self.routed: Optional[np.ndarray] = None   # return_routed_experts: [position, layer, k], rows routed_len
+        self.routed_len = 0
 
     def drop_placeholders(self) -> None:
         while self.token_ids and self.token_ids[-1] == PLACEHOLDER:
             self.inflight.pop(len(self.token_ids) - 1, None)
             self.token_ids.pop()
+
+    def record_routing(self, start: int, ids: np.ndarray) -> None:
+        """Expert ids [layers, n, k] of positions start.. (a recompute overwrites its rows). A forked
+        sample starts from its group's prompt rows, landed by then: its first rows land after the
+        prefill's last."""
+        if self.routed is None:
+            self.routed = np.zeros((self.num_prompt + self.request.params.max_new_tokens,) + self.request.routed_shape,
+                                   np.int16)
+            group = self.request.seqs[0]
+            if group is not self and group.routed is not None:
+                self.routed_len = min(group.routed_len, self.num_prompt)
+                self.routed[:self.routed_len] = group.routed[:self.routed_len]
+        end = start + ids.shape[1]
+        self.routed[start:end] = ids.transpose(1, 0, 2)
+        self.routed_len = max(self.routed_len, end)
+
+    def routed_experts(self) -> np.ndarray:
+        """The rows of every position whose forward ran and landed (a never-run sample: its group's prompt)."""
+        src = self if self.routed is not None else self.request.seqs[0]
+        if src.routed is None:
+            return np.zeros((0,) + self.request.routed_shape, np.int16)
+        n = min(src.routed_len, self.num_tokens - 1, self.num_prompt if src is not self else src.routed_len)
+        return src.routed[:n].copy()
 
     @property
     def num_tokens(self) -> int:
@@ -224,6 +255,7 @@ class Request:
         self.params = params
         self.seed = seed                  # resolved: user seed or drawn by the engine
         self.error: Optional[str] = None
+        self.routed_shape = (0, 0)        # (MoE layers, top_k): set by the engine for return_routed_experts
         first = Sequence(self, 0, list(prompt_ids), len(prompt_ids))
         first.fork_count = params.n
         if continue_from is not None:     # a partial completion (n = 1) goes on after its last token
@@ -256,5 +288,6 @@ class Request:
                 processed_logprobs=list(s.processed_logprobs), kept_mass=list(s.kept_mass),
                 finish_reason=s.finish_reason, text=text,
                 top_logprobs=list(s.top_logprobs) if self.params.top_logprobs else None,
-                stop_reason=s.stop_reason, policy_versions=list(s.policy_versions), sample_index=s.sample_index))
+                stop_reason=s.stop_reason, policy_versions=list(s.policy_versions), sample_index=s.sample_index,
+                routed_experts=s.routed_experts() if self.params.return_routed_experts else None))
         return RequestOutput(self.request_id, list(self.prompt_ids), comps, self.prompt, self.params, self.error)

@@ -131,15 +131,17 @@ class ModelRunner:
                 c[d] = hc[h].to(self.device)
 
     @torch.inference_mode()
-    def run(self, dev: DeviceBatch, prev_tokens: Optional[torch.Tensor]) -> Optional[SamplerOutput]:
-        """Carry-over, copy-on-write copies, forward, lm_head on sampling rows, sampler."""
+    def run(self, dev: DeviceBatch, prev_tokens: Optional[torch.Tensor],
+            routed: Optional[torch.Tensor] = None) -> Optional[SamplerOutput]:
+        """Carry-over, copy-on-write copies, forward (MoE layers' expert ids into `routed`), lm_head on
+        sampling rows, sampler."""
         ids, st = dev.input_ids, dev.sampling
         if dev.carry is not None:
             ids = apply_carry_over(ids, dev.carry, prev_tokens)
         if st.penalty_token_ids is not None and prev_tokens is not None:
             st = replace(st, penalty_token_ids=carry_penalty_ids(st.penalty_token_ids, prev_tokens))
         self.copy_pages(dev.copy_src, dev.copy_dst)
-        hidden = self.model(ids, dev.positions, self.kv_caches, dev.meta)
+        hidden = self.model(ids, dev.positions, self.kv_caches, dev.meta, routed)
         if dev.num_rows == 0:
             return None
         logits = self.model.compute_logits(hidden[dev.logits_indices])   # lm_head only where needed

@@ -263,10 +263,17 @@ class Scheduler:
     # ---- outputs -------------------------------------------------------------------
     def update_columns(self, sched: SchedulerOutput, tokens: list[int], logprobs: list[float],
                        processed: list[float], kept: list[float],
-                       tops: Optional[list[Optional[dict]]] = None) -> list[Request]:
+                       tops: Optional[list[Optional[dict]]] = None, routed=None) -> list[Request]:
         """Fill the batch's sampled tokens in (one list per field, in row order); return the
-        requests that finished with it."""
+        requests that finished with it. routed: the step's expert ids [MoE layers, tokens, k] (numpy),
+        recorded first for the sequences that asked, so a request finishing here has its last rows."""
         assert len(tokens) == len(sched.targets), (len(tokens), len(sched.targets))
+        if routed is not None:
+            offset = 0
+            for item in sched.items:
+                if item.seq.request.params.return_routed_experts:
+                    item.seq.record_routing(item.start, routed[:, offset:offset + item.num_new])
+                offset += item.num_new
         finished: list[Request] = []
         running, version = Status.RUNNING, sched.policy_version
         for i, t in enumerate(sched.targets):

@@ -110,7 +110,7 @@ class WeightSync:
             if t.dtype != dst.dtype:
                 raise WeightUpdateError(f"weight update rejected: {name} has dtype {t.dtype}, expected {dst.dtype}")
         if self.require_full:
-            missing = sorted(set(self.targets) - seen)
+            missing = self.engine.model.hf_missing(seen)
             if missing:
                 raise WeightUpdateError(f"weight update rejected: missing {len(missing)} tensors, e.g. {missing[:3]}")
         if not items:
@@ -199,7 +199,7 @@ class WeightSync:
 
     def warn_if_no_room(self) -> None:
         """At start-up, not at the first update an hour in: warn that a full update cannot be staged now."""
-        short = self._short_of_room(sum(t.numel() * t.element_size() for t in self.targets.values()))
+        short = self._short_of_room(sum(t.numel() * t.element_size() for t in self.engine.model.parameters()))
         if short:
             log.warning("a full weight update would be refused: %s", short)
 

@@ -524,7 +524,9 @@ def test_compiles_for_sm90(tmp_path):
                "kc_ptr": "*bf16", "vc_ptr": "*bf16", "po_ptr": "*fp32", "plse_ptr": "*fp32", "bt_ptr": "*i32",
                "lens_ptr": "*i32", "qsl_ptr": "*i32", "pos_ptr": "*i64", "inv_freq_ptr": "*fp32", "slot_ptr": "*i64",
                "x_ptr": "*bf16", "d_ptr": "*bf16", "w_ptr": "*bf16", "res_ptr": "*bf16", "gu_ptr": "*bf16",
-               "b_ptr": "*bf16", "y_ptr": "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "wml_ptr": "*fp32"}
+               "b_ptr": "*bf16", "y_ptr": "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "wml_ptr": "*fp32",
+               "ids_ptr": "*i64", "sorted_ptr": "*i32", "expert_ptr": "*i32", "npost_ptr": "*i32", "counts_ptr": "*i32",
+               "a_ptr": "*bf16", "topw_ptr": "*fp32"}
         def compile_(fn, pdl=False, early_loads=False, ptrs=None, **const):
             const = dict(const, PDL=pdl) if "PDL" in fn.arg_names else const
             if "TILED" in fn.arg_names:     # the plain weight layout unless a call says packed
@@ -578,6 +580,14 @@ def test_compiles_for_sm90(tmp_path):
                      PARTIALS=False, SILU_MUL=False)
             compile_(sg._skinny_gemm_kernel, pdl, early_loads=True, BLOCK_M=32, BLOCK_N=128, BLOCK_K=128,   # gate_up
                      EVEN_N=True, HAS_BIAS=False, SPLIT_K=1, PARTIALS=False, SILU_MUL=True)    # + SiLU epilogue
+        from rollout.kernels import fused_moe as fm
+        from rollout.layers import moe
+        compile_(fm._moe_count_kernel, E_PAD=128, CHUNK=128)     # fused MoE: the sort, both grouped GEMMs
+        compile_(fm._moe_offsets_kernel, BLOCK_M=16, E_PAD=128, ROWS=16)
+        compile_(fm._moe_scatter_kernel, E_PAD=128, CHUNK=128)
+        for bm, bn, bk, _, _ in (moe.DECODE_TILES, moe.PREFILL_TILES):
+            compile_(fm._moe_gate_up_kernel, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
+            compile_(fm._moe_down_kernel, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
         print("ok")
     """)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

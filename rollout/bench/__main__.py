@@ -7,12 +7,15 @@ random weights, side by side, with the HBM roofline of each run.
 Correctness first: before timing, our greedy and sampled logprobs are compared with an
 HF forward of the same sequences in the same dtype (mean / max |Δlogp|, greedy prefix
 agreement). Timing: wall clock around whole generate calls after a warm-up, CUDA
-synchronised, median of --repeats.
+synchronised, median of --repeats. MoE shapes: mode `routed` is `async` with
+return_routed_experts=True (what capture costs), and its routing gives the experts each decode
+step touched, for a roofline of the bytes actually read (`roofline_routed`).
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import datetime
 import json
 import platform
@@ -119,6 +122,25 @@ def hf_incremental_vs_fp32(hf, hf_fp32, prompts, max_new_tokens: int, device) ->
             "tokens": d.numel()}
 
 
+def experts_touched(outs, P: int, num_experts: int) -> float:
+    """Mean distinct experts per MoE layer per decode step, from the completions' routed experts: the
+    union over sequences at each decode position (a step's, while the sequences decode in lockstep)."""
+    import numpy as np
+    ids = np.stack([c.routed_experts[P:] for o in outs for c in o.completions])     # [S, G - 1, L, k]
+    hit = np.zeros(ids.shape[1:3] + (num_experts,), bool)
+    g, layer = np.indices(ids.shape[1:3])
+    hit[g[None, ..., None], layer[None, ..., None], ids] = True
+    return float(hit.sum(-1).mean())
+
+
+def share_experts(model, hf) -> None:
+    """Point our stacked expert weights at HF's (the same layout): one copy of an MoE's experts, not two."""
+    for ours, theirs in zip(model.layers, hf.model.layers):
+        if ours.sparse:
+            ours.mlp.gate_up.data = theirs.mlp.experts.gate_up_proj.data
+            ours.mlp.down.data = theirs.mlp.experts.down_proj.data
+
+
 def hf_generate(hf, prompts, G: int, repeats: int, device) -> dict:
     """HF `generate` on all prompts in one batch, greedy, exactly G new tokens: median of `repeats`."""
     ids = torch.tensor(prompts, device=device)
@@ -188,7 +210,8 @@ def main(argv=None):
     ap.add_argument("--hf", default="generate", choices=("generate", "generate_batch", "none"),
                     help="the HF baseline timed on the same weights")
     ap.add_argument("--hf-gen-len", type=int, default=None, help="new tokens for the HF run (default: --gen-len)")
-    ap.add_argument("--modes", default="async", help="comma list of ours' modes to time: sync,async")
+    ap.add_argument("--modes", default="async",
+                    help="comma list of ours' modes to time: sync,async,routed (async + return_routed_experts)")
     ap.add_argument("--no-graphs", action="store_true", help="decode eagerly (no CUDA graphs)")
     ap.add_argument("--batch-invariant", action="store_true",
                     help="engine batch_invariant=True (to measure what bit-stable outputs cost)")
@@ -217,6 +240,9 @@ def main(argv=None):
         hf = AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
     model = build_model(cfg, dtype, device)
     copy_hf_tensors(model, hf.state_dict().items(), "HF model")
+    share_experts(model, hf)
+    if cuda:
+        torch.cuda.empty_cache()
     per_token = model_sizes(cfg, dtype.itemsize)["kv_bytes_per_token"]
     t_engine = time.perf_counter()
     engine = RolloutEngine(model, cfg, max_model_len=P + G + 8, max_num_seqs=max(S, 8),
@@ -254,7 +280,7 @@ def main(argv=None):
         torch.cuda.empty_cache()
     print("check:", json.dumps({k: v for k, v in result.items() if k.startswith("check")}), flush=True)
 
-    def time_ours():
+    def time_ours(params):
         _sync()
         if cuda:
             torch.cuda.reset_peak_memory_stats()
@@ -268,7 +294,7 @@ def main(argv=None):
         t0 = time.perf_counter()
         try:
             with clocks.logged(device.index or 0) if cuda else contextlib.nullcontext({}) as gpu_clocks:
-                o = engine.generate(prompts, greedy, use_tqdm=True)
+                o = engine.generate(prompts, params, use_tqdm=True)
                 engine.drain()
                 _sync()
         finally:
@@ -287,6 +313,8 @@ def main(argv=None):
                 "peak_memory_gb": torch.cuda.max_memory_allocated() / 1e9 if cuda else None,
                 "gpu_clocks": gpu_clocks,     # SM clock and power over the run (nvidia-smi): at the power limit?
                 **{c: engine.pipeline.counts[c] - counts0[c] for c in counts0},
+                **({"experts_touched_per_layer_step": experts_touched(o, P, cfg.num_experts)}
+                   if params.return_routed_experts else {}),
                 "tokens": [c.token_ids for x in o for c in x.completions]}
 
     engine.generate(prompts[:2], SamplingParams(max_new_tokens=8, temperature=0.0), use_tqdm=False)
@@ -294,18 +322,25 @@ def main(argv=None):
     modes = args.modes.split(",")
     for mode in modes:
         # Same engine, same schedule; async only stops waiting after each launch.
-        engine.pipeline.async_mode = mode == "async" and cuda
-        runs = [time_ours() for _ in range(args.repeats)]
+        engine.pipeline.async_mode = mode in ("async", "routed") and cuda
+        params = dataclasses.replace(greedy, return_routed_experts=True) if mode == "routed" else greedy
+        runs = [time_ours(params) for _ in range(args.repeats)]
         best = sorted(runs, key=lambda r: r["wall_s"])[len(runs) // 2]     # the median run
         best["runs_tok_s"] = [r["tok_s"] for r in runs]
         tokens[mode] = best.pop("tokens")
         best["fraction_of_roofline"] = best["tok_s"] / result["roofline"]["tok_s"]
         best["preemptions"] = engine.scheduler.num_preemptions
         result[f"ours_{mode}"] = best
+        if mode == "routed":
+            result["roofline_routed"] = roofline(cfg, S, P, G, prefill_seqs=B, dtype_bytes=dtype.itemsize,
+                                                 touched=best["experts_touched_per_layer_step"])
+            best["fraction_of_roofline_routed"] = best["tok_s"] / result["roofline_routed"]["tok_s"]
     result["ours"] = result[f"ours_{modes[-1]}"]
     result["engine_stats"] = engine.stats()
     if len(tokens) > 1:
         result["sync_async_tokens_identical"] = len({str(t) for t in tokens.values()}) == 1
+    if "routed" in modes and "async" in modes:      # what returning the routed experts costs
+        result["routed_experts_cost"] = result["ours_routed"]["wall_s"] / result["ours_async"]["wall_s"] - 1
     if "sync" in modes and "async" in modes:
         a, s_ = result["ours_async"], result["ours_sync"]
         result["async_speedup"] = s_["wall_s"] / a["wall_s"]
@@ -338,6 +373,11 @@ def main(argv=None):
     rf = result["roofline"]
     print(f"\nroofline: {rf['tok_s']:.0f} tok/s ({rf['step_ms']:.2f} ms/step at mean context "
           f"{rf['mean_context']:.0f}, {rf['bytes_per_step'] / 1e9:.2f} GB/step)")
+    if "roofline_routed" in result:
+        rr = result["roofline_routed"]
+        print(f"roofline of the experts touched ({result['ours_routed']['experts_touched_per_layer_step']:.1f} per "
+              f"layer per step): {rr['tok_s']:.0f} tok/s ({rr['step_ms']:.2f} ms/step); returning routed experts "
+              f"cost {100 * result.get('routed_experts_cost', float('nan')):.1f}% of the async wall time")
     print("| run | wall s | tok/s | % roofline | GPU busy (steady) | SM clock, power, time at the power limit |\n"
           "|---|---|---|---|---|---|")
     for mode in modes:

@@ -6,6 +6,8 @@ Per decode step, B sequences at context c:
            + 4 B V / BW                                  bf16 logits written and read once
 A cohort (prompt P, G new tokens) has mean context P + G / 2 and t_step is affine in c, so
 tokens/s = B G / (prefill + G t_step(B, P + G / 2)). Prefill is compute-bound: 2 N tokens / F.
+MoE: W counts, in each MoE layer, the experts a step touches (the step's own routing where measured,
+else E (1 - (1 - k / E)^B) for B tokens routed independently), and N each token's k experts.
 """
 from __future__ import annotations
 
@@ -18,30 +20,49 @@ def model_sizes(cfg, dtype_bytes: int = 2) -> dict:
     Hq = cfg.num_attention_heads
     Hkv = cfg.num_key_value_heads or Hq
     d = getattr(cfg, "head_dim", None) or h // Hq
-    inter = cfg.intermediate_size
-    per_layer = h * (Hq + 2 * Hkv) * d + Hq * d * h + 3 * h * inter + 2 * h
-    n = L * per_layer + h + V * h       # non-embedding weights + lm_head (tied or not: it is read)
+    from ..models.decoder import is_sparse_layer
+    sparse = sum(is_sparse_layer(cfg, i) for i in range(L))
+    E, k = (cfg.num_experts, cfg.num_experts_per_tok) if sparse else (0, 0)
+    expert = 3 * h * cfg.moe_intermediate_size if sparse else 0        # one expert's gate, up and down
+    per_layer = h * (Hq + 2 * Hkv) * d + Hq * d * h + 2 * h
+    # non-embedding weights outside the experts (dense MLPs, routers) + lm_head (tied or not: it is read)
+    n = L * per_layer + (L - sparse) * 3 * h * cfg.intermediate_size + sparse * h * E + h + V * h
     return {"params_read": n, "weight_bytes": n * dtype_bytes, "kv_bytes_per_token": 2 * L * Hkv * d * dtype_bytes,
-            "layers": L, "q_heads": Hq, "head_dim": d, "vocab": V}
+            "layers": L, "q_heads": Hq, "head_dim": d, "vocab": V, "moe_layers": sparse, "experts": E, "top_k": k,
+            "expert_bytes": expert * dtype_bytes, "active_expert_params": sparse * k * expert}
 
 
-def step_time_s(s: dict, B: int, context: float, bw: float = BW_BYTES_S, flops: float = FLOPS) -> float:
-    linear = max(s["weight_bytes"] / bw, 2 * s["params_read"] * B / flops)
+def experts_touched(s: dict, B: int) -> float:
+    """Distinct experts per MoE layer a step of B tokens reads, if each token picks k of E at random."""
+    return s["experts"] * (1 - (1 - s["top_k"] / s["experts"]) ** B) if s["moe_layers"] else 0.0
+
+
+def step_bytes(s: dict, B: int, touched: float | None = None) -> float:
+    """Weight bytes a decode step reads; touched: measured distinct experts per MoE layer, else the estimate."""
+    return s["weight_bytes"] + s["moe_layers"] * (experts_touched(s, B) if touched is None else touched) * \
+        s["expert_bytes"]
+
+
+def step_time_s(s: dict, B: int, context: float, bw: float = BW_BYTES_S, flops: float = FLOPS,
+                touched: float | None = None) -> float:
+    linear = max(step_bytes(s, B, touched) / bw, 2 * (s["params_read"] + s["active_expert_params"]) * B / flops)
     attn = max(B * context * s["kv_bytes_per_token"] / bw,
                4 * B * context * s["layers"] * s["q_heads"] * s["head_dim"] / flops)
     return linear + attn + 4 * B * s["vocab"] / bw
 
 
 def roofline(cfg, B: int, P: int, G: int, prefill_seqs: int | None = None, dtype_bytes: int = 2,
-             bw: float = BW_BYTES_S, flops: float = FLOPS) -> dict:
+             bw: float = BW_BYTES_S, flops: float = FLOPS, touched: float | None = None) -> dict:
     """B sequences decoding G tokens after a P-token prompt; `prefill_seqs` prompts are
-    prefilled (fewer than B when groups share one prefill)."""
+    prefilled (fewer than B when groups share one prefill). touched: MoE, measured distinct experts
+    per layer per decode step."""
     s = model_sizes(cfg, dtype_bytes)
     c = P + G / 2
-    t_step = step_time_s(s, B, c, bw, flops)
-    prefill = 2 * s["params_read"] * (prefill_seqs if prefill_seqs is not None else B) * P / flops
+    t_step = step_time_s(s, B, c, bw, flops, touched)
+    prefill = 2 * (s["params_read"] + s["active_expert_params"]) * (prefill_seqs if prefill_seqs is not None else B) \
+        * P / flops
     total = prefill + G * t_step
-    return {"bytes_per_step": s["weight_bytes"] + B * c * s["kv_bytes_per_token"] + 4 * B * s["vocab"],
+    return {"bytes_per_step": step_bytes(s, B, touched) + B * c * s["kv_bytes_per_token"] + 4 * B * s["vocab"],
             "mean_context": c, "step_ms": 1e3 * t_step, "prefill_s": prefill, "wall_s": total,
             "tok_s": B * G / total, "hbm_bytes_s": bw, "flops": flops}
 

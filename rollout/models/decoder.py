@@ -1,5 +1,6 @@
-"""One decoder for Llama (llama3 RoPE), Mistral (sliding window), Qwen2 (QKV bias) and Qwen3 (q/k norm),
-fused QKV and gate/up weights; its math mirrors transformers' eager code without importing it."""
+"""One decoder for Llama (llama3 RoPE), Mistral (sliding window), Qwen2 (QKV bias), Qwen3 (q/k norm) and
+their mixture-of-experts forms Qwen2-MoE (a shared expert) and Qwen3-MoE, fused QKV and gate/up weights,
+experts stacked; its math mirrors transformers' eager code without importing it."""
 from __future__ import annotations
 
 import math
@@ -12,9 +13,11 @@ from torch import nn
 from .. import env
 from ..layers.attention import AttentionMetadata, attend, paged_attention, write_kv
 from ..layers.linear import Gemms, pick_config, plain_linear, weight_for
+from ..layers.moe import experts, route
 
 SUPPORTED_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                           "qwen3": "Qwen3ForCausalLM"}
+                           "qwen3": "Qwen3ForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+                           "qwen3_moe": "Qwen3MoeForCausalLM"}
 
 
 def check_supported(hf_config) -> None:
@@ -85,11 +88,11 @@ class Attention(nn.Module):
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        qkv_bias = cfg.model_type == "qwen2" or bool(getattr(cfg, "attention_bias", False))
+        qkv_bias = bool(getattr(cfg, "qkv_bias", cfg.model_type == "qwen2") or getattr(cfg, "attention_bias", False))
         o_bias = cfg.model_type != "qwen2" and bool(getattr(cfg, "attention_bias", False))
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=o_bias)
-        self.qk_norm = cfg.model_type == "qwen3"
+        self.qk_norm = cfg.model_type in ("qwen3", "qwen3_moe")
         if self.qk_norm:
             self.q_norm, self.k_norm = (RMSNorm(self.head_dim, cfg.rms_norm_eps) for _ in range(2))
         self.scale = self.head_dim ** -0.5
@@ -100,7 +103,7 @@ class Attention(nn.Module):
         window = getattr(cfg, "sliding_window", None)
         if not window:
             return None
-        if cfg.model_type in ("qwen2", "qwen3"):
+        if cfg.model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
             if not getattr(cfg, "use_sliding_window", False):
                 return None
             layer_types = getattr(cfg, "layer_types", None)
@@ -138,31 +141,75 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg):
+    def __init__(self, cfg, inter: Optional[int] = None):
         super().__init__()
         bias = bool(getattr(cfg, "mlp_bias", False))
-        self.inter = cfg.intermediate_size
+        self.inter = inter or cfg.intermediate_size
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.inter, bias=bias)
         self.down_proj = nn.Linear(self.inter, cfg.hidden_size, bias=bias)
         if getattr(cfg, "hidden_act", "silu") != "silu":
             raise ValueError(f"unsupported hidden_act {cfg.hidden_act!r}; supported: silu")
 
-    def forward(self, x):
+    def forward(self, x, gemms: Optional[Gemms] = None):
+        if gemms is not None:
+            return gemms(self.down_proj, gemms.silu_gate_up(self.gate_up_proj, x))
         gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
         return self.down_proj(F.silu(gate) * up)
+
+
+class SparseMoE(nn.Module):
+    """A linear router over the experts and SiLU-gated experts stacked for the grouped GEMM
+    (gate_up [E, 2I, H], down [E, H, I]: transformers 5's layout); Qwen2-MoE adds a shared expert
+    scaled by a sigmoid gate."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        E, inter, H = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+        self.num_experts, self.inter, self.top_k = E, inter, cfg.num_experts_per_tok
+        self.renormalize = bool(getattr(cfg, "norm_topk_prob", False))
+        self.gate = nn.Linear(H, E, bias=False)
+        self.gate_up = nn.Parameter(torch.empty(E, 2 * inter, H))
+        self.down = nn.Parameter(torch.empty(E, H, inter))
+        shared = getattr(cfg, "shared_expert_intermediate_size", 0)
+        self.shared_expert = MLP(cfg, shared) if shared else None
+        if shared:
+            self.shared_expert_gate = nn.Linear(H, 1, bias=False)
+
+    def forward(self, x, routed: Optional[torch.Tensor] = None, gemms: Optional[Gemms] = None, fused: bool = False):
+        """routed: [T, k] int64 where the router's expert ids go (the step's capture buffer), or None;
+        fused: the Triton MoE kernels (the Triton backend), else the torch reference."""
+        linear = gemms or plain_linear
+        weights, ids = route(linear(self.gate, x), self.top_k, self.renormalize, routed)
+        out = experts(x, weights, ids, self.gate_up, self.down, fused)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(linear(self.shared_expert_gate, x)) * self.shared_expert(x, gemms)
+        return out
+
+
+def is_sparse_layer(cfg, i: int) -> bool:
+    """transformers' rule: an MoE MLP every decoder_sparse_step layers, except mlp_only_layers."""
+    return getattr(cfg, "num_experts", 0) > 0 and i not in (getattr(cfg, "mlp_only_layers", None) or []) \
+        and (i + 1) % getattr(cfg, "decoder_sparse_step", 1) == 0
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg, layer_idx: int):
         super().__init__()
         self.self_attn = Attention(cfg, layer_idx)
-        self.mlp = MLP(cfg)
+        self.sparse = is_sparse_layer(cfg, layer_idx)
+        self.mlp = SparseMoE(cfg) if self.sparse else MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, kv_cache, meta, switches):
+    def forward(self, x, cos, sin, kv_cache, meta, switches, routed=None):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta, switches)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.post_attention_layernorm(x)
+        return x + (self.mlp(h, routed, fused=meta.backend == "triton") if self.sparse else self.mlp(h))
+
+
+def _mlp_parts(name: str, mlp: MLP):
+    return ((mlp.gate_up_proj, ((f"{name}.gate_proj", 0, mlp.inter), (f"{name}.up_proj", mlp.inter, 2 * mlp.inter))),
+            (mlp.down_proj, f"{name}.down_proj"))
 
 
 class DecoderLM(nn.Module):
@@ -179,6 +226,8 @@ class DecoderLM(nn.Module):
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         attn = self.layers[0].self_attn
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
+        self.sparse_layers = [i for i, layer in enumerate(self.layers) if layer.sparse]
+        self.top_k = getattr(cfg, "num_experts_per_tok", 0) if self.sparse_layers else 0
         self.register_buffer("inv_freq", rope_inv_freq(cfg, attn.head_dim), persistent=False)
         self.fused_small_ops = True   # with the Triton backend (the profile bench turns it off)
         self.skinny_gemm = True       # decode GEMMs: the skinny Triton GEMM where it beats cuBLAS
@@ -199,17 +248,20 @@ class DecoderLM(nn.Module):
         dtype = self.embed_tokens.weight.dtype
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
-    def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata):
+    def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata, routed: Optional[torch.Tensor] = None):
+        """routed: [sparse layers, >= T, k] int64 that receives each MoE layer's expert ids, or None."""
+        T = input_ids.shape[0]
+        per_layer = iter(routed[:, :T] if routed is not None else [None] * len(self.sparse_layers))
         if meta.backend == "triton" and self.fused_small_ops:
-            return self._forward_fused(input_ids, positions, kv_caches, meta)
+            return self._forward_fused(input_ids, positions, kv_caches, meta, per_layer)
         x = self.embed_tokens(input_ids)
         cos, sin = self.rope(positions)
         for layer, kv in zip(self.layers, kv_caches):
-            x = layer(x, cos, sin, kv, meta, self.kernels)
+            x = layer(x, cos, sin, kv, meta, self.kernels, next(per_layer) if layer.sparse else None)
         return self.norm(x)
 
-    def _forward_fused(self, input_ids, positions, kv_caches, meta: AttentionMetadata):
-        """`forward`'s math in ~6 kernels a layer: residual adds fused into the next RMSNorm."""
+    def _forward_fused(self, input_ids, positions, kv_caches, meta: AttentionMetadata, routed):
+        """`forward`'s math in ~6 kernels a (dense) layer: residual adds fused into the next RMSNorm."""
         from ..kernels.fused_ops import add_rmsnorm
         residual = self.embed_tokens(input_ids)
         gemms = self.gemms()
@@ -218,6 +270,11 @@ class DecoderLM(nn.Module):
         for i, (layer, kv) in enumerate(zip(self.layers, kv_caches)):
             a = layer.self_attn.attend_fused(h, positions, self.inv_freq, kv, meta, gemms)
             h, residual = gemms.add_norm(layer.self_attn.o_proj, a, residual, layer.post_attention_layernorm)
+            if layer.sparse:
+                norm = norms[i + 1]
+                delta = layer.mlp(h, next(routed), gemms, fused=True)
+                h, residual = add_rmsnorm(residual, norm.weight, norm.eps, delta=delta)
+                continue
             act = gemms.silu_gate_up(layer.mlp.gate_up_proj, h)
             h, residual = gemms.add_norm(layer.mlp.down_proj, act, residual, norms[i + 1])
         return h
@@ -228,8 +285,9 @@ class DecoderLM(nn.Module):
         for layer in self.layers:
             yield layer.self_attn.qkv_proj, qkv
             yield layer.self_attn.o_proj, "rows"
-            yield layer.mlp.gate_up_proj, "silu" if self.kernels.silu_in_gate_up else "rows"
-            yield layer.mlp.down_proj, "rows"
+            if not layer.sparse:
+                yield layer.mlp.gate_up_proj, "silu" if self.kernels.silu_in_gate_up else "rows"
+                yield layer.mlp.down_proj, "rows"
         yield (self.embed_tokens if self.tie_word_embeddings else self.lm_head), "rows"
 
     def pack_decode_weights(self, rows: int, on: bool = True) -> int:
@@ -266,31 +324,55 @@ class DecoderLM(nn.Module):
         return self.gemms()(head, hidden)
 
     def hf_param_slices(self):
-        """Yield (hf_name, parameter, row_start, row_end) for every HF tensor we hold."""
+        """Yield (hf_name, parameter, index) for every HF tensor we hold: index None (the whole parameter)
+        or what selects its part. Stacked experts answer to the checkpoints' per-expert names and to
+        transformers 5's stacked names (`mlp.experts.gate_up_proj`, what a trainer's model holds)."""
         for i, layer in enumerate(self.layers):
             a, m = layer.self_attn, layer.mlp
             qs, ks = a.q_size, a.kv_size
-            modules = (   # (module, its HF name, or (HF name, rows) of each part of a fused weight)
+            modules = [   # (module, its HF name, or (HF name, rows) of each part of a fused weight)
                 (a.qkv_proj, (("self_attn.q_proj", 0, qs), ("self_attn.k_proj", qs, qs + ks),
                               ("self_attn.v_proj", qs + ks, qs + 2 * ks))),
                 (a.o_proj, "self_attn.o_proj"),
                 *(((a.q_norm, "self_attn.q_norm"), (a.k_norm, "self_attn.k_norm")) if a.qk_norm else ()),
-                (m.gate_up_proj, (("mlp.gate_proj", 0, m.inter), ("mlp.up_proj", m.inter, 2 * m.inter))),
-                (m.down_proj, "mlp.down_proj"),
                 (layer.input_layernorm, "input_layernorm"),
-                (layer.post_attention_layernorm, "post_attention_layernorm"))
+                (layer.post_attention_layernorm, "post_attention_layernorm")]
+            if layer.sparse:
+                experts = f"model.layers.{i}.mlp.experts"
+                for e in range(m.num_experts):
+                    yield f"{experts}.{e}.gate_proj.weight", m.gate_up, (e, slice(0, m.inter))
+                    yield f"{experts}.{e}.up_proj.weight", m.gate_up, (e, slice(m.inter, 2 * m.inter))
+                    yield f"{experts}.{e}.down_proj.weight", m.down, (e,)
+                yield f"{experts}.gate_up_proj", m.gate_up, None
+                yield f"{experts}.down_proj", m.down, None
+                modules.append((m.gate, "mlp.gate"))
+                if m.shared_expert is not None:
+                    modules += [(m.shared_expert_gate, "mlp.shared_expert_gate"),
+                                *_mlp_parts("mlp.shared_expert", m.shared_expert)]
+            else:
+                modules += _mlp_parts("mlp", m)
             for module, parts in modules:
                 parts = ((parts, None, None),) if isinstance(parts, str) else parts
                 for suffix in ("weight", "bias"):
                     param = getattr(module, suffix, None)
                     if param is not None:
                         for name, lo, hi in parts:
-                            yield f"model.layers.{i}.{name}.{suffix}", param, lo, hi
-        yield "model.embed_tokens.weight", self.embed_tokens.weight, None, None
-        yield "model.norm.weight", self.norm.weight, None, None
+                            yield f"model.layers.{i}.{name}.{suffix}", param, None if lo is None else slice(lo, hi)
+        yield "model.embed_tokens.weight", self.embed_tokens.weight, None
+        yield "model.norm.weight", self.norm.weight, None
         if not self.tie_word_embeddings:
-            yield "lm_head.weight", self.lm_head.weight, None, None
+            yield "lm_head.weight", self.lm_head.weight, None
 
     def hf_targets(self) -> dict[str, torch.Tensor]:
         """hf_name -> the view of our parameter that holds it (writes land in place)."""
-        return {name: param.data if lo is None else param.data[lo:hi] for name, param, lo, hi in self.hf_param_slices()}
+        return {name: p.data if idx is None else p.data[idx] for name, p, idx in self.hf_param_slices()}
+
+    def hf_missing(self, given) -> list[str]:
+        """The HF names a complete set of tensors needs that `given` lacks. A parameter given whole
+        covers the names of its parts; a whole name of a parameter that also has part names (the
+        stacked experts) is never required."""
+        slices = list(self.hf_param_slices())
+        parted = {id(p) for _, p, idx in slices if idx is not None}
+        whole = {id(p) for name, p, idx in slices if idx is None and name in given}
+        return sorted(name for name, p, idx in slices
+                      if name not in given and id(p) not in whole and (idx is not None or id(p) not in parted))

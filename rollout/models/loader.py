@@ -31,9 +31,11 @@ def resolve_dtype(dtype: Union[str, torch.dtype, None], hf_config, device: torch
 
 
 def build_model(hf_config, dtype: torch.dtype, device: torch.device) -> DecoderLM:
-    with torch.device(device):       # DecoderLM checks the architecture
+    """The model with UNINITIALISED weights in `dtype` on `device` (load, init_random or copy into it):
+    built on the meta device, then allocated once (an fp32 build first would need 2x the memory)."""
+    with torch.device("meta"):       # DecoderLM checks the architecture
         model = DecoderLM(hf_config)
-    model.to(dtype)
+    model = model.to(dtype).to_empty(device=device)
     model.inv_freq = rope_inv_freq(hf_config, model.head_dim).to(device)    # fp32 as in HF; `.to` rounded it
     return model.eval().requires_grad_(False)
 
@@ -111,7 +113,7 @@ def load_checkpoint(model: DecoderLM, path: Path) -> None:
                 filled |= copy_hf_tensors(model, ((n, f.get_tensor(n)) for n in f.keys()), f"checkpoint {file.name}")
         except SafetensorError as exc:       # truncated or not a safetensors file at all
             raise ValueError(f"{file} is not a readable safetensors file: {exc}") from exc
-    missing = sorted(set(model.hf_targets()) - filled)
+    missing = model.hf_missing(filled)
     if missing:
         raise ValueError(f"checkpoint {path}: missing tensors {missing[:5]}{' ...' if len(missing) > 5 else ''} "
                          f"({len(missing)} in all)")

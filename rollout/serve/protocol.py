@@ -142,9 +142,10 @@ def _finite(x: float) -> float:
     return x if math.isfinite(x) else -9999.0     # JSON has no -inf (vLLM clamps the same way)
 
 
-def native_completion(c) -> dict:     # every Completion field (JSON object keys are strings)
+def native_completion(c) -> dict:     # every Completion field (JSON object keys are strings, arrays lists)
     return {**vars(c), "top_logprobs": None if c.top_logprobs is None else [{str(k): v for k, v in d.items()}
-                                                                            for d in c.top_logprobs]}
+                                                                            for d in c.top_logprobs],
+            "routed_experts": None if c.routed_experts is None else c.routed_experts.tolist()}
 
 
 class Formatter:

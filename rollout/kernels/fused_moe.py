@@ -1,0 +1,170 @@
+"""Fused mixture-of-experts MLP: y[t] = sum_j w[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t])), e = ids[t, j].
+
+    moe_align    the T*k (token, expert) pairs sorted by expert (stable), each expert's run padded to
+                 BLOCK_M, and the expert of every BLOCK_M block; padding slots hold T*k
+    gate_up      grouped GEMM over the sorted blocks, silu(gate) * up in its epilogue -> [T*k, I] by pair
+    down         grouped GEMM, times the routing weight in its epilogue -> [T*k, H] by pair
+    combine      sum over each token's k pairs in pair order (deterministic; no atomics)
+
+Every buffer and grid is sized from T alone (the sorted buffer holds T*k + E*(BLOCK_M - 1) slots, the most
+any routing pads to; blocks past the padded total exit at once), and nothing reads back to the host, so a
+step with it can be captured in a CUDA graph. Which tiles run at which shape: rollout/layers/moe.py.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import fix_interpreter
+from .fused_ops import silu_times
+
+fix_interpreter()
+
+
+@triton.jit
+def _moe_count_kernel(ids_ptr, counts_ptr, N, E_PAD: tl.constexpr, CHUNK: tl.constexpr):
+    """counts[c, e]: pairs of chunk c routed to expert e."""
+    c = tl.program_id(0)
+    pairs = c * CHUNK + tl.arange(0, CHUNK)
+    ids = tl.load(ids_ptr + pairs, mask=pairs < N, other=-1).to(tl.int32)
+    experts = tl.arange(0, E_PAD)
+    tl.store(counts_ptr + c * E_PAD + experts, tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0))
+
+
+@triton.jit
+def _moe_offsets_kernel(counts_ptr, expert_ptr, npost_ptr, E, CHUNKS, BLOCKS, BLOCK_M: tl.constexpr,
+                        E_PAD: tl.constexpr, ROWS: tl.constexpr):
+    """One program: each expert's run padded to BLOCK_M; counts[c, e] becomes the first slot of chunk c's
+    pairs of expert e; the expert of every block (E past the padded total)."""
+    experts = tl.arange(0, E_PAD)
+    rows = tl.arange(0, ROWS)
+    total = tl.zeros([E_PAD], tl.int32)
+    for r0 in range(0, CHUNKS, ROWS):
+        total += tl.sum(tl.load(counts_ptr + (r0 + rows)[:, None] * E_PAD + experts[None, :],
+                                mask=(r0 + rows)[:, None] < CHUNKS, other=0), axis=0)
+    padded = (total + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    tl.store(npost_ptr, tl.sum(padded, axis=0))
+    base = ends - padded
+    for r0 in range(0, CHUNKS, ROWS):
+        ptrs = counts_ptr + (r0 + rows)[:, None] * E_PAD + experts[None, :]
+        ok = (r0 + rows)[:, None] < CHUNKS
+        counts = tl.load(ptrs, mask=ok, other=0)
+        tl.store(ptrs, base[None, :] + tl.cumsum(counts, axis=0) - counts, mask=ok)
+        base += tl.sum(counts, axis=0)
+    for b0 in range(0, BLOCKS, ROWS):    # block b's expert: how many experts' runs end at or before it
+        b = b0 + rows
+        owner = tl.sum((ends[None, :] <= b[:, None] * BLOCK_M).to(tl.int32), axis=1)
+        tl.store(expert_ptr + b, tl.minimum(owner, E), mask=b < BLOCKS)
+
+
+@triton.jit
+def _moe_scatter_kernel(ids_ptr, counts_ptr, sorted_ptr, N, E_PAD: tl.constexpr, CHUNK: tl.constexpr):
+    """Each pair of chunk c to its slot: its chunk's first slot for its expert + earlier same-expert pairs."""
+    c = tl.program_id(0)
+    pairs = c * CHUNK + tl.arange(0, CHUNK)
+    ok = pairs < N
+    ids = tl.load(ids_ptr + pairs, mask=ok, other=-1).to(tl.int32)
+    onehot = (ids[:, None] == tl.arange(0, E_PAD)[None, :]).to(tl.int32)
+    rank = tl.sum((tl.cumsum(onehot, axis=0) - onehot) * onehot, axis=1)
+    slot = tl.load(counts_ptr + c * E_PAD + ids, mask=ok, other=0) + rank
+    tl.store(sorted_ptr + slot, pairs, mask=ok)
+
+
+@triton.jit
+def _block_pairs(sorted_ptr, expert_ptr, npost_ptr, N, BLOCK_M: tl.constexpr):
+    """(this block's expert, its pair ids, which are real pairs, live block) for program_id(0)."""
+    pid = tl.program_id(0)
+    pairs = tl.load(sorted_ptr + pid * BLOCK_M + tl.arange(0, BLOCK_M))
+    return tl.load(expert_ptr + pid).to(tl.int64), pairs, pairs < N, pid * BLOCK_M < tl.load(npost_ptr)
+
+
+@triton.jit
+def _moe_gate_up_kernel(x_ptr, w_ptr, y_ptr, sorted_ptr, expert_ptr, npost_ptr, N, INTER, H, TOP_K,
+                        s_xm, s_we, s_wn, s_ym, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    e, pairs, ok, live = _block_pairs(sorted_ptr, expert_ptr, npost_ptr, N, BLOCK_M)
+    if live:
+        rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        n_ok = rn < INTER
+        x_ptrs = x_ptr + (pairs // TOP_K).to(tl.int64)[:, None] * s_xm + rk[None, :]
+        g_ptrs = w_ptr + e * s_we + rn.to(tl.int64)[None, :] * s_wn + rk[:, None]     # gate rows, [BLOCK_K, BLOCK_N]
+        u_ptrs = g_ptrs + INTER * s_wn                                                   # the same columns' up rows
+        gate = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            k_ok = rk < H - k0
+            x = tl.load(x_ptrs, mask=ok[:, None] & k_ok[None, :], other=0.0)
+            gate = tl.dot(x, tl.load(g_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0), gate)
+            up = tl.dot(x, tl.load(u_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0), up)
+            x_ptrs += BLOCK_K
+            g_ptrs += BLOCK_K
+            u_ptrs += BLOCK_K
+        dt = y_ptr.dtype.element_ty     # rounded where torch's eager gate_up, silu and mul round
+        y = silu_times(gate.to(dt).to(tl.float32), up.to(dt).to(tl.float32), dt)
+        tl.store(y_ptr + pairs.to(tl.int64)[:, None] * s_ym + rn[None, :], y, mask=ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _moe_down_kernel(a_ptr, w_ptr, y_ptr, topw_ptr, sorted_ptr, expert_ptr, npost_ptr, N, H, INTER,
+                     s_am, s_we, s_wn, s_ym, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    e, pairs, ok, live = _block_pairs(sorted_ptr, expert_ptr, npost_ptr, N, BLOCK_M)
+    if live:
+        rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        n_ok = rn < H
+        a_ptrs = a_ptr + pairs.to(tl.int64)[:, None] * s_am + rk[None, :]
+        w_ptrs = w_ptr + e * s_we + rn.to(tl.int64)[None, :] * s_wn + rk[:, None]
+        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        for k0 in range(0, INTER, BLOCK_K):
+            k_ok = rk < INTER - k0
+            a = tl.load(a_ptrs, mask=ok[:, None] & k_ok[None, :], other=0.0)
+            acc = tl.dot(a, tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0), acc)
+            a_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+        acc *= tl.load(topw_ptr + pairs, mask=ok, other=0.0)[:, None]
+        tl.store(y_ptr + pairs.to(tl.int64)[:, None] * s_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
+                 mask=ok[:, None] & n_ok[None, :])
+
+
+def moe_align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ids [T, k] -> (sorted pair ids [T*k + E*(block_m - 1), rounded up to blocks], expert of each block,
+    padded total [1]). Pairs are counted and scattered by 128-pair chunks in parallel; one program in
+    between turns the counts into offsets."""
+    n, chunk = ids.numel(), 128
+    chunks, e_pad = triton.cdiv(n, chunk), triton.next_power_of_2(num_experts)
+    blocks = triton.cdiv(n + num_experts * (block_m - 1), block_m)
+    sorted_ids = torch.full((blocks * block_m,), n, dtype=torch.int32, device=ids.device)
+    expert_ids = torch.empty(blocks, dtype=torch.int32, device=ids.device)
+    npost = torch.empty(1, dtype=torch.int32, device=ids.device)
+    counts = torch.empty(chunks, e_pad, dtype=torch.int32, device=ids.device)
+    ids = ids.contiguous()
+    _moe_count_kernel[(chunks,)](ids, counts, n, E_PAD=e_pad, CHUNK=chunk)
+    _moe_offsets_kernel[(1,)](counts, expert_ids, npost, num_experts, chunks, blocks, BLOCK_M=block_m, E_PAD=e_pad,
+                              ROWS=16)
+    _moe_scatter_kernel[(chunks,)](ids, counts, sorted_ids, n, E_PAD=e_pad, CHUNK=chunk)
+    return sorted_ids, expert_ids, npost
+
+
+def fused_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate_up: torch.Tensor,
+              w_down: torch.Tensor, config: tuple[int, int, int, int, int]) -> torch.Tensor:
+    """x [T, H]; weights (fp32), ids [T, k]; w_gate_up [E, 2I, H], w_down [E, H, I];
+    config (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) -> [T, H] in x's dtype."""
+    T, H = x.shape
+    E, inter = w_gate_up.shape[0], w_down.shape[2]
+    top_k = ids.shape[1]
+    bm, bn, bk, warps, stages = config
+    assert x.stride(1) == 1 and w_gate_up.is_contiguous() and w_down.is_contiguous()
+    sorted_ids, expert_ids, npost = moe_align(ids, E, bm)
+    blocks, n = expert_ids.numel(), T * top_k
+    act = torch.empty(n, inter, dtype=x.dtype, device=x.device)
+    _moe_gate_up_kernel[(blocks, triton.cdiv(inter, bn))](
+        x, w_gate_up, act, sorted_ids, expert_ids, npost, n, inter, H, top_k, x.stride(0), w_gate_up.stride(0),
+        w_gate_up.stride(1), act.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+    out = torch.empty(n, H, dtype=x.dtype, device=x.device)
+    _moe_down_kernel[(blocks, triton.cdiv(H, bn))](
+        act, w_down, out, weights.float().contiguous(), sorted_ids, expert_ids, npost, n, H, inter, act.stride(0),
+        w_down.stride(0), w_down.stride(1), out.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
+        num_stages=stages)
+    return out.view(T, top_k, H).sum(1, dtype=torch.float32).to(x.dtype)

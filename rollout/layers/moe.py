@@ -1,0 +1,54 @@
+"""Which mixture-of-experts path runs: the router (softmax over experts in fp32, top-k, optional
+renormalisation; as transformers) and the experts, by a torch loop over the experts hit (the reference:
+CPU, fp32 tests, the torch backend) or the fused Triton MoE (kernels/fused_moe.py) with decode or
+prefill tiles."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages). Decode: a few pairs per expert, so 16-row blocks
+# (the MMA's least) waste the least padding; prefill: 64-row blocks reuse each weight tile across rows.
+# Untuned starting points; an H200 sweep would set them per shape as layers/linear.py's tables are.
+DECODE_TILES = (16, 64, 128, 4, 4)
+PREFILL_TILES = (64, 64, 64, 4, 3)
+DECODE_PAIRS_PER_EXPERT = 16      # T * k / E at or below this: the decode tiles
+
+
+def route(logits: torch.Tensor, top_k: int, renormalize: bool, ids_out: Optional[torch.Tensor] = None):
+    """Router logits [T, E] -> (weights [T, k] fp32, rounded to the logits' dtype as transformers rounds
+    them; expert ids [T, k] int64, most probable first). ids_out: where topk writes the ids (the step's
+    routed-expert buffer, so capturing them costs no extra kernel)."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    if ids_out is None:
+        weights, ids = torch.topk(probs, top_k, dim=-1)
+    else:
+        weights, ids = torch.topk(probs, top_k, dim=-1, out=(probs.new_empty(ids_out.shape), ids_out))
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(logits.dtype).float(), ids
+
+
+def experts_reference(x, weights, ids, w_gate_up, w_down) -> torch.Tensor:
+    """transformers' loop: each expert hit runs its tokens; contributions summed in fp32."""
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for e in ids.unique().tolist():
+        tok, j = (ids == e).nonzero(as_tuple=True)
+        gate, up = F.linear(x[tok], w_gate_up[e]).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, w_down[e])
+        out.index_add_(0, tok, y.float() * weights[tok, j, None])
+    return out.to(x.dtype)
+
+
+def moe_tiles(num_tokens: int, top_k: int, num_experts: int) -> tuple[int, int, int, int, int]:
+    return DECODE_TILES if num_tokens * top_k <= DECODE_PAIRS_PER_EXPERT * num_experts else PREFILL_TILES
+
+
+def experts(x, weights, ids, w_gate_up, w_down, fused: bool) -> torch.Tensor:
+    """sum_j weights[t, j] * expert ids[t, j](x[t]): the fused Triton kernels or the reference loop."""
+    if not fused:
+        return experts_reference(x, weights, ids, w_gate_up, w_down)
+    from ..kernels.fused_moe import fused_moe
+    return fused_moe(x, weights, ids, w_gate_up, w_down, moe_tiles(x.shape[0], ids.shape[1], w_gate_up.shape[0]))
