@@ -259,9 +259,9 @@ class TRLGenerationAdapter:
     def _same_as_live(self, items) -> bool:
         if getattr(self.worker, "remote", False) or getattr(self.worker.weights, "pending", None) is not None:
             return False          # a remote worker's tensors are not here to compare: push
-        targets = self._mapper.targets
+        targets, model = self._mapper.targets, self.worker.engine.model
         names = {n for n, _ in items}
-        if names != set(targets):
+        if not names <= set(targets) or model.hf_missing(names):    # a full set (stacked experts count whole)
             return False
         return all(torch.equal(t, targets[n]) for n, t in items)
 
