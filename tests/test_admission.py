@@ -78,6 +78,12 @@ def _tight(num_pages: int, n: int, prompt: int, gen: int) -> tuple[Scheduler, li
     return s, reqs
 
 
+def _step(s: Scheduler) -> None:
+    """One step, its tokens landing at once (no lag: the fraction's rule is what is under test)."""
+    out = s.schedule()
+    s.update_columns(out, [7] * out.num_rows, [0.0] * out.num_rows, [0.0] * out.num_rows, [0.0] * out.num_rows)
+
+
 def test_fraction_rises_on_preemption_holds_while_victims_wait_then_decays():
     s, reqs = _tight(num_pages=25, n=8, prompt=8, gen=40)     # 24 pages; 8 x 48 tokens need 96
     assert s.reserve_fraction is None and s.admission_fraction == s.ADAPTIVE_MIN
@@ -85,8 +91,7 @@ def test_fraction_rises_on_preemption_holds_while_victims_wait_then_decays():
     while s.has_work():
         before, preemptions = s.admission_fraction, s.num_preemptions
         victim_waits = bool(s.waiting and s.waiting[0].num_preemptions)    # preempted ones queue at the head
-        out = s.schedule()
-        s.update_columns(out, [7] * out.num_rows, [0.0] * out.num_rows, [0.0] * out.num_rows, [0.0] * out.num_rows)
+        _step(s)
         trace.append((before, s.admission_fraction, s.num_preemptions > preemptions, victim_waits))
     assert any(p for _, _, p, _ in trace) and all(len(r.seqs[0].generated_ids) == 40 for r in reqs)
     for before, after, preempted, victim_waits in trace:
@@ -104,8 +109,7 @@ def test_fixed_fraction_stays_put_and_bad_values_are_refused():
     s, _ = _tight(num_pages=25, n=8, prompt=8, gen=40)
     s.reserve_fraction = s.admission_fraction = 0.0      # as Scheduler(reserve_fraction=0.0)
     while s.has_work():
-        out = s.schedule()
-        s.update_columns(out, [7] * out.num_rows, [0.0] * out.num_rows, [0.0] * out.num_rows, [0.0] * out.num_rows)
+        _step(s)
         assert s.admission_fraction == 0.0
     assert s.num_preemptions > 0
     assert EngineConfig().kv_reserve_fraction is None

@@ -118,7 +118,8 @@ def timed_run(label: str, fraction, model, cfg, prompts, lengths: list[int], arg
     floor = schedule_floor_s(rec.contexts, sizes["weight_bytes"], sizes["kv_bytes_per_token"])
     st = engine.stats()
     result = {
-        "kv_reserve_fraction": fraction, "kv_pages": engine.kv.alloc.num_usable, "makespan_s": makespan,
+        "kv_reserve_fraction": fraction, "admission_fraction_at_end": engine.scheduler.admission_fraction,
+        "kv_pages": engine.kv.alloc.num_usable, "makespan_s": makespan,
         "tokens": total, "tok_s": total / makespan, "lengths_honored": got == lengths,
         "finish_reasons": sorted({c.finish_reason for o in outs for c in o.completions}),
         "steps": len(rec.contexts), "mean_running_seqs": sum(running) / len(running),
