@@ -34,7 +34,8 @@ class EngineConfig:
     num_kv_pages: Optional[int] = None           # explicit size; else kv_cache_memory
     kv_cache_memory: Optional[int] = None        # bytes; None: 85% of free GPU memory less 2 GiB (CPU: enough for max_num_seqs)
     reserve_memory: Any = 0                      # bytes the automatic KV sizing leaves free, or "weights" (room to stage an update)
-    kv_reserve_fraction: float = 1.0             # admission: share of each request's full-length pages reserved (1 = never preempt)
+    kv_reserve_fraction: Optional[float] = None  # admission: share of full-length pages (new + running) kept
+                                                 # free; fixed (1 = never preempt, 0 = next chunk) or None: adaptive
     preemption_mode: str = "recompute"           # recompute | swap | auto (swap where moving pages beats re-prefilling)
     swap_space_gb: float = 0.0                   # host memory for swapped-out KV pages (swap and auto need > 0)
     enable_prefix_caching: bool = True           # full KV pages reused by later requests of that prefix (same weights)
@@ -77,8 +78,8 @@ class EngineConfig:
         if r != "weights" and (isinstance(r, bool) or not isinstance(r, int) or r < 0):
             bad("reserve_memory", "bytes >= 0 or 'weights'")
         f = self.kv_reserve_fraction
-        if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0.0 <= f <= 1.0:
-            bad("kv_reserve_fraction", "a number in [0, 1]")
+        if f is not None and (isinstance(f, bool) or not isinstance(f, (int, float)) or not 0.0 <= f <= 1.0):
+            bad("kv_reserve_fraction", "a number in [0, 1] or None (adaptive)")
         if self.preemption_mode not in ("recompute", "swap", "auto"):
             bad("preemption_mode", "'recompute', 'swap' or 'auto'")
         s = self.swap_space_gb

@@ -59,9 +59,16 @@ class SchedulerOutput:
 
 
 class Scheduler:
+    # Adaptive admission (reserve_fraction=None), after SGLang's "new token ratio": the fraction
+    # starts at MIN, rises by RAISE (to 1) on every step that preempts and falls back by DECAY (to
+    # MIN) on every other step, except while a preempted sequence waits (the pressure is not over).
+    # Chosen with a CPU simulation of long-tailed GRPO batches (its R1 case is tests/test_admission.py):
+    # MIN does most of the work; after a preemption the readmission rule (`_admissible`) already brakes.
+    ADAPTIVE_MIN, ADAPTIVE_RAISE, ADAPTIVE_DECAY = 0.1, 0.02, 1e-3
+
     def __init__(self, kv: KVCacheManager, *, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, eos_token_ids: set[int], tokenizer=None,
-                 admission_reserve_pages: int = 0, reserve_fraction: float = 0.0,
+                 admission_reserve_pages: int = 0, reserve_fraction: Optional[float] = None,
                  preemption_mode: str = "recompute", host_pages: Optional[PageAllocator] = None,
                  swap_page_s: float = 0.0, recompute_token_s: float = 0.0):
         self.kv = kv
@@ -71,13 +78,15 @@ class Scheduler:
         self.eos_token_ids = set(eos_token_ids)
         self.tokenizer = tokenizer
         self.admission_reserve_pages = admission_reserve_pages
-        if not 0.0 <= reserve_fraction <= 1.0:
-            raise ValueError(f"reserve_fraction must be in [0, 1], got {reserve_fraction}")
-        # KV-pressure-aware admission: a new request is admitted only if this fraction of
-        # the pages it will need at full length (prompt + max_new_tokens, every sample),
-        # plus the same fraction of what running sequences still need, fits in the free
-        # pages. 1.0 = never preempt while the KV fits; 0.0 = admit by the next chunk only.
+        if reserve_fraction is not None and not 0.0 <= reserve_fraction <= 1.0:
+            raise ValueError(f"reserve_fraction must be in [0, 1] or None, got {reserve_fraction}")
+        # KV-pressure-aware admission: a new request is admitted only if a fraction of the
+        # pages it will need at full length (prompt + max_new_tokens, every sample), plus the
+        # same fraction of what running sequences still need, fits in the free pages.
+        # A float fixes it: 1.0 = never preempt while the KV fits; 0.0 = admit by the next chunk.
+        # None adapts it (`admission_fraction`, the ADAPTIVE_* rule above).
         self.reserve_fraction = reserve_fraction
+        self.admission_fraction = self.ADAPTIVE_MIN if reserve_fraction is None else reserve_fraction
         # Preemption frees a victim's pages. "recompute": it prefills prompt + tokens again
         # later. "swap": its pages are copied to host pages (`host_pages`) and back before it runs
         # again. "auto": swap where moving its pages out and back (swap_page_s each) costs less
@@ -126,7 +135,7 @@ class Scheduler:
         # rest of its generation) fits beside what the running sequences still need. Taken
         # back by its next chunk alone, it is the newest, so the first victim again, often
         # before its recompute is done: a re-preemption loop that can stall long generations.
-        f = 1.0 if seq.num_preemptions else self.reserve_fraction
+        f = 1.0 if seq.num_preemptions else self.admission_fraction
         if f == 0.0 or not self.running:
             return True
         need = f * (self._final_pages(seq) - len(seq.block_table) + self._outstanding_pages())
@@ -217,6 +226,12 @@ class Scheduler:
             self._add_item(out, seq, num_new)
             budget -= num_new
             i += 1
+        if self.reserve_fraction is None:
+            f = self.admission_fraction
+            if preempted:
+                self.admission_fraction = min(1.0, f + self.ADAPTIVE_RAISE)
+            elif not (self.waiting and self.waiting[0].num_preemptions):   # preempted ones wait at the head
+                self.admission_fraction = max(self.ADAPTIVE_MIN, f - self.ADAPTIVE_DECAY)
         # Then new (or preempted) sequences, FIFO, while pages, max_num_seqs and budget allow.
         while self.waiting and budget > 0 and not preempted:
             seq = self.waiting[0]

@@ -7,10 +7,10 @@ from rollout.scheduler import Scheduler
 EOS = 2
 
 
-def _sched(num_pages=64, page=4, budget=16, max_seqs=8, max_len=64):
+def _sched(num_pages=64, page=4, budget=16, max_seqs=8, max_len=64, reserve_fraction=None):
     kv = KVCacheManager(num_pages, page)
     return Scheduler(kv, max_num_seqs=max_seqs, max_num_batched_tokens=budget, max_model_len=max_len,
-                     eos_token_ids={EOS})
+                     eos_token_ids={EOS}, reserve_fraction=reserve_fraction)
 
 
 def _req(i, n_prompt=5, **kw):
@@ -71,7 +71,7 @@ def test_group_forks_after_prefill_with_shared_pages():
 
 
 def test_preempts_newest_and_requeues_first():
-    s = _sched(num_pages=7, page=4, budget=64, max_len=20)    # 6 usable pages; one sequence needs 5
+    s = _sched(num_pages=7, page=4, budget=64, max_len=20, reserve_fraction=0.0)   # 6 usable pages; one needs 5
     a, b = _req(0, n_prompt=8, max_new_tokens=12), _req(1, n_prompt=8, max_new_tokens=12)
     s.add(a), s.add(b)
     _run_step(s)           # both prefilled: 2 pages each
@@ -113,7 +113,8 @@ def test_a_preempted_sequence_waits_until_it_can_finish():
     are preempted once, then wait until their whole remaining length fits, instead of being
     readmitted by their next chunk and preempted again before the recompute is done."""
     page, n, prompt, gen = 4, 8, 8, 40
-    s = _sched(num_pages=1 + n * (prompt + gen) // page // 2, page=page, budget=16, max_seqs=n, max_len=64)
+    s = _sched(num_pages=1 + n * (prompt + gen) // page // 2, page=page, budget=16, max_seqs=n, max_len=64,
+               reserve_fraction=0.0)
     reqs = [_req(i, n_prompt=prompt, max_new_tokens=gen, ignore_eos=True) for i in range(n)]
     for r in reqs:
         s.add(r)

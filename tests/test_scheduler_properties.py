@@ -2,8 +2,8 @@
 
 A fake device samples token f(seed, sample, position) for every row, so the expected
 completion of every request is known in closed form whatever the schedule. Hypothesis
-draws arrivals, prompt and output lengths, group sizes, KV sizes, token budgets,
-admission reservation, preemption by recompute or by swap (to host pages), aborts,
+draws arrivals, prompt and output lengths, group sizes, KV sizes, token budgets, admission
+reservation (fixed or adaptive), preemption by recompute or by swap (to host pages), aborts,
 weight-version bumps and the prefix cache on or off (prompts of a few families share
 prefixes); after every step the page refcounts (device and host pages) must equal the
 block-table references exactly and the cache's maps agree, and at the end every request
@@ -84,7 +84,7 @@ class DeviceKV:
 
 @settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(reqs=st.lists(request_st, min_size=1, max_size=6), num_pages=st.integers(13, 60),
-       budget=st.integers(4, 64), reserve=st.sampled_from([0.0, 0.5, 1.0]), max_seqs=st.integers(1, 8),
+       budget=st.integers(4, 64), reserve=st.sampled_from([0.0, 0.5, 1.0, None]), max_seqs=st.integers(1, 8),
        bumps=st.sets(st.integers(0, 60), max_size=4), num_host_pages=st.none() | st.integers(1, 40),
        caching=st.booleans())
 def test_random_schedules_keep_invariants_and_outputs(reqs, num_pages, budget, reserve, max_seqs, bumps,
@@ -94,6 +94,7 @@ def test_random_schedules_keep_invariants_and_outputs(reqs, num_pages, budget, r
     sched = Scheduler(kv, max_num_seqs=max_seqs, max_num_batched_tokens=budget, max_model_len=MAX_LEN,
                       eos_token_ids={EOS}, reserve_fraction=reserve, preemption_mode="swap" if host else "recompute",
                       host_pages=host)
+    sched.ADAPTIVE_RAISE, sched.ADAPTIVE_DECAY = 0.3, 0.05   # adaptive (None): let it move within a short run
     requests = [Request(i, [3 + (r["family"] + j) % 40 for j in range(r["prompt_len"])],
                         SamplingParams(n=min(r["n"], max_seqs), max_new_tokens=r["max_new"],
                                        ignore_eos=r["ignore_eos"]), seed=i * 31 + 1)
@@ -146,6 +147,7 @@ def test_random_schedules_keep_invariants_and_outputs(reqs, num_pages, budget, r
     for r in requests:
         assert len(r.seqs) == r.params.n
         for s in r.seqs:
+            assert s.num_preemptions <= 1, "readmitted only when it can finish: never preempted twice"
             gen = s.generated_ids
             assert PLACEHOLDER not in gen and len(s.logprobs) == len(gen) == len(s.policy_versions)
             assert s.policy_versions == sorted(s.policy_versions)

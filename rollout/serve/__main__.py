@@ -14,7 +14,7 @@ from typing import Optional
 from ..config import EngineConfig
 from .app import ServeOptions
 
-_TYPES = {"int": int, "Optional[int]": int, "float": float, "str": str, "Optional[str]": str}
+_TYPES = {"int": int, "Optional[int]": int, "float": float, "Optional[float]": float, "str": str, "Optional[str]": str}
 
 
 def _int_or_str(s: str):
