@@ -70,9 +70,9 @@ class StepRecorder:
                 self.contexts.append(sum(i.start + i.num_new for i in out.items))
             return out
 
-        def update_columns(out, *cols):
+        def update_columns(out, *cols, **kw):
             discarded = sch.num_discarded_tokens
-            finished = inner_update(out, *cols)
+            finished = inner_update(out, *cols, **kw)
             self.landed += out.num_rows - (sch.num_discarded_tokens - discarded)
             for t in out.targets:
                 s = t.seq
