@@ -62,7 +62,7 @@ class Scheduler:
     # Adaptive admission (reserve_fraction=None), after SGLang's "new token ratio": the fraction
     # starts at MIN, rises by RAISE (to 1) on every step that preempts and falls back by DECAY (to
     # MIN) on every other step, except while a preempted sequence waits (the pressure is not over).
-    # Chosen with a CPU simulation of long-tailed GRPO batches (its R1 case is tests/test_admission.py):
+    # Chosen with a CPU simulation of long-tailed GRPO batches (its R1 case is tests/core/test_admission.py):
     # MIN does most of the work; after a preemption the readmission rule (`_admissible`) already brakes.
     ADAPTIVE_MIN, ADAPTIVE_RAISE, ADAPTIVE_DECAY = 0.1, 0.02, 1e-3
 

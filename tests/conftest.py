@@ -11,7 +11,7 @@ Fixtures (all session-scoped, built offline under ``tmp_path_factory``):
 * ``sharded_model_dir`` -> ``Path`` of the llama model (seed 0, same weights as
   ``model_dir("llama")``) saved as 5 safetensors shards + ``model.safetensors.index.json``.
 
-Reference helpers live in ``tests/hf_reference.py`` (``import hf_reference``).
+Reference helpers live in ``tests/support/hf_reference.py`` (``import hf_reference``).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-_TESTS_DIR = str(Path(__file__).resolve().parent)
+_TESTS_DIR = str(Path(__file__).resolve().parent / "support")
 if _TESTS_DIR not in sys.path:
     sys.path.insert(0, _TESTS_DIR)
 

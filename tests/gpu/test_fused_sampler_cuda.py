@@ -3,7 +3,7 @@ plus CUDA-graph capture and replay.
 
 Run as its own pytest invocation, never with TRITON_INTERPRET set (the CPU interpreter tests set
 it for their whole process): `python -m pytest tests/gpu/test_fused_sampler_cuda.py`.
-Skipped without CUDA. Same contract and tolerances as tests/test_fused_sampler_interpret.py
+Skipped without CUDA. Same contract and tolerances as tests/kernels/test_fused_sampler_interpret.py
 (whose docstring justifies them); here the noise's inner log is libdevice logf (= CUDA logf, as
 torch.log), so -log u is bit-equal to the reference and only fp32 score rounding
 (x * (1/T), lg2.approx for the outer log) can flip near-ties.
@@ -28,7 +28,7 @@ pytest.importorskip("triton")
 
 from rollout.sampler import SamplingTensors, counter_uniform, sample  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # tests/: shared checks
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "support"))
 from trunc_check import check_trunc as shared_check_trunc  # noqa: E402
 
 V = 151_936
@@ -154,7 +154,7 @@ def test_cuda_graph_replay_matches_eager(fs, R):
 
 
 # ------------------------------------------------------------------ top-k / top-p / min-p
-# As tests/test_fused_sampler_interpret.py (whose comments justify the method): the kernel's kept
+# As tests/kernels/test_fused_sampler_interpret.py (whose comments justify the method): the kernel's kept
 # set must lie between float64 reference masks at top_p -/+ MASS_EPS and min_p * (1 +/- MASS_EPS).
 # At V = 152K the top-p histogram passes add V / hist_block = ~600 terms per lane before one tree
 # reduction: worst case ~600 * 2**-24 = 3.6e-5 relative (typical ~1e-6), so MASS_EPS = 4e-5. The
@@ -187,7 +187,7 @@ def trunc_inputs(R, Vv, seed, dist="flat"):
 
 
 def check_trunc(logits, st, o, mask):
-    """tests/trunc_check.py at this file's tolerances, and fp32 near-tie flips in < 1% of the
+    """tests/support/trunc_check.py at this file's tolerances, and fp32 near-tie flips in < 1% of the
     sampled rows. Returns (mask mismatches, rows whose kept set differs, kept_mass and logprob errors)."""
     c = shared_check_trunc(logits, st, o, mask, mass_eps=MASS_EPS, km_tol=KM_TOL, lp_tol=LP_TOL, near_tie=NEAR_TIE)
     assert c["flips"] <= 0.01 * max(1, int((st.temperature > 0).sum()))

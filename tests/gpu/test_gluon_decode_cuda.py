@@ -15,7 +15,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     pytest.skip("TRITON_INTERPRET=1 in this process: run `python -m pytest tests/gpu` on its own",
                 allow_module_level=True)
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # tests/: shared builders
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "support"))
 from paged_cases import make_paged, meta_for, reference  # noqa: E402
 from rollout.kernels import paged_decode  # noqa: E402
 

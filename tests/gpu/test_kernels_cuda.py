@@ -1,7 +1,7 @@
 """Triton attention / RoPE kernels on CUDA (bf16 and fp32) against the torch reference, plus the
 decode kernel inside a CUDA graph. Skipped without CUDA.
 
-Run as its own pytest invocation: `python -m pytest tests/gpu`. tests/test_kernels_interpret.py
+Run as its own pytest invocation: `python -m pytest tests/gpu`. tests/kernels/test_kernels_interpret.py
 sets TRITON_INTERPRET=1 for its whole process (triton needs it from its first import on), and in
 such a process triton runs every kernel in the CPU interpreter; this module skips itself there.
 """
@@ -17,11 +17,11 @@ if not torch.cuda.is_available():
     # the CPU interpreter tests, collected later in the same process, skip themselves.
     pytest.skip("needs CUDA", allow_module_level=True)
 if os.environ.get("TRITON_INTERPRET") == "1":
-    pytest.skip("TRITON_INTERPRET=1 in this process (set by tests/test_kernels_interpret.py): run "
+    pytest.skip("TRITON_INTERPRET=1 in this process (set by tests/kernels/test_kernels_interpret.py): run "
                 "`python -m pytest tests/gpu` as its own invocation", allow_module_level=True)
 pytest.importorskip("triton")
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # tests/: shared builders
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "support"))
 from paged_cases import make_paged as _make_paged, meta_for, reference  # noqa: E402
 from rollout.layers.attention import write_kv  # noqa: E402
 from rollout.kernels.paged_decode import paged_decode_attention  # noqa: E402

@@ -128,7 +128,7 @@ def test_update_through_gloo_group_while_generating(process_server, chat_dir, mo
 
 
 def test_trl_grpo_through_http_adapter(process_server, chat_dir, tmp_path, monkeypatch):
-    """GRPOTrainer in this process (modelled on tests/test_trl_generator.py, whose helpers it reuses), the
+    """GRPOTrainer in this process (modelled on tests/rl/test_trl_generator.py, whose helpers it reuses), the
     engine in the server process; weights through the gloo group."""
     pytest.importorskip("trl")
     monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")

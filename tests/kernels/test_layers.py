@@ -9,7 +9,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")     # as the other interpreter te
 
 import torch  # noqa: E402
 
-KERNELS = Path(__file__).resolve().parent.parent / "rollout" / "kernels"
+KERNELS = Path(__file__).resolve().parents[2] / "rollout" / "kernels"
 
 
 def _imports(path: Path) -> set[str]:

@@ -23,7 +23,7 @@ from rollout import RolloutEngine
 from rollout.serve import ServeOptions, start_in_thread
 from rollout.worker import RolloutWorker
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 # within the tiny tokenizer's alphabet (lower case, digits, a little punctuation)
 CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                  "{% if tools %}tools:{% for t in tools %} {{ t['function']['name'] }}{% endfor %}\n{% endif %}"

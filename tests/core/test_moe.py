@@ -17,7 +17,7 @@ from hf_reference import (BOS_ID, EOS_ID, MODEL_VOCAB_SIZE, PAD_ID, _randomize_e
 from rollout import RolloutEngine, SamplingParams
 from rollout.worker import RolloutWorker
 
-LOGP_TOL = 1e-5       # fp32 both ways, reduction order only (as tests/test_engine_vs_hf.py)
+LOGP_TOL = 1e-5       # fp32 both ways, reduction order only (as tests/core/test_engine_vs_hf.py)
 TIE_MARGIN = 1e-4     # greedy gaps and router-logit gaps below this are near-ties fp32 order may flip
 # Router weights scaled up so routing is peaked (top-1 weight ~0.7 of 7 experts) rather than flat.
 ROUTER_SCALE = 4.0
@@ -224,7 +224,7 @@ def test_job_writes_a_routed_experts_column(moe_dirs, tmp_path):
     register_configs()
     data = tmp_path / "prompts.jsonl"
     data.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in ("the cat sees", "a red dog", "my old song")))
-    with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[1] / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[2] / "conf"), version_base="1.3"):
         cfg = compose("config", overrides=[
             f"model.path={moe_dirs()}", f"data.path={data}", "sampling.n=2", "sampling.max_new_tokens=6",
             "sampling.return_routed_experts=true", "sampling.ignore_eos=true", "reward=null", "batch_prompts=2",

@@ -5,7 +5,7 @@ top-k / top-p / min-p (`fused_sample_full`; their tolerances are justified above
 TRITON_INTERPRET=1 is set at the top, before triton and the kernel module are imported
 (triton.jit picks the interpreter at decoration time, and triton's own jit'd helpers such as
 the tl.max combine functions are decorated when triton is imported). It stays set for the rest
-of the process (same convention as tests/test_kernels_interpret.py), so tests/gpu runs as its own
+of the process (same convention as tests/kernels/test_kernels_interpret.py), so tests/gpu runs as its own
 pytest invocation: `python -m pytest tests/gpu`.
 
 Tolerances:
@@ -29,7 +29,7 @@ import pytest
 
 if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("triton was imported before TRITON_INTERPRET=1 could be set (tests/gpu in the same "
-                "process?); run `pytest tests/test_fused_sampler_interpret.py` on its own",
+                "process?); run `pytest tests/kernels/test_fused_sampler_interpret.py` on its own",
                 allow_module_level=True)
 os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton")
@@ -193,7 +193,7 @@ def test_strided_rows_never_read_past_v():
 # probabilities near these rows' boundaries are ~1e-4..1e-1 (deliberately broken rules fail here).
 MASS_EPS = 1e-5
 # kept_mass = log(kept / all): both fp32 sums, relative error ~1e-6, so ~1e-6 in the log; the
-# reference logsumexps fp32 logprobs. Same 1e-5 as tests/test_sampler.py's LOOSE.
+# reference logsumexps fp32 logprobs. Same 1e-5 as tests/core/test_sampler.py's LOOSE.
 KM_TOL = 1e-5
 # temperature, top_k (V: = V, V1: > V), top_p, min_p. Ties (grid rows) or not, greedy or not.
 TRUNC_ROWS = [
@@ -246,7 +246,7 @@ def run_trunc(logits, st, production=True, **kw):
 
 
 def check_trunc(logits, st, o, mask):
-    """The shared contract check (tests/trunc_check.py) plus what holds at these small V: the
+    """The shared contract check (tests/support/trunc_check.py) plus what holds at these small V: the
     rounding bounds hold the reference's own mask, any cut above fp32 resolution shows in
     kept_mass, and where the kept sets agree kept_mass and processed match the reference's.
     Returns (mask mismatches per row, near-tie token flips)."""
@@ -487,7 +487,7 @@ def test_truncation_masked_vocab_and_penalty_refused(S):
 def test_compiles_for_sm90(tmp_path):
     """The interpreter runs kernels as Python and misses compile-time errors: compile the
     truncation kernels ahead of time for sm_90 with triton's bundled ptxas, in a subprocess without
-    the interpreter (as tests/test_kernels_interpret.py). No GPU needed. Every radix step of bf16
+    the interpreter (as tests/kernels/test_kernels_interpret.py). No GPU needed. Every radix step of bf16
     (4 top-k + 4 top-p digits), the first / last steps of fp32, both final-pass and merge variants."""
     code = textwrap.dedent("""
         import triton
@@ -518,7 +518,7 @@ def test_compiles_for_sm90(tmp_path):
         print("ok")
     """)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     env["TRITON_CACHE_DIR"] = str(tmp_path)  # compile for real, not from a cache hit
     r = subprocess.run([sys.executable, "-c", code], check=False, env=env, capture_output=True, text=True,

@@ -17,7 +17,7 @@ from rollout.bench.occupancy import SMEM_PER_SM  # noqa: E402  (bytes an SM; eac
 pytest.importorskip("triton")
 
 SMEM_SM90 = 232448      # bytes of shared memory a CTA may use on an H100 / H200
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 COMPILE = textwrap.dedent("""
     import importlib, json, sys

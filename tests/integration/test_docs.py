@@ -5,7 +5,7 @@ from pathlib import Path
 
 from rollout.config import EngineConfig
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 
 
 def test_readme_lists_every_engine_option_with_its_default():

@@ -19,7 +19,7 @@ import pytest
 
 if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("triton was imported before TRITON_INTERPRET=1 could be set (tests/gpu in the same "
-                "process?); run `pytest tests/test_kernels_interpret.py` on its own", allow_module_level=True)
+                "process?); run `pytest tests/kernels/test_kernels_interpret.py` on its own", allow_module_level=True)
 os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton")
 
@@ -591,7 +591,7 @@ def test_compiles_for_sm90(tmp_path):
         print("ok")
     """)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     env["TRITON_CACHE_DIR"] = str(tmp_path)            # compile for real, not from a cache hit
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)

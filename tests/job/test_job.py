@@ -17,7 +17,7 @@ from rollout.job import load_prompts, register_configs, run
 from rollout.metrics import read_offline_run
 from rollout.tasks import arith
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 COLUMNS = {"prompt_index", "prompt", "prompt_ids", "sample_index", "completion_ids", "text", "logprobs",
            "processed_logprobs", "policy_versions", "finish_reason", "reward"}
 N, LIMIT, WAVE = 4, 24, 8

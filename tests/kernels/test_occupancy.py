@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("triton")
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def test_programs_an_sm_from_shared_memory_registers_and_threads():

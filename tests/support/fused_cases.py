@@ -1,5 +1,5 @@
 """Shared cases for the fused small-op kernels, run under the interpreter on CPU
-(tests/test_kernels_interpret.py) and on CUDA (tests/gpu/test_kernels_cuda.py)."""
+(tests/kernels/test_kernels_interpret.py) and on CUDA (tests/gpu/test_kernels_cuda.py)."""
 import torch
 import torch.nn.functional as F
 

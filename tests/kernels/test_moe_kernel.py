@@ -1,7 +1,7 @@
 """The fused MoE Triton kernels (rollout/kernels/fused_moe.py) under the CPU interpreter, against the
 torch reference (rollout/layers/moe.py), at small odd shapes; and an MoE engine on the Triton backend
 (fused MoE + Triton attention) against the torch backend. TRITON_INTERPRET=1 is set before triton is
-imported, as in tests/test_kernels_interpret.py (run this file in its own pytest process too); the
+imported, as in tests/kernels/test_kernels_interpret.py (run this file in its own pytest process too); the
 sm_90 compile check is in test_kernels_interpret.py::test_compiles_for_sm90."""
 import os
 import sys
