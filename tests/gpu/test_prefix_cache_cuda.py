@@ -21,12 +21,12 @@ class _Observations:
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_cache_on_equals_cache_off_bit_for_bit(monkeypatch, temperature):
-    import rollout.kernels.paged_prefill as pp
+    import rollout.layers.attention as attention
     from rollout import RolloutEngine, SamplingParams
     from rollout.bench.pressure import random_model
     from rollout.bench.shapes import make_config
     from rollout.multiturn import run_trajectories
-    monkeypatch.setattr(pp, "INVARIANT_SPLIT_LEN", 128)     # contexts of up to ~600 fold several splits
+    monkeypatch.setattr(attention, "INVARIANT_SPLIT_LEN", 128)     # contexts of up to ~600 fold several splits
     cfg = make_config("tiny")
     model = random_model(cfg, torch.bfloat16, torch.device("cuda"), seed=0)
     g = torch.Generator().manual_seed(1)
