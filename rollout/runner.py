@@ -10,7 +10,8 @@ import torch
 from .batch import SAMPLING_FIELDS, STEP_FIELDS, Batch, BatchBuilder, field_lengths
 from .layers.attention import AttentionMetadata
 from .models.decoder import DecoderLM
-from .sampler import SamplerOutput, SamplingTensors, sample_step
+from .layers.sampling import sample_step
+from .sampler import SamplerOutput, SamplingTensors
 
 
 @dataclass

@@ -141,16 +141,3 @@ def sample(logits: torch.Tensor, st: SamplingTensors) -> SamplerOutput:
     if st.num_top_logprobs > 0:
         top_lps, top_ids = torch.topk(lp_full, st.num_top_logprobs, dim=-1)
     return SamplerOutput(token_ids, logprobs, processed, kept_mass, top_ids, top_lps)
-
-
-INVARIANT_SAMPLER_SPLITS = 8    # the fused sampler's vocab splits in batch-invariant mode (else per row count)
-
-
-def sample_step(logits: torch.Tensor, st: SamplingTensors, fused: bool, batch_invariant: bool) -> SamplerOutput:
-    """The fused Triton sampler with `fused` and no repetition penalty, else `sample`."""
-    if not fused or st.any_penalty:
-        return sample(logits, st)
-    from .kernels.fused_truncation import default_row_splits, fused_sample_full
-    if batch_invariant:
-        return fused_sample_full(logits, st, num_splits=INVARIANT_SAMPLER_SPLITS, row_splits=INVARIANT_SAMPLER_SPLITS)
-    return fused_sample_full(logits, st, row_splits=default_row_splits(*logits.shape, logits.device))

@@ -2,7 +2,7 @@
 
 Problems look like ``"17+25="`` with answer ``"42"``; differences may be negative (``"3-8="`` ->
 ``"-5"``). Pure Python (no torch), cheap for reward workers; training lives in
-``rollout.tasks.arith_train``, imported on demand.
+``rollout.tasks.arith_train`` (scripts/make_tiny_model.py).
 """
 from __future__ import annotations
 
@@ -78,11 +78,10 @@ def default_model_path() -> pathlib.Path:
     return pathlib.Path(__file__).resolve().parent.parent / "assets" / "arith-tiny"
 
 
-def ensure_default_model(minutes: float = 3.0, seed: int = 0) -> pathlib.Path:
-    """Return the default model folder, training it first if it is missing."""
+def ensure_default_model() -> pathlib.Path:
+    """The shipped model's folder; a clear error (how to rebuild it) if it is missing."""
     path = default_model_path()
     if not ((path / "config.json").is_file() and (path / "model.safetensors").is_file()):
-        from rollout.tasks.arith_train import train_tiny_model  # torch only on demand
-
-        train_tiny_model(path, minutes=minutes, seed=seed)
+        raise FileNotFoundError(f"the embedded model is missing from {path}; rebuild it with "
+                                f"python scripts/make_tiny_model.py --out {path} --minutes 3")
     return path

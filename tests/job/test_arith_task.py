@@ -223,3 +223,10 @@ def test_rebuilt_model_folder_keeps_the_chat_template(tmp_path, shipped):
     tok = transformers.AutoTokenizer.from_pretrained(tmp_path)
     msgs = [{"role": "user", "content": "12+3="}]
     assert tok.apply_chat_template(msgs, add_generation_prompt=True)["input_ids"] == tok("12+3=").input_ids
+
+
+def test_a_missing_embedded_model_says_how_to_rebuild_it(tmp_path, monkeypatch):
+    """No silent 3-minute training on first use: the shipped folder is expected, and its absence is named."""
+    monkeypatch.setattr(arith, "default_model_path", lambda: tmp_path / "arith-tiny")
+    with pytest.raises(FileNotFoundError, match="make_tiny_model.py"):
+        arith.ensure_default_model()
