@@ -4,16 +4,14 @@ import pytest
 import torch
 
 from hf_reference import hf_token_logprobs, random_prompts
+from hf_reference import cpu_engine
 from rollout import RolloutEngine, SamplingParams
 
 PAGE = 16
 
 
 def _engine(path, **kw):
-    kw.setdefault("num_kv_pages", 256)
-    kw.setdefault("max_num_batched_tokens", 512)
-    return RolloutEngine.from_pretrained(path, device="cpu", dtype="float32", max_model_len=256,
-                                         page_size=PAGE, seed=0, **kw)
+    return cpu_engine(path, **{"max_num_batched_tokens": 512, "page_size": PAGE, **kw})
 
 
 def _pages(tokens):

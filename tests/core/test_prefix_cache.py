@@ -6,7 +6,8 @@ import pytest
 from safetensors.torch import load_file
 
 from hf_reference import random_prompts
-from rollout import RolloutEngine, SamplingParams
+from hf_reference import cpu_engine
+from rollout import SamplingParams
 from rollout.kv_cache import KVCacheManager
 from rollout.request import Request
 from rollout.worker import RolloutWorker
@@ -15,10 +16,7 @@ PAGE = 16
 
 
 def _engine(path, **kw):
-    kw.setdefault("num_kv_pages", 256)
-    kw.setdefault("max_num_batched_tokens", 512)
-    return RolloutEngine.from_pretrained(path, device="cpu", dtype="float32", max_model_len=256,
-                                         page_size=PAGE, seed=0, **kw)
+    return cpu_engine(path, **{"max_num_batched_tokens": 512, "page_size": PAGE, **kw})
 
 
 def assert_no_leak(alloc):

@@ -658,3 +658,26 @@ def random_prompts(
             body = [rng.choice(normal) for _ in range(body_len)]
         prompts.append(([BOS_ID] if add_bos else []) + body)
     return prompts
+
+
+def cpu_engine(path, **kw):
+    """The tests' fp32 CPU engine on a tiny model folder (a small KV cache, 16-token pages)."""
+    from rollout import RolloutEngine
+    kw = {"num_kv_pages": 256, "max_num_batched_tokens": 256, "max_model_len": 256, "page_size": 16, **kw}
+    return RolloutEngine.from_pretrained(path, device="cpu", dtype="float32", seed=0, **kw)
+
+
+def assert_greedy_matches_hf(path, prompts, outs, max_new: int, n: int, min_margin: float = 1e-4) -> None:
+    """Every completion equals HF's greedy generate up to its first near-tie (a top-2 logit gap below
+    min_margin, where fp32 summation order may flip the argmax), ran to max_new tokens, and at least
+    90% of the tokens were compared (the comparison is not vacuous)."""
+    compared = 0
+    for p, o in zip(prompts, outs):
+        ref = hf_greedy(path, p, max_new)
+        k = greedy_tie_free_prefix(path, p, max_new, min_margin=min_margin)
+        assert len(o.completions) == n
+        for c in o.completions:
+            assert c.token_ids[:k] == ref[:k], f"{path}: diverged before a near-tie"
+            assert c.finish_reason == "length" and len(c.token_ids) == max_new
+        compared += k
+    assert compared >= 0.9 * max_new * len(prompts)
