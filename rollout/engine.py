@@ -17,7 +17,7 @@ from .config import EngineConfig
 from .kernels import resolve_backend
 from .kv_cache import KVCacheManager, PageAllocator
 from .models.loader import build_model, init_random, load_model, parameter_bytes, resolve_dtype
-from .request import MIN_TEMPERATURE, Completion, Request, RequestOutput, SamplingParams, _is_int
+from .request import MIN_TEMPERATURE, Completion, Request, RequestOutput, SamplingParams, _is_array, _is_int
 from .pipeline import DevicePipeline, InFlight
 from .runner import ModelRunner
 from .sampler import SamplerOutput
@@ -132,10 +132,8 @@ class RolloutEngine:
 
     def _pack_decode_weights(self, attention_backend: str, batch_invariant: bool, max_num_seqs: int) -> None:
         """pack_decode_weights=True: the decode GEMMs read copies of their weights packed one
-        contiguous run per program (DecoderLM.pack_decode_weights; the Llama-3-8B decode step at 32
-        rows on the H200 +1.0-1.1 points of its roofline, P1 82.5% against 81.8%,
-        bench/results/README.md), for the configs at min(max_num_seqs, 64) rows, at the cost of
-        those weights' memory once more."""
+        contiguous run per program (DecoderLM.pack_decode_weights) for the configs at
+        min(max_num_seqs, 64) rows, at the cost of those weights' memory once more."""
         from .kernels.skinny_gemm import MAX_M
         if self.device.type != "cuda" or attention_backend != "triton" or batch_invariant:
             raise ValueError("pack_decode_weights=True needs the Triton decode kernels on a CUDA device "
@@ -256,29 +254,27 @@ class RolloutEngine:
             if p.n > self.scheduler.max_num_seqs:
                 raise ValueError(f"prompt {i}: n={p.n} samples exceed max_num_seqs={self.scheduler.max_num_seqs} "
                                  f"(a group's samples run together); raise max_num_seqs or split the group")
-            text, ids = None, self._token_ids(i, prompt)
-            if isinstance(prompt, str):
-                text = prompt
-            if len(ids) == 0:
-                raise ValueError(f"prompt {i} is empty")
-            if len(ids) >= self.max_model_len:
-                raise ValueError(f"prompt {i} has {len(ids)} tokens; max_model_len={self.max_model_len} "
-                                 f"leaves no room to generate")
-            out.append((ids, p, text))
+            out.append((self._token_ids(i, prompt), p, prompt if isinstance(prompt, str) else None))
         return out
 
     def _token_ids(self, i: int, prompt) -> list[int]:
+        """Prompt i as checked token ids: its length first, then (for given ids) the vocabulary."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError(f"prompt {i} is text but the engine has no tokenizer; pass token ids")
-            return self.tokenizer(prompt).input_ids
-        if prompt is None or isinstance(prompt, (bytes, bytearray)) or \
+            ids = self.tokenizer(prompt).input_ids
+        elif prompt is None or isinstance(prompt, (bytes, bytearray)) or \
                 not (isinstance(prompt, (list, tuple)) or (_is_array(prompt) and prompt.ndim == 1)):
             raise ValueError(f"prompt {i} must be a string or a list of token ids, got {type(prompt).__name__}")
-        ids = prompt.tolist() if _is_array(prompt) else list(prompt)
+        else:
+            ids = prompt.tolist() if _is_array(prompt) else list(prompt)
+        if len(ids) == 0:
+            raise ValueError(f"prompt {i} is empty")
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt {i} has {len(ids)} tokens; max_model_len={self.max_model_len} "
                              f"leaves no room to generate")
+        if isinstance(prompt, str):
+            return ids
         bad = [t for t in ids if not _is_int(t) or not (0 <= t < self.vocab_size)]
         if bad:
             raise ValueError(f"prompt {i} has token ids outside the vocabulary [0, {self.vocab_size}) "
@@ -531,11 +527,6 @@ class RolloutEngine:
         finally:
             self.kv.free(seq)
         return out
-
-
-def _is_array(x) -> bool:
-    """A numpy array or torch tensor (of any dtype: the id checks follow)."""
-    return hasattr(x, "tolist") and hasattr(x, "ndim") and hasattr(x, "dtype")
 
 
 def _load_tokenizer(path: Path):

@@ -19,23 +19,24 @@ import numpy as np
 MIN_TEMPERATURE = 1e-5
 
 
+def _is_array(x) -> bool:
+    """A numpy array or torch tensor (any dtype and rank)."""
+    return hasattr(x, "tolist") and hasattr(x, "ndim") and hasattr(x, "dtype")
+
+
 def _is_int(v) -> bool:
-    """Python, numpy and 0-d torch integers; not booleans."""
-    if isinstance(v, bool) or getattr(v, "dtype", None) is not None and str(v.dtype) == "torch.bool":
-        return False
-    return isinstance(v, numbers.Integral) or (hasattr(v, "dtype") and getattr(v, "ndim", 1) == 0
-                                               and "int" in str(v.dtype))
+    """Python, numpy and 0-d torch integers; not booleans (their dtype names hold no "int")."""
+    return not isinstance(v, bool) and (isinstance(v, numbers.Integral)
+                                        or (_is_array(v) and v.ndim == 0 and "int" in str(v.dtype)))
 
 
 def _is_number(v) -> bool:
-    if isinstance(v, bool):
-        return False
-    return isinstance(v, numbers.Real) or (hasattr(v, "dtype") and getattr(v, "ndim", 1) == 0
-                                           and ("int" in str(v.dtype) or "float" in str(v.dtype)))
+    return not isinstance(v, bool) and (isinstance(v, numbers.Real) or (
+        _is_array(v) and v.ndim == 0 and ("int" in str(v.dtype) or "float" in str(v.dtype))))
 
 
 def _is_sequence(v) -> bool:
-    return isinstance(v, (list, tuple)) or (hasattr(v, "tolist") and getattr(v, "ndim", 0) == 1)
+    return isinstance(v, (list, tuple)) or (_is_array(v) and v.ndim == 1)
 
 
 @dataclass
