@@ -122,13 +122,14 @@ class RolloutWorker:
     def _route(self, outs: list[RequestOutput]) -> list[RequestOutput]:
         """Hand finished outputs to the generate() callers and submit() futures waiting for them;
         return the rest."""
+        futures = {i for _, ids, _ in self._futures.values() for i in ids}
         rest = []
         for o in outs:
             if o.request_id in self._waited:
                 self._waited[o.request_id] = o
-            else:
+            elif o.request_id not in futures:
                 rest.append(o)
-        if len(rest) < len(outs):
+        if any(o.request_id in self._waited for o in outs):
             self._arrived.notify_all()
         self._resolve(outs)
         return rest

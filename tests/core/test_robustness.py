@@ -292,6 +292,8 @@ def test_submit_futures_resolve_on_abort_and_on_stop(path):
     long = SamplingParams(max_new_tokens=120, temperature=1.0, seed=1, ignore_eos=True)
     worker.start()
     try:
+        short = worker.submit([[1, 5, 6]], SamplingParams(max_new_tokens=3, ignore_eos=True))
+        assert len(short.result(timeout=TIMEOUT_S)[0].completions[0].token_ids) == 3    # finished by the loop
         fut = worker.submit([[1, 5, 6]], long)
         rid = max(worker.engine.requests)
         worker.abort([rid])
@@ -302,6 +304,7 @@ def test_submit_futures_resolve_on_abort_and_on_stop(path):
     outs = pending.result(timeout=TIMEOUT_S)
     assert [c.finish_reason for o in outs for c in o.completions] == ["abort", "abort"]
     assert worker.engine.kv.alloc.num_used == 0
+    assert not worker.finished        # outputs handed to futures are not also kept for collection
 
 
 def test_bare_engine_generate_from_two_threads_serialises(path, tiny_tokenizer):
