@@ -426,6 +426,7 @@ class RolloutEngine:
     @_serialized
     def pending(self, request_id: int) -> bool:
         """Not yet handed out: queued, running, or finished and held for the next step() to return."""
+        _check_request_id(request_id)
         return request_id in self.requests or any(o.request_id == request_id for o in self._ready)
 
     @_serialized
@@ -434,6 +435,10 @@ class RolloutEngine:
         completion until its group forks after the prefill), or None once it finished and was
         handed out. since: {sample index: tokens already seen}; each completion then holds only the
         newer ones, so a streaming caller copies each token once. Call between steps."""
+        _check_request_id(request_id)
+        if since is not None and not (isinstance(since, dict) and all(
+                _is_int(k) and _is_int(v) and v >= 0 for k, v in since.items())):
+            raise ValueError(f"since must be a dict of sample index -> tokens seen (integers >= 0), got {since!r}")
         req = self.requests.get(request_id)
         if req is None:
             return None
@@ -527,6 +532,11 @@ class RolloutEngine:
         finally:
             self.kv.free(seq)
         return out
+
+
+def _check_request_id(request_id) -> None:
+    if not _is_int(request_id):
+        raise ValueError(f"request_id must be an integer request id, got {request_id!r}")
 
 
 def _load_tokenizer(path: Path):

@@ -182,6 +182,41 @@ def test_scoring_refuses_bad_input_before_touching_the_batch(engine):
     assert engine.kv.alloc.num_used == 0
 
 
+def test_progress_and_pending_refuse_bad_ids_and_serve_a_second_thread(path, good_prompts, reference):
+    eng = RolloutEngine.from_pretrained(path, **KW)
+    for bad in ("3", None, [1], 1.5, True):
+        with pytest.raises(ValueError, match="request_id must be an integer"):
+            eng.progress(bad)
+        with pytest.raises(ValueError, match="request_id must be an integer"):
+            eng.pending(bad)
+    for since in ([0], {0: -1}, {"a": 1}, {0: 1.5}):
+        with pytest.raises(ValueError, match="since must be a dict"):
+            eng.progress(0, since=since)
+    assert eng.progress(12345) is None and not eng.pending(12345)     # unknown: nothing, no error
+    ids = eng.add_requests(good_prompts, GOOD)
+    seen, stop = {i: [] for i in ids}, threading.Event()
+
+    def watch():     # a second thread streaming while this one steps (the calls serialise on the engine lock)
+        while not stop.is_set():
+            for i in ids:
+                out = eng.progress(i)
+                if out is not None:
+                    seen[i].append([len(c.token_ids) for c in out.completions])
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    outs = {}
+    while eng.has_unfinished():
+        outs.update((o.request_id, o) for o in eng.step())
+    stop.set()
+    watcher.join(TIMEOUT_S)
+    assert not watcher.is_alive() and _tokens([outs[i] for i in ids]) == reference
+    for i in ids:     # what the watcher saw only grew, and never past the final completion
+        final = [len(c.token_ids) for c in outs[i].completions]
+        grown = [s for s in seen[i] if len(s) == len(final)]
+        assert all(a <= b for s, t in zip(grown, grown[1:]) for a, b in zip(s, t))
+        assert all(a <= b for s in grown for a, b in zip(s, final))
+
+
 def test_abort_with_bad_ids_is_refused(engine):
     for bad in ("3", None, [1.5], [None]):
         with pytest.raises(ValueError, match="request_ids"):
