@@ -24,9 +24,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-_TESTS_DIR = str(Path(__file__).resolve().parent / "support")
-if _TESTS_DIR not in sys.path:
-    sys.path.insert(0, _TESTS_DIR)
+# support/ holds shared helpers; core/ and rl/ test modules are imported by tests elsewhere
+# (test_moe, test_trl_generator), which must also work when a file runs alone
+for _i, _sub in enumerate(("support", "core", "rl")):
+    _dir = str(Path(__file__).resolve().parent / _sub)
+    if _dir not in sys.path:
+        sys.path.insert(_i, _dir)
 
 import pytest
 import torch

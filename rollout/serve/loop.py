@@ -33,7 +33,9 @@ class _Job:                       # one engine request (a prompt with its n samp
     index: int                    # prompt index within the HTTP request
     queue: asyncio.Queue
     stream_interval: int          # 0: no deltas; else one every this many tokens (the first at once)
+    samples: int = 1              # n: each sample's first token goes out at once
     sent: dict = field(default_factory=dict)   # sample index -> tokens already pushed
+    due: int = 0                  # loop step from which a sample may hold stream_interval unpushed tokens
 
 
 def _settle(fut: asyncio.Future, result, exc) -> None:
@@ -63,6 +65,7 @@ class EngineLoop:
         self.finished = 0                          # prompts answered (written by this thread only)
         self.running_requests = 0                  # published by this thread
         self.prompt_tokens = 0
+        self.steps = 0                             # engine steps run by this loop
         self.thread = threading.Thread(target=self._run, name="rollout-engine-loop", daemon=True)
 
     # ---- called from the event loop --------------------------------------------------------------
@@ -131,7 +134,7 @@ class EngineLoop:
         self.prompt_tokens += sum(len(p) for p in prompts)
         self._tags[tag] = set(ids)
         for i, rid in enumerate(ids):
-            self._jobs[rid] = job = _Job(tag, i, q, stream_interval)
+            self._jobs[rid] = job = _Job(tag, i, q, stream_interval, params[i].n)
             if stream_interval:
                 self._streams[rid] = job
         self._outbox.append((q, ("added", ids)))
@@ -165,16 +168,25 @@ class EngineLoop:
             self._outbox.append((job.queue, ("done", job.index, out)))
 
     def _push_deltas(self) -> None:
+        """Each sample's new tokens once it has stream_interval of them (its first token at once).
+        A step adds at most one token per sample, so a job is looked at again only once it can be
+        due: per-step progress() calls over every stream would cost the engine thread ~1 ms a step."""
         for rid, job in self._streams.items():
+            if self.steps < job.due:
+                continue
             out = self.engine.progress(rid, since=job.sent)
             if out is None:
                 continue
+            most = 0                                      # unpushed tokens left in any sample
             for i, c in enumerate(out.completions):       # in sample order
                 new, sent = len(c.token_ids), job.sent.get(i, 0)
                 if new and (new >= job.stream_interval or sent == 0):
                     self._outbox.append((job.queue, ("delta", job.index, i, Delta(
                         c.token_ids, c.logprobs, c.processed_logprobs, c.top_logprobs, c.policy_versions))))
-                    job.sent[i] = sent + new
+                    job.sent[i], new = sent + new, 0
+                most = max(most, new)
+            if len(job.sent) == job.samples:              # until each sample's first token: every step
+                job.due = self.steps + job.stream_interval - most
 
     def _pause(self, mode: str, fut) -> None:
         if mode == "wait" and not self.paused:
@@ -234,6 +246,7 @@ class EngineLoop:
                 break
             if self._busy():
                 try:
+                    self.steps += 1
                     self._finish(self.worker.step())
                 except Exception:         # answer everything in flight; keep serving
                     log.exception("engine step failed; finishing its requests with finish_reason 'error'")
