@@ -218,12 +218,14 @@ class WeightSync:
             compute = self.engine.pipeline.compute
             compute.wait_event(st.event)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            t_launch = time.perf_counter()
             with torch.cuda.stream(compute):
                 start.record()
                 for n in names:
                     self.targets[n].copy_(st.tensors[n], non_blocking=True)
                 self.engine.model.repack_decode_weights()    # packed copies the decode graphs read, if any
                 end.record()
+                self.metrics["barrier_launch_ms"] = self.metrics.get("barrier_launch_ms", 0) + (time.perf_counter() - t_launch) * 1e3
                 landed = _checksums([self.targets[n] for n in names])
                 done = torch.cuda.Event()
                 done.record()

@@ -151,6 +151,7 @@ def ipc(args) -> dict:
         m = client.metrics()
     versions = decode.pop("versions")
     result.update(staging_ms=m["rollout_weight_staging_ms_total"], barrier_ms=m["rollout_weight_barrier_ms_total"],
+                  barrier_launch_ms=m.get("rollout_weight_barrier_launch_ms"),
                   tokens_after_update=sum(v == 1 for v in versions), decode=decode,
                   all_completed=decode["tokens"] == args.prompts * G and m["rollout_policy_version"] == 1)
     print(f"IPC update: {result['update_wall_ms']:.0f} ms end to end, staging {result['staging_ms']:.1f} ms, "

@@ -224,13 +224,12 @@ class Server:
 
     # ---- weights ---------------------------------------------------------------------------------
     async def _stage(self, items, version: int, adopt: bool) -> Response:
-        def stage():
-            self.worker.update_weights(items, version, adopt=adopt)
-            pending = self.worker.weights.pending
-            return pending.event if pending is not None else None
-        event = await self.loop.call(stage)
-        if event is not None:             # CUDA: the staging copies are done before the source is released
-            await asyncio.to_thread(event.synchronize)
+        """Copies launched on the engine thread, waited for and checked off it (decode goes on: the
+        wait is the whole staging copy), then installed there to go live at the next batch boundary."""
+        weights = self.worker.weights
+        staged = await self.loop.call(lambda: weights.prepare(items, version, adopt=adopt))
+        await asyncio.to_thread(weights.check_finite, staged)
+        await self.loop.call(lambda: weights.install(staged))
         return _json({"staged_version": version, "live_version": self.worker.policy_version})
 
     async def update_from_disk(self, body: DiskUpdate):
@@ -264,6 +263,7 @@ class Server:
                 ("policy_version", s["policy_version"]), ("weight_updates_total", s["weights/updates"]),
                 ("weight_barrier_ms_total", s["weights/barrier_ms"]), ("paused", int(self.loop.paused)),
                 ("weight_staging_ms_total", s["weights/staging_ms"]), ("preemptions_total", s["preemptions"]),
+                ("weight_barrier_launch_ms", s.get("weights/barrier_launch_ms", 0)),
                 # tokens of sequences admitted from scratch, and of them those served from cached KV (rate() both)
                 ("prefix_cache_queried_tokens_total", s["prefix_cache_queries"]),
                 ("prefix_cache_hit_tokens_total", s["prefix_cache_hit_tokens"]),
