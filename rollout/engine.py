@@ -531,7 +531,7 @@ class RolloutEngine:
         weights too, copied to pinned host memory, or dropped (discard_weights: the next full update refills
         them; generating before one raises). Parts already asleep stay so. Returns released_bytes (what we
         freed by our count), device_freed_bytes (CUDA: the drop in torch's reserved memory) and seconds."""
-        if isinstance(level, bool) or level not in (1, 2):
+        if isinstance(level, bool) or not isinstance(level, int) or level not in (1, 2):
             raise ValueError(f"sleep level must be 1 (KV cache) or 2 (KV cache and weights), got {level!r}")
         if discard_weights and level != 2:
             raise ValueError("discard_weights=True applies to level 2 (level 1 keeps the weights on the device)")
