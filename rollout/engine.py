@@ -569,7 +569,13 @@ class RolloutEngine:
             self.runner.restore_weights()
             self.asleep.discard("weights")
         if "kv_cache" in parts & self.asleep:
-            self.runner.restore_kv()
+            try:
+                self.runner.restore_kv()
+            except torch.OutOfMemoryError as exc:     # stays asleep; a later wake may find the room
+                self.runner.release_kv()
+                raise RuntimeError(f"wake: no device room for the KV cache ({self.kv.alloc.num_pages} pages); "
+                                   f"size it for the memory a colocated trainer leaves (gpu_memory_utilization, "
+                                   f"kv_cache_memory)") from exc
             self.asleep.discard("kv_cache")
         graphs = self.pipeline.graphs
         if graphs is not None and not graphs.graphs and not self.asleep:
