@@ -78,8 +78,10 @@ class RolloutEngine:
         if cfg.pack_decode_weights:      # before the KV cache takes the free memory
             self._pack_decode_weights(attention_backend, cfg.batch_invariant, cfg.max_num_seqs)
         reserve = parameter_bytes(model) if cfg.reserve_memory == "weights" else cfg.reserve_memory
-        num_pages = self._size_kv(cfg.num_kv_pages, cfg.kv_cache_memory, page_size, kv_dtype, cfg.max_num_seqs, reserve,
-                                  cfg.gpu_memory_utilization)
+        kv_memory = cfg.kv_cache_memory
+        if kv_memory is None and cfg.num_kv_pages is None and cfg.gpu_memory_utilization is not None:
+            kv_memory = self._kv_memory_of_share(cfg.gpu_memory_utilization, page_size, kv_dtype, reserve)
+        num_pages = self._size_kv(cfg.num_kv_pages, kv_memory, page_size, kv_dtype, cfg.max_num_seqs, reserve)
         self.kv = KVCacheManager(num_pages, page_size, prefix_caching=cfg.enable_prefix_caching)
         if self.kv.alloc.num_usable < self.kv.pages_for(self.max_model_len):
             raise ValueError(f"KV cache of {self.kv.alloc.num_usable} pages x {page_size} tokens cannot "
@@ -200,22 +202,13 @@ class RolloutEngine:
         init_random(model, cfg.seed)
         return cls(model, hf_config, cfg, tokenizer=tokenizer)
 
-    def _size_kv(self, num_pages, mem, page_size, kv_dtype, max_num_seqs, reserve: int = 0, util=None) -> int:
+    def _size_kv(self, num_pages, mem, page_size, kv_dtype, max_num_seqs, reserve: int = 0) -> int:
         """Pages: num_kv_pages, else kv_cache_memory bytes, else (CUDA) 85% of free memory less 2 GiB
         of headroom for activations and logits and less `reserve` (reserve_memory: bytes, or
-        "weights" for one copy of the parameters, a full staged update; explicit sizes ignore it).
-        gpu_memory_utilization (`util`) instead caps the engine at that share of the device's total:
-        weights, KV and the 2 GiB headroom (and `reserve`) together."""
+        "weights" for one copy of the parameters, a full staged update; explicit sizes ignore it)."""
         if num_pages is not None:
             return int(num_pages) + 1      # + the trash page
         per_page = ModelRunner.kv_bytes_per_page(self.hf_config, page_size, kv_dtype)
-        if mem is None and util is not None and self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            mem = int(total * util) - parameter_bytes(self.model) - (2 << 30) - int(reserve)
-            if not per_page <= mem <= free:
-                raise ValueError(f"gpu_memory_utilization={util} leaves {mem / 1e9:.2f} GB for the KV cache "
-                                 f"({total / 1e9:.1f} GB device, weights, 2 GiB headroom, reserve_memory); it must "
-                                 f"be positive and fit in the {free / 1e9:.2f} GB free")
         if mem is None:
             if self.device.type == "cuda":
                 free, _ = torch.cuda.mem_get_info(self.device)
@@ -226,6 +219,19 @@ class RolloutEngine:
             else:
                 mem = min(max_num_seqs * self.max_model_len * per_page // page_size, 1 << 30)
         return max(int(mem) // per_page, 2)
+
+    def _kv_memory_of_share(self, util: float, page_size: int, kv_dtype, reserve: int) -> Optional[int]:
+        """gpu_memory_utilization: KV bytes that keep the engine (weights, KV, 2 GiB headroom, `reserve`)
+        within that share of the device's total, as vLLM's option does; None on CPU (no fixed budget)."""
+        if self.device.type != "cuda":
+            return None
+        free, total = torch.cuda.mem_get_info(self.device)
+        mem = int(total * util) - parameter_bytes(self.model) - (2 << 30) - int(reserve)
+        if not ModelRunner.kv_bytes_per_page(self.hf_config, page_size, kv_dtype) <= mem <= free:
+            raise ValueError(f"gpu_memory_utilization={util} leaves {mem / 1e9:.2f} GB for the KV cache "
+                             f"({total / 1e9:.1f} GB device less weights, 2 GiB headroom and reserve_memory); it "
+                             f"must hold a page and fit in the {free / 1e9:.2f} GB free")
+        return mem
 
     @staticmethod
     def _eos_ids(hf_config, gen_cfg, tokenizer) -> set[int]:
