@@ -545,6 +545,8 @@ class RolloutEngine:
             raise RuntimeError(f"sleep needs an idle engine: requests {sorted(self.requests)[:8]} are queued or "
                                f"running; let them finish or abort them first")
         self._ready += self.drain()       # nothing of ours on the device past this point
+        if self.device.type == "cuda":    # (a weight commit on the compute stream included)
+            torch.cuda.synchronize(self.device)
         t0, before, released = time.perf_counter(), _reserved(self.device), 0
         if "kv_cache" not in self.asleep:
             if self.pipeline.graphs is not None:      # they hold the pool's and the weights' addresses
@@ -566,7 +568,7 @@ class RolloutEngine:
     def wake(self, tags: Optional[Seq[str]] = None) -> dict:
         """Bring back what sleep freed: tags None (everything), or some of "weights", "kv_cache" (vLLM's
         names: wake the weights alone to take an update before the KV cache returns). The KV cache comes
-        back empty; the decode graphs are re-captured once both are back (graph_capture_s of seconds)."""
+        back empty; the decode graphs are re-captured once both are back (graph_capture_s, within seconds)."""
         parts = {"weights", "kv_cache"} if tags is None else set([tags] if isinstance(tags, str) else tags)
         if not parts or not parts <= {"weights", "kv_cache"}:
             raise ValueError(f"wake tags must be drawn from ['weights', 'kv_cache'] (or None: both), got {tags!r}")
@@ -583,6 +585,8 @@ class RolloutEngine:
                                    f"size it for the memory a colocated trainer leaves (gpu_memory_utilization, "
                                    f"kv_cache_memory)") from exc
             self.asleep.discard("kv_cache")
+        if self.device.type == "cuda":    # restored on this stream; the pipeline's streams read them next
+            torch.cuda.synchronize(self.device)
         graphs = self.pipeline.graphs
         if graphs is not None and not graphs.graphs and not self.asleep:
             self.pipeline.capture_graphs(progress=False)

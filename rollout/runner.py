@@ -116,8 +116,6 @@ class ModelRunner:
             else:
                 st.copy_(host, non_blocking=True)
         self._released = []
-        if self.device.type == "cuda":    # the pipeline's streams read them next
-            torch.cuda.synchronize(self.device)
 
     @staticmethod
     def kv_bytes_per_page(hf_config, page_size: int, dtype: torch.dtype) -> int:

@@ -270,8 +270,9 @@ class TRLGenerationAdapter:
         self._last_sync_ms = (time.perf_counter() - t0) * 1e3
 
     def _same_as_live(self, items) -> bool:
+        eng = self.worker.engine
         if getattr(self.worker, "remote", False) or getattr(self.worker.weights, "pending", None) is not None \
-                or getattr(self.worker.engine, "asleep", None) or getattr(self.worker.engine, "weights_discarded", False):
+                or getattr(eng, "asleep", None) or getattr(eng, "weights_discarded", False):
             return False          # a remote worker's tensors are not here to compare (or not there at all): push
         targets, model = self._mapper.targets, self.worker.engine.model
         names = {n for n, _ in items}

@@ -107,8 +107,9 @@ def run_variant(name: str, args, cfg, tokenizer, dataset) -> dict:
     level = VARIANTS[name]
     if level is not None:
         engine = RolloutEngine.from_config(
-            cfg, seed=args.seed, device=args.device, dtype=args.dtype, max_model_len=args.prompt_len + args.completion_len + 8,
-            gpu_memory_utilization=args.gpu_memory_utilization if cuda else None, max_num_seqs=args.max_num_seqs)
+            cfg, seed=args.seed, device=args.device, dtype=args.dtype,
+            max_model_len=args.prompt_len + args.completion_len + 8, max_num_seqs=args.max_num_seqs,
+            gpu_memory_utilization=args.gpu_memory_utilization if cuda else None)
         worker = RolloutWorker(engine)
     with tempfile.TemporaryDirectory() as out:
         gargs = GRPOConfig(output_dir=out, per_device_train_batch_size=args.batch, num_generations=args.num_generations,
@@ -154,7 +155,8 @@ def _line(name: str, r: dict) -> str:
     is_mean = (r["logged"].get("sampling/importance_sampling_ratio/mean") or [None])[-1]
     dlogp = (r["logged"].get("sampling/sampling_logp_difference/max") or [None])[-1]
     mem = f" peak {r['peak_reserved_gb']:.1f} GB reserved" if "peak_reserved_gb" in r else ""
-    sl = f" sleep {r['sleep_s']:.3f} s wake {r['wake_s']:.3f} s freed {r['released_gb']:.2f} GB" if "sleep_s" in r else ""
+    sl = (f" sleep {r['sleep_s']:.3f} s wake {r['wake_s']:.3f} s freed {r['released_gb']:.2f} GB"
+          if "sleep_s" in r else "")
     return (f"{name:7s} {r['step_s']:.2f} s/step, generation {100 * r['generation_share']:.0f}%{mem}; "
             f"IS ratio mean {is_mean}, max |dlogp| {dlogp}{sl}")
 

@@ -192,3 +192,28 @@ def test_tied_embeddings_are_released_once_and_restored(model_dir, prompts):
     assert rep["released_bytes"] == pool + params + buffers
     engine.wake()
     assert _tokens(engine.generate(prompts, PARAMS, use_tqdm=False)) == _tokens(before)
+
+
+def test_gpu_memory_utilization_caps_the_engine_share(monkeypatch):
+    """The engine's share of the device's total memory: weights + KV + 2 GiB headroom (+ reserve). Free
+    memory is faked (no GPU here); a share that leaves no KV page, or more than is free, is a clear error."""
+    import torch
+    from rollout import RolloutEngine
+    from rollout.bench.shapes import make_config
+    from rollout.config import EngineConfig
+    eng = RolloutEngine.__new__(RolloutEngine)
+    eng.device, eng.hf_config = torch.device("cuda"), make_config("tiny")
+    eng.model = torch.nn.Linear(1024, 1024, bias=False)          # 4 MiB of fp32 "weights"
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (40 << 30, 80 << 30))
+    share = eng._kv_memory_of_share(0.3, 16, torch.bfloat16, 0)
+    assert share == int((80 << 30) * 0.3) - (4 << 20) - (2 << 30)
+    assert eng._kv_memory_of_share(0.3, 16, torch.bfloat16, 1 << 30) == share - (1 << 30)
+    for util in (0.9, 0.02):                                     # over the 40 GB free; under the headroom
+        with pytest.raises(ValueError, match=f"gpu_memory_utilization={util} leaves"):
+            eng._kv_memory_of_share(util, 16, torch.bfloat16, 0)
+    eng.device = torch.device("cpu")
+    assert eng._kv_memory_of_share(0.3, 16, torch.bfloat16, 0) is None   # no fixed budget on CPU
+    for bad in (0, 1.5, True, "0.3"):
+        with pytest.raises(ValueError, match="gpu_memory_utilization must be a number in"):
+            EngineConfig(gpu_memory_utilization=bad).validate()
+    assert EngineConfig(gpu_memory_utilization=1).validate().gpu_memory_utilization == 1
