@@ -90,6 +90,16 @@ class RolloutClient:
     def abort(self, request_ids: list[str]) -> list[str]:
         return self._call("POST", "/abort", admin=True, json={"request_ids": list(request_ids)})["aborted"]
 
+    def sleep(self, level: int = 1, discard_weights: bool = False) -> dict:
+        """Free the server's GPU memory (RolloutEngine.sleep); 409 while requests run."""
+        return self._call("POST", "/sleep", admin=True, params={"level": level, "discard_weights": discard_weights})
+
+    def wake_up(self, tags: Optional[list[str]] = None) -> dict:
+        return self._call("POST", "/wake_up", admin=True, params={"tags": list(tags)} if tags else None)
+
+    def is_sleeping(self) -> bool:
+        return self._call("GET", "/is_sleeping")["is_sleeping"]
+
     def metrics(self) -> dict[str, float]:
         lines = self._call("GET", "/metrics").splitlines()
         return {k: float(v) for k, v in (ln.split() for ln in lines if ln and not ln.startswith("#"))}

@@ -33,6 +33,8 @@ class EngineConfig:
     page_size: int = 16                          # tokens per KV page
     num_kv_pages: Optional[int] = None           # explicit size; else kv_cache_memory
     kv_cache_memory: Optional[int] = None        # bytes; None: 85% of free GPU memory less 2 GiB (CPU: enough for max_num_seqs)
+    gpu_memory_utilization: Optional[float] = None   # CUDA, kv_cache_memory None: the engine's share of the device
+                                                 # (weights + KV + 2 GiB); the rest is a colocated trainer's
     reserve_memory: Any = 0                      # bytes the automatic KV sizing leaves free, or "weights" (room to stage an update)
     kv_reserve_fraction: Optional[float] = None  # admission: share of full-length pages (new + running) kept
                                                  # free; fixed (1 = never preempt, 0 = next chunk) or None: adaptive
@@ -77,6 +79,9 @@ class EngineConfig:
         r = self.reserve_memory
         if r != "weights" and (isinstance(r, bool) or not isinstance(r, int) or r < 0):
             bad("reserve_memory", "bytes >= 0 or 'weights'")
+        u = self.gpu_memory_utilization
+        if u is not None and (isinstance(u, bool) or not isinstance(u, (int, float)) or not 0.0 < u <= 1.0):
+            bad("gpu_memory_utilization", "a number in (0, 1] or None")
         f = self.kv_reserve_fraction
         if f is not None and (isinstance(f, bool) or not isinstance(f, (int, float)) or not 0.0 <= f <= 1.0):
             bad("kv_reserve_fraction", "a number in [0, 1] or None (adaptive)")

@@ -78,7 +78,10 @@ class RolloutEngine:
         if cfg.pack_decode_weights:      # before the KV cache takes the free memory
             self._pack_decode_weights(attention_backend, cfg.batch_invariant, cfg.max_num_seqs)
         reserve = parameter_bytes(model) if cfg.reserve_memory == "weights" else cfg.reserve_memory
-        num_pages = self._size_kv(cfg.num_kv_pages, cfg.kv_cache_memory, page_size, kv_dtype, cfg.max_num_seqs, reserve)
+        kv_memory = cfg.kv_cache_memory
+        if kv_memory is None and cfg.num_kv_pages is None and cfg.gpu_memory_utilization is not None:
+            kv_memory = self._kv_memory_of_share(cfg.gpu_memory_utilization, page_size, kv_dtype, reserve)
+        num_pages = self._size_kv(cfg.num_kv_pages, kv_memory, page_size, kv_dtype, cfg.max_num_seqs, reserve)
         self.kv = KVCacheManager(num_pages, page_size, prefix_caching=cfg.enable_prefix_caching)
         if self.kv.alloc.num_usable < self.kv.pages_for(self.max_model_len):
             raise ValueError(f"KV cache of {self.kv.alloc.num_usable} pages x {page_size} tokens cannot "
@@ -116,6 +119,8 @@ class RolloutEngine:
         self._next_id = 0
         self.requests: dict[int, Request] = {}
         self.metrics = {"steps": 0, "generated_tokens": 0, "prefill_tokens": 0, "failed_steps": 0}
+        self.asleep: set[str] = set()     # sleep(): parts off the device, "kv_cache" and (level 2) "weights"
+        self._discarded_at: Optional[int] = None   # policy_version whose weights sleep(discard_weights=True) dropped
 
     def stats(self) -> dict:
         """Counters plus the pipeline's: graph / eager steps and compute-stream busy time."""
@@ -128,7 +133,7 @@ class RolloutEngine:
                 # prefix cache, over sequences admitted from scratch (new, or recomputing): hit rate = hits / queries
                 "prefix_cache_queries": sch.prefix_cache_queries, "prefix_cache_hit_tokens": sch.prefix_cache_hits,
                 "prefix_cache_pages": kv.num_cached, "prefix_cache_evictable_pages": kv.num_evictable,
-                "prefix_cache_evictions": kv.num_evictions}
+                "prefix_cache_evictions": kv.num_evictions, "sleep_level": self.sleep_level}
 
     def _pack_decode_weights(self, attention_backend: str, batch_invariant: bool, max_num_seqs: int) -> None:
         """pack_decode_weights=True: the decode GEMMs read copies of their weights packed one
@@ -214,6 +219,19 @@ class RolloutEngine:
             else:
                 mem = min(max_num_seqs * self.max_model_len * per_page // page_size, 1 << 30)
         return max(int(mem) // per_page, 2)
+
+    def _kv_memory_of_share(self, util: float, page_size: int, kv_dtype, reserve: int) -> Optional[int]:
+        """gpu_memory_utilization: KV bytes that keep the engine (weights, KV, 2 GiB headroom, `reserve`)
+        within that share of the device's total, as vLLM's option does; None on CPU (no fixed budget)."""
+        if self.device.type != "cuda":
+            return None
+        free, total = torch.cuda.mem_get_info(self.device)
+        mem = int(total * util) - parameter_bytes(self.model) - (2 << 30) - int(reserve)
+        if not ModelRunner.kv_bytes_per_page(self.hf_config, page_size, kv_dtype) <= mem <= free:
+            raise ValueError(f"gpu_memory_utilization={util} leaves {mem / 1e9:.2f} GB for the KV cache "
+                             f"({total / 1e9:.1f} GB device less weights, 2 GiB headroom and reserve_memory); it "
+                             f"must hold a page and fit in the {free / 1e9:.2f} GB free")
+        return mem
 
     @staticmethod
     def _eos_ids(hf_config, gen_cfg, tokenizer) -> set[int]:
@@ -322,6 +340,7 @@ class RolloutEngine:
         it still is (same weights version), new tokens carry the live version, and max_new_tokens
         counts the whole completion. Its sample_index, with the same seed, keeps the sampler's stream:
         a seeded continuation samples what the uninterrupted run would have."""
+        self._check_awake()
         prepared = self._prepare(prompts, sampling_params)
         conts = self._continuations(continue_from, prepared)
         ids = []
@@ -494,6 +513,86 @@ class RolloutEngine:
             bar.close()
         return [done[i] for i in ids]
 
+    # ---- sleep / wake: the device memory handed to a colocated trainer between generations ----------
+    @property
+    def sleep_level(self) -> int:
+        return 2 if "weights" in self.asleep else 1 if self.asleep else 0
+
+    @property
+    def weights_discarded(self) -> bool:
+        """sleep(2, discard_weights=True) dropped the weights and no update has landed since."""
+        return self._discarded_at is not None and self.policy_version == self._discarded_at
+
+    def _check_awake(self) -> None:
+        if self.asleep:
+            raise RuntimeError(f"engine is asleep (level {self.sleep_level}); call wake() first")
+        if self.weights_discarded:
+            raise RuntimeError("the weights were discarded by sleep(level=2, discard_weights=True): send a full "
+                               "weight update (RolloutWorker.update_weights) before generating")
+
+    @_serialized
+    def sleep(self, level: int = 1, discard_weights: bool = False) -> dict:
+        """Give device memory back between generations; needs no request queued or running. Level 1: the KV
+        cache (prefix cache emptied), the decode graphs and their pool, torch's cached blocks. Level 2: the
+        weights too, copied to pinned host memory, or dropped (discard_weights: the next full update refills
+        them; generating before one raises). Parts already asleep stay so. Returns released_bytes (what we
+        freed by our count), device_freed_bytes (CUDA: the drop in torch's reserved memory) and seconds."""
+        if isinstance(level, bool) or not isinstance(level, int) or level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 (KV cache) or 2 (KV cache and weights), got {level!r}")
+        if discard_weights and level != 2:
+            raise ValueError("discard_weights=True applies to level 2 (level 1 keeps the weights on the device)")
+        if self.requests:
+            raise RuntimeError(f"sleep needs an idle engine: requests {sorted(self.requests)[:8]} are queued or "
+                               f"running; let them finish or abort them first")
+        self._ready += self.drain()       # nothing of ours on the device past this point
+        if self.device.type == "cuda":    # (a weight commit on the compute stream included)
+            torch.cuda.synchronize(self.device)
+        t0, before, released = time.perf_counter(), _reserved(self.device), 0
+        if "kv_cache" not in self.asleep:
+            if self.pipeline.graphs is not None:      # they hold the pool's and the weights' addresses
+                self.pipeline.graphs.reset()
+            self.kv.alloc.clear_cache()
+            released += self.runner.release_kv()
+            self.asleep.add("kv_cache")
+        if level == 2 and "weights" not in self.asleep:
+            released += self.runner.release_weights(keep=not discard_weights)
+            self.asleep.add("weights")
+            self._discarded_at = self.policy_version if discard_weights else None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        freed = before - _reserved(self.device) if self.device.type == "cuda" else None
+        return {"level": self.sleep_level, "released_bytes": released, "device_freed_bytes": freed,
+                "seconds": time.perf_counter() - t0}
+
+    @_serialized
+    def wake(self, tags: Optional[Seq[str]] = None) -> dict:
+        """Bring back what sleep freed: tags None (everything), or some of "weights", "kv_cache" (vLLM's
+        names: wake the weights alone to take an update before the KV cache returns). The KV cache comes
+        back empty; the decode graphs are re-captured once both are back (graph_capture_s, within seconds)."""
+        parts = {"weights", "kv_cache"} if tags is None else set([tags] if isinstance(tags, str) else tags)
+        if not parts or not parts <= {"weights", "kv_cache"}:
+            raise ValueError(f"wake tags must be drawn from ['weights', 'kv_cache'] (or None: both), got {tags!r}")
+        t0, capture_s = time.perf_counter(), 0.0
+        if "weights" in parts & self.asleep:
+            self.runner.restore_weights()
+            self.asleep.discard("weights")
+        if "kv_cache" in parts & self.asleep:
+            try:
+                self.runner.restore_kv()
+            except torch.OutOfMemoryError as exc:     # stays asleep; a later wake may find the room
+                self.runner.release_kv()
+                raise RuntimeError(f"wake: no device room for the KV cache ({self.kv.alloc.num_pages} pages); "
+                                   f"size it for the memory a colocated trainer leaves (gpu_memory_utilization, "
+                                   f"kv_cache_memory)") from exc
+            self.asleep.discard("kv_cache")
+        if self.device.type == "cuda":    # restored on this stream; the pipeline's streams read them next
+            torch.cuda.synchronize(self.device)
+        graphs = self.pipeline.graphs
+        if graphs is not None and not graphs.graphs and not self.asleep:
+            self.pipeline.capture_graphs(progress=False)
+            capture_s = graphs.capture_s
+        return {"level": self.sleep_level, "seconds": time.perf_counter() - t0, "graph_capture_s": capture_s}
+
     # ---- scoring --------------------------------------------------------------------------
     @_serialized
     def score(self, sequences: Seq[list[int]], temperature: float = 1.0) -> list[list[float]]:
@@ -503,6 +602,7 @@ class RolloutEngine:
         if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) \
                 or not math.isfinite(temperature) or temperature < MIN_TEMPERATURE:
             raise ValueError(f"temperature must be a finite number >= {MIN_TEMPERATURE} for scoring, got {temperature!r}")
+        self._check_awake()
         prepared = self._prepare(sequences, SamplingParams())
         if any(len(ids) < 2 for ids, _, _ in prepared):
             raise ValueError("score needs sequences of at least 2 tokens")
@@ -532,6 +632,10 @@ class RolloutEngine:
         finally:
             self.kv.free(seq)
         return out
+
+
+def _reserved(device: torch.device) -> int:
+    return torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
 
 
 def _check_request_id(request_id) -> None:

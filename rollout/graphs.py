@@ -69,5 +69,13 @@ class DecodeGraphs:
         log.info("captured %d CUDA graphs (buckets %s, modes %s) in %.1f s",
                  len(keys), self.buckets, self.modes, self.capture_s)
 
+    def reset(self) -> None:
+        """Forget every graph and give their pool back (before the memory they read is freed);
+        capture() records them again."""
+        for g in self.graphs.values():
+            g.reset()
+        self.graphs.clear()
+        self.pool = None
+
     def replay(self, slot: int, bucket: int, mode: str) -> None:     # on the caller's current stream
         self.graphs[(slot, bucket, mode)].replay()

@@ -39,6 +39,22 @@ def carry_penalty_ids(penalty: torch.Tensor, prev_tokens: torch.Tensor) -> torch
     return torch.where(penalty <= -2, prev_tokens[rows], penalty)
 
 
+def _storages(tensors) -> list:
+    """The distinct non-empty storages under `tensors` (tied weights share one)."""
+    out: dict = {}
+    for t in tensors:
+        st = t.untyped_storage()
+        if st.nbytes():
+            out.setdefault(st.data_ptr(), st)
+    return list(out.values())
+
+
+def _release(storage) -> int:
+    nbytes = storage.nbytes()
+    storage.resize_(0)
+    return nbytes
+
+
 class ModelRunner:
     def __init__(self, model: DecoderLM, *, num_pages: int, page_size: int, kv_dtype: torch.dtype,
                  attention_backend: str = "torch", num_host_pages: int = 0, batch_invariant: bool = False):
@@ -57,6 +73,49 @@ class ModelRunner:
         pin = self.device.type == "cuda"
         self.host_kv = [tuple(torch.empty((2, num_host_pages + 1) + shape[1:], dtype=kv_dtype, pin_memory=pin))
                         for _ in model.layers] if num_host_pages else []
+        self._released: list = []         # sleep: (storage, bytes, host copy or None) per released weight storage
+        self._host_weights: list = []     # pinned host copies, reused from one sleep to the next
+
+    # ---- sleep: memory given back and restored under the same tensors (new addresses: graphs re-captured) ----
+    def release_kv(self) -> int:
+        """Free the KV pool's memory; its views (kv_caches) stay, holding nothing until restore_kv."""
+        return _release(self.kv_pool.untyped_storage())
+
+    def restore_kv(self) -> None:
+        """A fresh zeroed pool under the same views (padding rows read the zero trash page)."""
+        self.kv_pool.untyped_storage().resize_(self.kv_pool.numel() * self.kv_pool.element_size())
+        self.kv_pool.zero_()
+
+    def release_weights(self, keep: bool) -> int:
+        """Free the model's memory: parameters, packed decode copies and buffers. keep: all copied to host
+        memory first (pinned on CUDA, reused by later sleeps); else the parameters and packed copies are
+        dropped (restored as zeros for a full update to refill) and only the buffers (RoPE) are copied."""
+        model = self.model
+        tiles = [t for m in model.modules() if (t := getattr(m, "weight_tiles", None)) is not None]
+        params = _storages(list(model.parameters()) + tiles)
+        taken = {st.data_ptr() for st in params}
+        kept = (params if keep else []) + [st for st in _storages(model.buffers()) if st.data_ptr() not in taken]
+        pin = self.device.type == "cuda"
+        if [h.nbytes() for h in self._host_weights] != [st.nbytes() for st in kept]:
+            self._host_weights = [torch.empty(st.nbytes(), dtype=torch.uint8, pin_memory=pin).untyped_storage()
+                                  for st in kept]
+        for h, st in zip(self._host_weights, kept):
+            h.copy_(st, non_blocking=pin)
+        if pin:
+            torch.cuda.synchronize(self.device)
+        dropped = [] if keep else params
+        self._released = [(st, st.nbytes(), h) for st, h in zip(kept, self._host_weights)] + \
+                         [(st, st.nbytes(), None) for st in dropped]
+        return sum(_release(st) for st, _, _ in self._released)
+
+    def restore_weights(self) -> None:
+        for st, nbytes, host in self._released:
+            st.resize_(nbytes)
+            if host is None:
+                st.fill_(0)
+            else:
+                st.copy_(host, non_blocking=True)
+        self._released = []
 
     @staticmethod
     def kv_bytes_per_page(hf_config, page_size: int, dtype: torch.dtype) -> int:

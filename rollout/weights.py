@@ -81,11 +81,16 @@ class WeightSync:
         self.device = engine.device
         self.cuda = self.device.type == "cuda"
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
-        self._ptrs = {n: t.data_ptr() for n, t in self.targets.items()}
+        self.track_pointers()
         self.pending: Optional[_Staged] = None
         self._landing: Optional[_Landing] = None
         self.metrics = {"updates": 0, "staging_ms": 0.0, "barrier_ms": 0.0, "bytes": 0,
                         "verified": 0, "committed_while_in_flight": 0}
+
+    def track_pointers(self) -> None:
+        """The parameters' addresses commits check against (again after a wake moved them; the engine
+        re-captured its graphs)."""
+        self._ptrs = {n: t.data_ptr() for n, t in self.targets.items()}
 
     # ---- validate + stage ----------------------------------------------------------------
     def validate(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:

@@ -19,7 +19,7 @@ import torch
 
 from .engine import RolloutEngine
 from .request import RequestOutput, SamplingParams, Status
-from .weights import WeightSync
+from .weights import WeightSync, WeightUpdateError
 
 log = logging.getLogger(__name__)
 
@@ -79,12 +79,24 @@ class RolloutWorker:
         Raises WeightUpdateError, leaving the live weights untouched, on a bad update (unknown
         name, wrong shape or dtype, a NaN or inf anywhere, an old version, no room). Returns once
         the staged copy is on the device and checked; decoding goes on meanwhile.
-        adopt: the tensors become the staging buffers (see WeightSync.prepare)."""
+        adopt: the tensors become the staging buffers (see WeightSync.prepare).
+        Asleep: at level 1 the update lands at once (the engine is idle); at level 2 it is refused until
+        wake(tags=["weights"]); after sleep(discard_weights=True) it must be a full update."""
         with self.locked():
+            if "weights" in self.engine.asleep:
+                raise WeightUpdateError("weight update rejected: the engine is asleep at level 2 (its weights are off "
+                                        "the device); call wake(tags=['weights']) first")
             staged = self.weights.prepare(named_tensors, version, adopt=adopt)
+            missing = self.engine.model.hf_missing(set(staged.tensors)) if self.engine.weights_discarded else []
+            if missing:
+                raise WeightUpdateError(f"weight update rejected: the weights were discarded by sleep, so an update "
+                                        f"must be full; missing {len(missing)} tensors, e.g. {missing[:3]}")
         self.weights.check_finite(staged)      # waits for the copies: outside the lock, so steps go on
         with self.locked():
             self.weights.install(staged)
+            if self.engine.asleep or self.engine.weights_discarded:    # idle, nothing in flight: commit now
+                self._commit_and_apply_policies()
+                self.weights.verify(block=True)     # and free the staging copies while the trainer runs
             self._wake.notify_all()
 
     def _commit_and_apply_policies(self) -> list[RequestOutput]:
@@ -106,6 +118,23 @@ class RolloutWorker:
                         self.engine.scheduler.recompute(s)
                         self.metrics["stale_recomputed"] += 1
         return outs
+
+    # ---- sleep / wake (colocated with a trainer) --------------------------------------------------
+    def sleep(self, level: int = 1, discard_weights: bool = False) -> dict:
+        """RolloutEngine.sleep between steps, a staged update committed first (see update_weights)."""
+        with self.locked():
+            if not self.engine.requests:
+                self._commit_and_apply_policies()
+                self.weights.verify(block=True)
+            return self.engine.sleep(level, discard_weights)
+
+    def wake(self, tags=None) -> dict:
+        """RolloutEngine.wake; weight updates go on landing in place at the restored addresses."""
+        with self.locked():
+            out = self.engine.wake(tags)
+            self.weights.track_pointers()
+            self._wake.notify_all()
+            return out
 
     # ---- stepping ----------------------------------------------------------------------------
     def _step(self) -> list[RequestOutput]:

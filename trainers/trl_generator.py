@@ -15,7 +15,7 @@ import contextlib
 import dataclasses
 import time
 import warnings
-from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, Union
 
 import torch
 
@@ -200,13 +200,20 @@ class TRLGenerationAdapter:
     `sync_weights()` stages the trainer's weights as version `trainer.state.global_step` (committed at the worker's
     next batch boundary). `generate` returns one row per input row; consecutive identical rows (TRL's G copies) are
     one request with n = run length. Per batch it appends `gen/*` metrics to `trainer._metrics[mode]`.
+
+    Colocated (`sleep_level`): the worker sleeps after each generate, so the trainer's loss, backward and optimizer
+    step have its memory, and wakes before the next (TRL's seam for vLLM's sleep mode). "auto": level 1 when the
+    engine is in this process on the trainer's CUDA device, else off; 1, 2 or None force it. At level 2 the weights
+    wake first in sync_weights, for the update to land in place; discard_weights (default) drops them at sleep
+    instead of copying them to host memory, since the trainer sends them before every generation anyway.
     """
 
     mode = "server"     # what TRL's tool loop checks (it then reads max_model_len from the model config)
 
     def __init__(self, worker, trainer, *, metrics_prefix: str = "gen/",
                  name_map: Optional[Callable[[str], Optional[str]]] = None,
-                 sampling_params: Optional[SamplingParams] = None, log_metrics: bool = True):
+                 sampling_params: Optional[SamplingParams] = None, log_metrics: bool = True,
+                 sleep_level: Union[int, str, None] = "auto", discard_weights: bool = True):
         self.worker = worker
         self.trainer = trainer
         self.metrics_prefix = metrics_prefix
@@ -228,6 +235,10 @@ class TRLGenerationAdapter:
         self._last_sync_ms = 0.0
         self.sync_history: list[int] = []       # trainer versions pushed (or adopted)
         self.batch_versions: list[list[int]] = []  # per generate call: sorted distinct token versions (trainer terms)
+        self.sleep_level = _resolve_sleep_level(sleep_level, worker, trainer)
+        self.discard_weights = bool(discard_weights) and self.sleep_level == 2
+        self.sleep_reports: list[dict] = []      # RolloutWorker.sleep's report after each generate
+        self.wake_reports: list[dict] = []       # and wake's, before each (weights, then the rest at level 2)
 
     def to_trainer_version(self, worker_version: int) -> int:
         return worker_version - self._offset
@@ -235,6 +246,8 @@ class TRLGenerationAdapter:
     # -- weights ------------------------------------------------------------------------------------------------------
     def sync_weights(self) -> None:
         t0 = time.perf_counter()
+        if self.sleep_level == 2:       # the weights' storage back first: the update lands in place
+            self.wake_reports.append(self.worker.wake(["weights"]))
         step = int(self.trainer.state.global_step)
         dist = getattr(self.trainer, "_dist", None)
         sharded = bool(getattr(self.trainer, "is_deepspeed_enabled", False) or getattr(dist, "is_fsdp", False))
@@ -257,8 +270,10 @@ class TRLGenerationAdapter:
         self._last_sync_ms = (time.perf_counter() - t0) * 1e3
 
     def _same_as_live(self, items) -> bool:
-        if getattr(self.worker, "remote", False) or getattr(self.worker.weights, "pending", None) is not None:
-            return False          # a remote worker's tensors are not here to compare: push
+        eng = self.worker.engine
+        if getattr(self.worker, "remote", False) or getattr(self.worker.weights, "pending", None) is not None \
+                or getattr(eng, "asleep", None) or getattr(eng, "weights_discarded", False):
+            return False          # a remote worker's tensors are not here to compare (or not there at all): push
         targets, model = self._mapper.targets, self.worker.engine.model
         names = {n for n, _ in items}
         if not names <= set(targets) or model.hf_missing(names):    # a full set (stacked experts count whole)
@@ -277,7 +292,13 @@ class TRLGenerationAdapter:
         barrier0 = self.worker.weights.metrics.get("barrier_ms", 0.0)
         t0 = time.perf_counter()
         with (profiler if profiler is not None else contextlib.nullcontext()):
+            if self.sleep_level:
+                if self.worker.engine.weights_discarded:   # no step since the last sync (eval): send them again
+                    self.sync_weights()
+                self.wake_reports.append(self.worker.wake())
             outs = self._run([prompts[s] for s, _ in runs], params)
+            if self.sleep_level:
+                self.sleep_reports.append(self.worker.sleep(self.sleep_level, self.discard_weights))
         wall = time.perf_counter() - t0
         prompt_ids, completion_ids, logprobs, token_ids = [], [], [], []
         versions: list[int] = []
@@ -326,6 +347,38 @@ class TRLGenerationAdapter:
         m[p + "weight_barrier_ms"].append(float(barrier_ms))
         m[p + "weight_sync_ms"].append(float(self._last_sync_ms))
         self._last_sync_ms = 0.0
+        if self.sleep_level and self.sleep_reports:
+            rep = self.sleep_reports[-1]
+            m[p + "sleep_s"].append(rep["seconds"])
+            m[p + "wake_s"].append(self.wake_reports[-1]["seconds"])
+            freed = rep["device_freed_bytes"]
+            m[p + "sleep_freed_gb"].append((rep["released_bytes"] if freed is None else freed) / 1e9)
+
+
+def _shares_device(worker, trainer) -> bool:
+    """The worker's engine runs in this process on the trainer's CUDA device."""
+    dev = getattr(getattr(worker, "engine", None), "device", None)
+    acc_dev = getattr(getattr(trainer, "accelerator", None), "device", None)
+    if getattr(worker, "remote", False) or dev is None or acc_dev is None:
+        return False
+    a, b = torch.device(dev), torch.device(acc_dev)
+    if a.type != "cuda" or b.type != "cuda":
+        return False
+    return (a.index if a.index is not None else torch.cuda.current_device()) == \
+        (b.index if b.index is not None else torch.cuda.current_device())
+
+
+def _resolve_sleep_level(level, worker, trainer) -> int:
+    if level == "auto":
+        return 1 if _shares_device(worker, trainer) else 0
+    if level is None or level == 0:
+        return 0
+    if isinstance(level, bool) or level not in (1, 2):
+        raise ValueError(f"sleep_level must be 'auto', None, 1 or 2, got {level!r}")
+    if getattr(worker, "remote", False) or not callable(getattr(worker, "sleep", None)):
+        raise ValueError(f"sleep_level={level} needs an in-process RolloutWorker (sleep / wake), got "
+                         f"{type(worker).__name__}")
+    return level
 
 
 def _is_peft(model) -> bool:
@@ -386,6 +439,12 @@ def attach_generator(trainer, worker, **kw) -> TRLGenerationAdapter:
         warnings.warn(f"max_completion_length={trainer.args.max_completion_length} >= the engine's max_model_len="
                       f"{worker.engine.max_model_len}: completions will be cut by the context", stacklevel=2)
     adapter = TRLGenerationAdapter(worker, trainer, **kw)
+    cfg = getattr(worker.engine, "config", None)
+    if adapter.sleep_level and cfg is not None and worker.engine.device.type == "cuda" and \
+            cfg.gpu_memory_utilization is None and cfg.kv_cache_memory is None and cfg.num_kv_pages is None:
+        warnings.warn("the engine shares the trainer's GPU but sized its KV cache from the memory free when it was "
+                      "built; the trainer's optimizer state may leave no room to wake it: build the engine with "
+                      "gpu_memory_utilization (e.g. args.vllm_gpu_memory_utilization) or kv_cache_memory", stacklevel=2)
     trainer.vllm_generation = adapter
     trainer.use_vllm = True
     trainer.vllm_mode = "server"

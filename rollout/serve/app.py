@@ -12,7 +12,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Optional
 
-from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi import Depends, FastAPI, HTTPException, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -374,6 +374,23 @@ def build_app(worker, opts: Optional[ServeOptions] = None) -> FastAPI:
         tags = body.request_ids + ([body.request_id] if body.request_id else [])
         found = [t for t in tags if await server.loop.call(lambda t=t: server.loop.abort_tag(t))]
         return _json({"aborted": found})
+
+    # vLLM's sleep-mode routes (levels: RolloutEngine.sleep); generation while asleep answers 503
+    @app.post("/sleep", dependencies=admin)
+    async def sleep(level: int = 1, discard_weights: bool = False):
+        try:
+            return _json(await server.loop.call(lambda: worker.sleep(level, discard_weights)))
+        except RuntimeError as exc:       # requests still running
+            raise HTTPException(409, str(exc)) from None
+
+    @app.post("/wake_up", dependencies=admin)
+    async def wake_up(tags: Optional[list[str]] = Query(None)):
+        return _json(await server.loop.call(lambda: worker.wake(tags)))
+
+    @app.get("/is_sleeping", dependencies=user)
+    async def is_sleeping():
+        level = await server.loop.call(lambda: server.engine.sleep_level)
+        return _json({"is_sleeping": level > 0, "level": level})
 
     app.post("/update_weights_from_disk", dependencies=admin)(server.update_from_disk)
     app.post("/update_weights_from_ipc", dependencies=admin)(server.update_from_ipc)
