@@ -48,7 +48,7 @@ class EngineConfig:
     batch_invariant: bool = False                # a sequence's bits independent of its batch-mates (CUDA + Triton, bf16/fp16)
     pack_decode_weights: bool = False            # decode GEMMs read packed weight copies (CUDA, Llama-3-8B shapes; 2x those weights)
     # speculative decoding (rollout/spec.py): drafted steps run without the one-step lag and eagerly
-    speculative: str = "off"                     # off | ngram: drafts from the sequence, its group and earlier completions
+    speculative: str = "off"                     # off | ngram: drafts from the sequence, its group, earlier completions
     spec_max_draft: int = 5                      # draft tokens per sequence and step (k), at most
     spec_max_step_tokens: int = 256              # rows x (k + 1) per drafted step (memory-bound); more rows: no drafts
     spec_min_acceptance: float = 0.2             # below this measured acceptance, drafting only as a probe

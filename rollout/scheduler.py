@@ -290,15 +290,17 @@ class Scheduler:
         num_computed (computed or in flight), and a placeholder for every token the step
         samples (a group forks here). Draft tokens join the sequence's tokens; each drafted
         position is a sampled row too (before the placeholder after them)."""
-        seq.token_ids += draft
+        if draft:
+            seq.token_ids += draft
         if not in_place:
             self.kv.append(seq, num_new, out.copies)
         item = ScheduledSeq(seq, num_new, 0, seq.num_computed, len(draft))
         seq.num_computed += num_new
         if seq.num_computed == seq.num_tokens:
-            for pos in range(seq.num_tokens - len(draft), seq.num_tokens):
-                out.targets.append(SampleTarget(seq, pos, seq.epoch))
-            out.num_drafted += len(draft)
+            if draft:
+                out.targets += [SampleTarget(seq, pos, seq.epoch) for pos in range(seq.num_tokens - len(draft),
+                                                                                  seq.num_tokens)]
+                out.num_drafted += len(draft)
             samplers = [seq] + (self._fork(seq) if seq.fork_count > 1 else [])
             for s in samplers:
                 s.inflight[s.num_tokens] = (out.batch_id, len(out.targets))
@@ -337,6 +339,8 @@ class Scheduler:
             draft = s.token_ids[pos]      # PLACEHOLDER, or the draft token this row verifies
             if draft == PLACEHOLDER:
                 del s.inflight[pos]
+            else:
+                assert sched.num_drafted, "a known token where a sampled one lands"
             s.policy_versions.append(version)
             s.token_ids[pos] = tokens[i]
             s.logprobs.append(logprobs[i])

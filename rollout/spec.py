@@ -14,7 +14,6 @@ regime) and a measured acceptance of at least `spec_min_acceptance` (probed agai
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Optional
 
 from .request import PLACEHOLDER, Request, Sequence
 
