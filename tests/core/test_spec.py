@@ -11,7 +11,8 @@ from safetensors.torch import load_file
 from hf_reference import cpu_engine, random_prompts
 from rollout import RolloutEngine, SamplingParams
 from rollout.request import PLACEHOLDER, Request
-from rollout.spec import NgramDrafter
+from rollout.config import EngineConfig
+from rollout.spec import PROBE_EVERY, NgramDrafter, Speculator
 from rollout.worker import RolloutWorker
 
 K = 5
@@ -293,3 +294,46 @@ def test_weight_update_between_drafted_steps_keeps_versions_exact(model_dir, tin
         assert c.token_ids[n0:] == cont[0].completions[0].token_ids
         assert_close(c.logprobs[n0:], cont[0].completions[0].logprobs)
     assert_no_leak(worker.engine)
+
+
+def test_switches_and_their_checks(model_dir, tiny_tokenizer):
+    path = model_dir("llama")
+    for bad in ({"speculative": "eagle"}, {"spec_max_draft": 0}, {"spec_min_acceptance": 1.5},
+                {"spec_max_step_tokens": 1}, {"spec_history_prompts": -1}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            _spec(path, **bad)
+    with pytest.raises(ValueError, match="speculative"):
+        _spec(path).generate([[1, 2]], SamplingParams(speculative="no"), use_tqdm=False)
+    prompts = _prompts(tiny_tokenizer, 2)
+    p = SamplingParams(max_new_tokens=30, temperature=0, ignore_eos=True)
+    off = SamplingParams(max_new_tokens=30, temperature=0, ignore_eos=True, speculative=False)
+    spec = _spec(path)
+    spec.generate(prompts, p, use_tqdm=False)           # history: drafts would be found
+    drafted = spec.stats()["spec_drafted"]
+    assert drafted > 0
+    spec.generate(prompts, off, use_tqdm=False)          # opted out: never drafted
+    assert spec.stats()["spec_drafted"] == drafted
+    assert "spec_drafted" not in cpu_engine(path).stats()
+    # Too many rows for the memory-bound budget: 2 rows x (k + 1) > 3 tokens, so no drafted step.
+    narrow = _spec(path, spec_max_step_tokens=3)
+    narrow.generate(prompts, p, use_tqdm=False)
+    narrow.generate(prompts, p, use_tqdm=False)
+    assert narrow.stats()["spec_drafted"] == 0 and narrow.stats()["spec_drains"] == 0
+
+
+def test_policy_k_by_rows_off_at_low_acceptance_then_probes():
+    cfg = EngineConfig(speculative="ngram", spec_max_draft=4, spec_max_step_tokens=12, spec_min_acceptance=0.5)
+    sp = Speculator(cfg)
+    seqs = [Request(i, [1, 2, 3], SamplingParams(), seed=0).seqs[0] for i in range(4)]
+    for s in seqs:
+        s.num_computed = 2                              # decoding: its last token is all it computes
+    assert [sp.draft_len(seqs[:n]) for n in (1, 2, 3, 4)] == [4, 4, 3, 2]   # rows x (k + 1) <= 12
+    assert sp.draft_len(seqs * 2) == 0                  # 8 rows: k = 0, compute-bound
+    seqs[0].num_computed = 1
+    assert sp.draft_len(seqs[:1]) == 0                  # nothing decoding (mid-prefill)
+    for _ in range(10):
+        sp.observe(10, 0, 2)                            # nothing accepted: acceptance 0.8 ** 10
+    assert [sp.draft_len(seqs[1:]) for _ in range(PROBE_EVERY + 1)] == [0] * PROBE_EVERY + [3]
+    sp.observe(10, 10, 2)                               # the probe accepted all: still below 0.5, wait again
+    assert sp.acceptance < 0.5 and sp.draft_len(seqs[1:]) == 0
+    assert sp.propose(seqs[1:], 3) == {} and sp.wait == 2   # no draft found: back off 2, 4, ... steps
