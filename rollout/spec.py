@@ -49,8 +49,12 @@ class NgramIndex:
             if key:
                 self.last[key] = e
 
-    def longest(self, tokens: list[int], ctx: list[int]) -> tuple[int, int]:
-        """(length, end) of the longest match of ctx's suffix in `tokens` (0, -1: none)."""
+    def longest(self, tokens: list[int], ctx: list[int], aligned: bool = False) -> tuple[int, int]:
+        """(length, end) of the longest match of ctx's suffix in `tokens` (0, -1: none). aligned (tokens
+        of the same prompt): where both hold the same last MAX_MATCH tokens at ctx's end, that wins."""
+        L = len(ctx)
+        if aligned and L < len(self.prev) and tokens[max(L - MAX_MATCH, 0):L] == ctx[-MAX_MATCH:]:
+            return MAX_MATCH + 1, L
         best, e = (0, -1), self.last.get(tuple(ctx[-MIN_MATCH:]), -1)
         for _ in range(CANDIDATES):
             if e < 0:
@@ -97,14 +101,15 @@ class NgramDrafter:
 
     def propose(self, seq: Sequence, k: int) -> list[int]:
         """Up to k tokens that followed the longest earlier match of the sequence's suffix (sources in
-        order: itself, its siblings, earlier completions; the first wins a tie). Its own earlier
-        occurrence may reach its end: the draft then repeats that period."""
+        order: itself, its siblings, earlier completions; the first wins a tie; a sibling or earlier
+        completion that holds the same tokens up to here wins, as SPEC-RL / DAS draft from the previous
+        rollout). Its own earlier occurrence may reach its end: the draft then repeats that period."""
         ctx = seq.token_ids
         best, found = 0, None
         for tokens, index in self._sources(seq):
             end = _known(tokens)
             index.update(tokens, end)
-            n, e = index.longest(tokens, ctx)
+            n, e = index.longest(tokens, ctx, aligned=tokens is not ctx)
             if n > best:
                 best, found = n, (tokens, e, end)
         if found is None:

@@ -76,8 +76,16 @@ def test_drafter_own_context_siblings_and_history():
     assert d.propose(later, 3) == [8, 9, 4]              # the prompt's end, matched in the earlier ones
     other = Request(2, [7, 7, 3, 5], SamplingParams(), seed=0).seqs[0]
     assert d.propose(other, 2) == []                     # another prompt: no history, no match
+    # An earlier completion with the same tokens up to here is followed where they are (a run of 7s
+    # longer than MAX_MATCH also matches, as long, at its end: the aligned place wins).
+    done = Request(7, [1, 2], SamplingParams(), seed=0)
+    done.seqs[0].token_ids += [7] * 20 + [9]
+    d.remember(done)
+    again = Request(8, [1, 2], SamplingParams(), seed=0).seqs[0]
+    again.token_ids += [7] * 18
+    assert d.propose(again, 4) == [7, 7, 9]
     d.remember(Request(3, [6, 6], SamplingParams(), seed=0))   # nothing generated: nothing kept
-    assert len(d.history) == 1
+    assert len(d.history) == 2
     for i in range(3):                                    # history keeps the latest history_prompts prompts
         r = Request(4 + i, [i, i], SamplingParams(), seed=0)
         r.seqs[0].token_ids.append(5)
