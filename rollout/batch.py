@@ -138,10 +138,11 @@ class BatchBuilder:
             qsl.append(qsl[-1] + n)
             seq_lens.append(start + n)
             p = seq.request.params
-            for _ in range(item.num_samples):
-                # A group's prefill samples all n first tokens from its last position.
+            for r in range(item.num_samples):
+                # A group's prefill samples all n first tokens from its last position; a drafted run
+                # samples each of its last 1 + num_draft positions.
                 target = next(targets)
-                logits_idx.append(qsl[-1] - 1)
+                logits_idx.append(qsl[-1] - 1 - item.num_draft + min(r, item.num_draft))
                 row_src.append((p, target))
                 if p.repetition_penalty != 1.0:
                     # In-flight tokens are encoded as -(2 + previous row) and carried over too.

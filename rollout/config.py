@@ -49,6 +49,12 @@ class EngineConfig:
     cuda_graph_modes: list = field(default_factory=lambda: list(GRAPH_MODES))   # sampler shapes captured
     batch_invariant: bool = False                # a sequence's bits independent of its batch-mates (CUDA + Triton, bf16/fp16)
     pack_decode_weights: bool = False            # decode GEMMs read packed weight copies (CUDA, Llama-3-8B shapes; 2x those weights)
+    # speculative decoding (rollout/spec.py): drafted steps run without the one-step lag and eagerly
+    speculative: str = "off"                     # off | ngram: drafts from the sequence, its group, earlier completions
+    spec_max_draft: int = 5                      # draft tokens per sequence and step (k), at most
+    spec_max_step_tokens: int = 256              # rows x (k + 1) per drafted step (memory-bound); more rows: no drafts
+    spec_min_acceptance: float = 0.2             # below this measured acceptance, drafting only as a probe
+    spec_history_prompts: int = 0                # prompts whose latest completions stay as draft sources
     kernels: KernelSwitches = field(default_factory=lambda: dataclasses.replace(SWITCHES))   # rollout.env; same results
 
     def validate(self) -> "EngineConfig":
@@ -76,6 +82,14 @@ class EngineConfig:
         integer("num_kv_pages", 1, optional=True)
         integer("kv_cache_memory", 1, optional=True)
         integer("cuda_graph_max_batch", 1, optional=True)
+        integer("spec_max_draft", 1)
+        integer("spec_max_step_tokens", 2)
+        integer("spec_history_prompts", 0)
+        if self.speculative not in ("off", "ngram"):
+            bad("speculative", "'off' or 'ngram'")
+        a = self.spec_min_acceptance
+        if isinstance(a, bool) or not isinstance(a, (int, float)) or not 0.0 <= a <= 1.0:
+            bad("spec_min_acceptance", "a number in [0, 1]")
         r = self.reserve_memory
         if r != "weights" and (isinstance(r, bool) or not isinstance(r, int) or r < 0):
             bad("reserve_memory", "bytes >= 0 or 'weights'")

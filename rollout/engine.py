@@ -22,6 +22,7 @@ from .pipeline import DevicePipeline, InFlight
 from .runner import ModelRunner
 from .sampler import SamplerOutput
 from .scheduler import ScheduledSeq, Scheduler, SchedulerOutput
+from .spec import Speculator
 
 Prompt = Union[str, list[int]]
 log = logging.getLogger(__name__)
@@ -112,6 +113,7 @@ class RolloutEngine:
             graph_max_batch=cfg.cuda_graph_max_batch, graph_modes=tuple(cfg.cuda_graph_modes))
         self.pipeline.capture_graphs()
         self._inflight: Optional[InFlight] = None
+        self.speculator = Speculator(cfg) if cfg.speculative != "off" else None
         self.policy_version = 0      # stamped on every launched batch; the RL worker bumps it
         self.cpu_spans: Optional[list] = None   # (name, start_s, end_s) while tracing
         self._ready: list[RequestOutput] = []     # finished while draining, handed out by step()
@@ -133,7 +135,8 @@ class RolloutEngine:
                 # prefix cache, over sequences admitted from scratch (new, or recomputing): hit rate = hits / queries
                 "prefix_cache_queries": sch.prefix_cache_queries, "prefix_cache_hit_tokens": sch.prefix_cache_hits,
                 "prefix_cache_pages": kv.num_cached, "prefix_cache_evictable_pages": kv.num_evictable,
-                "prefix_cache_evictions": kv.num_evictions, "sleep_level": self.sleep_level}
+                "prefix_cache_evictions": kv.num_evictions, "sleep_level": self.sleep_level,
+                **(self.speculator.stats() if self.speculator is not None else {})}
 
     def _pack_decode_weights(self, attention_backend: str, batch_invariant: bool, max_num_seqs: int) -> None:
         """pack_decode_weights=True: the decode GEMMs read copies of their weights packed one
@@ -363,7 +366,7 @@ class RolloutEngine:
         (stops, freed pages). Returns the requests that finished."""
         t0 = time.perf_counter()
         self.kv.weights_version = self.policy_version   # sequences started now chain from this version's root
-        sched = self.scheduler.schedule()
+        sched = self.scheduler.schedule(self._drafts() if self.speculator is not None else None)
         sched.policy_version = self.policy_version
         launched = None
         if sched.items:
@@ -371,12 +374,14 @@ class RolloutEngine:
                 launched = self.pipeline.launch(sched)
                 self.metrics["steps"] += 1
                 self.metrics["prefill_tokens"] += sum(i.num_new for i in sched.items
-                                                      if i.num_new > 1 or i.num_samples == 0)
+                                                      if i.num_new - i.num_draft > 1 or i.num_samples == 0)
             except Exception as exc:          # a fault in this step fails only its requests
                 self._fail(sched, exc)
         elif self._inflight is None and self.scheduler.has_work():
             self._fail_stuck()      # not reachable for validated requests; never let one wedge the engine
         prev, self._inflight = self._inflight, launched
+        if sched.num_drafted and launched is not None:   # verified now: the next drafts need its tokens
+            prev, self._inflight = launched, None
         t1 = time.perf_counter()
         finished = self._complete(prev) if prev is not None else []
         if self.cpu_spans is not None:       # timeline: host work vs waiting on the device
@@ -392,9 +397,25 @@ class RolloutEngine:
             self._fail(flight.sched, exc)
             return []
         cols = self._columns(out, flight.top_n)
-        self.metrics["generated_tokens"] += len(cols[0])
         routed = flight.routed.numpy() if flight.routed is not None else None
-        return [self._finish(r) for r in self.scheduler.update_columns(flight.sched, *cols, routed=routed)]
+        sched = flight.sched
+        finished = self.scheduler.update_columns(sched, *cols, routed=routed)
+        self.metrics["generated_tokens"] += len(cols[0]) - sched.num_unused_rows
+        if sched.num_drafted:
+            self.speculator.observe(sched.num_drafted, sched.num_accepted, sum(i.num_draft > 0 for i in sched.items))
+        return [self._finish(r) for r in finished]
+
+    def _drafts(self) -> Optional[dict]:
+        """This step's drafts, or None: the speculator's k for the running rows; drafting needs every
+        token known, so the batch in flight is finished first (the drafted step runs without the lag)."""
+        k = self.speculator.draft_len(self.scheduler.running)
+        if not k:
+            return None
+        if self._inflight is not None:
+            flight, self._inflight = self._inflight, None
+            self.speculator.counts["spec_drains"] += 1
+            self._ready += self._complete(flight)
+        return self.speculator.propose(self.scheduler.running, k)
 
     def _fail(self, sched: SchedulerOutput, exc: Exception) -> None:
         """Finish every request with a sequence in the failed batch: finish_reason "error",
@@ -429,6 +450,8 @@ class RolloutEngine:
 
     def _finish(self, req: Request) -> RequestOutput:
         del self.requests[req.request_id]
+        if self.speculator is not None:
+            self.speculator.drafter.remember(req)
         return req.output(self.tokenizer)
 
     @staticmethod

@@ -55,6 +55,7 @@ class SamplingParams:
     top_logprobs: int = 0             # 0 = off
     detokenize: bool = True
     return_routed_experts: bool = False   # MoE: Completion.routed_experts (the prefix cache is not used)
+    speculative: bool = True          # False: never drafted when the engine speculates (plain decode steps' bits)
     # RL worker policies (applied by rollout.worker at each weight update):
     stale_kv: str = "keep"            # "keep" the KV computed by older weights, or "recompute" it
     max_staleness: Optional[int] = None   # versions behind the live weights before `on_stale`
@@ -100,7 +101,7 @@ class SamplingParams:
         stop = self.stop
         if isinstance(stop, str) or not _is_sequence(stop) or any(not isinstance(x, str) or not x for x in stop):
             bad("stop", "a list of non-empty strings")
-        for name in ("ignore_eos", "detokenize", "return_routed_experts"):
+        for name in ("ignore_eos", "detokenize", "return_routed_experts", "speculative"):
             if not isinstance(getattr(self, name), bool):
                 bad(name, "True or False")
         return SamplingParams(
@@ -110,7 +111,7 @@ class SamplingParams:
             repetition_penalty=number("repetition_penalty", lambda x: x > 0, "a finite number > 0"),
             seed=integer("seed", 0, optional=True), stop_token_ids=[int(t) for t in stop_ids], stop=list(stop),
             ignore_eos=self.ignore_eos, top_logprobs=integer("top_logprobs", 0, vocab_size),
-            detokenize=self.detokenize, return_routed_experts=self.return_routed_experts,
+            detokenize=self.detokenize, return_routed_experts=self.return_routed_experts, speculative=self.speculative,
             stale_kv=choice("stale_kv", ("keep", "recompute")),
             max_staleness=integer("max_staleness", 0, optional=True), on_stale=choice("on_stale", ("finish", "abort")))
 
@@ -197,11 +198,15 @@ class Sequence:
         self.prefix_key = 0
         self.routed: Optional[np.ndarray] = None   # return_routed_experts: [position, layer, k], rows routed_len
         self.routed_len = 0
+        self.draft_index = None           # spec.py: n-gram index of its tokens, built when it is first drafted from
 
     def drop_placeholders(self) -> None:
-        while self.token_ids and self.token_ids[-1] == PLACEHOLDER:
-            self.inflight.pop(len(self.token_ids) - 1, None)
-            self.token_ids.pop()
+        """Drop the tail not yet sampled: tokens in flight (PLACEHOLDER) and drafts under verification
+        (every sampled token has its logprob, so the known tokens are the prompt and len(logprobs) more)."""
+        known = self.num_prompt + len(self.logprobs)
+        for pos in range(known, len(self.token_ids)):
+            self.inflight.pop(pos, None)
+        del self.token_ids[known:]
 
     def record_routing(self, start: int, ids: np.ndarray) -> None:
         """Expert ids [layers, n, k] of positions start.. (a recompute overwrites its rows). A forked
@@ -257,6 +262,7 @@ class Request:
         self.seed = seed                  # resolved: user seed or drawn by the engine
         self.error: Optional[str] = None
         self.routed_shape = (0, 0)        # (MoE layers, top_k): set by the engine for return_routed_experts
+        self.draft_history = None         # spec.py: earlier completions of this prompt, looked up once
         first = Sequence(self, 0, list(prompt_ids), len(prompt_ids))
         first.fork_count = params.n
         if continue_from is not None:     # a partial completion (n = 1) goes on after its last token

@@ -11,6 +11,12 @@ tokens are known. A row sampled in k-1 leaves a PLACEHOLDER in its sequence; bat
 uses it as input and the device fills it in from k-1's outputs (carry-over). The
 scheduler fills it on the host when k-1's outputs arrive. Because both modes run this
 same schedule, they build identical batches and so produce identical tokens.
+
+Speculative steps (spec.py drafts, the engine runs them with no batch in flight): a decoding
+sequence also computes its draft tokens and samples one row per position. The rows are sampled
+as plain decoding would sample them (the noise is keyed by position), so a draft is accepted
+while it equals the row sampled before it; the first mismatch is replaced by that row's token,
+and the KV of the rest is dropped (its pages freed). Stops apply token by token.
 """
 from __future__ import annotations
 
@@ -26,8 +32,9 @@ from .request import PLACEHOLDER, Request, Sequence, Status
 class ScheduledSeq:
     seq: Sequence
     num_new: int        # tokens computed this step, from `start`
-    num_samples: int    # logits rows sampled: 0 (mid-prefill), 1, or n (a group's prefill ends)
+    num_samples: int    # logits rows sampled: 0 (mid-prefill), 1, n (a group's prefill ends) or 1 + drafts
     start: int = 0      # seq.num_computed before this step
+    num_draft: int = 0  # draft tokens among its last inputs: its rows sample its last 1 + num_draft positions
 
 
 @dataclass(slots=True)
@@ -48,6 +55,9 @@ class SchedulerOutput:
     targets: list[SampleTarget] = field(default_factory=list)    # one per sampled row, in row order
     batch_id: int = 0
     policy_version: int = 0   # weights live on the compute stream when the batch was launched
+    num_drafted: int = 0      # draft tokens verified by this step
+    num_accepted: int = 0     # of those, accepted (set by update_columns)
+    num_unused_rows: int = 0  # rows after a rejected draft or a stop inside a drafted run (set by update_columns)
 
     @property
     def num_tokens(self) -> int:
@@ -194,7 +204,8 @@ class Scheduler:
         """Its last (maybe in-flight) token already reaches a length limit: nothing to schedule."""
         return seq.num_generated >= seq.request.params.max_new_tokens or seq.num_tokens >= self.max_model_len
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, drafts: Optional[dict[Sequence, list[int]]] = None) -> SchedulerOutput:
+        """drafts: proposed next tokens of decoding sequences (no token of theirs in flight)."""
         out = SchedulerOutput(items=[], batch_id=self._next_batch_id)
         self._next_batch_id += 1
         budget = self.max_num_batched_tokens
@@ -208,8 +219,10 @@ class Scheduler:
                 i += 1            # nothing to compute, or forked in this very step
                 continue
             num_new = min(seq.num_tokens - seq.num_computed, budget)
+            draft = self._fit_draft(seq, drafts[seq], budget, out) if drafts and seq in drafts else []
+            num_new += len(draft)
             if self.kv.fits_in_place(seq, num_new):     # a decode step inside its last page
-                self._add_item(out, seq, num_new, in_place=True)
+                self._add_item(out, seq, num_new, in_place=True, draft=draft)
                 budget -= num_new
                 i += 1
                 continue
@@ -223,7 +236,7 @@ class Scheduler:
                     break
             if seq.status != Status.RUNNING:
                 break
-            self._add_item(out, seq, num_new)
+            self._add_item(out, seq, num_new, draft=draft)
             budget -= num_new
             i += 1
         if self.reserve_fraction is None:
@@ -235,7 +248,7 @@ class Scheduler:
         # Then new (or preempted) sequences, FIFO, while pages, max_num_seqs and budget allow.
         while self.waiting and budget > 0 and not preempted:
             seq = self.waiting[0]
-            if self._num_seqs_running() + seq.fork_count > self.max_num_seqs:
+            if self._num_seqs_running() + seq.fork_count + out.num_drafted > self.max_num_seqs:   # rows
                 break
             fresh = seq.num_computed == 0 and not seq.host_table
             if fresh:
@@ -258,21 +271,42 @@ class Scheduler:
             budget -= num_new
         return out
 
-    def _add_item(self, out: SchedulerOutput, seq: Sequence, num_new: int, in_place: bool = False) -> None:
+    def _fit_draft(self, seq: Sequence, draft: list[int], budget: int, out: SchedulerOutput) -> list[int]:
+        """The part of a draft this step can verify: within the token budget, the rows the step's
+        buffers hold, the length limits (no row samples past them), and pages that leave one free
+        per running sequence (a draft never causes a preemption)."""
+        if seq.num_tokens - seq.num_computed != 1:
+            return []
+        p = seq.request.params
+        room = min(budget - 1, self.max_num_seqs - self._num_seqs_running() - out.num_drafted,
+                   p.max_new_tokens - seq.num_generated - 1, self.max_model_len - seq.num_tokens - 1)
+        draft = draft[:max(room, 0)]
+        need = self.kv.pages_needed(seq, 1 + len(draft))
+        return draft if need + len(self.running) <= self.kv.alloc.num_free else []
+
+    def _add_item(self, out: SchedulerOutput, seq: Sequence, num_new: int, in_place: bool = False,
+                  draft: list[int] = ()) -> None:
         """Commit the step at schedule time: KV pages (none to add when `in_place`),
         num_computed (computed or in flight), and a placeholder for every token the step
-        samples (a group forks here)."""
+        samples (a group forks here). Draft tokens join the sequence's tokens; each drafted
+        position is a sampled row too (before the placeholder after them)."""
+        if draft:
+            seq.token_ids += draft
         if not in_place:
             self.kv.append(seq, num_new, out.copies)
-        item = ScheduledSeq(seq, num_new, 0, seq.num_computed)
+        item = ScheduledSeq(seq, num_new, 0, seq.num_computed, len(draft))
         seq.num_computed += num_new
         if seq.num_computed == seq.num_tokens:
+            if draft:
+                out.targets += [SampleTarget(seq, pos, seq.epoch) for pos in range(seq.num_tokens - len(draft),
+                                                                                  seq.num_tokens)]
+                out.num_drafted += len(draft)
             samplers = [seq] + (self._fork(seq) if seq.fork_count > 1 else [])
             for s in samplers:
                 s.inflight[s.num_tokens] = (out.batch_id, len(out.targets))
                 out.targets.append(SampleTarget(s, s.num_tokens, s.epoch))
                 s.token_ids.append(PLACEHOLDER)
-            item.num_samples = len(samplers)
+            item.num_samples = len(samplers) + len(draft)
         out.items.append(item)
 
     # ---- outputs -------------------------------------------------------------------
@@ -291,15 +325,22 @@ class Scheduler:
                 offset += item.num_new
         finished: list[Request] = []
         running, version = Status.RUNNING, sched.policy_version
+        cut: set[Sequence] = set()      # its drafted run ended in this batch: its later rows go unused
         for i, t in enumerate(sched.targets):
             s, pos = t.seq, t.pos
+            if s in cut:
+                sched.num_unused_rows += 1
+                continue
             if s.status is not running or s.epoch != t.epoch:
                 # Finished (or aborted, or preempted) after this batch was scheduled: the
                 # extra token is discarded and never reaches the output.
                 self.num_discarded_tokens += 1
                 continue
-            assert s.token_ids[pos] == PLACEHOLDER
-            del s.inflight[pos]
+            draft = s.token_ids[pos]      # PLACEHOLDER, or the draft token this row verifies
+            if draft == PLACEHOLDER:
+                del s.inflight[pos]
+            else:
+                assert sched.num_drafted, "a known token where a sampled one lands"
             s.policy_versions.append(version)
             s.token_ids[pos] = tokens[i]
             s.logprobs.append(logprobs[i])
@@ -308,12 +349,30 @@ class Scheduler:
             if tops is not None and tops[i] is not None:
                 s.top_logprobs.append(tops[i])
             reason = self._stop_reason(s, pos)
+            if draft != PLACEHOLDER:
+                sched.num_accepted += draft == tokens[i]
+                if draft != tokens[i] or reason is not None:
+                    self._roll_back(s, pos)
+                    cut.add(s)
             if reason is not None:
                 del s.token_ids[pos + 1:]          # a later token may already be in flight
                 self.finish(s, *reason)
                 if s.request.finished:
                     finished.append(s.request)
         return finished
+
+    def _roll_back(self, seq: Sequence, pos: int) -> None:
+        """Its sampled token at `pos` ends the step's run: the later drafts, the placeholder after
+        them and their KV go (pages past the next write freed)."""
+        del seq.token_ids[pos + 1:]
+        seq.inflight.clear()      # a drafted run's step has no other token in flight
+        seq.num_computed = pos
+        keep = self.kv.pages_for(pos + 1)
+        if len(seq.block_table) > keep:     # pages only rejected drafts wrote (never cached: not yet full)
+            for page in seq.block_table[keep:]:
+                self.kv.alloc.decref(page)
+            del seq.block_table[keep:]
+            seq.table_version += 1
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
         req = parent.request
