@@ -82,6 +82,12 @@ class RolloutWorker:
         adopt: the tensors become the staging buffers (see WeightSync.prepare).
         Asleep: at level 1 the update lands at once (the engine is idle); at level 2 it is refused until
         wake(tags=["weights"]); after sleep(discard_weights=True) it must be a full update."""
+        staged = self.prepare_update(named_tensors, version, adopt)
+        self.weights.check_finite(staged)      # waits for the copies: outside the lock, so steps go on
+        self.install_update(staged)
+
+    def prepare_update(self, named_tensors, version: int, adopt: bool = False):
+        """update_weights' first part: validate and launch the staging copies (nothing waits)."""
         with self.locked():
             if "weights" in self.engine.asleep:
                 raise WeightUpdateError("weight update rejected: the engine is asleep at level 2 (its weights are off "
@@ -91,7 +97,10 @@ class RolloutWorker:
             if missing:
                 raise WeightUpdateError(f"weight update rejected: the weights were discarded by sleep, so an update "
                                         f"must be full; missing {len(missing)} tensors, e.g. {missing[:3]}")
-        self.weights.check_finite(staged)      # waits for the copies: outside the lock, so steps go on
+        return staged
+
+    def install_update(self, staged) -> None:
+        """update_weights' last part, once weights.check_finite(staged) passed: live at the next boundary."""
         with self.locked():
             self.weights.install(staged)
             if self.engine.asleep or self.engine.weights_discarded:    # idle, nothing in flight: commit now

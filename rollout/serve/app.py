@@ -226,10 +226,9 @@ class Server:
     async def _stage(self, items, version: int, adopt: bool) -> Response:
         """Copies launched on the engine thread, waited for and checked off it (decode goes on: the
         wait is the whole staging copy), then installed there to go live at the next batch boundary."""
-        weights = self.worker.weights
-        staged = await self.loop.call(lambda: weights.prepare(items, version, adopt=adopt))
-        await asyncio.to_thread(weights.check_finite, staged)
-        await self.loop.call(lambda: weights.install(staged))
+        staged = await self.loop.call(lambda: self.worker.prepare_update(items, version, adopt))
+        await asyncio.to_thread(self.worker.weights.check_finite, staged)
+        await self.loop.call(lambda: self.worker.install_update(staged))
         return _json({"staged_version": version, "live_version": self.worker.policy_version})
 
     async def update_from_disk(self, body: DiskUpdate):
