@@ -87,8 +87,8 @@ class Occupancy:
         self._inner_preempt(seq, out)  # drops the in-flight placeholder: count real tokens only
         self.first_preempt.setdefault(seq.request.request_id, seq.num_generated)
 
-    def _schedule(self):
-        out = self._inner()
+    def _schedule(self, drafts=None):
+        out = self._inner(drafts)
         if out.items:
             running = sum(s.fork_count for s in self.sched.running)
             self.peak = max(self.peak, running)

@@ -64,8 +64,8 @@ class StepRecorder:
         inner_schedule, inner_update = sch.schedule, sch.update_columns
         self.contexts, self.landed = [], 0
 
-        def schedule():
-            out = inner_schedule()
+        def schedule(drafts=None):
+            out = inner_schedule(drafts)
             if out.items:
                 self.contexts.append(sum(i.start + i.num_new for i in out.items))
             return out
