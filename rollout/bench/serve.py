@@ -39,22 +39,22 @@ def _engine_kwargs(args, seqs: int) -> dict:
                 max_num_batched_tokens=args.max_batched_tokens, reserve_memory="weights" if args.mode == "ipc" else 0)
 
 
-def _serve_child(args, kw: dict, port: int, switch_ms: float) -> None:
+def _serve_child(args, kw: dict, port: int) -> None:
     from ..serve import ServeOptions, serve
     from ..worker import RolloutWorker
     engine = random_engine(args.shape, 0, args.device, args.dtype, kw)
     serve(RolloutWorker(engine), ServeOptions(served_model_name="bench", stream_interval=args.stream_interval,
-                                              max_queued_requests=1 << 20, switch_interval_ms=switch_ms),
+                                              max_queued_requests=1 << 20),
           port=port, log_level="warning")
 
 
 @contextlib.contextmanager
-def _server(args, kw: dict, switch_ms: float):
+def _server(args, kw: dict):
     """The benchmark server in a child process, up and warmed; its URL."""
     import httpx
     from ..client import RolloutClient
     port = free_port("127.0.0.1")
-    proc = mp.get_context("spawn").Process(target=_serve_child, args=(args, kw, port, switch_ms), daemon=True)
+    proc = mp.get_context("spawn").Process(target=_serve_child, args=(args, kw, port), daemon=True)
     proc.start()
     url, deadline = f"http://127.0.0.1:{port}", time.time() + 1800     # an 8B draw and graph capture take a while
     while not RolloutClient(url).health():
@@ -103,11 +103,9 @@ def throughput(args) -> dict:
     kw = _engine_kwargs(args, args.prompts * n)
     prompts = _prompts(args.prompts, P, cfg.vocab_size, seed=0)
     body = {"n": n, "max_tokens": G, "temperature": 1.0, "ignore_eos": True, "logprobs": 0, "return_token_ids": True}
-    runs = {}
-    for ms in args.switch_interval_ms:    # servers first: their GPU memory is surely free once the process is gone
-        with _server(args, kw, ms) as url:
-            runs[ms] = asyncio.run(_stream_all(url, prompts, body))
-            runs[ms].pop("versions")
+    with _server(args, kw) as url:    # the server first: its GPU memory is surely free once the process is gone
+        http = asyncio.run(_stream_all(url, prompts, body))
+        http.pop("versions")
     worker = RolloutWorker(random_engine(args.shape, 0, args.device, args.dtype, kw))
     worker.generate(prompts[:2], SamplingParams(max_new_tokens=8, ignore_eos=True))      # warm-up
     t0 = time.perf_counter()
@@ -116,15 +114,11 @@ def throughput(args) -> dict:
     tokens = sum(len(c.token_ids) for o in outs for c in o.completions)
     inproc = dict(wall_s=wall, tokens=tokens, tok_s=tokens / wall)
     print(f"in-process {inproc['tok_s']:.0f} tok/s", flush=True)
-    for ms, http in runs.items():
-        http["http_over_in_process"] = http["tok_s"] / inproc["tok_s"]
-        print(f"HTTP, switch interval {ms} ms: {http['tok_s']:.0f} tok/s ({http['http_over_in_process']:.1%}; "
-              f"target >= 90%); first token p50 {http['ttft_p50_ms']:.0f} ms, p99 {http['ttft_p99_ms']:.0f} ms",
-              flush=True)
-    first = runs[args.switch_interval_ms[0]]
-    return dict(in_process=inproc, http=first, http_over_in_process=first["http_over_in_process"], target=0.9,
-                http_by_switch_interval_ms={str(ms): r for ms, r in runs.items()},
-                all_completed=all(r["tokens"] == inproc["tokens"] == args.prompts * n * G for r in runs.values()))
+    ratio = http["tok_s"] / inproc["tok_s"]
+    print(f"HTTP {http['tok_s']:.0f} tok/s ({ratio:.1%}; target >= 90%); first token p50 {http['ttft_p50_ms']:.0f} ms, "
+          f"p99 {http['ttft_p99_ms']:.0f} ms", flush=True)
+    return dict(in_process=inproc, http=http, http_over_in_process=ratio, target=0.9,
+                all_completed=http["tokens"] == inproc["tokens"] == args.prompts * n * G)
 
 
 def ipc(args) -> dict:
@@ -135,7 +129,7 @@ def ipc(args) -> dict:
         raise SystemExit("the ipc mode needs CUDA (CUDA IPC shares device memory between processes)")
     cfg = make_config(args.shape)
     P, G = args.prompt_len, args.gen_len
-    with _server(args, _engine_kwargs(args, args.prompts), args.switch_interval_ms[0]) as url:
+    with _server(args, _engine_kwargs(args, args.prompts)) as url:
         new = random_model(cfg, getattr(torch, args.dtype), torch.device("cuda"), seed=1).hf_targets()
         client, result = RolloutClient(url), {}
 
@@ -171,8 +165,6 @@ def main(argv=None) -> dict:
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--gen-len", type=int, default=None, help="4096 (throughput) / 1024 (ipc)")
     ap.add_argument("--stream-interval", type=int, default=16, help="tokens per stream chunk (ServeOptions)")
-    ap.add_argument("--switch-interval-ms", type=lambda v: [float(x) for x in v.split(",")], default=[0.5],
-                    help="ServeOptions.switch_interval_ms; a comma list runs one server per value (throughput)")
     ap.add_argument("--update-after-s", type=float, default=10.0)
     ap.add_argument("--kv-bytes", type=int, default=None)
     ap.add_argument("--max-batched-tokens", type=int, default=4096)

@@ -7,7 +7,6 @@ import asyncio
 import contextlib
 import json
 import secrets
-import sys
 import uuid
 from dataclasses import dataclass
 from typing import Optional
@@ -34,7 +33,6 @@ class ServeOptions:
     stream_interval: int = 1               # tokens per stream chunk (the first token is sent at once)
     # The engine thread waits on the GPU without the GIL each step; when it wakes while a handler
     # runs, CPython hands the GIL over only after this long (its default is 5 ms: most of a decode step)
-    switch_interval_ms: float = 0.5        # sys.setswitchinterval while serving (process-wide)
 
 
 def _json(body, status: int = 200, headers=None) -> Response:
@@ -296,21 +294,16 @@ def build_app(worker, opts: Optional[ServeOptions] = None) -> FastAPI:
     opts = opts or ServeOptions()
     if opts.logprobs_mode not in ("tempered", "processed"):
         raise ValueError(f"logprobs_mode must be 'tempered' or 'processed', got {opts.logprobs_mode!r}")
-    if not 0 < opts.switch_interval_ms <= 100:
-        raise ValueError(f"switch_interval_ms must be in (0, 100], got {opts.switch_interval_ms!r}")
     server = Server(worker, opts)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
-        before = sys.getswitchinterval()
-        sys.setswitchinterval(opts.switch_interval_ms / 1e3)
         server.loop.start()
         try:
             yield
         finally:
             server.closing = True
             await asyncio.to_thread(server.loop.stop)
-            sys.setswitchinterval(before)
 
     app = FastAPI(title="rollout", lifespan=lifespan)
     app.state.server = server
