@@ -244,9 +244,12 @@ def main(argv=None):
     if cuda:
         torch.cuda.empty_cache()
     per_token = model_sizes(cfg, dtype.itemsize)["kv_bytes_per_token"]
+    kv_bytes = int(per_token * S * (P + G + 64) * 1.2)     # every sequence's whole length, 20% spare
+    if cuda:   # capped at what the device has left (4 GiB kept for activations, logits, graphs): admission copes
+        kv_bytes = min(kv_bytes, torch.cuda.mem_get_info(device)[0] - (4 << 30))
     t_engine = time.perf_counter()
     engine = RolloutEngine(model, cfg, max_model_len=P + G + 8, max_num_seqs=max(S, 8),
-                           kv_cache_memory=int(per_token * S * (P + G + 64) * 1.2),
+                           kv_cache_memory=kv_bytes,
                            max_num_batched_tokens=max(2048, P * 4), seed=args.seed,
                            attention_backend=args.attention_backend, cuda_graphs=not args.no_graphs,
                            cuda_graph_modes=("greedy", "truncate"),   # what this bench samples with
@@ -257,7 +260,7 @@ def main(argv=None):
     result = {"shape": args.shape, "attention_backend": engine.runner.attention_backend,
               "cuda_graphs": engine.pipeline.graphs is not None, "batch_invariant": args.batch_invariant,
               "pack_decode_weights": args.pack_decode_weights, "batch": B, "n": n, "prompt_len": P,
-              "gen_len": G, "dtype": args.dtype, "engine_init_s": engine_init_s,
+              "gen_len": G, "dtype": args.dtype, "engine_init_s": engine_init_s, "kv_cache_bytes": kv_bytes,
               "roofline": roofline(cfg, S, P, G, prefill_seqs=B, dtype_bytes=dtype.itemsize)}
 
     # Correctness against HF's forward, same weights and dtype.
