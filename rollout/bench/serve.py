@@ -6,6 +6,8 @@
     # Llama-3-8B: a trainer process on the same GPU sends new weights by CUDA IPC while the server
     # decodes; staging time and the decode stall (weights/barrier_ms)
     python -m rollout.bench.serve ipc --shape llama3-8b --out ...
+    # two GPUs: a trainer on cuda:0 broadcasts 8B weights over NCCL to the server on cuda:1 while it decodes
+    NCCL_NVLS_ENABLE=0 python -m rollout.bench.serve group --shape llama3-8b --out ...
     # CPU smoke: throughput --shape tiny --device cpu --dtype float32 --prompts 4 --n 2 --prompt-len 16 --gen-len 16
 
 The server runs in a child process (no shared GIL) over the same seeded random weights. tok/s =
@@ -40,6 +42,9 @@ def _engine_kwargs(args, seqs: int) -> dict:
 
 
 def _serve_child(args, kw: dict, port: int) -> None:
+    import os
+    if args.server_gpu is not None:    # before CUDA starts in this process: the server's GPU is its cuda:0
+        os.environ["CUDA_VISIBLE_DEVICES"] = str(args.server_gpu)
     from ..serve import ServeOptions, serve
     from ..worker import RolloutWorker
     engine = random_engine(args.shape, 0, args.device, args.dtype, kw)
@@ -70,13 +75,15 @@ def _server(args, kw: dict):
 
 
 async def _stream_all(url: str, prompts, body: dict) -> dict:
-    """Every prompt as one concurrent streaming request; tokens, versions and time to first token."""
+    """Every prompt as one concurrent streaming request; tokens, each request's token versions and
+    time to first token."""
     import httpx
     t0 = time.perf_counter()
     ttft, tokens, versions = [], [0], []
 
     async def one(c, prompt):
-        start, first = time.perf_counter(), None
+        start, first, mine = time.perf_counter(), None, []
+        versions.append(mine)
         async with c.stream("POST", "/v1/completions", json={**body, "prompt": prompt, "stream": True}) as r:
             async for line in r.aiter_lines():
                 if not line.startswith("data: {"):
@@ -85,7 +92,7 @@ async def _stream_all(url: str, prompts, body: dict) -> dict:
                     if ch["token_ids"] and first is None:
                         first = time.perf_counter() - start
                     tokens[0] += len(ch["token_ids"])
-                    versions.extend(ch["policy_versions"])
+                    mine.extend(ch["policy_versions"])
         ttft.append(first)
     limits = httpx.Limits(max_connections=len(prompts) + 8)
     async with httpx.AsyncClient(base_url=url, timeout=None, limits=limits) as c:
@@ -146,7 +153,7 @@ def ipc(args) -> dict:
     versions = decode.pop("versions")
     result.update(staging_ms=m["rollout_weight_staging_ms_total"], barrier_ms=m["rollout_weight_barrier_ms_total"],
                   barrier_launch_ms=m.get("rollout_weight_barrier_launch_ms"),
-                  tokens_after_update=sum(v == 1 for v in versions), decode=decode,
+                  tokens_after_update=sum(v == 1 for vs in versions for v in vs), decode=decode,
                   all_completed=decode["tokens"] == args.prompts * G and m["rollout_policy_version"] == 1)
     print(f"IPC update: {result['update_wall_ms']:.0f} ms end to end, staging {result['staging_ms']:.1f} ms, "
           f"decode stall (barrier) {result['barrier_ms']:.2f} ms; {result['tokens_after_update']} tokens on v1",
@@ -154,9 +161,78 @@ def ipc(args) -> dict:
     return result
 
 
+def _versions_exact(versions: list[list[int]]) -> bool:
+    """Each request's tokens: a run of version 0, then only version 1 (no token after the switch on 0)."""
+    return all(vs == sorted(vs) and set(vs) <= {0, 1} for vs in versions)
+
+
+def group(args) -> dict:
+    """A trainer (this process) broadcasts new weights to the server over a torch.distributed group
+    (NCCL between two GPUs, gloo on CPU) while the server decodes; then the server's greedy outputs
+    against a fresh engine built on the new weights."""
+    from ..client import RolloutClient
+    from ..request import SamplingParams
+    from .pressure import random_model
+    cuda = args.device == "cuda"
+    if cuda and torch.cuda.device_count() < 2:
+        raise SystemExit("the group mode on CUDA needs two GPUs: the trainer on cuda:0, the server on --server-gpu")
+    if cuda and args.server_gpu is None:
+        args.server_gpu = 1
+    cfg = make_config(args.shape)
+    P, G, dtype = args.prompt_len, args.gen_len, getattr(torch, args.dtype)
+    trainer = torch.device("cuda:0" if cuda else "cpu")
+    check = _prompts(args.check_prompts, P, cfg.vocab_size, seed=7)
+    greedy = {"max_tokens": args.check_len, "temperature": 0, "ignore_eos": True}
+    with _server(args, _engine_kwargs(args, args.prompts)) as url:
+        client, result = RolloutClient(url), {}
+        new = random_model(cfg, dtype, trainer, seed=1).hf_targets()
+        nbytes = sum(t.numel() * t.element_size() for t in new.values())
+        t0 = time.perf_counter()
+        client.init_weight_group(backend="nccl" if cuda else "gloo")
+        result["group_init_ms"] = (time.perf_counter() - t0) * 1e3
+
+        async def decode_and_update():
+            body = {"max_tokens": G, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+            task = asyncio.ensure_future(_stream_all(url, _prompts(args.prompts, P, cfg.vocab_size, 0), body))
+            await asyncio.sleep(args.update_after_s)
+            t0 = time.perf_counter()
+            result["response"] = await asyncio.to_thread(client.update_weights_from_group, new.items(), 1,
+                                                         args.bucket_mb << 20)
+            result["update_wall_ms"] = (time.perf_counter() - t0) * 1e3
+            return await task
+        decode = asyncio.run(decode_and_update())
+        m = client.metrics()
+        served = client.generate(check, SamplingParams(**{"max_new_tokens": greedy["max_tokens"], "temperature": 0.0,
+                                                          "ignore_eos": True}))
+        client.close_weight_group()
+    new = None     # the trainer's copy: freed before the fresh engine
+    if cuda:
+        torch.cuda.empty_cache()
+    fresh = random_engine(args.shape, 1, str(trainer), args.dtype, _engine_kwargs(args, args.check_prompts))
+    ref = fresh.generate(check, SamplingParams(max_new_tokens=args.check_len, temperature=0.0, ignore_eos=True),
+                         use_tqdm=False)
+    pairs = [(a.completions[0], b.completions[0]) for a, b in zip(served, ref)]
+    versions = decode.pop("versions")
+    result.update(
+        weight_bytes=nbytes, transfer_gb_s=nbytes / (result["update_wall_ms"] / 1e3) / 1e9,
+        staging_ms=m["rollout_weight_staging_ms_total"], barrier_ms=m["rollout_weight_barrier_ms_total"],
+        barrier_launch_ms=m.get("rollout_weight_barrier_launch_ms"),
+        tokens_after_update=sum(v == 1 for vs in versions for v in vs), versions_exact=_versions_exact(versions),
+        decode=decode, after_update_equal_fresh=all(a.token_ids == b.token_ids for a, b in pairs),
+        after_update_max_abs_dlogp=max(abs(x - y) for a, b in pairs for x, y in zip(a.logprobs, b.logprobs)),
+        after_update_versions=sorted({v for a, _ in pairs for v in a.policy_versions}),
+        all_completed=decode["tokens"] == args.prompts * G and m["rollout_policy_version"] == 1)
+    print(f"group update ({'nccl' if cuda else 'gloo'}): {nbytes / 1e9:.2f} GB in {result['update_wall_ms']:.0f} ms "
+          f"({result['transfer_gb_s']:.1f} GB/s), staging {result['staging_ms']:.1f} ms, decode stall (barrier) "
+          f"{result['barrier_ms']:.2f} ms; {result['tokens_after_update']} tokens on v1, versions exact "
+          f"{result['versions_exact']}; after it equal to a fresh engine {result['after_update_equal_fresh']}",
+          flush=True)
+    return result
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("mode", choices=("throughput", "ipc"))
+    ap.add_argument("mode", choices=("throughput", "ipc", "group"))
     ap.add_argument("--shape", default=None, choices=sorted(SHAPES), help="qwen2.5-1.5b / llama3-8b by mode")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default="bfloat16")
@@ -168,6 +244,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--update-after-s", type=float, default=10.0)
     ap.add_argument("--kv-bytes", type=int, default=None)
     ap.add_argument("--max-batched-tokens", type=int, default=4096)
+    ap.add_argument("--server-gpu", type=int, default=None, help="group: the server's GPU (1); the trainer takes 0")
+    ap.add_argument("--bucket-mb", type=int, default=256, help="group: broadcast bucket size")
+    ap.add_argument("--check-prompts", type=int, default=4, help="group: greedy prompts compared with a fresh engine")
+    ap.add_argument("--check-len", type=int, default=64)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     tput = args.mode == "throughput"
@@ -176,7 +256,7 @@ def main(argv=None) -> dict:
     args.gen_len = args.gen_len or (4096 if tput else 1024)
     if not tput:                          # sized: the trainer's copy of the weights shares the GPU
         args.kv_bytes = args.kv_bytes or 16 << 30
-    result = throughput(args) if tput else ipc(args)
+    result = throughput(args) if tput else ipc(args) if args.mode == "ipc" else group(args)
     import importlib.util             # uvicorn takes uvloop / httptools where installed (uvicorn[standard])
     fast = {m: importlib.util.find_spec(m) is not None for m in ("uvloop", "httptools")}
     result.update(mode=args.mode, shape=args.shape, dtype=args.dtype, prompts=args.prompts, n=args.n if tput else 1,

@@ -15,3 +15,17 @@ def test_throughput_smoke_tiny(tmp_path):
     saved = json.loads(out.read_text())
     assert saved["meta"]["command"].startswith("python -m rollout.bench.serve throughput")
     assert {"git_commit", "date", "device"} <= set(saved["meta"]) and saved["stream_interval"] == 16
+
+
+def test_group_smoke_tiny_gloo(tmp_path):
+    """The two-GPU weight-broadcast run's code path on CPU: this process broadcasts new weights over gloo while
+    the server decodes; every token after the switch is on v1, none before it, and the server's greedy outputs
+    after it equal a fresh engine built on the new weights (fp32 CPU: the same kernels, exactly equal)."""
+    r = bench.main(["group", "--shape", "tiny", "--device", "cpu", "--dtype", "float32", "--prompts", "4",
+                    "--prompt-len", "16", "--gen-len", "512", "--update-after-s", "0.3", "--kv-bytes", "8000000",
+                    "--check-prompts", "3", "--check-len", "12", "--out", str(tmp_path / "group.json")])
+    assert r["all_completed"] and r["versions_exact"]
+    assert 0 < r["tokens_after_update"] < 4 * 512          # the switch landed mid-decode
+    assert r["after_update_equal_fresh"] and r["after_update_max_abs_dlogp"] == 0.0
+    assert r["after_update_versions"] == [1]
+    assert r["weight_bytes"] > 0 and r["transfer_gb_s"] > 0 and r["barrier_ms"] >= 0
