@@ -5,9 +5,12 @@ on the same random weights (a fresh trainer and model each):
     ours    our RolloutWorker via attach_generator, awake throughout
     sleep1  ours, asleep at level 1 between generations (KV cache, graphs and cached blocks given back)
     sleep2  ours, asleep at level 2 (the weights dropped too; each sync refills them)
+    http    our server in another process (on --server-gpu, 1; CPU: the same device) through the HTTP adapter,
+            weights over a torch.distributed group (NCCL / gloo) each step: TRL's server mode, not colocated
 
     python -m rollout.bench.colocated --shape qwen2.5-0.5b --steps 4 --out bench/results/colocated.json
     python -m rollout.bench.colocated --device cpu --shape tiny --steps 2       # a smoke run
+    NCCL_NVLS_ENABLE=0 python -m rollout.bench.colocated --shape qwen2.5-1.5b --variants http,trl   # two GPUs
 
 The reward is a hash of the completion's token ids (it varies within a group, so the policy gradient is
 real; random weights say nothing meaningful anyway). Per variant: seconds per GRPO step (median over the
@@ -20,6 +23,7 @@ freed and the sleep / wake / graph re-capture seconds. Needs trl (1.16), dataset
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import statistics
 import tempfile
@@ -31,7 +35,8 @@ import torch
 from .__main__ import run_meta, write_json
 from .shapes import SHAPES, make_config
 
-VARIANTS = {"trl": None, "ours": 0, "sleep1": 1, "sleep2": 2}   # name -> the adapter's sleep_level (None: TRL's own)
+VARIANTS = {"trl": None, "ours": 0, "sleep1": 1, "sleep2": 2, "http": 0}   # -> the adapter's sleep_level (None: TRL's)
+COLOCATED = "trl,ours,sleep1,sleep2"
 TOKENIZER = Path(__file__).resolve().parents[1] / "assets" / "arith-tiny"   # character-level, offline
 
 
@@ -62,7 +67,7 @@ def _callback(record: dict, worker):
             if torch.cuda.is_available():
                 record["at_optimizer_step"].append({"allocated_gb": torch.cuda.memory_allocated() / 1e9,
                                                     "reserved_gb": torch.cuda.memory_reserved() / 1e9})
-            if worker is not None:
+            if worker is not None and not getattr(worker, "remote", False):
                 record["sleep_level_at_optimizer_step"].append(worker.engine.sleep_level)
     return Timer()
 
@@ -86,6 +91,19 @@ def _summary(reports: list, key: str):
     return statistics.median(vals) if vals else None
 
 
+def _serve_child(args, port: int) -> None:
+    import os
+    if args.device == "cuda":     # before CUDA starts in this process: the server's GPU is its cuda:0
+        os.environ["CUDA_VISIBLE_DEVICES"] = str(args.server_gpu)
+    from ..engine import RolloutEngine
+    from ..serve import ServeOptions, serve
+    from ..worker import RolloutWorker
+    engine = RolloutEngine.from_config(make_config(args.shape), seed=args.seed, device=args.device, dtype=args.dtype,
+                                       max_model_len=args.prompt_len + args.completion_len + 8,
+                                       max_num_seqs=args.max_num_seqs)
+    serve(RolloutWorker(engine), ServeOptions(served_model_name="bench"), port=port, log_level="warning")
+
+
 def run_variant(name: str, args, cfg, tokenizer, dataset) -> dict:
     from transformers import AutoModelForCausalLM
     from trl import GRPOConfig, GRPOTrainer
@@ -105,13 +123,22 @@ def run_variant(name: str, args, cfg, tokenizer, dataset) -> dict:
     record = {"step_s": [], "gen_s": [], "sync_s": [], "at_optimizer_step": [], "sleep_level_at_optimizer_step": []}
     worker = None
     level = VARIANTS[name]
-    if level is not None:
+    stack = contextlib.ExitStack()
+    if name == "http":
+        from trainers.trl_http import HTTPWorker
+
+        from ..client import RolloutClient
+        from .serve import server_process
+        url = stack.enter_context(server_process(_serve_child, args))
+        worker = HTTPWorker(RolloutClient(url))
+        stack.callback(worker.close)           # leaves the weight group before the server stops
+    elif level is not None:
         engine = RolloutEngine.from_config(
             cfg, seed=args.seed, device=args.device, dtype=args.dtype,
             max_model_len=args.prompt_len + args.completion_len + 8, max_num_seqs=args.max_num_seqs,
             gpu_memory_utilization=args.gpu_memory_utilization if cuda else None)
         worker = RolloutWorker(engine)
-    with tempfile.TemporaryDirectory() as out:
+    with stack, tempfile.TemporaryDirectory() as out:
         gargs = GRPOConfig(output_dir=out, per_device_train_batch_size=args.batch, num_generations=args.num_generations,
                            max_completion_length=args.completion_len, learning_rate=args.lr, max_steps=args.steps,
                            logging_steps=1, bf16=cuda and args.dtype == "bfloat16", use_cpu=not cuda, beta=args.beta,
@@ -175,7 +202,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--lr", type=float, default=1e-6)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.3, help="the engine's share (TRL's default)")
     ap.add_argument("--max-num-seqs", type=int, default=256)
-    ap.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, from {list(VARIANTS)}")
+    ap.add_argument("--variants", default=COLOCATED, help=f"comma-separated, from {list(VARIANTS)}")
+    ap.add_argument("--server-gpu", type=int, default=1, help="http: the server's GPU (the trainer takes cuda:0)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -184,6 +212,8 @@ def main(argv=None) -> dict:
     unknown = [n for n in names if n not in VARIANTS]
     if unknown:
         raise SystemExit(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
+    if "http" in names and args.device == "cuda" and torch.cuda.device_count() < 2:
+        raise SystemExit("the http variant on CUDA needs two GPUs: the trainer on cuda:0, the server on --server-gpu")
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(str(TOKENIZER))
     cfg = make_config(args.shape)

@@ -54,12 +54,12 @@ def _serve_child(args, kw: dict, port: int) -> None:
 
 
 @contextlib.contextmanager
-def _server(args, kw: dict):
-    """The benchmark server in a child process, up and warmed; its URL."""
+def server_process(child, *child_args):
+    """`child(*child_args, port)` serving in a spawned process (no shared GIL), up and warmed; its URL."""
     import httpx
     from ..client import RolloutClient
     port = free_port("127.0.0.1")
-    proc = mp.get_context("spawn").Process(target=_serve_child, args=(args, kw, port), daemon=True)
+    proc = mp.get_context("spawn").Process(target=child, args=(*child_args, port), daemon=True)
     proc.start()
     url, deadline = f"http://127.0.0.1:{port}", time.time() + 1800     # an 8B draw and graph capture take a while
     while not RolloutClient(url).health():
@@ -72,6 +72,11 @@ def _server(args, kw: dict):
     finally:
         proc.terminate()
         proc.join(120)
+
+
+def _server(args, kw: dict):
+    """The benchmark server over the seeded random weights."""
+    return server_process(_serve_child, args, kw)
 
 
 async def _stream_all(url: str, prompts, body: dict) -> dict:

@@ -34,3 +34,21 @@ def test_colocated_bench_runs_every_variant_on_cpu(tmp_path, monkeypatch):
         assert v["sleep_level_at_optimizer_step"] == [level, level] and v["sleeps"] == 2
         assert v["released_gb"] > 0 and v["sleep_s"] >= 0 and v["wake_s"] >= 0 and v["device_freed_gb"] is None
     assert r["variants"]["sleep2"]["released_gb"] > r["variants"]["sleep1"]["released_gb"]   # the weights too
+
+
+def test_http_variant_trains_through_a_server_process_on_cpu(tmp_path, monkeypatch):
+    """TRL's server mode as the two-GPU run does it, on CPU: the server in a child process, weights over a gloo
+    group each step (versions 0, 1: the second step generated on the first update), IS ratio within 1e-4 of 1
+    in fp32 (the server's logprobs against TRL's recompute on the same weights)."""
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    out = tmp_path / "http.json"
+    colocated.main(["--device", "cpu", "--shape", "tiny", "--steps", "2", "--batch", "4", "--num-generations", "2",
+                    "--prompt-len", "8", "--completion-len", "8", "--variants", "http", "--out", str(out)])
+    v = json.loads(out.read_text())["variants"]["http"]
+    assert v["steps"] == 2 and 0 < v["generation_s"] < v["step_s"] and v["weight_sync_s"] > 0
+    logged = v["logged"]
+    for k in ("min", "mean", "max"):
+        assert all(abs(x - 1) <= 1e-4 for x in logged[f"sampling/importance_sampling_ratio/{k}"])
+    assert logged["gen/policy_version"] == [0, 1]
+    assert "sleeps" not in v
