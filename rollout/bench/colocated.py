@@ -92,9 +92,6 @@ def _summary(reports: list, key: str):
 
 
 def _serve_child(args, port: int) -> None:
-    import os
-    if args.device == "cuda":     # before CUDA starts in this process: the server's GPU is its cuda:0
-        os.environ["CUDA_VISIBLE_DEVICES"] = str(args.server_gpu)
     from ..engine import RolloutEngine
     from ..serve import ServeOptions, serve
     from ..worker import RolloutWorker
@@ -129,7 +126,7 @@ def run_variant(name: str, args, cfg, tokenizer, dataset) -> dict:
 
         from ..client import RolloutClient
         from .serve import server_process
-        url = stack.enter_context(server_process(_serve_child, args))
+        url = stack.enter_context(server_process(_serve_child, args, gpu=args.server_gpu if cuda else None))
         worker = HTTPWorker(RolloutClient(url))
         stack.callback(worker.close)           # leaves the weight group before the server stops
     elif level is not None:

@@ -42,9 +42,6 @@ def _engine_kwargs(args, seqs: int) -> dict:
 
 
 def _serve_child(args, kw: dict, port: int) -> None:
-    import os
-    if args.server_gpu is not None:    # before CUDA starts in this process: the server's GPU is its cuda:0
-        os.environ["CUDA_VISIBLE_DEVICES"] = str(args.server_gpu)
     from ..serve import ServeOptions, serve
     from ..worker import RolloutWorker
     engine = random_engine(args.shape, 0, args.device, args.dtype, kw)
@@ -53,13 +50,21 @@ def _serve_child(args, kw: dict, port: int) -> None:
           port=port, log_level="warning")
 
 
+def _on_gpu(gpu, child, *child_args) -> None:
+    import os
+    if gpu is not None:    # before CUDA starts in this process: that GPU is its cuda:0
+        os.environ["CUDA_VISIBLE_DEVICES"] = str(gpu)
+    child(*child_args)
+
+
 @contextlib.contextmanager
-def server_process(child, *child_args):
-    """`child(*child_args, port)` serving in a spawned process (no shared GIL), up and warmed; its URL."""
+def server_process(child, *child_args, gpu=None):
+    """`child(*child_args, port)` serving in a spawned process (no shared GIL), on physical GPU `gpu` if
+    given, up and warmed; its URL."""
     import httpx
     from ..client import RolloutClient
     port = free_port("127.0.0.1")
-    proc = mp.get_context("spawn").Process(target=child, args=(*child_args, port), daemon=True)
+    proc = mp.get_context("spawn").Process(target=_on_gpu, args=(gpu, child, *child_args, port), daemon=True)
     proc.start()
     url, deadline = f"http://127.0.0.1:{port}", time.time() + 1800     # an 8B draw and graph capture take a while
     while not RolloutClient(url).health():
@@ -76,7 +81,7 @@ def server_process(child, *child_args):
 
 def _server(args, kw: dict):
     """The benchmark server over the seeded random weights."""
-    return server_process(_serve_child, args, kw)
+    return server_process(_serve_child, args, kw, gpu=args.server_gpu)
 
 
 async def _stream_all(url: str, prompts, body: dict) -> dict:
@@ -187,7 +192,7 @@ def group(args) -> dict:
     P, G, dtype = args.prompt_len, args.gen_len, getattr(torch, args.dtype)
     trainer = torch.device("cuda:0" if cuda else "cpu")
     check = _prompts(args.check_prompts, P, cfg.vocab_size, seed=7)
-    greedy = {"max_tokens": args.check_len, "temperature": 0, "ignore_eos": True}
+    check_params = SamplingParams(max_new_tokens=args.check_len, temperature=0.0, ignore_eos=True)
     with _server(args, _engine_kwargs(args, args.prompts)) as url:
         client, result = RolloutClient(url), {}
         new = random_model(cfg, dtype, trainer, seed=1).hf_targets()
@@ -207,15 +212,13 @@ def group(args) -> dict:
             return await task
         decode = asyncio.run(decode_and_update())
         m = client.metrics()
-        served = client.generate(check, SamplingParams(**{"max_new_tokens": greedy["max_tokens"], "temperature": 0.0,
-                                                          "ignore_eos": True}))
+        served = client.generate(check, check_params)
         client.close_weight_group()
     new = None     # the trainer's copy: freed before the fresh engine
     if cuda:
         torch.cuda.empty_cache()
     fresh = random_engine(args.shape, 1, str(trainer), args.dtype, _engine_kwargs(args, args.check_prompts))
-    ref = fresh.generate(check, SamplingParams(max_new_tokens=args.check_len, temperature=0.0, ignore_eos=True),
-                         use_tqdm=False)
+    ref = fresh.generate(check, check_params, use_tqdm=False)
     pairs = [(a.completions[0], b.completions[0]) for a, b in zip(served, ref)]
     versions = decode.pop("versions")
     result.update(

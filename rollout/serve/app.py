@@ -31,8 +31,6 @@ class ServeOptions:
     max_queued_requests: int = 1024        # prompts waiting for a batch slot; past it 429 + Retry-After
     logprobs_mode: str = "tempered"        # which logprobs fill OpenAI's field: tempered (ours) | processed
     stream_interval: int = 1               # tokens per stream chunk (the first token is sent at once)
-    # The engine thread waits on the GPU without the GIL each step; when it wakes while a handler
-    # runs, CPython hands the GIL over only after this long (its default is 5 ms: most of a decode step)
 
 
 def _json(body, status: int = 200, headers=None) -> Response:
