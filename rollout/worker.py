@@ -200,6 +200,7 @@ class RolloutWorker:
             bar = tqdm(total=len(ids), desc="rollout", unit="req")
         try:
             while True:
+                self._let_waiters_in()     # an abort or update from another thread gets in between our steps
                 with self.locked():
                     done = sum(self._waited[i] is not None for i in ids)
                     if bar is not None:

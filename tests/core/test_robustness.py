@@ -4,6 +4,7 @@ changed after submission. Each gets a clear error (or is served) and the engine 
 the next good call equals a fresh engine's output and no KV page leaks."""
 import math
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -292,9 +293,13 @@ def test_a_caller_whose_request_another_thread_aborts_gets_the_aborted_output(pa
     started = threading.Event()
     real_step = worker.engine.step
 
-    def step():     # the long request is running: let the other thread abort it
+    def step():     # the long request is running: hold the step until the other thread waits for the lock
         out = real_step()
-        started.set()
+        if not started.is_set():
+            started.set()
+            deadline = time.monotonic() + TIMEOUT_S
+            while not worker._waiting and time.monotonic() < deadline:
+                time.sleep(0.001)
         return out
     worker.engine.step = step
     long = SamplingParams(max_new_tokens=100, temperature=1.0, seed=1, ignore_eos=True)
