@@ -28,6 +28,7 @@ import gc
 import statistics
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -91,14 +92,19 @@ def _summary(reports: list, key: str):
     return statistics.median(vals) if vals else None
 
 
-def _serve_child(args, port: int) -> None:
+def _server_worker(args):
     from ..engine import RolloutEngine
-    from ..serve import ServeOptions, serve
     from ..worker import RolloutWorker
-    engine = RolloutEngine.from_config(make_config(args.shape), seed=args.seed, device=args.device, dtype=args.dtype,
-                                       max_model_len=args.prompt_len + args.completion_len + 8,
-                                       max_num_seqs=args.max_num_seqs)
-    serve(RolloutWorker(engine), ServeOptions(served_model_name="bench"), port=port, log_level="warning")
+    return RolloutWorker(RolloutEngine.from_config(
+        make_config(args.shape), seed=args.seed, device=args.device, dtype=args.dtype,
+        max_model_len=args.prompt_len + args.completion_len + 8, max_num_seqs=args.max_num_seqs))
+
+
+def _serve_child(args, port: int) -> None:     # as `python -m rollout.serve`: the engine in its own process
+    from ..serve import ServeOptions, serve
+    from ..serve.remote import EngineProcess
+    serve(EngineProcess(partial(_server_worker, args)), ServeOptions(served_model_name="bench"), port=port,
+          log_level="warning")
 
 
 def run_variant(name: str, args, cfg, tokenizer, dataset) -> dict:

@@ -10,7 +10,9 @@
     NCCL_NVLS_ENABLE=0 python -m rollout.bench.serve group --shape llama3-8b --out ...
     # CPU smoke: throughput --shape tiny --device cpu --dtype float32 --prompts 4 --n 2 --prompt-len 16 --gen-len 16
 
-The server runs in a child process (no shared GIL) over the same seeded random weights. tok/s =
+The server runs in a child process over the same seeded random weights, its engine loop in a process
+of its own (`python -m rollout.serve`'s default) and, in throughput mode, also on a thread beside the
+event loop (`--engines`). tok/s =
 generated tokens / wall of the whole workload; time to first token per HTTP request (p50 / p99).
 Target: HTTP >= 90% of in-process.
 """
@@ -23,6 +25,7 @@ import json
 import multiprocessing as mp
 import statistics
 import time
+from functools import partial
 
 import torch
 
@@ -41,12 +44,19 @@ def _engine_kwargs(args, seqs: int) -> dict:
                 max_num_batched_tokens=args.max_batched_tokens, reserve_memory="weights" if args.mode == "ipc" else 0)
 
 
-def _serve_child(args, kw: dict, port: int) -> None:
-    from ..serve import ServeOptions, serve
+def _random_worker(shape: str, device: str, dtype: str, kw: dict):
     from ..worker import RolloutWorker
-    engine = random_engine(args.shape, 0, args.device, args.dtype, kw)
-    serve(RolloutWorker(engine), ServeOptions(served_model_name="bench", stream_interval=args.stream_interval,
-                                              max_queued_requests=1 << 20),
+    return RolloutWorker(random_engine(shape, 0, device, dtype, kw))
+
+
+def _serve_child(args, kw: dict, engine_process: bool, port: int) -> None:
+    """The server over seeded random weights: its engine loop in a process of its own (the CLI's
+    default) or on a thread of the HTTP process."""
+    from ..serve import ServeOptions, serve
+    from ..serve.remote import EngineProcess
+    make = partial(_random_worker, args.shape, args.device, args.dtype, kw)
+    serve(EngineProcess(make) if engine_process else make(),
+          ServeOptions(served_model_name="bench", stream_interval=args.stream_interval, max_queued_requests=1 << 20),
           port=port, log_level="warning")
 
 
@@ -64,7 +74,8 @@ def server_process(child, *child_args, gpu=None):
     import httpx
     from ..client import RolloutClient
     port = free_port("127.0.0.1")
-    proc = mp.get_context("spawn").Process(target=_on_gpu, args=(gpu, child, *child_args, port), daemon=True)
+    # not a daemon: the server may start an engine process of its own (terminated below either way)
+    proc = mp.get_context("spawn").Process(target=_on_gpu, args=(gpu, child, *child_args, port))
     proc.start()
     url, deadline = f"http://127.0.0.1:{port}", time.time() + 1800     # an 8B draw and graph capture take a while
     while not RolloutClient(url).health():
@@ -79,9 +90,9 @@ def server_process(child, *child_args, gpu=None):
         proc.join(120)
 
 
-def _server(args, kw: dict):
+def _server(args, kw: dict, engine_process: bool = True):
     """The benchmark server over the seeded random weights."""
-    return server_process(_serve_child, args, kw, gpu=args.server_gpu)
+    return server_process(_serve_child, args, kw, engine_process, gpu=args.server_gpu)
 
 
 async def _stream_all(url: str, prompts, body: dict) -> dict:
@@ -120,9 +131,11 @@ def throughput(args) -> dict:
     kw = _engine_kwargs(args, args.prompts * n)
     prompts = _prompts(args.prompts, P, cfg.vocab_size, seed=0)
     body = {"n": n, "max_tokens": G, "temperature": 1.0, "ignore_eos": True, "logprobs": 0, "return_token_ids": True}
-    with _server(args, kw) as url:    # the server first: its GPU memory is surely free once the process is gone
-        http = asyncio.run(_stream_all(url, prompts, body))
-        http.pop("versions")
+    https = {}
+    for engines in args.engines.split(","):   # servers first: their GPU memory is surely free once they are gone
+        with _server(args, kw, engine_process=engines == "process") as url:
+            https[engines] = asyncio.run(_stream_all(url, prompts, body))
+            https[engines].pop("versions")
     worker = RolloutWorker(random_engine(args.shape, 0, args.device, args.dtype, kw))
     worker.generate(prompts[:2], SamplingParams(max_new_tokens=8, ignore_eos=True))      # warm-up
     t0 = time.perf_counter()
@@ -131,11 +144,15 @@ def throughput(args) -> dict:
     tokens = sum(len(c.token_ids) for o in outs for c in o.completions)
     inproc = dict(wall_s=wall, tokens=tokens, tok_s=tokens / wall)
     print(f"in-process {inproc['tok_s']:.0f} tok/s", flush=True)
-    ratio = http["tok_s"] / inproc["tok_s"]
-    print(f"HTTP {http['tok_s']:.0f} tok/s ({ratio:.1%}; target >= 90%); first token p50 {http['ttft_p50_ms']:.0f} ms, "
-          f"p99 {http['ttft_p99_ms']:.0f} ms", flush=True)
-    return dict(in_process=inproc, http=http, http_over_in_process=ratio, target=0.9,
-                all_completed=http["tokens"] == inproc["tokens"] == args.prompts * n * G)
+    out = dict(in_process=inproc, target=0.9)
+    for engines, http in https.items():
+        key = "http" if engines == "process" else "http_engine_thread"
+        ratio = http["tok_s"] / inproc["tok_s"]
+        print(f"HTTP, engine loop on a {engines}: {http['tok_s']:.0f} tok/s ({ratio:.1%}; target >= 90%); first token "
+              f"p50 {http['ttft_p50_ms']:.0f} ms, p99 {http['ttft_p99_ms']:.0f} ms", flush=True)
+        out.update({key: http, f"{key}_over_in_process": ratio})
+    out["all_completed"] = all(h["tokens"] == inproc["tokens"] == args.prompts * n * G for h in https.values())
+    return out
 
 
 def ipc(args) -> dict:
@@ -249,6 +266,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--gen-len", type=int, default=None, help="4096 (throughput) / 1024 (ipc)")
     ap.add_argument("--stream-interval", type=int, default=16, help="tokens per stream chunk (ServeOptions)")
+    ap.add_argument("--engines", default="process,thread",
+                    help="throughput: where the server's engine loop runs, each measured (process: its own)")
     ap.add_argument("--update-after-s", type=float, default=10.0)
     ap.add_argument("--kv-bytes", type=int, default=None)
     ap.add_argument("--max-batched-tokens", type=int, default=4096)

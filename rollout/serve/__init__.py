@@ -1,7 +1,8 @@
 """HTTP rollout server: `python -m rollout.serve` (or `rollout-serve`).
 
 OpenAI-compatible routes with vLLM's extensions, a native token-in / token-out `/generate`, control
-and weight routes, over one engine thread (`loop.EngineLoop`). See docs/serving.md.
+and weight routes, over one engine loop (`loop.EngineLoop`): on a thread of the server's process
+(given a RolloutWorker) or in a process of its own (given a `remote.EngineProcess`). See docs/serving.md.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ class UvicornServer(uvicorn.Server):
         # answer open requests first (partial outputs, "abort"): shutdown never waits on a long generation
         server = self.config.app.state.server
         server.closing = True
-        server.loop.post(server.loop.fail_pending)
+        server.loop.post("fail_pending")
         await super().shutdown(sockets)
 
 
@@ -30,19 +31,19 @@ def _config(app, host: str, port: int, log_level: str) -> uvicorn.Config:
                           lifespan="on")
 
 
-def serve(worker, opts: Optional[ServeOptions] = None, host: str = "127.0.0.1", port: int = 8000,
+def serve(engine, opts: Optional[ServeOptions] = None, host: str = "127.0.0.1", port: int = 8000,
           log_level: str = "info") -> None:
-    """Serve `worker` until SIGINT / SIGTERM."""
-    UvicornServer(_config(build_app(worker, opts), host, port, log_level)).run()
+    """Serve `engine` (a RolloutWorker or an EngineProcess) until SIGINT / SIGTERM."""
+    UvicornServer(_config(build_app(engine, opts), host, port, log_level)).run()
 
 
-def start_in_thread(worker, opts: Optional[ServeOptions] = None, host: str = "127.0.0.1",
+def start_in_thread(engine, opts: Optional[ServeOptions] = None, host: str = "127.0.0.1",
                     log_level: str = "warning") -> tuple[UvicornServer, threading.Thread, str]:
     """Serve on a free port from a background thread (tests, benchmarks); returns (server, thread,
     base_url). Stop with `server.should_exit = True; thread.join()`."""
     sock = socket.socket()
     sock.bind((host, 0))
-    server = UvicornServer(_config(build_app(worker, opts), host, sock.getsockname()[1], log_level))
+    server = UvicornServer(_config(build_app(engine, opts), host, sock.getsockname()[1], log_level))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="rollout-http", daemon=True)
     thread.start()
     while not server.started:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+from functools import partial
 from typing import Optional
 
 from ..config import EngineConfig
@@ -65,12 +66,13 @@ def main(argv: Optional[list[str]] = None) -> None:
     args = parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper())
     opts, config = split_args(args)
-    from ..engine import RolloutEngine
     from ..tasks.arith import ensure_default_model
-    from ..worker import RolloutWorker
     from . import serve
-    engine = RolloutEngine.from_pretrained(args.model or ensure_default_model(), config)
-    serve(RolloutWorker(engine), opts, host=args.host, port=args.port, log_level=args.log_level)
+    from .remote import EngineProcess, pretrained_worker
+    path = args.model or ensure_default_model()
+    engine = EngineProcess(partial(pretrained_worker, path, config)) if opts.engine_process \
+        else pretrained_worker(path, config)
+    serve(engine, opts, host=args.host, port=args.port, log_level=args.log_level)
 
 
 if __name__ == "__main__":

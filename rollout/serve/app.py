@@ -1,6 +1,7 @@
 """FastAPI routes over one EngineLoop: OpenAI-compatible completions and chat (vLLM's extensions),
 native token-in / token-out `/generate`, control (pause / resume / abort), Prometheus metrics and
-the three weight transports. Handlers validate, enqueue and await; only the loop touches the engine."""
+the three weight transports. Handlers validate, enqueue and await; only the loop touches the engine,
+from a thread of this process (a RolloutWorker given) or from a process of its own (an EngineProcess)."""
 from __future__ import annotations
 
 import asyncio
@@ -16,8 +17,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from . import transfer
-from .loop import EngineLoop
+from .loop import LocalLoop
 from .protocol import (AbortRequest, ChatRequest, CompletionRequest, DiskUpdate, Formatter, GenerateRequest,
                        GroupInit, GroupUpdate, IPCUpdate, batch_of_ids, native_completion, native_params)
 
@@ -31,6 +31,9 @@ class ServeOptions:
     max_queued_requests: int = 1024        # prompts waiting for a batch slot; past it 429 + Retry-After
     logprobs_mode: str = "tempered"        # which logprobs fill OpenAI's field: tempered (ours) | processed
     stream_interval: int = 1               # tokens per stream chunk (the first token is sent at once)
+    # `python -m rollout.serve`: the engine loop in a process of its own (no GIL shared with the HTTP
+    # side), else on a thread of the server's process
+    engine_process: bool = True
 
 
 def _json(body, status: int = 200, headers=None) -> Response:
@@ -77,15 +80,20 @@ async def _disconnected(request: Request) -> None:
 
 
 class Server:
-    def __init__(self, worker, opts: ServeOptions):
-        self.worker, self.engine, self.opts = worker, worker.engine, opts
-        self.loop = EngineLoop(worker)
-        self.tokenizer = self.engine.tokenizer
+    def __init__(self, side, opts: ServeOptions):
+        self.side, self.opts = side, opts          # side: a LocalLoop or an EngineProcess
+        self.loop = side.client
+        self.info: dict = {}                       # the engine's static facts (EngineLoop.info), at start-up
+        self.tokenizer = None
         self.closing = False
         self.rejected = 0
-        self._group_lock = asyncio.Lock()
-        self.tensor_specs = {n: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
-                             for n, t in worker.weights.targets.items()}
+
+    async def start(self) -> None:
+        if hasattr(self.side, "launch"):           # an engine process: built there (weights, graphs)
+            await asyncio.to_thread(self.side.launch)
+        self.side.start(asyncio.get_running_loop())
+        self.info = await self.loop.call("info")
+        self.tokenizer = self.info["tokenizer"]
 
     # ---- generation ----------------------------------------------------------------------------
     async def _watch(self, request: Request, aw, tag: str):
@@ -113,21 +121,24 @@ class Server:
             raise HTTPException(429, f"more than max_queued_requests={self.opts.max_queued_requests} prompts "
                                      f"waiting; retry later", {"Retry-After": "1"})
         stream = fmt is not None and fmt.req.stream
-        q: asyncio.Queue = asyncio.Queue()
-        self.loop.add(tag, prompts, params, q, self.opts.stream_interval if stream else 0)
-        first = await self._watch(request, q.get(), tag)
-        if first[0] == "error":
-            raise HTTPException(400 if isinstance(first[1], (ValueError, TypeError)) else 503, str(first[1]))
-        if stream:
-            return StreamingResponse(self._sse(fmt, q, tag, len(prompts)), media_type="text/event-stream")
+        q, streaming = self.loop.open(tag), False
+        try:
+            self.loop.add(tag, prompts, params, self.opts.stream_interval if stream else 0)
+            _check(await self._watch(request, q.get(), tag))
+            if stream:                    # from here the stream closes the queue
+                streaming = True
+                return StreamingResponse(self._sse(fmt, q, tag, len(prompts)), media_type="text/event-stream")
 
-        async def collect():
-            outs = [None] * len(prompts)
-            for _ in prompts:
-                _, index, out = await q.get()
-                outs[index] = out
-            return outs
-        outs = await self._watch(request, collect(), tag)
+            async def collect():
+                outs = [None] * len(prompts)
+                for _ in prompts:
+                    _, index, out = _check(await q.get())
+                    outs[index] = out
+                return outs
+            outs = await self._watch(request, collect(), tag)
+        finally:
+            if not streaming:
+                self.loop.close(tag)
         return outs if fmt is None else _json(fmt.response(outs))
 
     async def _sse(self, fmt: Formatter, q: asyncio.Queue, tag: str, num_prompts: int):
@@ -141,6 +152,11 @@ class Server:
                     items.append(q.get_nowait())
                 chunks = []
                 for item in items:
+                    if item[0] == "error":    # the engine side is gone: an error event ends the stream (as vLLM's)
+                        yield _event({"error": {"message": f"generation failed: {item[1]}", "type": "server_error",
+                                                "code": 503}}) + "data: [DONE]\n\n"
+                        done = True
+                        return
                     if item[0] == "delta":
                         chunks.append(fmt.delta_chunk(*item[1:]))
                     elif item[0] == "done":
@@ -154,6 +170,7 @@ class Server:
             yield "data: [DONE]\n\n"
             done = True
         finally:
+            self.loop.close(tag)
             if not done:                  # the client went away mid-stream
                 self.loop.abort(tag)
 
@@ -188,7 +205,7 @@ class Server:
 
     async def _openai(self, request: Request, body, prompts: list[list[int]], max_tokens, top: int, prefix: str):
         self._check_model(body.model)
-        params = [body.to_params(len(p), self.engine.max_model_len, max_tokens, top) for p in prompts]
+        params = [body.to_params(len(p), self.info["max_model_len"], max_tokens, top) for p in prompts]
         rid = body.request_id or f"{prefix}-{uuid.uuid4().hex}"
         fmt = Formatter(body, rid, self.opts.served_model_name, self.tokenizer, prompts, self.opts.logprobs_mode)
         return await self.run(request, rid, prompts, params, fmt)
@@ -218,56 +235,33 @@ class Server:
                                               "completions": [native_completion(c) for c in o.completions]}
                                              for o in outs]})
 
-    # ---- weights ---------------------------------------------------------------------------------
-    async def _stage(self, items, version: int, adopt: bool) -> Response:
-        """Copies launched on the engine thread, waited for and checked off it (decode goes on: the
-        wait is the whole staging copy), then installed there to go live at the next batch boundary."""
-        staged = await self.loop.call(lambda: self.worker.prepare_update(items, version, adopt))
-        await asyncio.to_thread(self.worker.weights.check_finite, staged)
-        await self.loop.call(lambda: self.worker.install_update(staged))
-        return _json({"staged_version": version, "live_version": self.worker.policy_version})
-
+    # ---- weights: read, staged whole and checked on the engine side while decode goes on -----------
     async def update_from_disk(self, body: DiskUpdate):
-        items = await asyncio.to_thread(transfer.read_safetensors, body.path, self.worker.weights.targets)
-        return await self._stage(items, body.version, adopt=self.engine.device.type == "cpu")
+        return _json(await self.loop.call("stage_disk", body.path, body.version))
 
     async def update_from_ipc(self, body: IPCUpdate):
-        items = await asyncio.to_thread(transfer.load_ipc_handles, body.handles, self.engine.device)
-        return await self._stage(items, body.version, adopt=False)
+        return _json(await self.loop.call("stage_ipc", body.handles, body.version))
 
     async def init_group(self, body: GroupInit):
-        backend = body.backend or ("nccl" if self.engine.device.type == "cuda" else "gloo")
-        async with self._group_lock:
-            await asyncio.to_thread(transfer.join_group, body.master_address, body.master_port, body.world_size,
-                                    body.rank_offset, backend, body.timeout_s)
-        return _json({"backend": backend, "rank": body.rank_offset, "world_size": body.world_size})
+        return _json(await self.loop.call("join_group", body.master_address, body.master_port, body.world_size,
+                                          body.rank_offset, body.backend, body.timeout_s))
 
     async def update_from_group(self, body: GroupUpdate):
-        async with self._group_lock:
-            items = await asyncio.to_thread(transfer.receive_group, self.engine.device, body.bucket_bytes)
-        return await self._stage(items, body.version, adopt=True)
+        return _json(await self.loop.call("stage_group", body.version, body.bucket_bytes))
 
     # ---- metrics ----------------------------------------------------------------------------------
-    def _metric_rows(self) -> list:       # on the engine thread: one consistent view between steps
-        s = self.worker.stats()
-        return [("generation_tokens_total", s["generated_tokens"]), ("prompt_tokens_total", self.loop.prompt_tokens),
-                ("prefill_tokens_total", s["prefill_tokens"]), ("requests_running", self.loop.running_requests),
-                ("requests_waiting", self.loop.waiting_requests()), ("requests_rejected_total", self.rejected),
-                ("kv_cache_usage", s["kv_pages_used"] / max(1, s["kv_pages_total"])),
-                ("kv_pages_used", s["kv_pages_used"]), ("kv_pages_total", s["kv_pages_total"]),
-                ("policy_version", s["policy_version"]), ("weight_updates_total", s["weights/updates"]),
-                ("weight_barrier_ms_total", s["weights/barrier_ms"]), ("paused", int(self.loop.paused)),
-                ("weight_staging_ms_total", s["weights/staging_ms"]), ("preemptions_total", s["preemptions"]),
-                ("weight_barrier_launch_ms", s.get("weights/barrier_launch_ms", 0)),
-                # tokens of sequences admitted from scratch, and of them those served from cached KV (rate() both)
-                ("prefix_cache_queried_tokens_total", s["prefix_cache_queries"]),
-                ("prefix_cache_hit_tokens_total", s["prefix_cache_hit_tokens"]),
-                ("prefix_cache_pages", s["prefix_cache_pages"])]
-
     async def metrics(self) -> Response:
-        rows = await self.loop.call(self._metric_rows)
+        rows = await self.loop.call("metric_rows")     # one consistent view between steps
+        rows += [("requests_waiting", self.loop.waiting_requests()), ("requests_rejected_total", self.rejected)]
         return Response("".join(f"# TYPE rollout_{n} {'counter' if n.endswith('_total') else 'gauge'}\n"
                                 f"rollout_{n} {float(v)}\n" for n, v in rows), media_type="text/plain; version=0.0.4")
+
+
+def _check(item: tuple) -> tuple:
+    """A request's event, or the HTTP error its engine-side failure maps to."""
+    if item[0] == "error":
+        raise HTTPException(400 if isinstance(item[1], (ValueError, TypeError)) else 503, str(item[1]))
+    return item
 
 
 def _text_of(content: list) -> str:
@@ -287,21 +281,22 @@ def _key_check(server: Server, admin: bool):
     return Depends(check)
 
 
-def build_app(worker, opts: Optional[ServeOptions] = None) -> FastAPI:
-    """The ASGI app over `worker` (a RolloutWorker). The engine loop starts and stops with the app."""
+def build_app(engine, opts: Optional[ServeOptions] = None) -> FastAPI:
+    """The ASGI app over `engine`: a RolloutWorker (its loop runs on a thread of this process) or a
+    remote.EngineProcess (the loop in a process of its own). The loop starts and stops with the app."""
     opts = opts or ServeOptions()
     if opts.logprobs_mode not in ("tempered", "processed"):
         raise ValueError(f"logprobs_mode must be 'tempered' or 'processed', got {opts.logprobs_mode!r}")
-    server = Server(worker, opts)
+    server = Server(engine if hasattr(engine, "client") else LocalLoop(engine), opts)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
-        server.loop.start()
+        await server.start()
         try:
             yield
         finally:
             server.closing = True
-            await asyncio.to_thread(server.loop.stop)
+            await asyncio.to_thread(server.side.stop)
 
     app = FastAPI(title="rollout", lifespan=lifespan)
     app.state.server = server
@@ -325,15 +320,16 @@ def build_app(worker, opts: Optional[ServeOptions] = None) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        ok = server.loop.thread.is_alive() and not server.closing
+        ok = server.loop.alive() and not server.closing
         return _json({"status": "ok" if ok else "unavailable"}, 200 if ok else 503)
 
     @app.get("/v1/models", dependencies=user)
     async def models():
-        e = server.engine
+        info = server.info
         return _json({"object": "list", "data": [{
-            "id": opts.served_model_name, "object": "model", "owned_by": "rollout", "max_model_len": e.max_model_len,
-            "vocab_size": e.vocab_size, "policy_version": worker.policy_version}]})
+            "id": opts.served_model_name, "object": "model", "owned_by": "rollout",
+            "max_model_len": info["max_model_len"], "vocab_size": info["vocab_size"],
+            "policy_version": server.loop.policy_version}]})
 
     app.post("/v1/completions", dependencies=user)(server.completions)
     app.post("/v1/chat/completions", dependencies=user)(server.chat)
@@ -342,9 +338,7 @@ def build_app(worker, opts: Optional[ServeOptions] = None) -> FastAPI:
 
     @app.get("/weights_info", dependencies=user)
     async def weights_info():
-        pending = worker.weights.pending
-        return _json({"live_version": worker.policy_version, "tensors": server.tensor_specs,
-                      "staged_version": pending.version if pending is not None else None})
+        return _json({**await server.loop.call("weights_info"), "tensors": server.info["tensor_specs"]})
 
     @app.post("/pause", dependencies=admin)
     async def pause(request: Request, mode: Optional[str] = None):
@@ -352,34 +346,34 @@ def build_app(worker, opts: Optional[ServeOptions] = None) -> FastAPI:
         mode = mode or (json.loads(body).get("mode") if body else None) or "keep"
         if mode not in ("keep", "abort", "wait"):
             raise HTTPException(400, f"mode must be 'keep', 'abort' or 'wait', got {mode!r}")
-        return _json({"paused": await server.loop.pause(mode), "mode": mode})
+        return _json({"paused": await server.loop.call("pause", mode), "mode": mode})
 
     @app.post("/resume", dependencies=admin)
     async def resume():
-        await server.loop.call(server.loop.resume)
+        await server.loop.call("resume")
         return _json({"paused": False})
 
     @app.post("/abort", dependencies=admin)
     async def abort(body: AbortRequest):
         tags = body.request_ids + ([body.request_id] if body.request_id else [])
-        found = [t for t in tags if await server.loop.call(lambda t=t: server.loop.abort_tag(t))]
+        found = [t for t in tags if await server.loop.call("abort_tag", t)]
         return _json({"aborted": found})
 
     # vLLM's sleep-mode routes (levels: RolloutEngine.sleep); generation while asleep answers 503
     @app.post("/sleep", dependencies=admin)
     async def sleep(level: int = 1, discard_weights: bool = False):
         try:
-            return _json(await server.loop.call(lambda: worker.sleep(level, discard_weights)))
+            return _json(await server.loop.call("sleep", level, discard_weights))
         except RuntimeError as exc:       # requests still running
             raise HTTPException(409, str(exc)) from None
 
     @app.post("/wake_up", dependencies=admin)
     async def wake_up(tags: Optional[list[str]] = Query(None)):
-        return _json(await server.loop.call(lambda: worker.wake(tags)))
+        return _json(await server.loop.call("wake", tags))
 
     @app.get("/is_sleeping", dependencies=user)
     async def is_sleeping():
-        level = await server.loop.call(lambda: server.engine.sleep_level)
+        level = await server.loop.call("sleep_level")
         return _json({"is_sleeping": level > 0, "level": level})
 
     app.post("/update_weights_from_disk", dependencies=admin)(server.update_from_disk)

@@ -1,7 +1,8 @@
 """Weight update through the HTTP server by CUDA IPC: a trainer process on the same GPU shares its
 tensors by handle (torch's ForkingPickler), the server stages them whole and commits at a batch
 boundary; the tokens after carry the new version, and a request after equals a fresh engine with
-the new weights. Skipped without CUDA."""
+the new weights. The engine loop on a thread of the server's process, then in a process of its own
+(the handles are opened there). Skipped without CUDA."""
 import json
 import os
 import subprocess
@@ -49,11 +50,17 @@ def _push_from_trainer_process(url: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def test_update_weights_from_ipc_during_generation():
+def _worker() -> RolloutWorker:
+    return RolloutWorker(RolloutEngine.from_config(_config(), seed=0, **KW))
+
+
+@pytest.mark.parametrize("engine_process", [False, True], ids=["engine-thread", "engine-process"])
+def test_update_weights_from_ipc_during_generation(engine_process):
+    from rollout.serve.remote import EngineProcess
     prompt = list(range(10, 40))
     greedy = {"model": "m", "prompt": prompt, "max_tokens": 48, "temperature": 0, "ignore_eos": True,
               "return_token_ids": True, "logprobs": 0}
-    server, thread, url = start_in_thread(RolloutWorker(RolloutEngine.from_config(_config(), seed=0, **KW)),
+    server, thread, url = start_in_thread(EngineProcess(_worker) if engine_process else _worker(),
                                           ServeOptions(served_model_name="m"))
     try:
         client, versions, chunks = RolloutClient(url), [], 0

@@ -1,5 +1,6 @@
 """Fixtures for the HTTP server tests (helpers in serve_utils.py): `chat_dir`, the tiny random Qwen2
-of tests/conftest.py with a chat template; `server`, a module's in-thread server over it; `http`."""
+of tests/conftest.py with a chat template; `server`, a module's server over it (engine loop on a thread,
+then in its own process); `http`."""
 from __future__ import annotations
 
 import shutil
@@ -10,7 +11,7 @@ import httpx
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serve_utils import CHAT_TEMPLATE, make_worker, serving  # noqa: E402
+from serve_utils import CHAT_TEMPLATE, make_engine_process, make_worker, serving  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -24,9 +25,12 @@ def chat_dir(model_dir, tmp_path_factory) -> Path:
     return out
 
 
-@pytest.fixture(scope="module")
-def server(chat_dir):
-    with serving(make_worker(chat_dir)) as s:
+@pytest.fixture(scope="module", params=["engine-thread", "engine-process"])
+def server(request, chat_dir):
+    """Each module's server tests run against both: the engine loop on a thread of the server's process,
+    and in a process of its own (`python -m rollout.serve`'s default); only HTTP reaches the latter."""
+    engine = make_worker(chat_dir) if request.param == "engine-thread" else make_engine_process(chat_dir)
+    with serving(engine) as s:
         yield s
 
 

@@ -4,10 +4,12 @@ background thread of the test process (`serving`: the engine stays inspectable) 
 trainer's rank of a torch.distributed weight group, which one process can join only once).
 
 The model is the tiny random Qwen2 of tests/conftest.py with its byte-level tokenizer, given a
-small chat template that renders `tools` and a `chat_template_kwargs` switch (`shout`)."""
+small chat template that renders `tools` and a `chat_template_kwargs` switch (`shout`). `serving` takes
+a RolloutWorker (the engine loop on a thread) or an EngineProcess (the loop in a process of its own)."""
 from __future__ import annotations
 
 import contextlib
+from functools import partial
 import os
 import signal
 import socket
@@ -20,7 +22,9 @@ from types import SimpleNamespace
 import httpx
 
 from rollout import RolloutEngine
+from rollout.config import EngineConfig
 from rollout.serve import ServeOptions, start_in_thread
+from rollout.serve.remote import EngineProcess, pretrained_worker
 from rollout.worker import RolloutWorker
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -37,11 +41,18 @@ def make_worker(path, **overrides) -> RolloutWorker:
     return RolloutWorker(RolloutEngine.from_pretrained(path, **{**ENGINE, **overrides}))
 
 
+def make_engine_process(path, **overrides) -> EngineProcess:
+    """The same engine built in a process of its own (what `python -m rollout.serve` runs)."""
+    return EngineProcess(partial(pretrained_worker, str(path), EngineConfig().replace(**{**ENGINE, **overrides})))
+
+
 @contextlib.contextmanager
-def serving(worker: RolloutWorker, **opts):
-    server, thread, url = start_in_thread(worker, ServeOptions(served_model_name=MODEL, **opts))
+def serving(engine, **opts):
+    """A server over `engine`: a RolloutWorker (inspectable: .worker, .engine) or an EngineProcess."""
+    server, thread, url = start_in_thread(engine, ServeOptions(served_model_name=MODEL, **opts))
+    worker = engine if isinstance(engine, RolloutWorker) else None
     try:
-        yield SimpleNamespace(url=url, worker=worker, engine=worker.engine, app=server.config.app)
+        yield SimpleNamespace(url=url, worker=worker, engine=worker and worker.engine, app=server.config.app)
     finally:
         server.should_exit = True
         thread.join(30)

@@ -9,8 +9,11 @@ def test_throughput_smoke_tiny(tmp_path):
     out = tmp_path / "serve.json"
     r = bench.main(["throughput", "--shape", "tiny", "--device", "cpu", "--dtype", "float32", "--prompts", "4",
                     "--n", "2", "--prompt-len", "16", "--gen-len", "16", "--kv-bytes", "4000000", "--out", str(out)])
+    # both servers: the engine loop in its own process ("http") and on a thread of the HTTP process
     assert r["all_completed"] and r["in_process"]["tokens"] == r["http"]["tokens"] == 4 * 2 * 16
+    assert r["http_engine_thread"]["tokens"] == 4 * 2 * 16
     assert r["http_over_in_process"] == r["http"]["tok_s"] / r["in_process"]["tok_s"]
+    assert r["http_engine_thread_over_in_process"] == r["http_engine_thread"]["tok_s"] / r["in_process"]["tok_s"]
     assert 0 < r["http"]["ttft_p50_ms"] <= r["http"]["ttft_p99_ms"] and r["in_process"]["tok_s"] > 0
     saved = json.loads(out.read_text())
     assert saved["meta"]["command"].startswith("python -m rollout.bench.serve throughput")

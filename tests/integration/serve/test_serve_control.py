@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from serve_utils import ENGINE, MODEL, kv_pages_used, make_worker, serving, wait_for
+from serve_utils import ENGINE, MODEL, kv_pages_used, make_engine_process, make_worker, serving, wait_for
 
 from rollout import RolloutEngine, SamplingParams
 from rollout.client import RolloutClient, ServerError
@@ -22,6 +22,12 @@ def _metric(url, name) -> float:
 
 def _idle(server) -> bool:
     return kv_pages_used(server.url) == 0 and _metric(server.url, "requests_running") == 0
+
+
+def _no_requests(server) -> bool:
+    """Nothing running or waiting (and, where the engine is in this process, nothing held at all)."""
+    idle = _metric(server.url, "requests_running") == 0 and _metric(server.url, "requests_waiting") == 0
+    return idle and (server.engine is None or not server.engine.requests)
 
 
 def _wait_decoding(url: str) -> None:
@@ -152,7 +158,7 @@ def test_abort_by_request_id(server, tiny_tokenizer):
 
 
 def test_disconnects_free_pages(server, http, tiny_tokenizer):
-    gen0 = server.engine.metrics["generated_tokens"]
+    gen0 = _metric(server.url, "generation_tokens_total")
     body = {"model": MODEL, "prompt": tiny_tokenizer("the red friend").input_ids, "max_tokens": 240, "n": 8,
             "ignore_eos": True, "stream": True}
     with http.stream("POST", "/v1/completions", json=body) as r:     # mid-stream: leave after two chunks
@@ -162,7 +168,7 @@ def test_disconnects_free_pages(server, http, tiny_tokenizer):
             if chunks == 2:
                 break
     wait_for(lambda: _idle(server), what="the aborted stream's pages")
-    assert server.engine.metrics["generated_tokens"] - gen0 < 8 * 240 and not server.engine.requests
+    assert _metric(server.url, "generation_tokens_total") - gen0 < 8 * 240 and _no_requests(server)
     # non-streaming: a raw connection closed while its request holds pages (paused: it cannot finish first)
     payload = json.dumps({**body, "stream": False}).encode()
     host, port = server.url.removeprefix("http://").split(":")
@@ -175,7 +181,7 @@ def test_disconnects_free_pages(server, http, tiny_tokenizer):
     sock.close()
     wait_for(lambda: kv_pages_used(server.url) == 0, what="the disconnected request's pages")
     client.resume()
-    assert _idle(server) and not server.engine.requests
+    assert _idle(server) and _no_requests(server)
 
 
 BAD = [  # (body, path, what the message must name)
@@ -205,7 +211,7 @@ def test_bad_input_is_400_naming_the_field_then_still_serving(server, http):
         assert r.status_code == 400 and ("JSON" in r.text or "top_p" in r.text), r.text
     assert http.post("/v1/completions", json={"prompt": "x", "model": "other"}).status_code == 404
     assert http.post("/v1/completions", json={"prompt": "the", "max_tokens": 3}).status_code == 200
-    assert _idle(server) and not server.engine.requests
+    assert _idle(server) and _no_requests(server)
 
 
 def test_api_and_admin_keys(chat_dir):
@@ -256,11 +262,34 @@ def test_queue_bound_429_with_retry_after(chat_dir):
         assert httpx.post(s.url + "/v1/completions", json=body).status_code == 200
 
 
-def test_shutdown_answers_requests_in_flight(chat_dir):
-    with serving(make_worker(chat_dir)) as s:
+@pytest.mark.parametrize("make", [make_worker, make_engine_process], ids=["engine-thread", "engine-process"])
+def test_shutdown_answers_requests_in_flight(make, chat_dir):
+    with serving(make(chat_dir)) as s:
         fut = _post_in_thread(s.url, {"model": MODEL, "prompt": "the", "max_tokens": 240, "n": 4, "ignore_eos": True})
         _wait_decoding(s.url)
         t0 = time.time()
     assert time.time() - t0 < 10               # no wait for the generation to end
     assert fut.result().json()["choices"][0]["finish_reason"] == "abort"
-    assert not s.app.state.server.loop.thread.is_alive() and not s.engine.requests
+    side = s.app.state.server.side
+    assert not s.app.state.server.loop.alive() and (s.engine is None or not s.engine.requests)
+    assert s.engine is not None or side.proc.exitcode == 0      # the engine process exited cleanly
+
+
+def test_a_dead_engine_process_fails_its_requests_and_the_health_check(chat_dir, tiny_tokenizer):
+    """Killed mid-generation: the waiting and streaming callers get an error at once, /health says 503,
+    new requests are refused; nothing waits forever."""
+    with serving(make_engine_process(chat_dir)) as s, httpx.Client(base_url=s.url, timeout=30) as http:
+        body = {"model": MODEL, "prompt": tiny_tokenizer("the old moon").input_ids, "max_tokens": 240,
+                "ignore_eos": True}
+        whole = _post_in_thread(s.url, body)
+        with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")          # streaming has begun
+            s.app.state.server.side.proc.kill()
+            rest = list(lines)                                # the stream ends instead of hanging
+        errors = [json.loads(ln[6:])["error"] for ln in rest if ln.startswith('data: {"error"')]
+        assert len(errors) == 1 and errors[0]["code"] == 503 and "engine process exited" in errors[0]["message"]
+        assert whole.result(timeout=30).status_code == 503
+        assert http.get("/health").status_code == 503
+        r = http.post("/v1/completions", json={"model": MODEL, "prompt": "the", "max_tokens": 2})
+        assert r.status_code == 503, r.text

@@ -1,5 +1,5 @@
-"""Weight updates through the server while it generates: from a safetensors folder (in-thread server)
-and through a gloo group the test process joins as the trainer's rank 0 (a `python -m rollout.serve`
+"""Weight updates through the server while it generates: from a safetensors folder (the engine loop on a
+thread, then in its own process) and through a gloo group the test process joins as the trainer's rank 0 (a `python -m rollout.serve`
 subprocess: one process joins one default group). Tokens after the commit carry the new version;
 requests after it equal a fresh engine built from the new weights, bit for bit (fp32, one request
 alone in its batch on both sides). CUDA IPC refuses clearly on CPU (its GPU test: tests/gpu/test_serve_cuda.py)."""
@@ -11,7 +11,7 @@ import httpx
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from serve_utils import ENGINE, MODEL, kv_pages_used, make_worker, server_process, serving
+from serve_utils import ENGINE, MODEL, kv_pages_used, make_engine_process, make_worker, server_process, serving
 
 from rollout import RolloutEngine, SamplingParams
 from rollout.client import RolloutClient, ServerError
@@ -66,10 +66,11 @@ def _update_without_pause(url, update, prompt, version):
     assert versions == sorted(versions) and set(versions) <= {version - 1, version} and versions[-1] == version
 
 
-def test_update_from_disk_while_generating(chat_dir, model_dir, tiny_tokenizer, tmp_path):
+@pytest.mark.parametrize("make", [make_worker, make_engine_process], ids=["engine-thread", "engine-process"])
+def test_update_from_disk_while_generating(make, chat_dir, model_dir, tiny_tokenizer, tmp_path):
     prompt = tiny_tokenizer("the strange star").input_ids
     new_dir = model_dir("qwen2", seed=1)
-    with serving(make_worker(chat_dir)) as s:
+    with serving(make(chat_dir)) as s:
         client = RolloutClient(s.url)
         _check_switch_and_fresh(s.url, client, prompt, lambda: client.update_weights_from_disk(new_dir, 1), new_dir, 1)
         _update_without_pause(s.url, lambda: client.update_weights_from_disk(chat_dir, 2), prompt, 2)
