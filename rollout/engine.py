@@ -128,8 +128,10 @@ class RolloutEngine:
         """Counters plus the pipeline's: graph / eager steps and compute-stream busy time."""
         p = self.pipeline
         graph_s = p.graphs.capture_s if p.graphs is not None else 0.0
+        on_use_s = p.graphs.capture_on_use_s if p.graphs is not None else 0.0
         sch, kv = self.scheduler, self.kv.alloc
         return {**self.metrics, **p.counts, "gpu_busy_ms": p.busy_ms, "graph_capture_s": graph_s,
+                "graph_capture_on_use_s": on_use_s,
                 "preemptions": sch.num_preemptions, "swap_outs": sch.num_swap_outs,
                 "swapped_pages": sch.num_swapped_pages, "recomputed_tokens": sch.num_recomputed_tokens,
                 # prefix cache, over sequences admitted from scratch (new, or recomputing): hit rate = hits / queries
@@ -591,11 +593,12 @@ class RolloutEngine:
     def wake(self, tags: Optional[Seq[str]] = None) -> dict:
         """Bring back what sleep freed: tags None (everything), or some of "weights", "kv_cache" (vLLM's
         names: wake the weights alone to take an update before the KV cache returns). The KV cache comes
-        back empty; the decode graphs are re-captured once both are back (graph_capture_s, within seconds)."""
+        back empty; the decode graphs sleep dropped are captured again on first use, one key (slot, batch
+        bucket, sampling mode) at a time (stats: graph_captures, graph_capture_on_use_s)."""
         parts = {"weights", "kv_cache"} if tags is None else set([tags] if isinstance(tags, str) else tags)
         if not parts or not parts <= {"weights", "kv_cache"}:
             raise ValueError(f"wake tags must be drawn from ['weights', 'kv_cache'] (or None: both), got {tags!r}")
-        t0, capture_s = time.perf_counter(), 0.0
+        t0 = time.perf_counter()
         if "weights" in parts & self.asleep:
             self.runner.restore_weights()
             self.asleep.discard("weights")
@@ -610,11 +613,7 @@ class RolloutEngine:
             self.asleep.discard("kv_cache")
         if self.device.type == "cuda":    # restored on this stream; the pipeline's streams read them next
             torch.cuda.synchronize(self.device)
-        graphs = self.pipeline.graphs
-        if graphs is not None and not graphs.graphs and not self.asleep:
-            self.pipeline.capture_graphs(progress=False)
-            capture_s = graphs.capture_s
-        return {"level": self.sleep_level, "seconds": time.perf_counter() - t0, "graph_capture_s": capture_s}
+        return {"level": self.sleep_level, "seconds": time.perf_counter() - t0}
 
     # ---- scoring --------------------------------------------------------------------------
     @_serialized

@@ -1,6 +1,8 @@
 """CUDA graphs for decode steps, one per (slot, batch-size bucket, sampling mode): each replays a
 slot's whole step (carry-over, forward, lm_head, sampler, copy to static outputs). Graphs never run
 concurrently and allocate only step temporaries, so they share one pool (one step's activations).
+Every key is captured at start-up; after a sleep dropped them, each is captured on its first use
+(a wake costs no capture, and keys a workload never uses are never captured again).
 Modes: "greedy", "sample", "truncate"; penalties and top logprobs run eagerly.
 """
 from __future__ import annotations
@@ -38,7 +40,9 @@ class DecodeGraphs:
         self.modes = modes
         self.graphs: dict[tuple[int, int, str], torch.cuda.CUDAGraph] = {}
         self.pool = None
-        self.capture_s = 0.0
+        self.capture_s = 0.0              # capture() of every key (at start-up)
+        self.captured_on_use = 0          # keys captured by capture_one since, and the seconds it took
+        self.capture_on_use_s = 0.0
 
     def bucket_for(self, rows: int) -> Optional[int]:
         return next((b for b in self.buckets if b >= rows), None)
@@ -69,9 +73,27 @@ class DecodeGraphs:
         log.info("captured %d CUDA graphs (buckets %s, modes %s) in %.1f s",
                  len(keys), self.buckets, self.modes, self.capture_s)
 
+    def capture_one(self, slot: int, bucket: int, mode: str) -> None:
+        """Capture one key on first use (after a sleep dropped the graphs), on the compute stream, right
+        after the caller ran the same step eagerly (its warm-up). thread_local: another thread's CUDA
+        calls meanwhile (a weight staging check, a trainer) neither fail nor spoil the capture."""
+        t0 = time.perf_counter()
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        g = torch.cuda.CUDAGraph()
+        gc.disable()
+        try:
+            with torch.cuda.graph(g, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"):
+                self.step(slot, bucket, mode)
+        finally:
+            gc.enable()
+        self.graphs[(slot, bucket, mode)] = g
+        self.captured_on_use += 1
+        self.capture_on_use_s += time.perf_counter() - t0
+
     def reset(self) -> None:
-        """Forget every graph and give their pool back (before the memory they read is freed);
-        capture() records them again."""
+        """Forget every graph and give their pool back (before the memory they read is freed); each
+        key is captured again on its first use (capture_one)."""
         for g in self.graphs.values():
             g.reset()
         self.graphs.clear()

@@ -61,7 +61,7 @@ class DevicePipeline:
                       for _ in range(2)]
         self.current = 0
         self.busy_ms = 0.0                # compute-stream time, from CUDA events
-        self.counts = {"graph_steps": 0, "eager_steps": 0, "eager_decode_steps": 0}
+        self.counts = {"graph_steps": 0, "graph_captures": 0, "eager_steps": 0, "eager_decode_steps": 0}
         self.gpu_spans: Optional[list] = None   # (start_s, end_s) per batch while tracing
         self._trace_ref = None
         self.graphs: Optional[DecodeGraphs] = None
@@ -143,9 +143,13 @@ class DevicePipeline:
         with torch.cuda.stream(self.compute):
             self.runner.swap_pages(sched.swap_out, sched.swap_in)    # nothing when no swap
             ev["start"].record()
-            if bucket is not None:
+            if bucket is not None and (s, bucket, mode) in self.graphs.graphs:
                 self.graphs.replay(s, bucket, mode)
                 self.counts["graph_steps"] += 1
+            elif bucket is not None:      # dropped by a sleep: this step eagerly, then its graph for next time
+                self._static_step(s, bucket, mode)
+                self.graphs.capture_one(s, bucket, mode)
+                self.counts["graph_captures"] += 1
             else:
                 out = self._compute(s, dev)
                 self.counts["eager_steps"] += 1

@@ -3,7 +3,9 @@ on the same random weights (a fresh trainer and model each):
 
     trl     TRL's own generation (use_vllm=False, nothing attached: transformers' generate)
     ours    our RolloutWorker via attach_generator, awake throughout
-    sleep1  ours, asleep at level 1 between generations (KV cache, graphs and cached blocks given back)
+    sleep1  ours, asleep at level 1 between generations (KV cache, graphs and cached blocks given back;
+            each graph captured again on its first use after a wake)
+    sleep1-recapture  the same, every graph captured again at each wake instead (the other choice)
     sleep2  ours, asleep at level 2 (the weights dropped too; each sync refills them)
     http    our server in another process (on --server-gpu, 1; CPU: the same device) through the HTTP adapter,
             weights over a torch.distributed group (NCCL / gloo) each step: TRL's server mode, not colocated
@@ -18,7 +20,7 @@ steps after the first), the share of it inside TRL's generation call (weight syn
 peak GPU memory (allocated / reserved, reset per variant) and what is held at the optimizer step, TRL's
 logged `sampling/importance_sampling_ratio/*` and `sampling/sampling_logp_difference/*` (our variants:
 TRL's recompute in the trainer's dtype vs our sampling logprobs), and for the sleep variants the bytes
-freed and the sleep / wake / graph re-capture seconds. Needs trl (1.16), datasets and accelerate.
+freed, the sleep / wake seconds and the graphs captured on first use. Needs trl (1.16), datasets and accelerate.
 """
 from __future__ import annotations
 
@@ -36,8 +38,10 @@ import torch
 from .__main__ import run_meta, write_json
 from .shapes import SHAPES, make_config
 
-VARIANTS = {"trl": None, "ours": 0, "sleep1": 1, "sleep2": 2, "http": 0}   # -> the adapter's sleep_level (None: TRL's)
-COLOCATED = "trl,ours,sleep1,sleep2"
+# -> the adapter's sleep_level (None: TRL's). sleep1-recapture: level 1, every graph key captured again at each
+# wake (the alternative to capturing each key on first use, measured beside it)
+VARIANTS = {"trl": None, "ours": 0, "sleep1": 1, "sleep1-recapture": 1, "sleep2": 2, "http": 0}
+COLOCATED = "trl,ours,sleep1,sleep1-recapture,sleep2"
 TOKENIZER = Path(__file__).resolve().parents[1] / "assets" / "arith-tiny"   # character-level, offline
 
 
@@ -141,6 +145,16 @@ def run_variant(name: str, args, cfg, tokenizer, dataset) -> dict:
             max_model_len=args.prompt_len + args.completion_len + 8, max_num_seqs=args.max_num_seqs,
             gpu_memory_utilization=args.gpu_memory_utilization if cuda else None)
         worker = RolloutWorker(engine)
+        if name == "sleep1-recapture" and engine.pipeline.graphs is not None:
+            wake = worker.wake
+
+            def wake_and_recapture(tags=None):
+                t0 = time.perf_counter()
+                out = wake(tags)
+                if not engine.asleep:         # the graphs read the KV pool too: once everything is back
+                    engine.pipeline.graphs.capture(progress=False)
+                return {**out, "seconds": time.perf_counter() - t0}
+            worker.wake = wake_and_recapture
     with stack, tempfile.TemporaryDirectory() as out:
         gargs = GRPOConfig(output_dir=out, per_device_train_batch_size=args.batch, num_generations=args.num_generations,
                            max_completion_length=args.completion_len, learning_rate=args.lr, max_steps=args.steps,
@@ -175,7 +189,10 @@ def run_variant(name: str, args, cfg, tokenizer, dataset) -> dict:
                    released_gb=_summary(sleeps, "released_bytes") / 1e9,
                    device_freed_gb=(_summary(sleeps, "device_freed_bytes") or 0) / 1e9 if cuda else None,
                    sleep_s=_summary(sleeps, "seconds"), wake_s=_summary(wakes, "seconds"),
-                   graph_capture_s=_summary(wakes, "graph_capture_s"), sleep_reports=sleeps, wake_reports=wakes)
+                   sleep_reports=sleeps, wake_reports=wakes)
+        if isinstance(worker, RolloutWorker):      # after a wake, each graph key is captured on its first use
+            st = worker.engine.stats()
+            res.update(graph_captures_on_use=st["graph_captures"], graph_capture_on_use_s=st["graph_capture_on_use_s"])
     del trainer, model, adapter, worker
     gc.collect()
     return res
@@ -187,6 +204,8 @@ def _line(name: str, r: dict) -> str:
     mem = f" peak {r['peak_reserved_gb']:.1f} GB reserved" if "peak_reserved_gb" in r else ""
     sl = (f" sleep {r['sleep_s']:.3f} s wake {r['wake_s']:.3f} s freed {r['released_gb']:.2f} GB"
           if "sleep_s" in r else "")
+    if r.get("graph_captures_on_use"):
+        sl += f", {r['graph_captures_on_use']} graphs captured on first use in {r['graph_capture_on_use_s']:.2f} s"
     return (f"{name:7s} {r['step_s']:.2f} s/step, generation {100 * r['generation_share']:.0f}%{mem}; "
             f"IS ratio mean {is_mean}, max |dlogp| {dlogp}{sl}")
 

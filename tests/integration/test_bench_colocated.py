@@ -18,18 +18,18 @@ def test_colocated_bench_runs_every_variant_on_cpu(tmp_path, monkeypatch):
     colocated.main(["--device", "cpu", "--shape", "tiny", "--steps", "2", "--batch", "4", "--num-generations", "2",
                     "--prompt-len", "8", "--completion-len", "8", "--out", str(out)])
     r = json.loads(out.read_text())
-    assert list(r["variants"]) == ["trl", "ours", "sleep1", "sleep2"] and r["dtype"] == "float32"
+    assert list(r["variants"]) == ["trl", "ours", "sleep1", "sleep1-recapture", "sleep2"] and r["dtype"] == "float32"
     assert r["meta"]["command"].startswith("python -m rollout.bench.colocated")
     for name, v in r["variants"].items():
         assert v["steps"] == 2 and len(v["generation_s_all"]) == 2, name      # one generation per step
         assert 0 < v["generation_s"] < v["step_s"] and 0 < v["generation_share"] < 1, name
     assert "sampling/importance_sampling_ratio/mean" not in r["variants"]["trl"]["logged"]   # TRL forms none there
-    for name in ("ours", "sleep1", "sleep2"):
+    for name in ("ours", "sleep1", "sleep1-recapture", "sleep2"):
         logged = r["variants"][name]["logged"]
         for k in ("min", "mean", "max"):
             assert all(abs(x - 1) <= 1e-4 for x in logged[f"sampling/importance_sampling_ratio/{k}"]), name
         assert all(x <= 1e-5 for x in logged["sampling/sampling_logp_difference/max"]), name
-    for name, level in (("sleep1", 1), ("sleep2", 2)):
+    for name, level in (("sleep1", 1), ("sleep1-recapture", 1), ("sleep2", 2)):
         v = r["variants"][name]
         assert v["sleep_level_at_optimizer_step"] == [level, level] and v["sleeps"] == 2
         assert v["released_gb"] > 0 and v["sleep_s"] >= 0 and v["wake_s"] >= 0 and v["device_freed_gb"] is None
