@@ -1,0 +1,252 @@
+"""Speculative decoding on a trained model (issue R1's acceptance run): train a small Llama on a task
+whose completions end by EOS with long-tailed lengths and repeated structure, then run GRPO-shaped
+batches on it (groups of n, lengths set by its own EOS) with speculation off and on, in one call.
+
+    python -m rollout.bench.spec_trained --out bench/results/<name>.json          # H200: ~90 s of training
+    python -m rollout.bench.spec_trained --device cpu --dtype float32 --train-steps 150 --hidden 64 \\
+        --prompts 4 --n 4 --digits-cap 6                                          # a smoke run
+
+The task: column addition worked digit by digit, least significant first, then the sum:
+    prompt "4071+865="   completion "1+5+0=6 7+6+0=13 0+8+1=9 4+0+0=4 4936<eos>"
+Operand digits are log-normal (median --digits-median, sigma --digits-sigma, clipped to [1, --digits-cap]),
+so a completion's length (~8 tokens a digit) is long-tailed, and each step repeats the step before's shape.
+The recipe and seed make the run repeatable; the model is not kept.
+
+Then, on the same prompts (each asked --n times, temperature 1, max_new_tokens --max-new-tokens):
+    off      speculation off, sampling seed S
+    on       speculative="ngram" (drafts from the sequence and its group), seed S
+    off2     off again with seed S + 1 (a fresh GRPO step's samples)
+    on2      speculation on, seed S + 1, the drafter holding run "on"'s completions of each prompt as earlier
+             rollouts (spec_history_prompts): the SPEC-RL / DAS source; the weights did not change between
+             the two, which an RL step would do, so this is the best case of that source
+Reported per run: makespan (the generate call's wall), tokens, tok/s, engine steps, the speculator's
+counters (drafted, accepted, acceptance, tokens per drafted sequence-step), tokens per sequence-step by
+running batch size, and the task's accuracy (the final sum right); between each off / on pair: the share
+of sequences whose tokens are identical (exact by construction in fp32 and under batch_invariant; bf16
+otherwise: drafted rows are verified in another batch shape, so the logits may round apart) and the
+makespan ratio (target <= 0.7).
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import random
+import tempfile
+import time
+
+import torch
+
+from ..engine import RolloutEngine
+from ..request import SamplingParams
+from .__main__ import run_meta, write_json
+
+ROW_BINS = ((1, 8), (9, 32), (33, 64), (65, 128), (129, 1 << 30))
+
+
+def draw_digits(rng: random.Random, median: float, sigma: float, cap: int) -> int:
+    return min(cap, max(1, int(math.exp(math.log(median) + sigma * rng.gauss(0, 1)))))
+
+
+def number(rng: random.Random, digits: int) -> int:
+    return rng.randint(10 ** (digits - 1) if digits > 1 else 0, 10 ** digits - 1)
+
+
+def worked_sum(a: int, b: int) -> str:
+    """Column addition, least significant digit first: 'x+y+carry=s ' a column, then the sum."""
+    da, db = str(a)[::-1], str(b)[::-1]
+    steps, carry = [], 0
+    for k in range(max(len(da), len(db))):
+        x, y = int(da[k]) if k < len(da) else 0, int(db[k]) if k < len(db) else 0
+        s = x + y + carry
+        steps.append(f"{x}+{y}+{carry}={s} ")
+        carry = s // 10
+    return "".join(steps) + str(a + b)
+
+
+def problem(rng: random.Random, args) -> tuple[str, str]:
+    a = number(rng, draw_digits(rng, args.digits_median, args.digits_sigma, args.digits_cap))
+    b = number(rng, draw_digits(rng, args.digits_median, args.digits_sigma, args.digits_cap))
+    return f"{a}+{b}=", worked_sum(a, b)
+
+
+def correct(prompt: str, completion: str) -> bool:
+    a, b = (int(x) for x in prompt.rstrip("=").split("+"))
+    return completion.rsplit(" ", 1)[-1] == str(a + b)
+
+
+def train(args, device: torch.device, out_dir: str) -> dict:
+    """A Llama trained from scratch on worked sums (loss on the completion and its EOS), saved to out_dir."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from ..tasks.arith_train import BOS, EOS, PAD, VOCAB, build_tokenizer
+    longest = 2 * args.digits_cap + 2 + 9 * (args.digits_cap + 1) + args.digits_cap + 2
+    ids = dict(bos_token_id=VOCAB[BOS], eos_token_id=VOCAB[EOS], pad_token_id=VOCAB[PAD])
+    torch.manual_seed(args.seed)
+    cfg = LlamaConfig(vocab_size=len(VOCAB), hidden_size=args.hidden, num_hidden_layers=args.layers,
+                      num_attention_heads=max(1, args.hidden // 64), num_key_value_heads=max(1, args.hidden // 128),
+                      intermediate_size=3 * args.hidden, max_position_embeddings=max(64, 1 << (longest - 1).bit_length()),
+                      tie_word_embeddings=False, **ids)
+    model = LlamaForCausalLM(cfg).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    rng = random.Random(args.seed)
+    amp = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
+    t0, step, losses = time.perf_counter(), 0, []
+    while (args.train_steps is None and time.perf_counter() - t0 < args.train_s) or \
+            (args.train_steps is not None and step < args.train_steps):
+        frac = (time.perf_counter() - t0) / args.train_s if args.train_steps is None else step / args.train_steps
+        for g in opt.param_groups:          # warm-up, then cosine over the budget
+            g["lr"] = args.lr * min(1.0, (step + 1) / 100) * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0)))
+        batch = [problem(rng, args) for _ in range(args.batch)]
+        seqs = [([VOCAB[BOS]] + [VOCAB[c] for c in p], [VOCAB[c] for c in c_] + [VOCAB[EOS]]) for p, c_ in batch]
+        T = max(len(p) + len(c) for p, c in seqs)
+        x = torch.full((len(seqs), T), VOCAB[PAD], dtype=torch.long)
+        y = torch.full((len(seqs), T), -100, dtype=torch.long)
+        for i, (p, c) in enumerate(seqs):
+            x[i, :len(p) + len(c)] = torch.tensor(p + c)
+            y[i, len(p):len(p) + len(c)] = torch.tensor(c)
+        x, y = x.to(device), y.to(device)
+        with amp:
+            loss = model(input_ids=x, attention_mask=(x != VOCAB[PAD]).long(), labels=y).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        losses.append(loss.item())
+        step += 1
+        if step % args.log_every == 0:
+            print(f"train step {step}: loss {sum(losses[-args.log_every:]) / args.log_every:.4f} "
+                  f"({time.perf_counter() - t0:.0f} s)", flush=True)
+    model.to(torch.float32).save_pretrained(out_dir, safe_serialization=True)
+    build_tokenizer().save_pretrained(out_dir)
+    return {"steps": step, "seconds": time.perf_counter() - t0, "final_loss": sum(losses[-20:]) / len(losses[-20:]),
+            "params": sum(p.numel() for p in model.parameters()), "config": {
+                "hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.num_hidden_layers,
+                "num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads,
+                "max_position_embeddings": cfg.max_position_embeddings, "vocab_size": cfg.vocab_size}}
+
+
+class StepLog:
+    """Per engine step (a bench-only wrapper on this engine's step): running sequences and tokens landed."""
+
+    def __init__(self, engine: RolloutEngine):
+        self.engine, self.rows = engine, []
+        real = engine.step
+
+        def step():
+            running = len(engine.scheduler.running)
+            before = engine.metrics["generated_tokens"]
+            out = real()
+            self.rows.append((running, engine.metrics["generated_tokens"] - before))
+            return out
+        engine.step = step
+
+    def by_batch_size(self) -> dict:
+        """Tokens per sequence-step over the steps whose running batch fell in each bin."""
+        out = {}
+        for lo, hi in ROW_BINS:
+            sel = [(r, t) for r, t in self.rows if lo <= r <= hi]
+            if sel:
+                rows = sum(r for r, _ in sel)
+                out[f"{lo}-{hi if hi < 1 << 30 else 'up'}"] = {
+                    "steps": len(sel), "tokens_per_seq_step": sum(t for _, t in sel) / rows}
+        return out
+
+
+def run(label: str, engine: RolloutEngine, prompts: list[list[int]], texts: list[str], args, seed: int) -> dict:
+    log = StepLog(engine)
+    spec0 = {k: v for k, v in engine.stats().items() if k.startswith("spec_")}
+    params = SamplingParams(n=args.n, temperature=1.0, seed=seed, max_new_tokens=args.max_new_tokens)
+    t0 = time.perf_counter()
+    outs = engine.generate(prompts, params, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    engine.step = type(engine).step.__get__(engine)       # the hook off
+    comps = [c for o in outs for c in o.completions]
+    tokens = sum(len(c.token_ids) for c in comps)
+    tok = engine.tokenizer
+    right = sum(correct(t, tok.decode(c.token_ids, skip_special_tokens=True))
+                for t, o in zip(texts, outs) for c in o.completions)
+    spec = {k: v - spec0.get(k, 0) if k in ("spec_steps", "spec_drafted", "spec_accepted", "spec_drafted_seqs")
+            else v for k, v in engine.stats().items() if k.startswith("spec_")}
+    lengths = sorted(len(c.token_ids) for c in comps)
+    res = {"makespan_s": wall, "tokens": tokens, "tok_s": tokens / wall, "steps": len(log.rows),
+           "finished_by_eos": sum(c.finish_reason == "stop" for c in comps) / len(comps),
+           "length_p50": lengths[len(lengths) // 2], "length_p99": lengths[int(0.99 * (len(lengths) - 1))],
+           "length_max": lengths[-1], "accuracy": right / len(comps), "tokens_by_batch_size": log.by_batch_size(),
+           **spec, "completions": [c.token_ids for c in comps]}
+    if spec.get("spec_drafted"):
+        res["acceptance_rate"] = spec["spec_accepted"] / spec["spec_drafted"]
+    print(f"{label:5s} {wall:.2f} s, {tokens} tokens ({tokens / wall:.0f} tok/s), {len(log.rows)} steps, "
+          f"accuracy {res['accuracy']:.2f}, EOS {res['finished_by_eos']:.2f}, lengths p50 {res['length_p50']} "
+          f"max {res['length_max']}" + (f"; drafted {spec['spec_drafted']}, accepted {spec['spec_accepted']}"
+                                        if spec.get("spec_drafted") else ""), flush=True)
+    return res
+
+
+def compare(off: dict, on: dict) -> dict:
+    same = sum(a == b for a, b in zip(off["completions"], on["completions"]))
+    return {"identical_sequences": same / len(off["completions"]), "makespan_ratio": on["makespan_s"] / off["makespan_s"],
+            "target_makespan_ratio": 0.7}
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default=None, help="the engine's: bfloat16 on CUDA, float32 on CPU")
+    ap.add_argument("--batch-invariant", action="store_true", help="the engine's batch_invariant (bf16: exact)")
+    ap.add_argument("--seed", type=int, default=0)
+    # the model and its training
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--train-s", type=float, default=90.0, help="training wall-clock budget")
+    ap.add_argument("--train-steps", type=int, default=None, help="a step count instead of --train-s")
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--log-every", type=int, default=100)
+    # the task and the batch
+    ap.add_argument("--digits-median", type=float, default=4.0)
+    ap.add_argument("--digits-sigma", type=float, default=0.6)
+    ap.add_argument("--digits-cap", type=int, default=24)
+    ap.add_argument("--prompts", type=int, default=32)
+    ap.add_argument("--n", type=int, default=8, help="samples per prompt (a GRPO group)")
+    ap.add_argument("--max-new-tokens", type=int, default=None, help="default: the longest completion the task has")
+    ap.add_argument("--spec-max-draft", type=int, default=5)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    device = torch.device(args.device)
+    dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
+    args.max_new_tokens = args.max_new_tokens or 9 * (args.digits_cap + 1) + args.digits_cap + 2
+    with tempfile.TemporaryDirectory() as folder:
+        trained = train(args, device, folder)
+        print(f"trained {trained['steps']} steps in {trained['seconds']:.0f} s, loss {trained['final_loss']:.4f}",
+              flush=True)
+        rng = random.Random(args.seed + 1)
+        texts = [problem(rng, args)[0] for _ in range(args.prompts)]
+        common = dict(device=args.device, dtype=dtype, batch_invariant=args.batch_invariant,
+                      max_num_seqs=args.prompts * args.n, max_model_len=trained["config"]["max_position_embeddings"])
+        off_engine = RolloutEngine.from_pretrained(folder, **common)
+        on_engine = RolloutEngine.from_pretrained(folder, **common, speculative="ngram",
+                                                  spec_max_draft=args.spec_max_draft, spec_history_prompts=args.prompts)
+        prompts = [off_engine.tokenizer(t).input_ids for t in texts]
+        for e in (off_engine, on_engine):     # warm-up: kernels, graphs' first replays
+            e.generate(prompts[:2], SamplingParams(max_new_tokens=8), use_tqdm=False)
+        on_engine.speculator.drafter.history.clear()
+        runs = {"off": run("off", off_engine, prompts, texts, args, args.seed),
+                "on": run("on", on_engine, prompts, texts, args, args.seed),
+                "off2": run("off2", off_engine, prompts, texts, args, args.seed + 1),
+                "on2": run("on2", on_engine, prompts, texts, args, args.seed + 1)}
+    pairs = {"on_vs_off": compare(runs["off"], runs["on"]), "on2_vs_off2": compare(runs["off2"], runs["on2"])}
+    for name, p in pairs.items():
+        print(f"{name}: makespan x{p['makespan_ratio']:.2f} (target <= 0.7), identical sequences "
+              f"{p['identical_sequences']:.1%}", flush=True)
+    for r in runs.values():
+        r.pop("completions")
+    result = {"device": args.device, "dtype": dtype, "batch_invariant": args.batch_invariant, "trained": trained,
+              "prompts": args.prompts, "n": args.n, "max_new_tokens": args.max_new_tokens,
+              "digits": {"median": args.digits_median, "sigma": args.digits_sigma, "cap": args.digits_cap},
+              "runs": runs, **pairs, "meta": run_meta("rollout.bench.spec_trained", argv)}
+    write_json(result, args.out)
+    return result
+
+
+if __name__ == "__main__":
+    main()
