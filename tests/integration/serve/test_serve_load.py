@@ -1,7 +1,7 @@
 """Load, bounded in count and time, on 127.0.0.1: 10x the queue bound of concurrent clients for a few
-seconds against a server with a small batch (its engine loop on a thread, then in its own process). Every response is a 200 with complete choices or a 429
-with Retry-After; nothing hangs or is lost (the server accepted exactly the answered requests, and
-is idle after); resident memory stays roughly flat."""
+seconds against a server with a small batch (its engine loop on a thread, then in its own process).
+Every response is a 200 with complete choices or a 429 with Retry-After; nothing hangs or is lost (the
+server accepted exactly the answered requests, and is idle after); resident memory stays roughly flat."""
 from __future__ import annotations
 
 import asyncio
