@@ -85,9 +85,11 @@ class StepRecorder:
         sch.schedule, sch.update_columns = schedule, update_columns
 
 
-def timed_run(label: str, fraction, model, cfg, prompts, lengths: list[int], args, device) -> dict:
+def timed_run(label: str, fraction, model, cfg, prompts, lengths: list[int], args, device,
+              speculative: str = "off") -> dict:
     n, sizes = args.n, model_sizes(cfg, getattr(torch, args.dtype).itemsize)
     engine = RolloutEngine(model, cfg, device=str(device), seed=args.seed, kv_reserve_fraction=fraction,
+                           speculative=speculative,
                            max_model_len=args.prompt_len + args.max_new_tokens, num_kv_pages=args.num_kv_pages,
                            max_num_seqs=args.max_num_seqs or len(lengths),
                            max_num_batched_tokens=args.max_num_batched_tokens, preemption_mode=args.preemption_mode,
@@ -118,7 +120,8 @@ def timed_run(label: str, fraction, model, cfg, prompts, lengths: list[int], arg
     floor = schedule_floor_s(rec.contexts, sizes["weight_bytes"], sizes["kv_bytes_per_token"])
     st = engine.stats()
     result = {
-        "kv_reserve_fraction": fraction, "admission_fraction_at_end": engine.scheduler.admission_fraction,
+        "kv_reserve_fraction": fraction, "speculative": speculative,
+        **{k: v for k, v in st.items() if k.startswith("spec_")}, "admission_fraction_at_end": engine.scheduler.admission_fraction,
         "kv_pages": engine.kv.alloc.num_usable, "makespan_s": makespan,
         "tokens": total, "tok_s": total / makespan, "lengths_honored": got == lengths,
         "finish_reasons": sorted({c.finish_reason for o in outs for c in o.completions}),
@@ -158,11 +161,13 @@ def plot(runs: dict, path: str) -> None:
     plt.close(fig)
 
 
-def _fraction(run: str):
-    f = None if run == "adaptive" else float(run)
+def _parse_run(run: str) -> tuple:
+    """'adaptive' | a fraction, optionally '+spec' (speculative="ngram"): (fraction, speculative)."""
+    base = run.removesuffix("+spec")
+    f = None if base == "adaptive" else float(base)
     if f is not None and not 0 <= f <= 1:
         raise ValueError(run)
-    return f
+    return f, "ngram" if run.endswith("+spec") else "off"
 
 
 def main(argv=None) -> dict:
@@ -176,7 +181,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--cap", type=int, default=16384, help="longest drawn length")
     ap.add_argument("--max-new-tokens", type=int, default=16384, help="what every request asks for")
     ap.add_argument("--runs", default="adaptive,0,1",
-                    help="comma list of kv_reserve_fraction settings: 'adaptive' (None, the default) or a number")
+                    help="comma list of kv_reserve_fraction settings: 'adaptive' (None, the default) or a number; "
+                         "'+spec' after one: with speculative='ngram' (random weights: what drafting costs)")
     ap.add_argument("--num-kv-pages", type=int, default=None, help="default: the engine's KV sizing")
     ap.add_argument("--max-num-seqs", type=int, default=None, help="default: prompts x n")
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -192,17 +198,17 @@ def main(argv=None) -> dict:
     if args.cap > args.max_new_tokens:
         ap.error(f"--cap {args.cap} exceeds --max-new-tokens {args.max_new_tokens}")
     try:
-        fractions = {run: _fraction(run) for run in args.runs.split(",")}
+        settings = {run: _parse_run(run) for run in args.runs.split(",")}
     except ValueError:
-        ap.error(f"--runs: each entry is 'adaptive' or a number in [0, 1], got {args.runs!r}")
+        ap.error(f"--runs: each entry is 'adaptive' or a number in [0, 1], optionally with '+spec', got {args.runs!r}")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     cfg = make_config(args.shape)
     model = random_model(cfg, getattr(torch, args.dtype), device, args.seed)
     lengths = draw_lengths(args.prompts * args.n, args.median, args.sigma, args.cap, args.seed)
     gen = torch.Generator().manual_seed(args.seed)
     prompts = torch.randint(10, cfg.vocab_size - 10, (args.prompts, args.prompt_len), generator=gen).tolist()
-    runs = {f"kv_reserve_fraction={run}": timed_run(run, f, model, cfg, prompts, lengths, args, device)
-            for run, f in fractions.items()}
+    runs = {f"kv_reserve_fraction={run.removesuffix('+spec')}" + (" speculative=ngram" if spec != "off" else ""):
+            timed_run(run, f, model, cfg, prompts, lengths, args, device, spec) for run, (f, spec) in settings.items()}
     result = {"shape": args.shape, "dtype": args.dtype, "prompts": args.prompts, "n": args.n,
               "prompt_len": args.prompt_len, "median": args.median, "sigma": args.sigma, "cap": args.cap,
               "max_new_tokens": args.max_new_tokens, "drawn_tokens": sum(lengths), "drawn_max": max(lengths),

@@ -62,3 +62,18 @@ def test_smoke_run_honors_lengths_and_writes_json_and_png(tmp_path):
     assert r["runs"]["kv_reserve_fraction=1"]["peak_running_seqs"] == 2
     assert r["runs"]["kv_reserve_fraction=0"]["peak_running_seqs"] == 6
     assert png.stat().st_size > 10_000
+
+
+def test_a_speculative_run_beside_the_plain_one(tmp_path):
+    """'+spec' runs the same workload with speculative='ngram': the speculator's counters come back, and
+    the drawn lengths end the sequences as in the plain run."""
+    argv = ["--shape", "tiny", "--prompts", "3", "--n", "2", "--prompt-len", "8", "--median", "6", "--cap", "20",
+            "--max-new-tokens", "64", "--dtype", "float32", "--device", "cpu", "--runs", "adaptive,adaptive+spec",
+            "--bins", "5", "--out", str(tmp_path / "r.json")]
+    r = rl_step.main(argv)
+    plain, spec = r["runs"]["kv_reserve_fraction=adaptive"], r["runs"]["kv_reserve_fraction=adaptive speculative=ngram"]
+    assert plain["speculative"] == "off" and "spec_steps" not in plain
+    assert spec["speculative"] == "ngram" and spec["spec_steps"] + spec["spec_empty"] > 0     # it tried to draft
+    for run in (plain, spec):
+        assert run["finish_reasons"] == ["stop"] and run["tokens"] >= r["drawn_tokens"]
+    assert plain["lengths_honored"]
