@@ -5,7 +5,8 @@ while there is work and it is not paused, and between steps the commands it is s
     (name, args, token)       token: None for fire-and-forget, else a reply is due
 It answers with batches of messages, once per step (`send(batch)`), in order:
     ("event", tag, item)      item: ("added", engine_ids) | ("error", exc) | ("delta", prompt_index,
-                              sample_index, Delta) | ("done", prompt_index, RequestOutput)
+                              sample_index, Delta) | ("done", prompt_index, RequestOutput) | ("end",)
+                              after a request's last "done"
     ("reply", token, result, exc)
     ("state", finished, running_requests, policy_version, paused)     last in every batch
 LoopClient, on the HTTP side, turns those into asyncio futures and per-request queues. The two meet
@@ -234,13 +235,14 @@ class EngineLoop:
             if job is None:
                 continue
             self.finished += 1
+            self._outbox.append(("event", job.tag, ("done", job.index, out)))
             left = self._tags.get(job.tag)
             if left is not None:
                 left.discard(out.request_id)
                 if not left:
                     del self._tags[job.tag]
                     self._aborted.discard(job.tag)
-            self._outbox.append(("event", job.tag, ("done", job.index, out)))
+                    self._outbox.append(("event", job.tag, ("end",)))
 
     def _push_deltas(self) -> None:
         """Each sample's new tokens once it has stream_interval of them (its first token at once).
@@ -399,6 +401,9 @@ class LoopClient:
     def receive(self, batch: list) -> None:
         for msg in batch:
             if msg[0] == "event":
+                if msg[2][0] == "end":    # the request's last output went out: its id is free again, even
+                    self._queues.pop(msg[1], None)    # if its handler never ran its cleanup (a stream never begun)
+                    continue
                 q = self._queues.get(msg[1])
                 if q is not None:
                     q.put_nowait(msg[2])

@@ -182,6 +182,7 @@ def test_disconnects_free_pages(server, http, tiny_tokenizer):
     wait_for(lambda: kv_pages_used(server.url) == 0, what="the disconnected request's pages")
     client.resume()
     assert _idle(server) and _no_requests(server)
+    assert not server.app.state.server.loop._queues     # no request's queue left behind
 
 
 BAD = [  # (body, path, what the message must name)
@@ -293,3 +294,26 @@ def test_a_dead_engine_process_fails_its_requests_and_the_health_check(chat_dir,
         assert http.get("/health").status_code == 503
         r = http.post("/v1/completions", json={"model": MODEL, "prompt": "the", "max_tokens": 2})
         assert r.status_code == 503, r.text
+
+
+def test_a_requests_id_is_freed_when_its_last_output_goes_out(chat_dir):
+    """The engine loop ends every request with an "end" event that drops its queue on the HTTP side, so a
+    handler that never ran its cleanup (a stream whose body never began) leaks nothing and its
+    request_id can be used again."""
+    from rollout.serve.loop import LocalLoop
+
+    async def run():
+        side = LocalLoop(make_worker(chat_dir))
+        side.start(asyncio.get_running_loop())
+        try:
+            client = side.client
+            q = client.open("mine")
+            client.add("mine", [[5, 6, 7], [8, 9]], [SamplingParams(max_new_tokens=4)] * 2)
+            got = [await asyncio.wait_for(q.get(), 30) for _ in range(3)]      # added, done, done
+            assert [g[0] for g in got] == ["added", "done", "done"]
+            await asyncio.sleep(0.05)
+            assert "mine" not in client._queues                # dropped with no close() call
+            client.open("mine")                                # and the id is free
+        finally:
+            await asyncio.to_thread(side.stop)
+    asyncio.run(run())
