@@ -41,10 +41,10 @@ def _exc(exc: BaseException) -> BaseException:
 
 
 def _engine_main(make_worker: Callable, conn) -> None:
-    # the HTTP process decides when the engine stops (a signal to the whole group reaches both): it
-    # answers every request first; if it dies instead, the pipe's end stops this process
+    # Ctrl-C reaches the whole group: the HTTP process decides, and stops this one in order. SIGTERM
+    # (multiprocessing's terminate, a service manager) stops it in order too; so does the pipe's end if
+    # the HTTP process dies.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         worker = make_worker()
     except BaseException as exc:
@@ -62,6 +62,7 @@ def _engine_main(make_worker: Callable, conn) -> None:
                 loop.commands.put(("stop", (), None))
 
     loop = EngineLoop(worker, send)
+    signal.signal(signal.SIGTERM, lambda *_: loop.commands.put(("stop", (), None)))
 
     def read():
         while True:

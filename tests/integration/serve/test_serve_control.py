@@ -7,6 +7,7 @@ import json
 import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import pytest
@@ -317,3 +318,35 @@ def test_a_requests_id_is_freed_when_its_last_output_goes_out(chat_dir):
         finally:
             await asyncio.to_thread(side.stop)
     asyncio.run(run())
+
+
+ORPHAN = """
+import sys
+from functools import partial
+from rollout.config import EngineConfig
+from rollout.serve.remote import EngineProcess, pretrained_worker
+if __name__ == "__main__":
+    p = EngineProcess(partial(pretrained_worker, sys.argv[1], EngineConfig(device="cpu", dtype="float32")))
+    p.launch()
+    p.proc.terminate()                   # SIGTERM: an orderly stop, not ignored
+    p.proc.join(20)
+    assert p.proc.exitcode == 0, p.proc.exitcode
+    q = EngineProcess(p.make_worker)
+    q.launch()
+    print(q.proc.pid, flush=True)        # then this process exits without stop(): it must not hang
+"""
+
+
+def test_the_engine_process_stops_on_sigterm_and_with_its_parent(chat_dir, tmp_path):
+    import os
+    import subprocess
+    import sys
+    script = tmp_path / "orphan.py"
+    script.write_text(ORPHAN)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[3])}
+    out = subprocess.run([sys.executable, str(script), str(chat_dir)], capture_output=True, text=True, timeout=120,
+                         env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    pid = int(out.stdout.split()[-1])
+    wait_for(lambda: not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
+             .lower(), what="the engine process to exit with its parent")
