@@ -72,7 +72,9 @@ class Batch:
     num_top_logprobs: int = 0
     has_carry: bool = False         # any token (or penalty entry) comes from the previous batch
     decode_only: bool = False       # every sequence computes one token and samples one row
+    every_token_samples: bool = False   # token i is sampled by row i (decode, and a drafted step's verify rows)
     padded_to: int = 0              # > 0: buffers hold inert padding rows up to this size
+    padded_seqs: int = 0            # > 0 (pad_verify): ... and inert sequences up to this count
 
     @property
     def num_tokens(self) -> int:
@@ -86,6 +88,12 @@ class Batch:
     def graph_safe(self) -> bool:
         """Decode steps of fixed sampling shape: no penalty, no top logprobs."""
         return self.decode_only and not self.sampling.any_penalty and self.num_top_logprobs == 0
+
+    @property
+    def verify_graph_safe(self) -> bool:
+        """A drafted step a verify graph can run: every token sampled, no page copy, no penalty or top logprobs."""
+        return (self.every_token_samples and not self.decode_only and self.copy_src.numel() == 0
+                and not self.sampling.any_penalty and self.num_top_logprobs == 0)
 
 
 class BatchBuilder:
@@ -166,8 +174,10 @@ class BatchBuilder:
             npb[name][:len(values)] = values
         penalty = pad_sequence([torch.tensor(x, dtype=torch.int64) for x in penalty_rows], batch_first=True,
                                padding_value=-1) if any_pen else None
-        return self._batch(t, s, r, c, seq_lens, qsl, penalty, top_n, all_greedy, any_trunc, any_pen, has_carry,
-                           decode_only and s > 0 and c == 0)
+        batch = self._batch(t, s, r, c, seq_lens, qsl, penalty, top_n, all_greedy, any_trunc, any_pen, has_carry,
+                            decode_only and s > 0 and c == 0)
+        batch.every_token_samples = s > 0 and r == t and logits_idx == list(range(t))
+        return batch
 
     def _batch(self, t, s, r, c, seq_lens_host, qsl_host, penalty, top_n, all_greedy, any_trunc, any_pen,
                has_carry, decode_only) -> Batch:
@@ -230,8 +240,10 @@ class BatchBuilder:
                 npb[name][:S] = [f.value(p, t) for p, t in zip(params, targets)]
             elif fresh:
                 npb[name][fresh] = [f.value(params[s], targets[s]) for s in fresh]
-        return self._batch(S, S, S, 0, [x + 1 for x in starts], list(range(S + 1)), None, top_n, all_greedy,
-                           any_trunc, False, has_carry, S > 0)
+        batch = self._batch(S, S, S, 0, [x + 1 for x in starts], list(range(S + 1)), None, top_n, all_greedy,
+                            any_trunc, False, has_carry, S > 0)
+        batch.every_token_samples = S > 0
+        return batch
 
     def pad(self, batch: Batch, size: int) -> None:
         """Fill rows [B, size) of a decode batch with inert entries (trash page, length 0) for a graph."""
@@ -246,3 +258,22 @@ class BatchBuilder:
         npb["logits_indices"][B:size] = np.arange(B, size)
         self._param_rows[B:size] = [None] * (size - B)     # inert parameters written there
         batch.padded_to = size
+
+    def pad_verify(self, batch: Batch, tokens: int, seqs: int) -> None:
+        """Pad a drafted step (every token a sampled row) to `tokens` tokens and rows and `seqs` sequences
+        for a verify graph: one inert sequence holds the padding tokens (writing the trash page; its rows
+        sample inert parameters), inert empty sequences fill the rest."""
+        T, S = batch.num_tokens, len(batch.seq_lens_host)
+        assert batch.verify_graph_safe and T <= tokens <= self.dims[0] and S < seqs <= self.dims[1] \
+            and tokens <= self.dims[1]
+        npb = self.np
+        for name, value in (("input_ids", 0), ("carry", -1), ("slot_mapping", TRASH_PAGE * self.kv.page_size),
+                            *((name, f.inert) for name, f in SAMPLING_FIELDS.items())):
+            npb[name][T:tokens] = value
+        npb["positions"][T:tokens] = np.arange(tokens - T)
+        npb["logits_indices"][T:tokens] = np.arange(T, tokens)
+        npb["query_start_loc"][S + 1:seqs + 1] = tokens
+        npb["seq_lens"][S] = tokens - T
+        npb["seq_lens"][S + 1:seqs] = 0
+        self._param_rows[T:tokens] = [None] * (tokens - T)
+        batch.padded_to, batch.padded_seqs = tokens, seqs

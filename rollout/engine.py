@@ -110,7 +110,8 @@ class RolloutEngine:
             max_pages_per_seq=self.kv.pages_for(self.max_model_len),
             async_mode=cuda if cfg.async_pipeline is None else cfg.async_pipeline,
             cuda_graphs=cuda and cfg.cuda_graphs and attention_backend == "triton",
-            graph_max_batch=cfg.cuda_graph_max_batch, graph_modes=tuple(cfg.cuda_graph_modes))
+            graph_max_batch=cfg.cuda_graph_max_batch, graph_modes=tuple(cfg.cuda_graph_modes),
+            verify_max_tokens=cfg.spec_max_step_tokens if cfg.speculative != "off" else 0)
         self.pipeline.capture_graphs()
         self._inflight: Optional[InFlight] = None
         self.speculator = Speculator(cfg) if cfg.speculative != "off" else None

@@ -10,6 +10,7 @@ rewritten only by batch k+2). Sync mode waits in launch(); on CPU launch() runs 
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -23,6 +24,7 @@ from .sampler import SamplerOutput, SamplingTensors
 from .scheduler import SchedulerOutput
 
 _OUT_FIELDS = ("token_ids", "logprobs", "processed_logprobs", "kept_mass")
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -52,7 +54,7 @@ class DevicePipeline:
     def __init__(self, runner: ModelRunner, kv: KVCacheManager, *, max_num_batched_tokens: int,
                  max_num_seqs: int, max_pages_per_seq: int, async_mode: bool,
                  cuda_graphs: bool = False, graph_max_batch: Optional[int] = None,
-                 graph_modes: tuple[str, ...] = MODES):
+                 graph_modes: tuple[str, ...] = MODES, verify_max_tokens: int = 0):
         self.runner = runner
         self.device = runner.device
         self.cuda = self.device.type == "cuda"
@@ -61,7 +63,8 @@ class DevicePipeline:
                       for _ in range(2)]
         self.current = 0
         self.busy_ms = 0.0                # compute-stream time, from CUDA events
-        self.counts = {"graph_steps": 0, "graph_captures": 0, "eager_steps": 0, "eager_decode_steps": 0}
+        self.counts = {"graph_steps": 0, "graph_captures": 0, "eager_steps": 0, "eager_decode_steps": 0,
+                       "verify_padded_steps": 0, "verify_graph_steps": 0}
         self.gpu_spans: Optional[list] = None   # (start_s, end_s) per batch while tracing
         self._trace_ref = None
         self.graphs: Optional[DecodeGraphs] = None
@@ -70,6 +73,12 @@ class DevicePipeline:
             if cuda_graphs:   # the engine checks the backend (Triton) and the modes
                 top = min(graph_max_batch or max_num_seqs, max_num_seqs, max_num_batched_tokens)
                 self.graphs = DecodeGraphs(self._static_step, self.compute, default_buckets(top), graph_modes)
+        # Drafted steps (speculation) as verify graphs, one per token bucket, captured on first use; their
+        # rows fit the outputs (max_num_seqs). pad_verify: the padded layout without graphs too (CPU: its tests).
+        top = min(verify_max_tokens, max_num_batched_tokens, max_num_seqs)
+        self.verify_tokens = default_buckets(top) if top > 0 else []
+        self.pad_verify = self.graphs is not None and bool(self.verify_tokens)
+        self.uncapturable: set = set()    # verify keys whose capture failed: run eagerly (logged once)
 
     def _make_slot(self, kv, T, S, P) -> Slot:
         builder = BatchBuilder(kv, max_num_batched_tokens=T, max_num_seqs=S, max_pages_per_seq=P, pin_memory=self.cuda)
@@ -102,15 +111,38 @@ class DevicePipeline:
                 self.slots[s].out[f][:R].copy_(getattr(out, f))
         return out
 
-    def _static_step(self, s: int, bucket: int, mode: str) -> None:
-        """A decode step of `bucket` rows read from slot s's device buffers: what a graph holds."""
+    def _static_step(self, s: int, bucket, mode: str) -> None:
+        """What a graph holds, read from slot s's device buffers: a decode step of `bucket` rows, or (bucket
+        a (tokens, sequences) pair) a drafted step's verify forward of that padded shape."""
         bufs = self.slots[s].bufs
-        sizes = field_lengths(bucket, bucket, bucket)
+        tokens, seqs = bucket if isinstance(bucket, tuple) else (bucket, bucket)
+        sizes = field_lengths(tokens, seqs, tokens)
         dev = {name: bufs[name][:0 if name.startswith("copy_") else sizes[key]]
                for name, (key, _) in STEP_FIELDS.items()}
         flags = SamplingTensors(**dict.fromkeys(SAMPLING_FIELDS), penalty_token_ids=None, num_top_logprobs=0,
                                 all_greedy=mode == "greedy", any_truncation=mode == "truncate", any_penalty=False)
-        self._compute(s, self.runner.device_batch(dev, flags, decode_only=True, has_carry=True))
+        self._compute(s, self.runner.device_batch(dev, flags, decode_only=not isinstance(bucket, tuple),
+                                                  has_carry=True))
+
+    def _verify_bucket(self, batch) -> Optional[tuple]:
+        """(tokens, sequences) of a drafted step's padded layout, or None (no verify graph). As many sequence
+        slots as tokens (a drafted step has fewer sequences than tokens): one graph per token bucket; the
+        attention kernel's programs for empty sequences return at once."""
+        if not (self.pad_verify and batch.verify_graph_safe):
+            return None
+        tokens = next((b for b in self.verify_tokens if b >= batch.num_tokens), None)
+        return None if tokens is None else (tokens, tokens)
+
+    def _capture(self, s: int, bucket, mode: str) -> None:
+        try:
+            self.graphs.capture_one(s, bucket, mode)
+            self.counts["graph_captures"] += 1
+        except Exception:
+            if not isinstance(bucket, tuple):
+                raise
+            log.warning("verify graph %s did not capture; that shape runs eagerly from now on", (s, bucket, mode),
+                        exc_info=True)
+            self.uncapturable.add((s, bucket, mode))
 
     def launch(self, sched: SchedulerOutput) -> InFlight:
         s = self.current
@@ -120,6 +152,13 @@ class DevicePipeline:
         R, T = batch.num_rows, batch.num_tokens
         flight = InFlight(sched, s, R, batch.num_top_logprobs)
         routed = slot.routed is not None and any(i.seq.request.params.return_routed_experts for i in sched.items)
+        mode = mode_of(batch.sampling.all_greedy, batch.sampling.any_truncation)
+        verify = None
+        if sched.num_drafted and self.pad_verify and (self.graphs is None or mode in self.graphs.modes):
+            verify = self._verify_bucket(batch)
+        if verify is not None:
+            slot.builder.pad_verify(batch, *verify)
+            self.counts["verify_padded_steps"] += 1
         if not self.cuda:
             self.runner.swap_pages(sched.swap_out, sched.swap_in)
             out = self._compute(s, self.runner.upload(batch, slot.builder.host))
@@ -128,8 +167,7 @@ class DevicePipeline:
             flight.outputs = out
             flight.routed = slot.routed[:, :T].to(torch.int16) if routed else None
             return flight
-        bucket = None
-        mode = mode_of(batch.sampling.all_greedy, batch.sampling.any_truncation)
+        bucket = verify if verify is not None and (s, verify, mode) not in self.uncapturable else None
         if self.graphs is not None and batch.graph_safe and mode in self.graphs.modes:
             bucket = self.graphs.bucket_for(R)
             if bucket is not None:
@@ -145,11 +183,13 @@ class DevicePipeline:
             ev["start"].record()
             if bucket is not None and (s, bucket, mode) in self.graphs.graphs:
                 self.graphs.replay(s, bucket, mode)
-                self.counts["graph_steps"] += 1
-            elif bucket is not None:      # dropped by a sleep: this step eagerly, then its graph for next time
+                self.counts["verify_graph_steps" if verify is not None else "graph_steps"] += 1
+            elif bucket is not None:      # first use (a verify shape, or dropped by a sleep): eagerly, then its graph
                 self._static_step(s, bucket, mode)
-                self.graphs.capture_one(s, bucket, mode)
-                self.counts["graph_captures"] += 1
+                self._capture(s, bucket, mode)
+            elif verify is not None:      # its capture failed once: the padded layout, eagerly
+                self._static_step(s, verify, mode)
+                self.counts["eager_steps"] += 1
             else:
                 out = self._compute(s, dev)
                 self.counts["eager_steps"] += 1

@@ -133,6 +133,7 @@ class ModelRunner:
         T, S, R = batch.num_tokens, len(batch.seq_lens_host), batch.num_rows
         if batch.padded_to:
             T = S = R = batch.padded_to
+            S = batch.padded_seqs or S
         size = field_lengths(T, S, R)
         dev = {}
         for name, (key, _) in STEP_FIELDS.items():

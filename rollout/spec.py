@@ -7,7 +7,8 @@ sampler's noise is keyed by (seed, position), so each row samples the token plai
 a draft is accepted exactly when it equals that token: the same tokens as without speculation.
 
 A drafted step needs every token known, so the engine first finishes the batch in flight: drafted steps
-run without the one-step lag, and eagerly (several positions a row: not a decode graph). So speculation
+run without the one-step lag. On CUDA they replay verify graphs (pipeline.py: one per token bucket, padded
+with inert tokens and sequences, captured on first use); with penalties or top logprobs, eagerly. So speculation
 is only on where that pays: few rows (rows x (k+1) within `spec_max_step_tokens`, the memory-bound
 regime) and a measured acceptance of at least `spec_min_acceptance` (probed again now and then).
 """

@@ -21,8 +21,15 @@ K = 5
 TOL = 1e-5
 
 
-def _spec(path, **kw):
-    return cpu_engine(path, **{"speculative": "ngram", "spec_max_draft": K, "spec_history_prompts": 16, **kw})
+def _spec(path, padded=False, **kw):
+    """padded: drafted steps in the verify graphs' padded layout (inert padding tokens, rows and sequences),
+    which CUDA replays as graphs; here eagerly, so that it is held to the same equalities."""
+    eng = cpu_engine(path, **{"speculative": "ngram", "spec_max_draft": K, "spec_history_prompts": 16, **kw})
+    eng.pipeline.pad_verify = padded
+    return eng
+
+
+PADDED = pytest.mark.parametrize("padded", [False, True], ids=["packed", "padded"])
 
 
 def _prompts(tok, n=3):
@@ -99,12 +106,13 @@ def test_drafter_own_context_siblings_and_history():
     dict(temperature=0.9, top_p=0.9, top_k=20, min_p=0.02, seed=7, top_logprobs=3),
     dict(temperature=1.0, repetition_penalty=1.3, seed=9),
 ], ids=["greedy", "seeded", "truncated", "penalty"])
-def test_same_tokens_and_logprobs_as_plain_decoding(model_dir, tiny_tokenizer, params):
+@PADDED
+def test_same_tokens_and_logprobs_as_plain_decoding(model_dir, tiny_tokenizer, params, padded):
     """Three rounds on one engine (groups of n=3): round 2 drafts from round 1's completions of the same
     prompts (the same seed: the same tokens, accepted), round 3 under another seed (mostly rejected)."""
     path = model_dir("llama")
     prompts = _prompts(tiny_tokenizer)
-    spec, plain = _spec(path), cpu_engine(path)
+    spec, plain = _spec(path, padded), cpu_engine(path)
     for seed_shift in (0, 0, 1):
         p = SamplingParams(n=3, max_new_tokens=40, ignore_eos=True, **params)
         if p.seed is not None:
@@ -117,6 +125,8 @@ def test_same_tokens_and_logprobs_as_plain_decoding(model_dir, tiny_tokenizer, p
     assert st["spec_accepted"] > 0 and st["spec_drafted"] > st["spec_accepted"], st
     assert st["steps"] < plain.stats()["steps"]          # accepted drafts saved steps
     assert st["generated_tokens"] == plain.stats()["generated_tokens"]
+    # padded: every drafted step but those a penalty or top logprobs keep unpadded
+    assert (st["verify_padded_steps"] > 0) == (padded and not p.repetition_penalty != 1.0 and not p.top_logprobs)
     assert_no_leak(spec)
 
 
@@ -134,11 +144,12 @@ def _stops_inside_runs(eng):
 
 
 @pytest.mark.parametrize("stop", ["eos", "stop_token_ids", "stop_strings"])
-def test_stop_inside_an_accepted_run(model_dir, tiny_tokenizer, stop):
+@PADDED
+def test_stop_inside_an_accepted_run(model_dir, tiny_tokenizer, stop, padded):
     path = model_dir("llama")
     prompts = _prompts(tiny_tokenizer, 1)
     long = SamplingParams(max_new_tokens=40, temperature=0, ignore_eos=True)
-    spec, plain = _spec(path), cpu_engine(path)
+    spec, plain = _spec(path, padded), cpu_engine(path)
     out = spec.generate(prompts, long, use_tqdm=False)[0].completions[0].token_ids   # round 2 drafts from it
     # The prefill samples token 0; then each step verifies K drafts (all accepted: round 1 is the
     # same greedy run) and gains K + 1 tokens. Stop at a token first seen at m, not the last of a run.
@@ -154,21 +165,23 @@ def test_stop_inside_an_accepted_run(model_dir, tiny_tokenizer, stop):
         spec, plain = (RolloutEngine(e.model, e.hf_config, e.config, tokenizer=e.tokenizer, generation_config=gen)
                        for e in (spec, plain))
         spec.speculator.drafter = drafter
+        spec.pipeline.pad_verify = padded
     p = SamplingParams(max_new_tokens=40, temperature=0, ignore_eos=stop != "eos", **kw)
     seen = _stops_inside_runs(spec)
     a, b = spec.generate(prompts, p, use_tqdm=False), plain.generate(prompts, p, use_tqdm=False)
     assert_same(a, b)
     assert any(c.finish_reason == "stop" for o in a for c in o.completions)
     assert any(seen), seen       # a stop with drafted positions after it: rolled back to the stop
-    assert spec.stats()["spec_accepted"] > 0
+    assert spec.stats()["spec_accepted"] > 0 and (spec.stats()["verify_padded_steps"] > 0) == padded
     assert_no_leak(spec)
 
 
-def test_max_new_tokens_cuts_the_draft(model_dir, tiny_tokenizer):
+@PADDED
+def test_max_new_tokens_cuts_the_draft(model_dir, tiny_tokenizer, padded):
     """No row samples past max_new_tokens: the last step verifies only the drafts that fit."""
     path = model_dir("llama")
     prompts = _prompts(tiny_tokenizer, 1)
-    spec, plain = _spec(path), cpu_engine(path)
+    spec, plain = _spec(path, padded), cpu_engine(path)
     spec.generate(prompts, SamplingParams(max_new_tokens=40, temperature=0, ignore_eos=True), use_tqdm=False)
     before = spec.stats()
     # prefill: token 0; step 2: K drafts, tokens 1..K+1; step 3: room for 2 more drafts (10 tokens).
@@ -182,13 +195,14 @@ def test_max_new_tokens_cuts_the_draft(model_dir, tiny_tokenizer):
     assert_no_leak(spec)
 
 
-def test_rejected_drafts_pages_are_freed(model_dir, tiny_tokenizer):
+@PADDED
+def test_rejected_drafts_pages_are_freed(model_dir, tiny_tokenizer, padded):
     """4-token pages, so verified runs cross pages: between steps no sequence holds a page past its
     tokens, and every page is free at the end."""
     path = model_dir("llama")
     prompts = _prompts(tiny_tokenizer)
     p = SamplingParams(n=2, max_new_tokens=40, temperature=0, ignore_eos=True)
-    spec, plain = _spec(path, page_size=4, num_kv_pages=512), cpu_engine(path, page_size=4, num_kv_pages=512)
+    spec, plain = _spec(path, padded, page_size=4, num_kv_pages=512), cpu_engine(path, page_size=4, num_kv_pages=512)
     freed, roll_back = [], spec.scheduler._roll_back
 
     def spy(seq, pos):          # pages a rolled-back run gives up, checked free
@@ -212,12 +226,13 @@ def test_rejected_drafts_pages_are_freed(model_dir, tiny_tokenizer):
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_preemption_under_speculation(model_dir, tiny_tokenizer, temperature):
+@PADDED
+def test_preemption_under_speculation(model_dir, tiny_tokenizer, temperature, padded):
     path = model_dir("llama")
     prompts = _prompts(tiny_tokenizer, 4)
     p = SamplingParams(n=2, max_new_tokens=60, temperature=temperature, seed=11, ignore_eos=True)
     ref = cpu_engine(path).generate(prompts, p, use_tqdm=False)
-    tight = _spec(path, num_kv_pages=24, max_num_batched_tokens=64, kv_reserve_fraction=0.0)
+    tight = _spec(path, padded, num_kv_pages=24, max_num_batched_tokens=64, kv_reserve_fraction=0.0)
     tight.generate(prompts, p, use_tqdm=False)        # round 1 (history), under pressure too
     outs = tight.generate(prompts, p, use_tqdm=False)
     st = tight.stats()
