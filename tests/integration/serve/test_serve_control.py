@@ -350,3 +350,17 @@ def test_the_engine_process_stops_on_sigterm_and_with_its_parent(chat_dir, tmp_p
     pid = int(out.stdout.split()[-1])
     wait_for(lambda: not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
              .lower(), what="the engine process to exit with its parent")
+
+
+def test_an_exception_that_does_not_pickle_crosses_the_pipe_as_runtime_error():
+    from rollout.serve.remote import _picklable
+
+    class Odd(Exception):             # a required constructor argument: unpickling it fails
+        def __init__(self, code, msg):
+            super().__init__(msg)
+            self.code = code
+    batch = [("reply", 3, None, Odd(7, "boom")), ("event", "t", ("error", ValueError("bad n"))),
+             ("event", "t", ("done", 0, "out"))]
+    out = _picklable(batch)
+    assert isinstance(out[0][3], RuntimeError) and "Odd: boom" in str(out[0][3])
+    assert isinstance(out[1][2][1], ValueError) and out[2] == batch[2]     # picklable ones cross unchanged
