@@ -64,7 +64,7 @@ class DevicePipeline:
         self.current = 0
         self.busy_ms = 0.0                # compute-stream time, from CUDA events
         self.counts = {"graph_steps": 0, "graph_captures": 0, "eager_steps": 0, "eager_decode_steps": 0,
-                       "verify_padded_steps": 0, "verify_graph_steps": 0}
+                       "graph_capture_failures": 0, "verify_padded_steps": 0, "verify_graph_steps": 0}
         self.gpu_spans: Optional[list] = None   # (start_s, end_s) per batch while tracing
         self._trace_ref = None
         self.graphs: Optional[DecodeGraphs] = None
@@ -78,7 +78,7 @@ class DevicePipeline:
         top = min(verify_max_tokens, max_num_batched_tokens, max_num_seqs)
         self.verify_tokens = default_buckets(top) if top > 0 else []
         self.pad_verify = self.graphs is not None and bool(self.verify_tokens)
-        self.uncapturable: set = set()    # verify keys whose capture failed: run eagerly (logged once)
+        self.uncapturable: set = set()    # graph keys captured on use whose capture failed: eager (logged once)
 
     def _make_slot(self, kv, T, S, P) -> Slot:
         builder = BatchBuilder(kv, max_num_batched_tokens=T, max_num_seqs=S, max_pages_per_seq=P, pin_memory=self.cuda)
@@ -134,15 +134,16 @@ class DevicePipeline:
         return None if tokens is None else (tokens, tokens)
 
     def _capture(self, s: int, bucket, mode: str) -> None:
+        """Capture a key on first use; one that fails is logged and counted, and runs eagerly from then on
+        (this step's outputs came from the eager run before)."""
         try:
             self.graphs.capture_one(s, bucket, mode)
             self.counts["graph_captures"] += 1
         except Exception:
-            if not isinstance(bucket, tuple):
-                raise
-            log.warning("verify graph %s did not capture; that shape runs eagerly from now on", (s, bucket, mode),
+            log.warning("CUDA graph %s did not capture; that shape runs eagerly from now on", (s, bucket, mode),
                         exc_info=True)
             self.uncapturable.add((s, bucket, mode))
+            self.counts["graph_capture_failures"] += 1
 
     def launch(self, sched: SchedulerOutput) -> InFlight:
         s = self.current
@@ -169,8 +170,9 @@ class DevicePipeline:
             return flight
         bucket = verify if verify is not None and (s, verify, mode) not in self.uncapturable else None
         if self.graphs is not None and batch.graph_safe and mode in self.graphs.modes:
-            bucket = self.graphs.bucket_for(R)
-            if bucket is not None:
+            size = self.graphs.bucket_for(R)
+            if size is not None and (s, size, mode) not in self.uncapturable:
+                bucket = size
                 slot.builder.pad(batch, bucket)
         ev = slot.events
         with torch.cuda.stream(self.h2d):

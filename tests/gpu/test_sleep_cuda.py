@@ -61,6 +61,7 @@ def test_sleep_frees_memory_and_wake_gives_equal_outputs(level):
     # the rest replayed; a second round replays every step
     c = eng.pipeline.counts
     captures = c["graph_captures"]
+    assert c["graph_capture_failures"] == 0 and not eng.pipeline.uncapturable
     assert 0 < captures <= len(eng.pipeline.graphs.graphs) and c["graph_steps"] + captures == 2 * graph_steps
     assert _tokens(after) == _tokens(before)
     assert _tokens(eng.generate(prompts, PARAMS, use_tqdm=False)) == _tokens(before)

@@ -40,7 +40,7 @@ def test_verify_graphs_give_plain_decodings_bits_in_batch_invariant_mode():
     for _ in range(2):                         # round 2 drafts from round 1's completions (the same seed)
         assert _tokens(spec.generate(prompts, p, use_tqdm=False)) == _tokens(plain.generate(prompts, p, use_tqdm=False))
     st, c = spec.stats(), spec.pipeline.counts
-    assert st["spec_accepted"] > 0 and c["verify_graph_steps"] > 0 and not spec.pipeline.uncapturable, (st, c)
+    assert st["spec_accepted"] > 0 and c["verify_graph_steps"] > 0 and c["graph_capture_failures"] == 0, (st, c)
     assert c["verify_padded_steps"] >= c["verify_graph_steps"]
     keys = [k for k in spec.pipeline.graphs.graphs if isinstance(k[1], tuple)]
     assert keys and all(k[1][0] == k[1][1] for k in keys)      # one graph per token bucket
