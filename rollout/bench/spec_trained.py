@@ -155,6 +155,7 @@ class StepLog:
 def run(label: str, engine: RolloutEngine, prompts: list[list[int]], texts: list[str], args, seed: int) -> dict:
     log = StepLog(engine)
     spec0 = {k: v for k, v in engine.stats().items() if k.startswith("spec_")}
+    counts0 = dict(engine.pipeline.counts)
     params = SamplingParams(n=args.n, temperature=1.0, seed=seed, max_new_tokens=args.max_new_tokens)
     t0 = time.perf_counter()
     outs = engine.generate(prompts, params, use_tqdm=False)
@@ -172,7 +173,9 @@ def run(label: str, engine: RolloutEngine, prompts: list[list[int]], texts: list
            "finished_by_eos": sum(c.finish_reason == "stop" for c in comps) / len(comps),
            "length_p50": lengths[len(lengths) // 2], "length_p99": lengths[int(0.99 * (len(lengths) - 1))],
            "length_max": lengths[-1], "accuracy": right / len(comps), "tokens_by_batch_size": log.by_batch_size(),
-           **spec, "completions": [c.token_ids for c in comps]}
+           **spec, "completions": [c.token_ids for c in comps],
+           # how the steps ran: decode graphs, drafted steps' verify graphs, graphs captured on first use
+           "pipeline": {k: v - counts0[k] for k, v in engine.pipeline.counts.items()}}
     if spec.get("spec_drafted"):
         res["acceptance_rate"] = spec["spec_accepted"] / spec["spec_drafted"]
     print(f"{label:5s} {wall:.2f} s, {tokens} tokens ({tokens / wall:.0f} tok/s), {len(log.rows)} steps, "

@@ -24,6 +24,8 @@ def test_spec_trained_smoke_cpu(tmp_path):
         assert run["length_p50"] < run["length_max"] <= r["max_new_tokens"], name          # lengths vary
     assert r["runs"]["on"]["spec_drafted"] > 0 and r["runs"]["on"]["spec_accepted"] > 0
     assert r["runs"]["off"].get("spec_drafted") is None                                 # no speculator there
+    counts = r["runs"]["on"]["pipeline"]        # CUDA counts how steps ran (CPU runs each in place)
+    assert {"graph_steps", "verify_graph_steps", "graph_captures"} <= set(counts) and counts["graph_capture_failures"] == 0
     # fp32: speculation changes no token (same seeds, exact acceptance)
     assert r["on_vs_off"]["identical_sequences"] == 1.0 and r["on2_vs_off2"]["identical_sequences"] == 1.0
     assert r["runs"]["on"]["tokens"] == r["runs"]["off"]["tokens"]
