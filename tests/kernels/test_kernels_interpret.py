@@ -715,3 +715,28 @@ def test_interpreter_dot_sums_in_k_order_whatever_the_tile():
     for k in range(256):
         want += x[0, k] * w[k]
     assert torch.equal(outs[16][0], want)
+
+
+def test_speculation_in_the_verify_graphs_padded_layout_on_the_triton_kernels(model_dir, tiny_tokenizer):
+    """The layout CUDA's verify graphs replay (a drafted step padded to a token bucket: one inert
+    sequence holding the padding tokens on the trash page, empty sequences after it), run through the
+    Triton attention kernels under the interpreter: the tokens and logprobs of plain decoding on the
+    same kernels. Round 2 drafts from round 1's completions (the same seed: accepted)."""
+    from hf_reference import random_prompts
+    from rollout import RolloutEngine, SamplingParams
+    path = model_dir("llama")
+    prompts = [q + q[1:] + q[1:] for q in random_prompts(tiny_tokenizer, 2, 6, 10, seed=3)]
+    kw = dict(device="cpu", dtype="float32", max_model_len=128, num_kv_pages=64, max_num_batched_tokens=64,
+              attention_backend="triton")
+    p = SamplingParams(n=2, max_new_tokens=8, temperature=1.0, seed=5, ignore_eos=True)
+    want = RolloutEngine.from_pretrained(path, **kw).generate(prompts, p, use_tqdm=False)
+    spec = RolloutEngine.from_pretrained(path, **kw, speculative="ngram", spec_max_draft=4, spec_history_prompts=4)
+    spec.pipeline.pad_verify = True
+    for _ in range(2):
+        for a, b in zip(spec.generate(prompts, p, use_tqdm=False), want):
+            for ca, cb in zip(a.completions, b.completions):
+                assert ca.token_ids == cb.token_ids
+                # the verify forward sums k+1 positions in one pass: fp32 order only, ~1e-6
+                assert max(abs(x - y) for x, y in zip(ca.logprobs, cb.logprobs)) < 1e-5
+    st = spec.stats()
+    assert st["spec_accepted"] > 0 and st["verify_padded_steps"] > 0, st
