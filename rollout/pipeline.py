@@ -128,7 +128,7 @@ class DevicePipeline:
         """(tokens, sequences) of a drafted step's padded layout, or None (no verify graph). As many sequence
         slots as tokens (a drafted step has fewer sequences than tokens): one graph per token bucket; the
         attention kernel's programs for empty sequences return at once."""
-        if not (self.pad_verify and batch.verify_graph_safe):
+        if not batch.verify_graph_safe:
             return None
         tokens = next((b for b in self.verify_tokens if b >= batch.num_tokens), None)
         return None if tokens is None else (tokens, tokens)

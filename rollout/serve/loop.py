@@ -10,7 +10,7 @@ It answers with batches of messages, once per step (`send(batch)`), in order:
     ("reply", token, result, exc)
     ("state", finished, running_requests, policy_version, paused)     last in every batch
 LoopClient, on the HTTP side, turns those into asyncio futures and per-request queues. The two meet
-either in one process (`local_loop`: the loop is a thread beside the event loop) or across a pipe
+either in one process (`LocalLoop`: the loop is a thread beside the event loop) or across a pipe
 (`rollout.serve.remote`: the loop has a process, and a GIL, of its own).
 """
 from __future__ import annotations
@@ -52,7 +52,7 @@ class _Job:                       # one engine request (a prompt with its n samp
 # side and touch the worker only through _on_engine, so decode goes on meanwhile
 _BLOCKING = ("stage_disk", "stage_ipc", "join_group", "stage_group")
 _COMMANDS = ("add", "abort_tag", "pause", "resume", "fail_pending", "info", "metric_rows", "weights_info",
-             "sleep", "wake", "sleep_level", "noop") + _BLOCKING
+             "sleep", "wake", "sleep_level") + _BLOCKING
 
 
 class EngineLoop:
@@ -170,9 +170,6 @@ class EngineLoop:
 
     def sleep_level(self) -> int:
         return self.engine.sleep_level
-
-    def noop(self) -> None:
-        pass
 
     # blocking commands (on a helper thread) ------------------------------------------------------
     def _stage(self, items, version: int, adopt: bool) -> dict:
