@@ -364,3 +364,16 @@ def test_an_exception_that_does_not_pickle_crosses_the_pipe_as_runtime_error():
     out = _picklable(batch)
     assert isinstance(out[0][3], RuntimeError) and "Odd: boom" in str(out[0][3])
     assert isinstance(out[1][2][1], ValueError) and out[2] == batch[2]     # picklable ones cross unchanged
+
+
+def test_an_engine_process_that_cannot_build_its_worker_fails_launch_clearly(tmp_path):
+    """A bad model path: launch() raises naming the cause (nothing waits for an engine that never comes)."""
+    from functools import partial
+
+    from rollout.config import EngineConfig
+    from rollout.serve.remote import EngineProcess, pretrained_worker
+    side = EngineProcess(partial(pretrained_worker, str(tmp_path / "missing"), EngineConfig(device="cpu")))
+    with pytest.raises(RuntimeError, match="failed to start.*config.json"):
+        side.launch()
+    side.proc.join(30)
+    assert not side.proc.is_alive()
