@@ -3,10 +3,17 @@
 # folder) or ./h200_out. Run from the repo root; pass ROLLOUT_GIT_COMMIT (the device copy has no .git).
 #   bash scripts/h200_validate.sh tests p1            # the default: GPU tests, then P1
 # Sections: tests tests_files seed p1 p3 p5 profile sampler gemm weights pressure invariant
-#           serve multiturn fleet_scaling fleet_broadcast (the last two on several GPUs)
+#           serve serve_ipc multiturn colocated spec_trained rl_step moe
+#           fleet_scaling fleet_broadcast (the last two on several GPUs)
+# Wheels the machine lacks (the server, openai, TRL): scripts/gpu_wheels.sh fills .whl/ here; carry ".whl".
 set -uo pipefail
 OUT=${OUT:-h200_out}; mkdir -p "$OUT"; export OUT
 export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:${PYTHONPATH:-}
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=$PYTHONPATH:/tmp/site
+fi
+nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,power.draw --format=csv,noheader
 B="python3 -m rollout.bench"
 P1="--shape llama3-8b --batch 32 --prompt-len 256 --gen-len 8192"
 PYTEST="python3 -m pytest -q -p no:cacheprovider --noconftest"
@@ -47,6 +54,25 @@ for s in ${*:-tests p1}; do
         | grep -A4 "^roofline" ;;
     serve)      # the P3 workload over HTTP (streaming) against in-process, and an 8B weight update by CUDA IPC
       timeout 590 python3 -m rollout.bench.serve ${SERVE_ARGS:-} --out $OUT/serve_p3.json 2>&1 | tail -20 ;;
+    serve_ipc)  # an 8B update by CUDA IPC through the server while it decodes, beside the same update in-process
+      timeout 300 python3 -m rollout.bench.serve ipc --update-after-s 2 --gen-len 2048 --out $OUT/serve_ipc_l8b.json \
+        2>&1 | tail -3
+      timeout 300 python3 -m rollout.bench.weights --shape llama3-8b --batch 32 --gen-len 128 \
+        --update-at-step 64 --out $OUT/weights_l8b.json 2>&1 | tail -3 ;;
+    colocated)  # TRL GRPOTrainer with our generator on the one GPU (COLOCATED_ARGS e.g. --variants trl,ours,sleep1)
+      timeout 590 python3 -m rollout.bench.colocated --shape qwen2.5-0.5b --steps 3 ${COLOCATED_ARGS:-} \
+        --out $OUT/colocated_q05.json > $OUT/colocated.log 2>&1; tail -12 $OUT/colocated.log ;;
+    spec_trained)  # a small model trained here, then GRPO groups with speculation off / on (SPEC_ARGS, TAG)
+      timeout 590 python3 -m rollout.bench.spec_trained ${SPEC_ARGS:-} --out $OUT/spec_trained${TAG:-}.json \
+        > $OUT/spec_trained${TAG:-}.log 2>&1; tail -14 $OUT/spec_trained${TAG:-}.log ;;
+    rl_step)    # R1: 8B, 32 x 8, log-normal lengths under a 16K cap (RL_ARGS e.g. --runs adaptive,adaptive+spec)
+      timeout 590 python3 -m rollout.bench.rl_step --shape llama3-8b ${RL_ARGS:-} --out $OUT/rl_step_l8b.json \
+        --png $OUT/rl_step_l8b.png > $OUT/rl_step.log 2>&1; tail -8 $OUT/rl_step.log ;;
+    moe)        # Qwen3-30B-A3B shape: async and routed-expert capture against the roofline and HF (MOE_BATCH: 32)
+      timeout 590 $B --shape qwen3-30b-a3b --batch ${MOE_BATCH:-32} --prompt-len 256 --gen-len 4096 \
+        --modes async,routed --hf generate_batch --hf-gen-len 64 ${MOE_ARGS:-} \
+        --out $OUT/moe_q30a3_B${MOE_BATCH:-32}.json > $OUT/moe_B${MOE_BATCH:-32}.log 2>&1
+      grep -A12 "^roofline" $OUT/moe_B${MOE_BATCH:-32}.log | tail -14 ;;
     multiturn)  # 64 trajectories x 4 turns at the 8B shape, prefix cache on vs off; its overhead on P1
       timeout 590 python3 -m rollout.bench.multiturn ${MULTITURN_ARGS:-} --out $OUT/multiturn_l8b.json 2>&1 | tail -20 ;;
     fleet_scaling)   # P3 per worker on 1 .. all GPUs (the device image has no Ray: install its wheel first)

@@ -20,7 +20,8 @@ token id (random weights sample any id by chance, about one in vocab per token: 
 
 Per run: makespan, tok/s over time, mean running sequences per step, preemptions, the time after 90%
 of the tokens had landed, and the floor of the schedule it ran: the sum over its steps of the weight
-bytes plus the KV bytes of every scheduled sequence's context, over 4.8 TB/s (bench/roofline.py), and
+bytes plus the KV bytes of every scheduled sequence's context, over the card's peak HBM bandwidth
+(4.8 TB/s on the H200, 3.35 on the H100: bench/roofline.py), and
 floor / makespan. --png: running sequences and tok/s over time, one line per run.
 """
 from __future__ import annotations
@@ -37,7 +38,7 @@ from ..engine import RolloutEngine
 from ..request import SamplingParams, Status
 from .__main__ import run_meta, write_json
 from .pressure import random_model
-from .roofline import BW_BYTES_S, model_sizes
+from .roofline import hbm_bandwidth, model_sizes
 from .shapes import SHAPES, make_config
 
 
@@ -47,11 +48,12 @@ def draw_lengths(num: int, median: float, sigma: float, cap: int, seed: int) -> 
 
 
 def schedule_floor_s(step_contexts: list[int], weight_bytes: float, kv_bytes_per_token: float,
-                     bw: float = BW_BYTES_S) -> dict:
+                     bw: float | None = None) -> dict:
     """HBM floor of a schedule: each step reads the weights once and the KV of its sequences' contexts
     (`step_contexts`: per step, the sum of the contexts its sequences attend over)."""
+    bw = bw or hbm_bandwidth()
     weights, kv = len(step_contexts) * weight_bytes / bw, sum(step_contexts) * kv_bytes_per_token / bw
-    return {"floor_s": weights + kv, "floor_weights_s": weights, "floor_kv_s": kv}
+    return {"floor_s": weights + kv, "floor_weights_s": weights, "floor_kv_s": kv, "hbm_bytes_s": bw}
 
 
 class StepRecorder:

@@ -12,7 +12,17 @@ else E (1 - (1 - k / E)^B) for B tokens routed independently), and N each token'
 from __future__ import annotations
 
 BW_BYTES_S = 4.8e12       # H200 HBM3e peak
-FLOPS = 790e12            # achievable bf16 dense (performance.md section 1)
+H100_BW_BYTES_S = 3.35e12  # H100 SXM HBM3 peak (the device tool lends both cards)
+FLOPS = 790e12            # achievable bf16 dense (performance.md section 1; the H100's matrix rate is the same)
+
+
+def hbm_bandwidth() -> float:
+    """The peak HBM bandwidth of this process's GPU: the H100's where that is the card, else the H200's
+    (CPU runs too, so their fractions read as the H200's)."""
+    import torch
+    if torch.cuda.is_available() and "H100" in torch.cuda.get_device_name():
+        return H100_BW_BYTES_S
+    return BW_BYTES_S
 
 
 def model_sizes(cfg, dtype_bytes: int = 2) -> dict:
@@ -43,8 +53,9 @@ def step_bytes(s: dict, B: int, touched: float | None = None) -> float:
         s["expert_bytes"]
 
 
-def step_time_s(s: dict, B: int, context: float, bw: float = BW_BYTES_S, flops: float = FLOPS,
+def step_time_s(s: dict, B: int, context: float, bw: float | None = None, flops: float = FLOPS,
                 touched: float | None = None) -> float:
+    bw = bw or hbm_bandwidth()
     linear = max(step_bytes(s, B, touched) / bw, 2 * (s["params_read"] + s["active_expert_params"]) * B / flops)
     attn = max(B * context * s["kv_bytes_per_token"] / bw,
                4 * B * context * s["layers"] * s["q_heads"] * s["head_dim"] / flops)
@@ -52,11 +63,11 @@ def step_time_s(s: dict, B: int, context: float, bw: float = BW_BYTES_S, flops: 
 
 
 def roofline(cfg, B: int, P: int, G: int, prefill_seqs: int | None = None, dtype_bytes: int = 2,
-             bw: float = BW_BYTES_S, flops: float = FLOPS, touched: float | None = None) -> dict:
+             bw: float | None = None, flops: float = FLOPS, touched: float | None = None) -> dict:
     """B sequences decoding G tokens after a P-token prompt; `prefill_seqs` prompts are
     prefilled (fewer than B when groups share one prefill). touched: MoE, measured distinct experts
     per layer per decode step."""
-    s = model_sizes(cfg, dtype_bytes)
+    s, bw = model_sizes(cfg, dtype_bytes), bw or hbm_bandwidth()
     c = P + G / 2
     t_step = step_time_s(s, B, c, bw, flops, touched)
     prefill = 2 * (s["params_read"] + s["active_expert_params"]) * (prefill_seqs if prefill_seqs is not None else B) \
