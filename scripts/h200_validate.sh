@@ -24,7 +24,7 @@ for s in ${*:-tests p1}; do
       ROLLOUT_GPU_REPORT=$OUT/gpu_tests.jsonl timeout 570 $PYTEST tests/gpu > $OUT/gpu_tests.log 2>&1
       grep -E "passed|failed|FAILED|Error" $OUT/gpu_tests.log | tail -30 ;;
     tests_files)  # only $TEST_FILES (space-separated paths or node ids under tests/gpu)
-      ROLLOUT_GPU_REPORT=$OUT/gpu_tests.jsonl timeout 570 $PYTEST $TEST_FILES > $OUT/gpu_tests_files.log 2>&1
+      ROLLOUT_GPU_REPORT=$OUT/gpu_tests.jsonl timeout ${TESTS_TIMEOUT:-570} $PYTEST $TEST_FILES > $OUT/gpu_tests_files.log 2>&1
       grep -E "passed|failed|FAILED|Error" $OUT/gpu_tests_files.log | tail -20 ;;
     seed)       # the seed job: sync vs async vs HF generate_batch, with a timeline
       timeout 590 $B $P1 --modes sync,async --check-seqs 2 --check-gen-len 64 --hf generate_batch --hf-gen-len 512 \
@@ -53,7 +53,7 @@ for s in ${*:-tests p1}; do
       timeout 300 $B $P1 --modes async --hf none --batch-invariant --out $OUT/p1_l8b_B32_G8192_invariant.json 2>&1 \
         | grep -A4 "^roofline" ;;
     serve)      # the P3 workload over HTTP (streaming) against in-process, and an 8B weight update by CUDA IPC
-      timeout 590 python3 -m rollout.bench.serve ${SERVE_ARGS:-} --out $OUT/serve_p3.json 2>&1 | tail -20 ;;
+      timeout ${SERVE_TIMEOUT:-590} python3 -m rollout.bench.serve ${SERVE_ARGS:-} --out $OUT/serve_p3.json 2>&1 | tail -20 ;;
     serve_ipc)  # an 8B update by CUDA IPC through the server while it decodes, beside the same update in-process
       timeout 300 python3 -m rollout.bench.serve ipc --update-after-s 2 --gen-len 2048 --out $OUT/serve_ipc_l8b.json \
         2>&1 | tail -3
