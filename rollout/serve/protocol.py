@@ -163,9 +163,16 @@ class Formatter:
         self._names: dict[int, str] = {}
         total = len(prompts) * req.n
         self._ids: list[list[int]] = [[] for _ in range(total)]   # streaming: tokens sent per choice
-        self._upto = [0] * total          # tokens whose text was sent
-        self._text = [""] * total
+        self._upto = [0] * total          # tokens whose text was decoded
+        self._text = [""] * total         # text sent
+        self._held = [""] * total         # text decoded, held back: it may begin a stop string
+        self._stopped = [False] * total   # a stop string was seen: nothing more until the final chunk
         self._offset = [0] * total
+        stop = req.stop
+        self._stops = [stop] if isinstance(stop, str) else list(stop or [])
+        # A stream holds back the last (longest stop - 1) characters, so no chunk shows part of a stop string
+        # that the engine will cut from the final text.
+        self._hold = max(map(len, self._stops), default=1) - 1
 
     def _name(self, t: int) -> str:
         if self.as_ids:
@@ -247,8 +254,18 @@ class Formatter:
         if now.endswith("\ufffd"):        # a multi-byte character not complete yet
             return ""
         self._upto[j] = len(ids)
-        self._text[j] += now[len(before):]
-        return now[len(before):]
+        if self._stopped[j]:
+            return ""
+        sent, held = self._text[j], self._held[j] + now[len(before):]
+        both = sent + held
+        cuts = [i for i in (both.find(x, max(0, len(sent) - self._hold)) for x in self._stops) if i >= 0]
+        if cuts:                          # the engine ends this sequence here: send the text before the stop
+            out, self._stopped[j], self._held[j] = both[len(sent):max(len(sent), min(cuts))], True, ""
+        else:
+            out = held[:max(0, len(held) - self._hold)]
+            self._held[j] = held[len(out):]
+        self._text[j] += out
+        return out
 
     def delta_chunk(self, p: int, i: int, d) -> dict:
         j = p * self.req.n + i

@@ -89,6 +89,27 @@ def test_stream_completion_equals_whole(oai):
                                                         c.finish_reason)
 
 
+def test_stream_holds_back_text_a_stop_string_cuts(oai):
+    """A streamed choice never shows text that the final response cuts at a stop string: each chunk holds
+    back (longest stop - 1) characters, so the chunks add up to the whole response's text."""
+    base = dict(model=MODEL, prompt="the quick dog", max_tokens=24, temperature=1.0, seed=5)    # seeded: repeatable
+    free = oai.completions.create(logprobs=0, **base).choices[0]
+    # A stop string across a token boundary: the last character of one token and the next two, in the middle.
+    offsets = free.logprobs.text_offset
+    at = next(o for o in offsets[len(offsets) // 2:] if 0 < o < len(free.text) - 2)
+    stop, free = free.text[at - 1:at + 2], free.text
+    cut = free.find(stop)
+    assert len(stop) == 3 and cut > 0
+    stops = [stop, "~never~seen~"]        # the longer one sets the hold-back
+    whole = oai.completions.create(stop=stops, **base).choices[0]
+    assert (whole.text, whole.finish_reason, whole.stop_reason) == (free[:cut], "stop", stop)
+    chunks = [c.choices[0] for c in oai.completions.create(stop=stops, stream=True, **base) if c.choices]
+    assert "".join(c.text for c in chunks) == whole.text
+    assert chunks[-1].finish_reason == "stop"
+    sent = "".join(c.text for c in chunks[:-1])
+    assert 0 < len(sent) <= cut and whole.text.startswith(sent)     # some text went out early, none past the cut
+
+
 def test_chat_template_tools_kwargs_and_stream(oai, chat_dir):
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(chat_dir)
