@@ -19,7 +19,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .loop import LocalLoop
 from .protocol import (AbortRequest, ChatRequest, CompletionRequest, DiskUpdate, Formatter, GenerateRequest,
-                       GroupInit, GroupUpdate, IPCUpdate, batch_of_ids, native_completion, native_params)
+                       GroupInit, GroupUpdate, IPCUpdate, TOOL_CALL_PARSERS, batch_of_ids, native_completion,
+                       native_params)
 
 
 @dataclass
@@ -31,6 +32,9 @@ class ServeOptions:
     max_queued_requests: int = 1024        # prompts waiting for a batch slot; past it 429 + Retry-After
     logprobs_mode: str = "tempered"        # which logprobs fill OpenAI's field: tempered (ours) | processed
     stream_interval: int = 1               # tokens per stream chunk (the first token is sent at once)
+    # chat replies to requests with tools: "hermes" parses <tool_call>{json}</tool_call> blocks (Qwen2.5 / Qwen3,
+    # Hermes) into OpenAI tool_calls, as vLLM's --enable-auto-tool-choice --tool-call-parser hermes; None: text
+    tool_call_parser: Optional[str] = None
     # `python -m rollout.serve`: the engine loop in a process of its own (no GIL shared with the HTTP
     # side), else on a thread of the server's process
     engine_process: bool = True
@@ -207,7 +211,8 @@ class Server:
         self._check_model(body.model)
         params = [body.to_params(len(p), self.info["max_model_len"], max_tokens, top) for p in prompts]
         rid = body.request_id or f"{prefix}-{uuid.uuid4().hex}"
-        fmt = Formatter(body, rid, self.opts.served_model_name, self.tokenizer, prompts, self.opts.logprobs_mode)
+        fmt = Formatter(body, rid, self.opts.served_model_name, self.tokenizer, prompts, self.opts.logprobs_mode,
+                        self.opts.tool_call_parser)
         return await self.run(request, rid, prompts, params, fmt)
 
     async def completions(self, body: CompletionRequest, request: Request):
@@ -287,6 +292,8 @@ def build_app(engine, opts: Optional[ServeOptions] = None) -> FastAPI:
     opts = opts or ServeOptions()
     if opts.logprobs_mode not in ("tempered", "processed"):
         raise ValueError(f"logprobs_mode must be 'tempered' or 'processed', got {opts.logprobs_mode!r}")
+    if opts.tool_call_parser not in (None, *TOOL_CALL_PARSERS):
+        raise ValueError(f"tool_call_parser must be one of {TOOL_CALL_PARSERS} or unset, got {opts.tool_call_parser!r}")
     server = Server(engine if hasattr(engine, "client") else LocalLoop(engine), opts)
 
     @contextlib.asynccontextmanager

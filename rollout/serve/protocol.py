@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import math
+import re
 import time
+import uuid
 from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict
@@ -78,7 +81,9 @@ class ChatRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: Optional[int] = None
     tools: Optional[list[dict[str, Any]]] = None
-    tool_choice: Optional[Union[Literal["none", "auto"], dict]] = None   # rendered only; no tool-call parsing
+    # rendered by the template; replies are parsed into tool_calls where the server has a tool_call_parser
+    # (never under "none")
+    tool_choice: Optional[Union[Literal["none", "auto"], dict]] = None
     chat_template: Optional[str] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
     add_generation_prompt: bool = True
@@ -142,6 +147,35 @@ def _finite(x: float) -> float:
     return x if math.isfinite(x) else -9999.0     # JSON has no -inf (vLLM clamps the same way)
 
 
+_TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
+TOOL_CALL_PARSERS = ("hermes",)
+
+
+def parse_tool_calls(text: str) -> tuple[Optional[str], list[dict]]:
+    """Hermes-style tool calls, the format of Qwen2.5 / Qwen3 and Hermes chat templates (vLLM's
+    `--tool-call-parser hermes`): `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks become
+    OpenAI `tool_calls`, and the text before the first block the content (None if empty). A block that is
+    not such JSON, or one left open (cut by max_tokens), leaves the whole text as content and no calls."""
+    start = text.find("<tool_call>")
+    if start < 0:
+        return text, []
+    calls, end = [], start
+    for m in _TOOL_CALL.finditer(text, start):
+        try:
+            obj = json.loads(m.group(1))
+            name, args = obj["name"], obj.get("arguments", {})
+        except (ValueError, KeyError, TypeError):
+            return text, []
+        if not isinstance(name, str):
+            return text, []
+        calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                      "function": {"name": name, "arguments": args if isinstance(args, str) else json.dumps(args)}})
+        end = m.end()
+    if not calls or "<tool_call>" in text[end:]:
+        return text, []
+    return text[:start] or None, calls
+
+
 def native_completion(c) -> dict:     # every Completion field (JSON object keys are strings, arrays lists)
     return {**vars(c), "top_logprobs": None if c.top_logprobs is None else [{str(k): v for k, v in d.items()}
                                                                             for d in c.top_logprobs],
@@ -152,8 +186,9 @@ class Formatter:
     """Engine outputs of one request -> OpenAI completion or chat shapes (whole, or chunks)."""
 
     def __init__(self, req: Union[CompletionRequest, ChatRequest], rid: str, model: str, tokenizer,
-                 prompts: list[list[int]], logprobs_mode: str):
+                 prompts: list[list[int]], logprobs_mode: str, tool_call_parser: Optional[str] = None):
         self.chat = isinstance(req, ChatRequest)
+        self.tools = self.chat and tool_call_parser is not None and bool(req.tools) and req.tool_choice != "none"
         self.req, self.rid, self.model, self.tok, self.prompts = req, rid, model, tokenizer, prompts
         self.want_logprobs = req.logprobs if self.chat else req.logprobs is not None
         self.field = "processed_logprobs" if logprobs_mode == "processed" else "logprobs"
@@ -169,10 +204,11 @@ class Formatter:
         self._stopped = [False] * total   # a stop string was seen: nothing more until the final chunk
         self._offset = [0] * total
         stop = req.stop
-        self._stops = [stop] if isinstance(stop, str) else list(stop or [])
-        # A stream holds back the last (longest stop - 1) characters, so no chunk shows part of a stop string
-        # that the engine will cut from the final text.
-        self._hold = max(map(len, self._stops), default=1) - 1
+        # Streamed text ends before a stop string (the engine cuts it from the final text) or a tool call
+        # (sent parsed, in the final chunk); the last (longest - 1) characters are held back till they can't
+        # begin one.
+        self._cut_at = ([stop] if isinstance(stop, str) else list(stop or [])) + ["<tool_call>"] * self.tools
+        self._hold = max(map(len, self._cut_at), default=1) - 1
 
     def _name(self, t: int) -> str:
         if self.as_ids:
@@ -199,14 +235,21 @@ class Formatter:
         return {"tokens": names, "token_logprobs": [_finite(x) for x in lps], "top_logprobs": top_dicts,
                 "text_offset": offsets}
 
-    def _choice(self, j: int, text: str, ids, lps, tops, finish, stop_reason, versions, prompt_ids=None) -> dict:
+    def _choice(self, j: int, text: Optional[str], ids, lps, tops, finish, stop_reason, versions, prompt_ids=None,
+                tool_calls: Optional[list] = None) -> dict:
+        if tool_calls:
+            finish = "tool_calls"
         ch: dict[str, Any] = {"index": j, "logprobs": self._logprobs(j, ids, lps, tops), "finish_reason": finish}
         if finish is not None:
             ch["stop_reason"] = stop_reason
-        if self.req.stream:
-            ch["delta" if self.chat else "text"] = {"content": text} if self.chat else text
+        if not self.chat:
+            ch["text"] = text
         else:
-            ch["message" if self.chat else "text"] = {"role": "assistant", "content": text} if self.chat else text
+            ch["delta" if self.req.stream else "message"] = msg = {"content": text} if self.req.stream else \
+                {"role": "assistant", "content": text}
+            if tool_calls:
+                msg["tool_calls"] = [{"index": i, **c} for i, c in enumerate(tool_calls)] if self.req.stream \
+                    else tool_calls
         if self.req.return_token_ids:
             ch["token_ids"], ch["policy_versions"] = list(ids), list(versions)
             if prompt_ids is not None and not self.chat:
@@ -231,8 +274,10 @@ class Formatter:
         for p, out in enumerate(outs):         # prompt-major: the n choices of prompt 0, then prompt 1
             for i, c in enumerate(out.completions):
                 j = p * self.req.n + i
-                choices.append(self._choice(j, c.text or "", c.token_ids, getattr(c, self.field), c.top_logprobs,
-                                            c.finish_reason, c.stop_reason, c.policy_versions, out.prompt_token_ids))
+                text, calls = parse_tool_calls(c.text or "") if self.tools else (c.text or "", [])
+                choices.append(self._choice(j, text, c.token_ids, getattr(c, self.field), c.top_logprobs,
+                                            c.finish_reason, c.stop_reason, c.policy_versions, out.prompt_token_ids,
+                                            calls))
                 ntok += len(c.token_ids)
         return self._envelope(choices, self.usage(ntok), prompt=True)
 
@@ -258,8 +303,8 @@ class Formatter:
             return ""
         sent, held = self._text[j], self._held[j] + now[len(before):]
         both = sent + held
-        cuts = [i for i in (both.find(x, max(0, len(sent) - self._hold)) for x in self._stops) if i >= 0]
-        if cuts:                          # the engine ends this sequence here: send the text before the stop
+        cuts = [i for i in (both.find(x, max(0, len(sent) - self._hold)) for x in self._cut_at) if i >= 0]
+        if cuts:                          # send the text before the stop string or tool call, then wait
             out, self._stopped[j], self._held[j] = both[len(sent):max(len(sent), min(cuts))], True, ""
         else:
             out = held[:max(0, len(held) - self._hold)]
@@ -279,13 +324,14 @@ class Formatter:
         for i, c in enumerate(out.completions):
             j = p * self.req.n + i
             k = len(self._ids[j])
-            tail, sent_text = c.token_ids[k:], len(self._text[j])
-            text = self._text_delta(j, tail)
-            if c.text is not None:        # the engine's final text (stop strings cut)
-                text = c.text[sent_text:]
+            tail, sent = c.token_ids[k:], len(self._text[j])
+            text, calls = self._text_delta(j, tail), []
+            if c.text is not None:        # the engine's final text (stop strings cut), tool calls parsed out
+                content, calls = parse_tool_calls(c.text) if self.tools else (c.text, [])
+                text = (content or "")[sent:]
             top = c.top_logprobs[k:] if c.top_logprobs is not None else None
             chunks.append(self._envelope([self._choice(j, text, tail, getattr(c, self.field)[k:], top,
                                                        c.finish_reason, c.stop_reason, c.policy_versions[k:],
-                                                       out.prompt_token_ids if k == 0 else None)]))
+                                                       out.prompt_token_ids if k == 0 else None, calls)]))
             ntok += len(c.token_ids)
         return chunks, ntok
