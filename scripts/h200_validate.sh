@@ -53,7 +53,8 @@ for s in ${*:-tests p1}; do
       timeout 300 $B $P1 --modes async --hf none --batch-invariant --out $OUT/p1_l8b_B32_G8192_invariant.json 2>&1 \
         | grep -A4 "^roofline" ;;
     serve)      # the P3 workload over HTTP (streaming) against in-process, and an 8B weight update by CUDA IPC
-      timeout ${SERVE_TIMEOUT:-590} python3 -m rollout.bench.serve ${SERVE_ARGS:-} --out $OUT/serve_p3.json 2>&1 | tail -20 ;;
+      timeout ${SERVE_TIMEOUT:-590} python3 -m rollout.bench.serve ${SERVE_ARGS:-} --out $OUT/serve_p3.json > $OUT/serve.log 2>&1
+      grep -v "^\s" $OUT/serve.log | tail -25 ;;
     serve_ipc)  # an 8B update by CUDA IPC through the server while it decodes, beside the same update in-process
       timeout 300 python3 -m rollout.bench.serve ipc --update-after-s 2 --gen-len 2048 --out $OUT/serve_ipc_l8b.json \
         2>&1 | tail -3

@@ -109,7 +109,10 @@ async def _stream_all(url: str, prompts, body: dict) -> dict:
             async for line in r.aiter_lines():
                 if not line.startswith("data: {"):
                     continue
-                for ch in json.loads(line[6:])["choices"]:
+                event = json.loads(line[6:])
+                if "error" in event:      # the server's error event: say what failed
+                    raise RuntimeError(f"the server ended the stream: {event['error']['message']}")
+                for ch in event["choices"]:
                     if ch["token_ids"] and first is None:
                         first = time.perf_counter() - start
                     tokens[0] += len(ch["token_ids"])
