@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import multiprocessing as mp
 import pickle
 import signal
@@ -129,6 +130,9 @@ class EngineProcess:
         """Once launched: hand its messages to the client from the event loop."""
         self.client.bind(aloop)
         aloop.add_reader(self.conn.fileno(), self._readable)
+        # uvloop's add_reader makes the fd non-blocking; recv() must block till a whole message is in (a step's
+        # batch outgrows the pipe buffer), else it raises BlockingIOError mid-message
+        os.set_blocking(self.conn.fileno(), True)
 
     def _readable(self) -> None:
         try:
