@@ -42,6 +42,7 @@ class DecodeGraphs:
         self.pool = None
         self.capture_s = 0.0              # capture() of every key (at start-up)
         self.captured_on_use = 0          # keys captured by capture_one since, and the seconds it took
+        self.dropped: set = set()         # keys that had a graph before a reset (their kernels are warm)
         self.capture_on_use_s = 0.0
 
     def bucket_for(self, rows: int) -> Optional[int]:
@@ -74,9 +75,10 @@ class DecodeGraphs:
                  len(keys), self.buckets, self.modes, self.capture_s)
 
     def capture_one(self, slot: int, bucket: int, mode: str) -> None:
-        """Capture one key on first use (after a sleep dropped the graphs), on the compute stream, right
-        after the caller ran the same step eagerly (its warm-up). thread_local: another thread's CUDA
-        calls meanwhile (a weight staging check, a trainer) neither fail nor spoil the capture."""
+        """Capture one key on first use, on the compute stream: a key dropped by a sleep (its kernels are
+        warm) before its first replay; a new one (a verify shape) after the caller ran its step eagerly (the
+        warm-up). thread_local: another thread's CUDA calls meanwhile (a weight staging check, a trainer)
+        neither fail nor spoil the capture."""
         t0 = time.perf_counter()
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
@@ -96,6 +98,7 @@ class DecodeGraphs:
         key is captured again on its first use (capture_one)."""
         for g in self.graphs.values():
             g.reset()
+        self.dropped |= set(self.graphs)
         self.graphs.clear()
         self.pool = None
 

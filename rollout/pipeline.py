@@ -133,17 +133,18 @@ class DevicePipeline:
         tokens = next((b for b in self.verify_tokens if b >= batch.num_tokens), None)
         return None if tokens is None else (tokens, tokens)
 
-    def _capture(self, s: int, bucket, mode: str) -> None:
-        """Capture a key on first use; one that fails is logged and counted, and runs eagerly from then on
-        (this step's outputs came from the eager run before)."""
+    def _capture(self, s: int, bucket, mode: str) -> bool:
+        """Capture a key on first use; one that fails is logged and counted, and runs eagerly from then on."""
         try:
             self.graphs.capture_one(s, bucket, mode)
             self.counts["graph_captures"] += 1
+            return True
         except Exception:
             log.warning("CUDA graph %s did not capture; that shape runs eagerly from now on", (s, bucket, mode),
                         exc_info=True)
             self.uncapturable.add((s, bucket, mode))
             self.counts["graph_capture_failures"] += 1
+            return False
 
     def launch(self, sched: SchedulerOutput) -> InFlight:
         s = self.current
@@ -183,10 +184,15 @@ class DevicePipeline:
         with torch.cuda.stream(self.compute):
             self.runner.swap_pages(sched.swap_out, sched.swap_in)    # nothing when no swap
             ev["start"].record()
-            if bucket is not None and (s, bucket, mode) in self.graphs.graphs:
-                self.graphs.replay(s, bucket, mode)
+            key = (s, bucket, mode)
+            if bucket is not None and key not in self.graphs.graphs and key in self.graphs.dropped \
+                    and not self._capture(*key):
+                self._static_step(s, bucket, mode)     # dropped by a sleep, and it failed to capture again
+                self.counts["eager_steps"] += 1
+            elif bucket is not None and key in self.graphs.graphs:    # (a dropped key was captured just now:
+                self.graphs.replay(s, bucket, mode)     # the graph's kernels give the bits of before the sleep)
                 self.counts["verify_graph_steps" if verify is not None else "graph_steps"] += 1
-            elif bucket is not None:      # first use (a verify shape, or dropped by a sleep): eagerly, then its graph
+            elif bucket is not None:      # first use of a verify shape: eagerly (its warm-up), then its graph
                 self._static_step(s, bucket, mode)
                 self._capture(s, bucket, mode)
             elif verify is not None:      # its capture failed once: the padded layout, eagerly

@@ -57,15 +57,15 @@ def test_sleep_frees_memory_and_wake_gives_equal_outputs(level):
     wake = worker.wake()
     assert not eng.pipeline.graphs.graphs                  # captured again on first use, not at wake
     after = eng.generate(prompts, PARAMS, use_tqdm=False)
-    # the same schedule again (the prefix cache was emptied): each key's first step eager and captured,
-    # the rest replayed; a second round replays every step
+    # the same schedule again (the prefix cache was emptied): each key captured before its first step, every
+    # step replayed (an eager first step rounded apart from the graphs in bf16); a second round the same
     c = eng.pipeline.counts
     captures = c["graph_captures"]
     assert c["graph_capture_failures"] == 0 and not eng.pipeline.uncapturable
-    assert 0 < captures <= len(eng.pipeline.graphs.graphs) and c["graph_steps"] + captures == 2 * graph_steps
+    assert 0 < captures <= len(eng.pipeline.graphs.graphs) and c["graph_steps"] == 2 * graph_steps
     assert _tokens(after) == _tokens(before)
     assert _tokens(eng.generate(prompts, PARAMS, use_tqdm=False)) == _tokens(before)
-    assert c["graph_captures"] == captures and c["graph_steps"] + captures == 3 * graph_steps
+    assert c["graph_captures"] == captures and c["graph_steps"] == 3 * graph_steps
     print(f"level {level}: held {held / 1e9:.2f} GB ({weights / 1e9:.2f} GB weights), freed "
           f"{rep['device_freed_bytes'] / 1e9:.2f} GB in {rep['seconds']:.3f} s; wake {wake['seconds']:.3f} s, "
           f"then {captures} graphs captured on first use in {eng.stats()['graph_capture_on_use_s']:.3f} s")
