@@ -35,8 +35,10 @@ def main(argv=None):
     kw = dict(device="cuda", dtype="bfloat16", max_model_len=P + G + 8, max_num_seqs=B,
               kv_cache_memory=8 << 30, max_num_batched_tokens=max(2048, B * P // 2), async_pipeline=True)
     worker = RolloutWorker(RolloutEngine.from_config(cfg, seed=0, **kw))
-    new = RolloutEngine.from_config(cfg, seed=1, **kw)
-    update = [(n, t.clone()) for n, t in new.model.hf_targets().items()]   # standby source on the GPU
+    # the new weights' engine, whose parameters are the update's source (on the GPU, as a trainer's would be),
+    # checks 8 sequences at the end: a small KV cache (the whole bench fits an 80 GB card)
+    new = RolloutEngine.from_config(cfg, seed=1, **{**kw, "kv_cache_memory": 1 << 30})
+    update = list(new.model.hf_targets().items())
     prompts = random_prompts(B, P, cfg.vocab_size, 0)
     params = SamplingParams(max_new_tokens=G, temperature=0, ignore_eos=True)
 

@@ -172,11 +172,14 @@ class EngineLoop:
         return self.engine.sleep_level
 
     # blocking commands (on a helper thread) ------------------------------------------------------
-    def _stage(self, items, version: int, adopt: bool) -> dict:
+    def _stage(self, items: list, version: int, adopt: bool) -> dict:
         """Copies launched between steps, waited for and checked off the engine thread (decode goes on:
-        the wait is the whole staging copy), then installed to go live at the next batch boundary."""
+        the wait is the whole staging copy), then installed to go live at the next batch boundary. The
+        sources are dropped before the install, a few at a time (their release must not hold the GIL
+        while the engine thread launches the commit)."""
         staged = self._on_engine(lambda: self.worker.prepare_update(items, version, adopt))
-        self.worker.weights.check_finite(staged)
+        self.worker.weights.check_finite(staged)          # the staging copies are done
+        transfer.release_gradually(items)
         self._on_engine(lambda: self.worker.install_update(staged))
         return {"staged_version": version, "live_version": self.worker.policy_version}
 

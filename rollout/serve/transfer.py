@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import pickle
+import time
 from pathlib import Path
 
 import torch
@@ -43,6 +44,16 @@ def load_ipc_handles(handles_b64: str, device: torch.device) -> list[tuple[str, 
                                               and isinstance(x[1], torch.Tensor) for x in items):
         raise ValueError("handles must encode a list of (name, CUDA tensor) pairs")
     return items
+
+
+def release_gradually(items: list, pause_s: float = 1e-4) -> None:
+    """Empty `items` one entry at a time, sleeping between (the GIL goes to whichever thread waits). Freeing
+    a received CUDA-IPC tensor runs torch's deleter under the GIL (a stream sync, the trainer's refcount
+    file, the handle's close): dropping 8B's 291 at once held it ~17 ms, and the engine thread's commit
+    launches (the decode stall) waited behind it."""
+    while items:
+        items.pop()
+        time.sleep(pause_s)
 
 
 def join_group(master_address: str, master_port: int, world_size: int, rank: int, backend: str,

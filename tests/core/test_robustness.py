@@ -242,6 +242,19 @@ def test_a_weight_update_holding_nan_or_inf_is_refused_whole(path, good_prompts,
     assert worker.policy_version == 1
 
 
+def test_finite_weights_whose_checksum_overflows_are_accepted(path, good_prompts):
+    """The checksums accumulate in fp32: huge finite weights can sum to inf, which must not read as non-finite
+    (their elements are checked). The engine's dtype here is fp32, whose largest value is ~3.4e38."""
+    worker = RolloutWorker(RolloutEngine.from_pretrained(path, **KW))
+    name = "model.norm.weight"
+    big = torch.full_like(worker.engine.model.hf_targets()[name], 3e38)
+    assert not big.sum(dtype=torch.float32).isfinite()
+    worker.update_weights([(name, big)], version=1)
+    worker.generate(good_prompts[:1], GOOD)            # commits at its first batch boundary
+    worker.weights.verify(block=True)
+    assert worker.policy_version == 1 and torch.equal(worker.engine.model.hf_targets()[name], big)
+
+
 def test_a_weight_update_that_is_not_name_tensor_pairs_is_refused(path):
     worker = RolloutWorker(RolloutEngine.from_pretrained(path, **KW))
     for bad in ([("model.norm.weight", [1.0, 2.0])], [(3, torch.ones(2))], [torch.ones(2)], 5):

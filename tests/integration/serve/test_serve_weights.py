@@ -150,3 +150,46 @@ def test_trl_grpo_through_http_adapter(process_server, chat_dir, tmp_path, monke
             assert abs(h[f"sampling/importance_sampling_ratio/{k}"] - 1.0) <= RATIO_TOL, h
     assert adapter.sync_history == [0, 1, 2] and adapter.batch_versions == [[0], [1], [2]]
     assert [h["gen/policy_version_lag"] for h in logs] == [0, 0, 0]
+
+
+def test_staged_sources_are_released_one_at_a_time_letting_other_threads_run():
+    """release_gradually frees each source in turn and hands the GIL over between (a thread waiting to launch
+    the commit runs in between); a plain list drop would free them all in one GIL hold."""
+    import threading
+    import time
+    import weakref
+    from rollout.serve.transfer import release_gradually
+
+    class Source:       # stands for a received tensor whose release is slow and holds the GIL
+        def __del__(self):
+            t = time.perf_counter()
+            while time.perf_counter() - t < 2e-3:
+                pass
+
+    sources = [Source() for _ in range(20)]
+    refs = [weakref.ref(s) for s in sources]
+    items = [(f"w{i}", s) for i, s in enumerate(sources)]
+    del sources
+    ticks, stop = [], threading.Event()
+
+    def other():        # records when it got to run, and how many sources were alive then
+        while not stop.is_set():
+            ticks.append(sum(r() is not None for r in refs))
+            time.sleep(1e-4)
+
+    import sys
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(0.1)     # longer than all 20 releases: only a voluntary hand-over lets `other` in
+    th = threading.Thread(target=other)
+    try:
+        th.start()
+        time.sleep(0.01)
+        release_gradually(items)
+    finally:
+        stop.set()
+        th.join()
+        sys.setswitchinterval(interval)
+    assert items == [] and all(r() is None for r in refs)
+    # the other thread ran while only part of the sources were freed, at many distinct points
+    between = {n for n in ticks if 0 < n < 20}
+    assert len(between) >= 5, sorted(set(ticks))   # items.clear(): none (measured)
