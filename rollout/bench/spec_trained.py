@@ -230,8 +230,10 @@ def main(argv=None) -> dict:
         on_engine = RolloutEngine.from_pretrained(folder, **common, speculative="ngram",
                                                   spec_max_draft=args.spec_max_draft, spec_history_prompts=args.prompts)
         prompts = [off_engine.tokenizer(t).input_ids for t in texts]
-        for e in (off_engine, on_engine):     # warm-up: kernels, graphs' first replays
-            e.generate(prompts[:2], SamplingParams(max_new_tokens=8), use_tqdm=False)
+        # warm-up: kernels, and the decode and verify graphs (captured on first use) of this workload's shapes,
+        # on another seed; the drafter forgets its completions
+        for name, e in (("warm-up off", off_engine), ("warm-up on", on_engine)):
+            run(name, e, prompts, texts, args, args.seed + 2)
         on_engine.speculator.drafter.history.clear()
         runs = {"off": run("off", off_engine, prompts, texts, args, args.seed),
                 "on": run("on", on_engine, prompts, texts, args, args.seed),

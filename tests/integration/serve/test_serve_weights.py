@@ -152,8 +152,8 @@ def test_trl_grpo_through_http_adapter(process_server, chat_dir, tmp_path, monke
     assert [h["gen/policy_version_lag"] for h in logs] == [0, 0, 0]
 
 
-def test_staged_sources_are_released_one_at_a_time_letting_other_threads_run():
-    """release_gradually frees each source in turn and hands the GIL over between (a thread waiting to launch
+def test_staged_sources_are_released_a_few_at_a_time_letting_other_threads_run():
+    """release_gradually frees the sources a few at a time and hands the GIL over between (a thread waiting to launch
     the commit runs in between); a plain list drop would free them all in one GIL hold."""
     import threading
     import time
@@ -184,7 +184,7 @@ def test_staged_sources_are_released_one_at_a_time_letting_other_threads_run():
     try:
         th.start()
         time.sleep(0.01)
-        release_gradually(items)
+        release_gradually(items, every=2)
     finally:
         stop.set()
         th.join()
