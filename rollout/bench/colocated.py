@@ -226,14 +226,17 @@ def main(argv=None) -> dict:
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--variants", default=COLOCATED, help=f"comma-separated, from {list(VARIANTS)}")
     ap.add_argument("--server-gpu", type=int, default=1, help="http: the server's GPU (the trainer takes cuda:0)")
+    ap.add_argument("--warmup", default="ours", help="a variant run first and not reported ('none': skip): the "
+                    "process's first trainer steps and first-seen shapes compile kernels, which would land on "
+                    "whichever variant ran first")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     names = args.variants.split(",")
     unknown = [n for n in names if n not in VARIANTS]
-    if unknown:
-        raise SystemExit(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
+    if unknown or args.warmup not in (*VARIANTS, "none"):
+        raise SystemExit(f"unknown variants {unknown or [args.warmup]}; choose from {list(VARIANTS)}")
     if "http" in names and args.device == "cuda" and torch.cuda.device_count() < 2:
         raise SystemExit("the http variant on CUDA needs two GPUs: the trainer on cuda:0, the server on --server-gpu")
     from transformers import AutoTokenizer
@@ -245,6 +248,10 @@ def main(argv=None) -> dict:
               "completion_len": args.completion_len, "beta": args.beta,
               "gpu_memory_utilization": args.gpu_memory_utilization, "variants": {},
               "meta": run_meta("rollout.bench.colocated", argv)}
+    if args.warmup != "none":
+        warm = run_variant(args.warmup, args, cfg, tokenizer, dataset)
+        result["warmup"] = {"variant": args.warmup, "step_s_all": warm["step_s_all"]}
+        print("warm-up", _line(args.warmup, warm), flush=True)
     for name in names:
         result["variants"][name] = r = run_variant(name, args, cfg, tokenizer, dataset)
         print(_line(name, r), flush=True)

@@ -20,6 +20,7 @@ def test_colocated_bench_runs_every_variant_on_cpu(tmp_path, monkeypatch):
     r = json.loads(out.read_text())
     assert list(r["variants"]) == ["trl", "ours", "sleep1", "sleep1-recapture", "sleep2"] and r["dtype"] == "float32"
     assert r["meta"]["command"].startswith("python -m rollout.bench.colocated")
+    assert r["warmup"]["variant"] == "ours" and len(r["warmup"]["step_s_all"]) == 2   # run first, not reported
     for name, v in r["variants"].items():
         assert v["steps"] == 2 and len(v["generation_s_all"]) == 2, name      # one generation per step
         assert 0 < v["generation_s"] < v["step_s"] and 0 < v["generation_share"] < 1, name
@@ -44,7 +45,7 @@ def test_http_variant_trains_through_a_server_process_on_cpu(tmp_path, monkeypat
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     out = tmp_path / "http.json"
     colocated.main(["--device", "cpu", "--shape", "tiny", "--steps", "2", "--batch", "4", "--num-generations", "2",
-                    "--prompt-len", "8", "--completion-len", "8", "--variants", "http", "--out", str(out)])
+                    "--prompt-len", "8", "--completion-len", "8", "--variants", "http", "--warmup", "none", "--out", str(out)])
     v = json.loads(out.read_text())["variants"]["http"]
     assert v["steps"] == 2 and 0 < v["generation_s"] < v["step_s"] and v["weight_sync_s"] > 0
     logged = v["logged"]
