@@ -19,6 +19,13 @@ Then, on the same prompts (each asked --n times, temperature 1, max_new_tokens -
     on2      speculation on, seed S + 1, the drafter holding run "on"'s completions of each prompt as earlier
              rollouts (spec_history_prompts): the SPEC-RL / DAS source; the weights did not change between
              the two, which an RL step would do, so this is the best case of that source
+--widen HIDDEN,INTERMEDIATE,LAYERS runs the batches on a wider, deeper model that computes the trained one's
+function: its weights sit in the corner of zero-padded matrices (extra heads, hidden and intermediate
+dims zero; the norms' gains and eps rescaled for the wider RMS), and the extra layers' output projections are zero.
+The trained model is tiny, so its decode steps are host-bound (~1 ms, whatever the batch); widened to an
+8B-like size (4096,14336,32: 7.2B parameters, ~4 ms a step on an H100) each step reads as many weight
+bytes as a real policy's, as in R1, while acceptance stays the trained model's.
+
 Reported per run: makespan (the generate call's wall), tokens, tok/s, engine steps, the speculator's
 counters (drafted, accepted, acceptance, tokens per drafted sequence-step), tokens per sequence-step by
 running batch size, and the task's accuracy (the final sum right); between each off / on pair: the share
@@ -125,6 +132,52 @@ def train(args, device: torch.device, out_dir: str) -> dict:
                 "max_position_embeddings": cfg.max_position_embeddings, "vocab_size": cfg.vocab_size}}
 
 
+def widened(folder: str, hidden: int, intermediate: int, layers: int, device: torch.device, dtype: torch.dtype):
+    """(config, HF state dict) of a model computing the trained model's function at a larger size (module doc).
+    Zero rows / columns leave each sum unchanged: extra heads have zero queries, keys and values (uniform
+    attention over zero values, then zero output columns), extra intermediate units a zero gate (silu(0) = 0),
+    extra hidden dims stay zero down the residual; an RMSNorm over the padded width divides by
+    sqrt(hidden / h) less, so its gain is scaled by sqrt(h / hidden) and its eps by h / hidden. Head size and RoPE are unchanged."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    small = LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    c = small.config
+    h, hd = c.hidden_size, c.hidden_size // c.num_attention_heads
+    group = c.num_attention_heads // c.num_key_value_heads
+    if hidden < h or intermediate < c.intermediate_size or layers < c.num_hidden_layers or hidden % (hd * group):
+        raise ValueError(f"--widen {hidden},{intermediate},{layers}: each at least the trained model's "
+                         f"({h},{c.intermediate_size},{c.num_hidden_layers}), hidden a multiple of {hd * group}")
+    big = LlamaConfig(**{**c.to_dict(), "hidden_size": hidden, "intermediate_size": intermediate,
+                         "num_hidden_layers": layers, "num_attention_heads": hidden // hd,
+                         "num_key_value_heads": hidden // hd // group, "head_dim": hd,
+                         "rms_norm_eps": c.rms_norm_eps * h / hidden})     # mean over more zeros: eps scaled alike
+    gain = math.sqrt(h / hidden)
+    shapes = {"q_proj": (hidden, hidden), "k_proj": (hidden // group, hidden), "v_proj": (hidden // group, hidden),
+              "o_proj": (hidden, hidden), "gate_proj": (intermediate, hidden), "up_proj": (intermediate, hidden),
+              "down_proj": (hidden, intermediate)}
+    out = {}
+
+    def padded(t, shape, fill=0.0):
+        z = torch.full(shape, fill, dtype=dtype, device=device)
+        z[tuple(slice(0, n) for n in t.shape)] = t.to(device, dtype)
+        return z
+    sd = small.state_dict()
+    out["model.embed_tokens.weight"] = padded(sd["model.embed_tokens.weight"], (c.vocab_size, hidden))
+    out["lm_head.weight"] = padded(sd["lm_head.weight"], (c.vocab_size, hidden))
+    out["model.norm.weight"] = padded(sd["model.norm.weight"] * gain, (hidden,))
+    for i in range(layers):
+        pre = f"model.layers.{i}."
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            src = sd.get(pre + norm + ".weight")
+            out[pre + norm + ".weight"] = (padded(src * gain, (hidden,)) if src is not None
+                                           else torch.ones(hidden, dtype=dtype, device=device))
+        for name, shape in shapes.items():
+            part = "self_attn." if name.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) else "mlp."
+            src = sd.get(pre + part + name + ".weight")
+            out[pre + part + name + ".weight"] = (padded(src, shape) if src is not None
+                                                  else torch.zeros(shape, dtype=dtype, device=device))
+    return big, out
+
+
 class StepLog:
     """Per engine step (a bench-only wrapper on this engine's step): running sequences and tokens landed."""
 
@@ -213,6 +266,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--n", type=int, default=8, help="samples per prompt (a GRPO group)")
     ap.add_argument("--max-new-tokens", type=int, default=None, help="default: the longest completion the task has")
     ap.add_argument("--spec-max-draft", type=int, default=5)
+    ap.add_argument("--widen", default=None, metavar="HIDDEN,INTERMEDIATE,LAYERS",
+                    help="run the batches on the trained model widened to this size (module doc), e.g. 4096,14336,32")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     device = torch.device(args.device)
@@ -226,9 +281,24 @@ def main(argv=None) -> dict:
         texts = [problem(rng, args)[0] for _ in range(args.prompts)]
         common = dict(device=args.device, dtype=dtype, batch_invariant=args.batch_invariant,
                       max_num_seqs=args.prompts * args.n, max_model_len=trained["config"]["max_position_embeddings"])
-        off_engine = RolloutEngine.from_pretrained(folder, **common)
-        on_engine = RolloutEngine.from_pretrained(folder, **common, speculative="ngram",
-                                                  spec_max_draft=args.spec_max_draft, spec_history_prompts=args.prompts)
+        spec = dict(speculative="ngram", spec_max_draft=args.spec_max_draft, spec_history_prompts=args.prompts)
+        if args.widen:
+            from ..models.loader import build_model, copy_hf_tensors, parameter_bytes
+            from ..tasks.arith_train import build_tokenizer
+            torch_dtype = getattr(torch, dtype)
+            engines = []
+            for extra in ({}, spec):         # a model each: the engines share nothing
+                cfg, tensors = widened(folder, *map(int, args.widen.split(",")), device, torch_dtype)
+                model = build_model(cfg, torch_dtype, device)
+                copy_hf_tensors(model, tensors.items(), "widened model")
+                del tensors
+                engines.append(RolloutEngine(model, cfg, tokenizer=build_tokenizer(), **common, **extra))
+            off_engine, on_engine = engines
+            trained["widened"] = {"hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+                                  "num_hidden_layers": cfg.num_hidden_layers, "weight_bytes": parameter_bytes(model)}
+        else:
+            off_engine = RolloutEngine.from_pretrained(folder, **common)
+            on_engine = RolloutEngine.from_pretrained(folder, **common, **spec)
         prompts = [off_engine.tokenizer(t).input_ids for t in texts]
         # warm-up: kernels, and the decode and verify graphs (captured on first use) of this workload's shapes,
         # on another seed; the drafter forgets its completions

@@ -32,3 +32,43 @@ def test_spec_trained_smoke_cpu(tmp_path):
     saved = json.loads(out.read_text())
     assert saved["meta"]["command"].startswith("python -m rollout.bench.spec_trained") and "completions" not in \
         saved["runs"]["on"]
+
+
+def test_widened_model_computes_the_trained_models_function(tmp_path):
+    """--widen: the padded, deeper model gives the small model's logits (HF forward, fp32) and our engine's
+    greedy tokens and logprobs on it equal the small model's. Tolerance 1e-5: the sums gain only exact zero
+    terms and RMSNorm's eps is rescaled exactly; what differs is fp32 summation order over wider rows."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from rollout.engine import RolloutEngine
+    from rollout.models.loader import build_model, copy_hf_tensors
+    from rollout.request import SamplingParams
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=18, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                      tie_word_embeddings=False, eos_token_id=2)
+    small = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in small.parameters():          # norms away from 1, so a wrong gain rescale shows
+            p.add_(0.05 * torch.randn_like(p))
+    small.save_pretrained(tmp_path)
+    big_cfg, tensors = spec_trained.widened(str(tmp_path), 192, 160, 5, torch.device("cpu"), torch.float32)
+    assert (big_cfg.num_attention_heads, big_cfg.num_key_value_heads, big_cfg.head_dim) == (12, 6, 16)
+    big = LlamaForCausalLM(big_cfg).eval()
+    big.load_state_dict(tensors)
+    ids = torch.randint(0, 18, (3, 20))
+    with torch.no_grad():
+        torch.testing.assert_close(big(ids).logits, small(ids).logits, rtol=0, atol=1e-5)
+
+    model = build_model(big_cfg, torch.float32, torch.device("cpu"))
+    copy_hf_tensors(model, tensors.items())
+    engines = [RolloutEngine.from_pretrained(tmp_path, tokenizer=False, device="cpu", dtype="float32"),
+               RolloutEngine(model, big_cfg, device="cpu", dtype="float32")]
+    params = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+    outs = [e.generate([[1, 5, 7, 3], [4, 4]], params, use_tqdm=False) for e in engines]
+    for a, b in zip(*outs):
+        assert a.completions[0].token_ids == b.completions[0].token_ids
+        torch.testing.assert_close(torch.tensor(a.completions[0].logprobs), torch.tensor(b.completions[0].logprobs),
+                                   rtol=0, atol=1e-5)
