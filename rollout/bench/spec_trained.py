@@ -287,6 +287,8 @@ def main(argv=None) -> dict:
             from ..tasks.arith_train import build_tokenizer
             torch_dtype = getattr(torch, dtype)
             engines = []
+            if device.type == "cuda":      # two engines share the card: 12 GiB of KV each holds the whole batch
+                common["kv_cache_memory"] = 12 << 30
             for extra in ({}, spec):         # a model each: the engines share nothing
                 cfg, tensors = widened(folder, *map(int, args.widen.split(",")), device, torch_dtype)
                 model = build_model(cfg, torch_dtype, device)
