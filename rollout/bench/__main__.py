@@ -28,7 +28,7 @@ import torch
 
 from .. import env
 from ..engine import RolloutEngine
-from ..models.loader import build_model, copy_hf_tensors
+from ..models.loader import copy_hf_tensors
 from ..request import SamplingParams
 from . import clocks, timeline
 from .roofline import model_sizes, roofline
@@ -133,12 +133,26 @@ def experts_touched(outs, P: int, num_experts: int) -> float:
     return float(hit.sum(-1).mean())
 
 
-def share_experts(model, hf) -> None:
-    """Point our stacked expert weights at HF's (the same layout): one copy of an MoE's experts, not two."""
+def build_sharing_experts(cfg, dtype, device, hf):
+    """Our model on HF's stacked expert tensors (the same layout), the rest allocated: one copy of an MoE's
+    experts, never two, even for a moment (Qwen3-30B-A3B's are 57 GiB: two do not fit an 80 GB card)."""
+    from ..models.decoder import DecoderLM, rope_inv_freq
+    with torch.device("meta"):
+        model = DecoderLM(cfg).to(dtype)
     for ours, theirs in zip(model.layers, hf.model.layers):
         if ours.sparse:
-            ours.mlp.gate_up.data = theirs.mlp.experts.gate_up_proj.data
-            ours.mlp.down.data = theirs.mlp.experts.down_proj.data
+            ours.mlp.gate_up = torch.nn.Parameter(theirs.mlp.experts.gate_up_proj.data, requires_grad=False)
+            ours.mlp.down = torch.nn.Parameter(theirs.mlp.experts.down_proj.data, requires_grad=False)
+    for mod in model.modules():
+        for name, t in list(mod.named_parameters(recurse=False)):
+            if t.is_meta:
+                setattr(mod, name, torch.nn.Parameter(torch.empty_like(t, device=device), requires_grad=False))
+        for name, t in list(mod.named_buffers(recurse=False)):
+            if t.is_meta:
+                mod.register_buffer(name, torch.empty_like(t, device=device),
+                                    persistent=name not in mod._non_persistent_buffers_set)
+    model.inv_freq = rope_inv_freq(cfg, model.head_dim).to(device)
+    return model.eval().requires_grad_(False)
 
 
 def hf_generate(hf, prompts, G: int, repeats: int, device) -> dict:
@@ -238,9 +252,8 @@ def main(argv=None):
     torch.manual_seed(args.seed)
     with torch.device(device):    # random init on the device: an 8B init on CPU takes minutes
         hf = AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
-    model = build_model(cfg, dtype, device)
+    model = build_sharing_experts(cfg, dtype, device, hf)
     copy_hf_tensors(model, hf.state_dict().items(), "HF model")
-    share_experts(model, hf)
     if cuda:
         torch.cuda.empty_cache()
     per_token = model_sizes(cfg, dtype.itemsize)["kv_bytes_per_token"]
