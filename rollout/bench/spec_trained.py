@@ -3,6 +3,7 @@ whose completions end by EOS with long-tailed lengths and repeated structure, th
 batches on it (groups of n, lengths set by its own EOS) with speculation off and on, in one call.
 
     python -m rollout.bench.spec_trained --out bench/results/<name>.json          # H200: ~90 s of training
+    python -m rollout.bench.spec_trained --hidden 768 --layers 8 --widen 4096,14336,32   # memory-bound steps
     python -m rollout.bench.spec_trained --device cpu --dtype float32 --train-steps 150 --hidden 64 \\
         --prompts 4 --n 4 --digits-cap 6                                          # a smoke run
 
@@ -12,7 +13,8 @@ Operand digits are log-normal (median --digits-median, sigma --digits-sigma, cli
 so a completion's length (~8 tokens a digit) is long-tailed, and each step repeats the step before's shape.
 The recipe and seed make the run repeatable; the model is not kept.
 
-Then, on the same prompts (each asked --n times, temperature 1, max_new_tokens --max-new-tokens):
+Both engines first run the timed batches once, untimed (kernels compiled, decode and verify graphs captured),
+then, on the same prompts (each asked --n times, temperature 1, max_new_tokens --max-new-tokens):
     off      speculation off, sampling seed S
     on       speculative="ngram" (drafts from the sequence and its group), seed S
     off2     off again with seed S + 1 (a fresh GRPO step's samples)
