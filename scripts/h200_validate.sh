@@ -67,7 +67,10 @@ for s in ${*:-tests p1}; do
                    # steps: SPEC_ARGS="--hidden 768 --layers 8 --train-s 90 --widen 4096,14336,32" TAG=_widened)
       timeout 590 python3 -m rollout.bench.spec_trained ${SPEC_ARGS:-} --out $OUT/spec_trained${TAG:-}.json \
         > $OUT/spec_trained${TAG:-}.log 2>&1; tail -14 $OUT/spec_trained${TAG:-}.log ;;
-    rl_step)    # R1: 8B, 32 x 8, log-normal lengths under a 16K cap (RL_ARGS e.g. --runs adaptive,adaptive+spec)
+    rl_step)    # R1: 8B, 32 x 8, log-normal lengths under a 16K cap (RL_ARGS e.g. --runs adaptive,0). One call
+                # cannot hold all three settings: the next call adds to the first's file, carried in the tree:
+                # RL_FROM=bench/results/<file>.json RL_ARGS="--runs 1 --append"
+      [ -n "${RL_FROM:-}" ] && cp "$RL_FROM" $OUT/rl_step_l8b.json
       timeout 590 python3 -m rollout.bench.rl_step --shape llama3-8b ${RL_ARGS:-} --out $OUT/rl_step_l8b.json \
         --png $OUT/rl_step_l8b.png > $OUT/rl_step.log 2>&1; tail -8 $OUT/rl_step.log ;;
     moe)        # Qwen3-30B-A3B shape: async and routed-expert capture against the roofline and HF (MOE_BATCH: 32)

@@ -3,6 +3,7 @@ long-tailed and unknown to the engine, timed end to end, for several admission s
 side on the same weights.
 
     python -m rollout.bench.rl_step --shape llama3-8b --runs adaptive,0,1 --out r1.json --png r1.png
+    python -m rollout.bench.rl_step --runs 1 --out r1.json --append        # another call adds a run to the file
     python -m rollout.bench.rl_step --shape tiny --prompts 2 --n 2 --prompt-len 8 --median 8 --cap 24 \\
         --max-new-tokens 24 --dtype float32 --device cpu --runs adaptive,1
 
@@ -28,9 +29,11 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import math
 import random
 import time
+from pathlib import Path
 
 import torch
 
@@ -40,6 +43,10 @@ from .__main__ import run_meta, write_json
 from .pressure import random_model
 from .roofline import hbm_bandwidth, model_sizes
 from .shapes import SHAPES, make_config
+
+
+# what --append checks before adding runs to a file's
+WORKLOAD = ("shape", "dtype", "prompts", "n", "prompt_len", "median", "sigma", "cap", "max_new_tokens", "drawn_tokens")
 
 
 def draw_lengths(num: int, median: float, sigma: float, cap: int, seed: int) -> list[int]:
@@ -195,6 +202,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--bins", type=int, default=50, help="time bins of the tok/s and running curves")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--append", action="store_true",
+                    help="keep the runs already in --out (the same workload, checked) and add these: R1's three "
+                         "settings take longer together than one 10-minute device call")
     ap.add_argument("--png", default=None)
     args = ap.parse_args(argv)
     if args.cap > args.max_new_tokens:
@@ -209,15 +219,24 @@ def main(argv=None) -> dict:
     lengths = draw_lengths(args.prompts * args.n, args.median, args.sigma, args.cap, args.seed)
     gen = torch.Generator().manual_seed(args.seed)
     prompts = torch.randint(10, cfg.vocab_size - 10, (args.prompts, args.prompt_len), generator=gen).tolist()
-    runs = {f"kv_reserve_fraction={run.removesuffix('+spec')}" + (" speculative=ngram" if spec != "off" else ""):
-            timed_run(run, f, model, cfg, prompts, lengths, args, device, spec) for run, (f, spec) in settings.items()}
     result = {"shape": args.shape, "dtype": args.dtype, "prompts": args.prompts, "n": args.n,
               "prompt_len": args.prompt_len, "median": args.median, "sigma": args.sigma, "cap": args.cap,
               "max_new_tokens": args.max_new_tokens, "drawn_tokens": sum(lengths), "drawn_max": max(lengths),
-              "runs": runs, "meta": run_meta("rollout.bench.rl_step", argv)}
-    write_json(result, args.out)
+              "runs": {}, "meta": run_meta("rollout.bench.rl_step", argv)}
+    if args.append and args.out and Path(args.out).exists():
+        earlier = json.loads(Path(args.out).read_text())
+        differ = [k for k in WORKLOAD if earlier.get(k) != result[k]]
+        if differ:
+            raise SystemExit(f"--append: {args.out} holds another workload ({', '.join(differ)} differ)")
+        result["runs"] = earlier["runs"]
+        result["earlier_meta"] = earlier.get("earlier_meta", []) + [earlier["meta"]]
+    for run, (f, spec) in settings.items():
+        name = f"kv_reserve_fraction={run.removesuffix('+spec')}" + (" speculative=ngram" if spec != "off" else "")
+        result["runs"][name] = timed_run(run, f, model, cfg, prompts, lengths, args, device, spec)
+        result["runs"][name]["git_commit"] = result["meta"]["git_commit"]
+        write_json(result, args.out)      # after each run: a call cut short keeps the runs it finished
     if args.png:
-        plot(runs, args.png)
+        plot(result["runs"], args.png)
     return result
 
 

@@ -77,3 +77,22 @@ def test_a_speculative_run_beside_the_plain_one(tmp_path):
     for run in (plain, spec):
         assert run["finish_reasons"] == ["stop"] and run["tokens"] >= r["drawn_tokens"]
     assert plain["lengths_honored"]
+
+
+def test_append_adds_runs_of_the_same_workload_and_refuses_another(tmp_path):
+    """R1's settings are run in separate device calls into one file: --append keeps the earlier runs and
+    their meta; a different workload in the file is refused before any run."""
+    out = tmp_path / "r.json"
+    base = ["--shape", "tiny", "--prompts", "2", "--n", "2", "--prompt-len", "8", "--median", "6", "--cap", "20",
+            "--max-new-tokens", "32", "--dtype", "float32", "--device", "cpu", "--bins", "5", "--out", str(out)]
+    rl_step.main(base + ["--runs", "adaptive"])
+    r = rl_step.main(base + ["--runs", "0", "--append"])
+    saved = json.loads(out.read_text())
+    assert list(saved["runs"]) == ["kv_reserve_fraction=adaptive", "kv_reserve_fraction=0"] == list(r["runs"])
+    assert len(saved["earlier_meta"]) == 1 and "--append" not in saved["earlier_meta"][0]["command"]
+    assert all(run["finish_reasons"] == ["stop"] for run in saved["runs"].values())
+    with pytest.raises(SystemExit, match="median"):
+        rl_step.main([a if a != "6" else "7" for a in base] + ["--runs", "1", "--append"])
+    assert list(json.loads(out.read_text())["runs"]) == list(saved["runs"])      # untouched
+    rl_step.main(base + ["--runs", "1"])                       # without --append: a fresh file
+    assert list(json.loads(out.read_text())["runs"]) == ["kv_reserve_fraction=1"]
