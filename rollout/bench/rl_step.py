@@ -44,7 +44,6 @@ from .pressure import random_model
 from .roofline import hbm_bandwidth, model_sizes
 from .shapes import SHAPES, make_config
 
-
 # what --append checks before adding runs to a file's
 WORKLOAD = ("shape", "dtype", "prompts", "n", "prompt_len", "median", "sigma", "cap", "max_new_tokens", "drawn_tokens")
 

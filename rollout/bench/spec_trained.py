@@ -285,7 +285,7 @@ def main(argv=None) -> dict:
         texts = [problem(rng, args)[0] for _ in range(args.prompts)]
         common = dict(device=args.device, dtype=dtype, batch_invariant=args.batch_invariant,
                       max_num_seqs=args.prompts * args.n, max_model_len=trained["config"]["max_position_embeddings"])
-        spec = dict(speculative="ngram", spec_max_draft=args.spec_max_draft, spec_history_prompts=args.prompts)
+        spec = {"speculative": "ngram", "spec_max_draft": args.spec_max_draft, "spec_history_prompts": args.prompts}
         if args.widen:
             from ..models.loader import build_model, copy_hf_tensors, parameter_bytes
             from ..tasks.arith_train import build_tokenizer
