@@ -329,7 +329,7 @@ def main(argv=None):
                 "peak_memory_gb": torch.cuda.max_memory_allocated() / 1e9 if cuda else None,
                 "gpu_clocks": gpu_clocks,     # SM clock and power over the run (nvidia-smi): at the power limit?
                 **{c: engine.pipeline.counts[c] - counts0[c] for c in counts0},
-                **({"experts_touched_per_layer_step": experts_touched(o, P, cfg.num_experts)}
+                **({"experts_touched_per_layer_step": experts_touched(o, P, model.layers[model.sparse_layers[0]].mlp.num_experts)}
                    if params.return_routed_experts else {}),
                 "tokens": [c.token_ids for x in o for c in x.completions]}
 

@@ -1,5 +1,5 @@
 """One decoder for Llama (llama3 RoPE), Mistral (sliding window), Qwen2 (QKV bias), Qwen3 (q/k norm) and
-their mixture-of-experts forms Qwen2-MoE (a shared expert) and Qwen3-MoE, fused QKV and gate/up weights,
+their mixture-of-experts forms Mixtral, Qwen2-MoE (a shared expert) and Qwen3-MoE, fused QKV and gate/up weights,
 experts stacked; its math mirrors transformers' eager code without importing it."""
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from ..layers.moe import experts, route
 
 SUPPORTED_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                            "qwen3": "Qwen3ForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-                           "qwen3_moe": "Qwen3MoeForCausalLM"}
+                           "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
 
 
 def check_supported(hf_config) -> None:
@@ -164,9 +164,10 @@ class SparseMoE(nn.Module):
 
     def __init__(self, cfg):
         super().__init__()
-        E, inter, H = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+        E, inter, H = num_experts(cfg), getattr(cfg, "moe_intermediate_size", cfg.intermediate_size), cfg.hidden_size
         self.num_experts, self.inter, self.top_k = E, inter, cfg.num_experts_per_tok
-        self.renormalize = bool(getattr(cfg, "norm_topk_prob", False))
+        # Mixtral always renormalises the top-k weights; the Qwen MoEs when norm_topk_prob says so
+        self.renormalize = cfg.model_type == "mixtral" or bool(getattr(cfg, "norm_topk_prob", False))
         self.gate = nn.Linear(H, E, bias=False)
         self.gate_up = nn.Parameter(torch.empty(E, 2 * inter, H))
         self.down = nn.Parameter(torch.empty(E, H, inter))
@@ -186,9 +187,13 @@ class SparseMoE(nn.Module):
         return out
 
 
+def num_experts(cfg) -> int:
+    return getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None) or 0   # Qwen / Mixtral
+
+
 def is_sparse_layer(cfg, i: int) -> bool:
     """transformers' rule: an MoE MLP every decoder_sparse_step layers, except mlp_only_layers."""
-    return getattr(cfg, "num_experts", 0) > 0 and i not in (getattr(cfg, "mlp_only_layers", None) or []) \
+    return num_experts(cfg) > 0 and i not in (getattr(cfg, "mlp_only_layers", None) or []) \
         and (i + 1) % getattr(cfg, "decoder_sparse_step", 1) == 0
 
 
@@ -326,7 +331,10 @@ class DecoderLM(nn.Module):
     def hf_param_slices(self):
         """Yield (hf_name, parameter, index) for every HF tensor we hold: index None (the whole parameter)
         or what selects its part. Stacked experts answer to the checkpoints' per-expert names and to
-        transformers 5's stacked names (`mlp.experts.gate_up_proj`, what a trainer's model holds)."""
+        transformers 5's stacked names (`mlp.experts.gate_up_proj`, what a trainer's model holds). Mixtral's
+        checkpoints keep their first names (`block_sparse_moe.experts.{e}.w1` gate, `w3` up, `w2` down, and
+        `block_sparse_moe.gate`), which transformers 5 still writes; its router answers to both."""
+        mixtral = self.config.model_type == "mixtral"
         for i, layer in enumerate(self.layers):
             a, m = layer.self_attn, layer.mlp
             qs, ks = a.q_size, a.kv_size
@@ -339,13 +347,17 @@ class DecoderLM(nn.Module):
                 (layer.post_attention_layernorm, "post_attention_layernorm")]
             if layer.sparse:
                 experts = f"model.layers.{i}.mlp.experts"
+                per_expert = f"model.layers.{i}.block_sparse_moe.experts" if mixtral else experts
+                gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
                 for e in range(m.num_experts):
-                    yield f"{experts}.{e}.gate_proj.weight", m.gate_up, (e, slice(0, m.inter))
-                    yield f"{experts}.{e}.up_proj.weight", m.gate_up, (e, slice(m.inter, 2 * m.inter))
-                    yield f"{experts}.{e}.down_proj.weight", m.down, (e,)
+                    yield f"{per_expert}.{e}.{gate}.weight", m.gate_up, (e, slice(0, m.inter))
+                    yield f"{per_expert}.{e}.{up}.weight", m.gate_up, (e, slice(m.inter, 2 * m.inter))
+                    yield f"{per_expert}.{e}.{down}.weight", m.down, (e,)
                 yield f"{experts}.gate_up_proj", m.gate_up, None
                 yield f"{experts}.down_proj", m.down, None
                 modules.append((m.gate, "mlp.gate"))
+                if mixtral:
+                    modules.append((m.gate, "block_sparse_moe.gate"))
                 if m.shared_expert is not None:
                     modules += [(m.shared_expert_gate, "mlp.shared_expert_gate"),
                                 *_mlp_parts("mlp.shared_expert", m.shared_expert)]
