@@ -28,7 +28,8 @@ import torch
 
 from .. import env
 from ..engine import RolloutEngine
-from ..models.loader import copy_hf_tensors
+from ..models.decoder import is_sparse_layer, num_experts
+from ..models.loader import build_model, copy_hf_tensors
 from ..request import SamplingParams
 from . import clocks, timeline
 from .roofline import model_sizes, roofline
@@ -133,26 +134,12 @@ def experts_touched(outs, P: int, num_experts: int) -> float:
     return float(hit.sum(-1).mean())
 
 
-def build_sharing_experts(cfg, dtype, device, hf):
-    """Our model on HF's stacked expert tensors (the same layout), the rest allocated: one copy of an MoE's
-    experts, never two, even for a moment (Qwen3-30B-A3B's are 57 GiB: two do not fit an 80 GB card)."""
-    from ..models.decoder import DecoderLM, rope_inv_freq
-    with torch.device("meta"):
-        model = DecoderLM(cfg).to(dtype)
-    for ours, theirs in zip(model.layers, hf.model.layers):
-        if ours.sparse:
-            ours.mlp.gate_up = torch.nn.Parameter(theirs.mlp.experts.gate_up_proj.data, requires_grad=False)
-            ours.mlp.down = torch.nn.Parameter(theirs.mlp.experts.down_proj.data, requires_grad=False)
-    for mod in model.modules():
-        for name, t in list(mod.named_parameters(recurse=False)):
-            if t.is_meta:
-                setattr(mod, name, torch.nn.Parameter(torch.empty_like(t, device=device), requires_grad=False))
-        for name, t in list(mod.named_buffers(recurse=False)):
-            if t.is_meta:
-                mod.register_buffer(name, torch.empty_like(t, device=device),
-                                    persistent=name not in mod._non_persistent_buffers_set)
-    model.inv_freq = rope_inv_freq(cfg, model.head_dim).to(device)
-    return model.eval().requires_grad_(False)
+def hf_experts(hf, cfg) -> dict:
+    """HF's stacked expert tensors by our parameter names (the same layout), for build_model(adopt=...):
+    one copy of an MoE's experts, not two."""
+    return {f"layers.{i}.mlp.{ours}": getattr(layer.mlp.experts, theirs).data
+            for i, layer in enumerate(hf.model.layers) if is_sparse_layer(cfg, i)
+            for ours, theirs in (("gate_up", "gate_up_proj"), ("down", "down_proj"))}
 
 
 def hf_generate(hf, prompts, G: int, repeats: int, device) -> dict:
@@ -252,7 +239,7 @@ def main(argv=None):
     torch.manual_seed(args.seed)
     with torch.device(device):    # random init on the device: an 8B init on CPU takes minutes
         hf = AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
-    model = build_sharing_experts(cfg, dtype, device, hf)
+    model = build_model(cfg, dtype, device, adopt=hf_experts(hf, cfg))
     copy_hf_tensors(model, hf.state_dict().items(), "HF model")
     if cuda:
         torch.cuda.empty_cache()
@@ -329,7 +316,7 @@ def main(argv=None):
                 "peak_memory_gb": torch.cuda.max_memory_allocated() / 1e9 if cuda else None,
                 "gpu_clocks": gpu_clocks,     # SM clock and power over the run (nvidia-smi): at the power limit?
                 **{c: engine.pipeline.counts[c] - counts0[c] for c in counts0},
-                **({"experts_touched_per_layer_step": experts_touched(o, P, model.layers[model.sparse_layers[0]].mlp.num_experts)}
+                **({"experts_touched_per_layer_step": experts_touched(o, P, num_experts(cfg))}
                    if params.return_routed_experts else {}),
                 "tokens": [c.token_ids for x in o for c in x.completions]}
 

@@ -30,11 +30,10 @@ def model_sizes(cfg, dtype_bytes: int = 2) -> dict:
     Hq = cfg.num_attention_heads
     Hkv = cfg.num_key_value_heads or Hq
     d = getattr(cfg, "head_dim", None) or h // Hq
-    from ..models.decoder import is_sparse_layer, num_experts
+    from ..models.decoder import expert_intermediate_size, is_sparse_layer, num_experts
     sparse = sum(is_sparse_layer(cfg, i) for i in range(L))
     E, k = (num_experts(cfg), cfg.num_experts_per_tok) if sparse else (0, 0)
-    expert_inter = getattr(cfg, "moe_intermediate_size", cfg.intermediate_size)     # Mixtral: intermediate_size
-    expert = 3 * h * expert_inter if sparse else 0        # one expert's gate, up and down
+    expert = 3 * h * expert_intermediate_size(cfg) if sparse else 0        # one expert's gate, up and down
     per_layer = h * (Hq + 2 * Hkv) * d + Hq * d * h + 2 * h
     # non-embedding weights outside the experts (dense MLPs, routers) + lm_head (tied or not: it is read)
     n = L * per_layer + (L - sparse) * 3 * h * cfg.intermediate_size + sparse * h * E + h + V * h

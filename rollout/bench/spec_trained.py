@@ -139,7 +139,8 @@ def widened(folder: str, hidden: int, intermediate: int, layers: int, device: to
     Zero rows / columns leave each sum unchanged: extra heads have zero queries, keys and values (uniform
     attention over zero values, then zero output columns), extra intermediate units a zero gate (silu(0) = 0),
     extra hidden dims stay zero down the residual; an RMSNorm over the padded width divides by
-    sqrt(hidden / h) less, so its gain is scaled by sqrt(h / hidden) and its eps by h / hidden. Head size and RoPE are unchanged."""
+    sqrt(hidden / h) less, so its gain is scaled by sqrt(h / hidden) and its eps by h / hidden. Head size
+    and RoPE are unchanged."""
     from transformers import LlamaConfig, LlamaForCausalLM
     small = LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32)
     c = small.config
@@ -293,12 +294,12 @@ def main(argv=None) -> dict:
             engines = []
             if device.type == "cuda":      # two engines share the card: 12 GiB of KV each holds the whole batch
                 common["kv_cache_memory"] = 12 << 30
+            cfg, tensors = widened(folder, *map(int, args.widen.split(",")), device, torch_dtype)
             for extra in ({}, spec):         # a model each: the engines share nothing
-                cfg, tensors = widened(folder, *map(int, args.widen.split(",")), device, torch_dtype)
                 model = build_model(cfg, torch_dtype, device)
                 copy_hf_tensors(model, tensors.items(), "widened model")
-                del tensors
                 engines.append(RolloutEngine(model, cfg, tokenizer=build_tokenizer(), **common, **extra))
+            del tensors
             off_engine, on_engine = engines
             trained["widened"] = {"hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
                                   "num_hidden_layers": cfg.num_hidden_layers, "weight_bytes": parameter_bytes(model)}

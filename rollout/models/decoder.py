@@ -164,7 +164,7 @@ class SparseMoE(nn.Module):
 
     def __init__(self, cfg):
         super().__init__()
-        E, inter, H = num_experts(cfg), getattr(cfg, "moe_intermediate_size", cfg.intermediate_size), cfg.hidden_size
+        E, inter, H = num_experts(cfg), expert_intermediate_size(cfg), cfg.hidden_size
         self.num_experts, self.inter, self.top_k = E, inter, cfg.num_experts_per_tok
         # Mixtral always renormalises the top-k weights; the Qwen MoEs when norm_topk_prob says so
         self.renormalize = cfg.model_type == "mixtral" or bool(getattr(cfg, "norm_topk_prob", False))
@@ -189,6 +189,10 @@ class SparseMoE(nn.Module):
 
 def num_experts(cfg) -> int:
     return getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None) or 0   # Qwen / Mixtral
+
+
+def expert_intermediate_size(cfg) -> int:
+    return getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size               # Qwen / Mixtral
 
 
 def is_sparse_layer(cfg, i: int) -> bool:

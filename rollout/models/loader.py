@@ -30,12 +30,27 @@ def resolve_dtype(dtype: Union[str, torch.dtype, None], hf_config, device: torch
     return out
 
 
-def build_model(hf_config, dtype: torch.dtype, device: torch.device) -> DecoderLM:
+def build_model(hf_config, dtype: torch.dtype, device: torch.device,
+                adopt: Optional[dict[str, torch.Tensor]] = None) -> DecoderLM:
     """The model with UNINITIALISED weights in `dtype` on `device` (load, init_random or copy into it):
-    built on the meta device, then allocated once (an fp32 build first would need 2x the memory)."""
+    built on the meta device, then allocated once (an fp32 build first would need 2x the memory).
+    adopt: {parameter name: tensor} held as given, never allocated (the bench shares HF's MoE experts:
+    Qwen3-30B-A3B's are 57 GiB, and two copies do not fit an 80 GB card even for a moment)."""
     with torch.device("meta"):       # DecoderLM checks the architecture
-        model = DecoderLM(hf_config)
-    model = model.to(dtype).to_empty(device=device)
+        model = DecoderLM(hf_config).to(dtype)
+    for name, t in (adopt or {}).items():
+        owner, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(owner), attr, torch.nn.Parameter(t, requires_grad=False))
+    allocated: dict[int, torch.Tensor] = {}     # Module.to_empty for what is still on meta; shared stays shared
+    for mod in model.modules():
+        for name, t in list(mod.named_parameters(recurse=False)):
+            if t.is_meta:
+                empty = torch.nn.Parameter(torch.empty_like(t, device=device), requires_grad=False)
+                setattr(mod, name, allocated.setdefault(id(t), empty))
+        for name, t in list(mod.named_buffers(recurse=False)):
+            if t.is_meta:
+                mod.register_buffer(name, allocated.setdefault(id(t), torch.empty_like(t, device=device)),
+                                    persistent=name not in mod._non_persistent_buffers_set)
     model.inv_freq = rope_inv_freq(hf_config, model.head_dim).to(device)    # fp32 as in HF; `.to` rounded it
     return model.eval().requires_grad_(False)
 

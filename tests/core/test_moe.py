@@ -308,3 +308,25 @@ def test_bench_runs_an_moe_shape_with_the_routed_mode(tmp_path):
     # measured (a mean of whole counts over 18 layer-steps) vs estimated 8 (1 - (3/4)^3) = 4.625
     assert r["roofline_routed"]["bytes_per_step"] != r["roofline"]["bytes_per_step"]
     assert "routed_experts_cost" in r
+
+
+def test_build_model_adopts_given_expert_tensors_without_a_copy():
+    """build_model(adopt=...) holds the given tensors themselves (the bench shares HF's 57 GiB of experts)
+    and allocates the rest on the device; the model then equals one built and copied the usual way."""
+    from transformers import AutoModelForCausalLM
+
+    from rollout.bench.__main__ import hf_experts
+    from rollout.models.loader import build_model, copy_hf_tensors
+    cfg = moe_config()
+    hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    adopt = hf_experts(hf, cfg)
+    assert sorted(adopt) == ["layers.0.mlp.down", "layers.0.mlp.gate_up", "layers.2.mlp.down", "layers.2.mlp.gate_up"]
+    shared = build_model(cfg, torch.float32, torch.device("cpu"), adopt=adopt)
+    assert shared.layers[0].mlp.gate_up.data_ptr() == hf.model.layers[0].mlp.experts.gate_up_proj.data_ptr()
+    assert not any(t.is_meta for t in [*shared.parameters(), *shared.buffers()])
+    copy_hf_tensors(shared, hf.state_dict().items())
+    plain = build_model(cfg, torch.float32, torch.device("cpu"))
+    copy_hf_tensors(plain, hf.state_dict().items())
+    assert plain.layers[0].mlp.gate_up.data_ptr() != hf.model.layers[0].mlp.experts.gate_up_proj.data_ptr()
+    for (name, a), (_, b) in zip(shared.state_dict().items(), plain.state_dict().items()):
+        assert torch.equal(a, b), name

@@ -45,7 +45,8 @@ def test_http_variant_trains_through_a_server_process_on_cpu(tmp_path, monkeypat
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     out = tmp_path / "http.json"
     colocated.main(["--device", "cpu", "--shape", "tiny", "--steps", "2", "--batch", "4", "--num-generations", "2",
-                    "--prompt-len", "8", "--completion-len", "8", "--variants", "http", "--warmup", "none", "--out", str(out)])
+                    "--prompt-len", "8", "--completion-len", "8", "--variants", "http", "--warmup", "none",
+                    "--out", str(out)])
     v = json.loads(out.read_text())["variants"]["http"]
     assert v["steps"] == 2 and 0 < v["generation_s"] < v["step_s"] and v["weight_sync_s"] > 0
     logged = v["logged"]

@@ -153,8 +153,8 @@ def test_trl_grpo_through_http_adapter(process_server, chat_dir, tmp_path, monke
 
 
 def test_staged_sources_are_released_a_few_at_a_time_letting_other_threads_run():
-    """release_gradually frees the sources a few at a time and hands the GIL over between (a thread waiting to launch
-    the commit runs in between); a plain list drop would free them all in one GIL hold."""
+    """release_gradually frees the sources a few at a time and hands the GIL over between (a thread waiting
+    to launch the commit runs in between); a plain list drop would free them all in one GIL hold."""
     import threading
     import time
     import weakref
