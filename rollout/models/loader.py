@@ -38,7 +38,13 @@ def build_model(hf_config, dtype: torch.dtype, device: torch.device,
     Qwen3-30B-A3B's are 57 GiB, and two copies do not fit an 80 GB card even for a moment)."""
     with torch.device("meta"):       # DecoderLM checks the architecture
         model = DecoderLM(hf_config).to(dtype)
+    params = dict(model.named_parameters())
     for name, t in (adopt or {}).items():
+        want = params.get(name)
+        if want is None or tuple(t.shape) != tuple(want.shape) or t.dtype != want.dtype:
+            held = "" if want is None else f" ({tuple(want.shape)} {want.dtype})"
+            raise ValueError(f"adopt: {name!r} {tuple(t.shape)} {t.dtype} is not a parameter of this model "
+                             f"of that shape and dtype{held}")
         owner, _, attr = name.rpartition(".")
         setattr(model.get_submodule(owner), attr, torch.nn.Parameter(t, requires_grad=False))
     allocated: dict[int, torch.Tensor] = {}     # Module.to_empty for what is still on meta; shared stays shared

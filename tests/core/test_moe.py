@@ -330,3 +330,7 @@ def test_build_model_adopts_given_expert_tensors_without_a_copy():
     assert plain.layers[0].mlp.gate_up.data_ptr() != hf.model.layers[0].mlp.experts.gate_up_proj.data_ptr()
     for (name, a), (_, b) in zip(shared.state_dict().items(), plain.state_dict().items()):
         assert torch.equal(a, b), name
+    for bad in ({"layers.0.mlp.nope": adopt["layers.0.mlp.down"]}, {"layers.0.mlp.down": adopt["layers.0.mlp.gate_up"]},
+                {"layers.0.mlp.down": adopt["layers.0.mlp.down"].double()}):
+        with pytest.raises(ValueError, match="adopt: .* is not a parameter of this model of that shape and dtype"):
+            build_model(cfg, torch.float32, torch.device("cpu"), adopt=bad)

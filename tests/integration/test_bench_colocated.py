@@ -54,3 +54,8 @@ def test_http_variant_trains_through_a_server_process_on_cpu(tmp_path, monkeypat
         assert all(abs(x - 1) <= 1e-4 for x in logged[f"sampling/importance_sampling_ratio/{k}"])
     assert logged["gen/policy_version"] == [0, 1]
     assert "sleeps" not in v
+
+
+def test_an_unknown_warmup_variant_is_refused_before_any_run():
+    with pytest.raises(SystemExit, match="unknown variants"):
+        colocated.main(["--device", "cpu", "--shape", "tiny", "--warmup", "bogus"])

@@ -72,3 +72,14 @@ def test_widened_model_computes_the_trained_models_function(tmp_path):
         assert a.completions[0].token_ids == b.completions[0].token_ids
         torch.testing.assert_close(torch.tensor(a.completions[0].logprobs), torch.tensor(b.completions[0].logprobs),
                                    rtol=0, atol=1e-5)
+
+
+def test_widen_smaller_than_the_trained_model_is_refused(tmp_path):
+    import pytest
+    from transformers import LlamaConfig, LlamaForCausalLM
+    LlamaForCausalLM(LlamaConfig(vocab_size=18, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2)).save_pretrained(tmp_path)
+    import torch
+    for size in ((32, 96, 2), (64, 64, 2), (64, 96, 1), (80, 96, 2)):      # the last: not a multiple of 32
+        with pytest.raises(ValueError, match="--widen"):
+            spec_trained.widened(str(tmp_path), *size, torch.device("cpu"), torch.float32)
