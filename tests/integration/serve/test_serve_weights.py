@@ -184,7 +184,9 @@ def test_staged_sources_are_released_a_few_at_a_time_letting_other_threads_run()
     try:
         th.start()
         time.sleep(0.01)
-        release_gradually(items, every=2)
+        # a 2 ms pause (the default is 0.1 ms): on a loaded 2-core CI runner the OS may not wake the other
+        # thread inside a 0.1 ms window, and a missed window is scheduling, not a release held in one GIL hold
+        release_gradually(items, every=2, pause_s=2e-3)
     finally:
         stop.set()
         th.join()
