@@ -55,6 +55,7 @@ class EngineConfig:
     spec_max_step_tokens: int = 256              # rows x (k + 1) per drafted step (memory-bound); more rows: no drafts
     spec_min_acceptance: float = 0.2             # below this measured acceptance, drafting only as a probe
     spec_history_prompts: int = 0                # prompts whose latest completions stay as draft sources
+    spec_speed_gate: bool = True                 # draft only while drafted steps are measured faster than plain ones
     kernels: KernelSwitches = field(default_factory=lambda: dataclasses.replace(SWITCHES))   # rollout.env; same results
 
     def validate(self) -> "EngineConfig":
@@ -109,7 +110,8 @@ class EngineConfig:
                              f"space (swap_space_gb > 0)")
         if self.attention_backend not in ("auto", "torch", "triton"):
             bad("attention_backend", "'auto', 'torch' or 'triton'")
-        for name in ("enable_prefix_caching", "cuda_graphs", "batch_invariant", "pack_decode_weights"):
+        for name in ("enable_prefix_caching", "cuda_graphs", "batch_invariant", "pack_decode_weights",
+                     "spec_speed_gate"):
             if not isinstance(getattr(self, name), bool):
                 bad(name, "True or False")
         if self.async_pipeline is not None and not isinstance(self.async_pipeline, bool):

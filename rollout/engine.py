@@ -369,7 +369,7 @@ class RolloutEngine:
         (stops, freed pages). Returns the requests that finished."""
         t0 = time.perf_counter()
         self.kv.weights_version = self.policy_version   # sequences started now chain from this version's root
-        sched = self.scheduler.schedule(self._drafts() if self.speculator is not None else None)
+        sched = self.scheduler.schedule(self._drafts(t0) if self.speculator is not None else None)
         sched.policy_version = self.policy_version
         launched = None
         if sched.items:
@@ -408,10 +408,10 @@ class RolloutEngine:
             self.speculator.observe(sched.num_drafted, sched.num_accepted, sum(i.num_draft > 0 for i in sched.items))
         return [self._finish(r) for r in finished]
 
-    def _drafts(self) -> Optional[dict]:
+    def _drafts(self, now: float) -> Optional[dict]:
         """This step's drafts, or None: the speculator's k for the running rows; drafting needs every
         token known, so the batch in flight is finished first (the drafted step runs without the lag)."""
-        k = self.speculator.draft_len(self.scheduler.running)
+        k = self.speculator.draft_len(self.scheduler.running, now)
         if not k:
             return None
         if self._inflight is not None:

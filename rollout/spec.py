@@ -10,11 +10,15 @@ A drafted step needs every token known, so the engine first finishes the batch i
 run without the one-step lag. On CUDA they replay verify graphs (pipeline.py: one per token bucket, padded
 with inert tokens and sequences, captured on first use); with penalties or top logprobs, eagerly. So speculation
 is only on where that pays: few rows (rows x (k+1) within `spec_max_step_tokens`, the memory-bound
-regime) and a measured acceptance of at least `spec_min_acceptance` (probed again now and then).
+regime), a measured acceptance of at least `spec_min_acceptance` (probed again now and then), and
+(`spec_speed_gate`) drafted steps measured faster than plain ones: tokens per row and second of
+back-to-back drafted steps against back-to-back plain steps. A host-bound small model can accept half its
+drafts and still lose, as a drafted step gives up the overlap of host and device.
 """
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
+from statistics import median
 
 from .request import PLACEHOLDER, Request, Sequence
 
@@ -23,6 +27,9 @@ MAX_MATCH = 16         # longest suffix compared: the longest match wins, the la
 CANDIDATES = 8         # latest occurrences of the key compared per source
 PROBE_EVERY = 32       # steps between drafted probes while acceptance is low (and the longest back-off)
 ACCEPTANCE_DECAY = 0.8  # weight of the past in the measured acceptance
+RATE_SAMPLES = 5       # latest step rates kept per kind; their median is compared (a graph capture is one outlier)
+CONTROL_STEPS = 5      # plain steps run to measure plain decoding when no recent measurement exists
+REFRESH_STEPS = 512    # drafted steps after which plain decoding is measured again
 
 
 def _known(tokens: list[int]) -> int:
@@ -134,11 +141,21 @@ class Speculator:
         self.drafter = NgramDrafter(cfg.spec_history_prompts)
         self.max_draft, self.max_step_tokens = cfg.spec_max_draft, cfg.spec_max_step_tokens
         self.min_acceptance = cfg.spec_min_acceptance
+        self.speed_gate = cfg.spec_speed_gate
         self.acceptance = 1.0            # measured: accepted / drafted per drafted step, decayed
         self.wait = 0                    # steps to go before drafting again
         self.misses = 0                  # drafting attempts in a row that found no draft
+        # Step rates in tokens per decoding row and second, of steps that follow one of their own kind: a
+        # plain step after a drafted one refills the pipeline and a drafted step after a plain one first
+        # drains it, so neither is typical of its kind.
+        self.rates = {"plain": deque(maxlen=RATE_SAMPLES), "drafted": deque(maxlen=RATE_SAMPLES)}
+        self.kinds = [None, None]        # the two latest steps: "plain", "drafted" or None (neither, or no decode)
+        self.started = None              # when the latest step started
+        self.rows = 0                    # its decoding rows
+        self.gain = 1.0                  # its tokens per row (a drafted step: 1 + accepted / rows)
+        self.since_plain = 0             # drafted steps since plain decoding was last measured
         self.counts = {"spec_steps": 0, "spec_drafted": 0, "spec_accepted": 0, "spec_drafted_seqs": 0,
-                       "spec_drains": 0, "spec_empty": 0}
+                       "spec_drains": 0, "spec_empty": 0, "spec_control_steps": 0, "spec_slower": 0}
 
     @staticmethod
     def _eligible(seq: Sequence) -> bool:
@@ -147,16 +164,48 @@ class Speculator:
         return seq.num_tokens - seq.num_computed == 1 and seq.fork_count == 1 and p.speculative \
             and not p.return_routed_experts
 
-    def draft_len(self, running: list[Sequence]) -> int:
-        """k for this step: 0 (no speculation) in compute-bound steps (rows x (k + 1) over the limit),
-        with nothing decoding, and while backing off (low acceptance, or no draft found lately)."""
-        k = min(self.max_draft, self.max_step_tokens // max(sum(s.fork_count for s in running), 1) - 1)
+    def draft_len(self, running: list[Sequence], now: float) -> int:
+        """k for this step, which started at `now`: 0 (no speculation) in compute-bound steps (rows x
+        (k + 1) over the limit), with nothing decoding, while backing off (low acceptance, no draft found
+        lately, drafted steps measured slower than plain ones) and while plain decoding is measured."""
+        self._clock(now)
+        self.rows, self.gain = sum(s.fork_count for s in running), 1.0
+        k = min(self.max_draft, self.max_step_tokens // max(self.rows, 1) - 1)
+        self.kinds = [self.kinds[1], None]              # "drafted" once observe() sees its drafts verified
         if k < 1 or not any(self._eligible(s) for s in running):
             return 0
+        if self.speed_gate and not self.wait and (not self.rates["plain"] or self.since_plain >= REFRESH_STEPS):
+            self.wait, self.since_plain = CONTROL_STEPS, 0
+            self.counts["spec_control_steps"] += CONTROL_STEPS
         if self.wait:
             self.wait -= 1
+            self.kinds[1] = "plain"
             return 0
         return k
+
+    def _clock(self, now: float) -> None:
+        """Close the latest step: a typical one (after one of its kind) updates its kind's rate; a drafted
+        one measured slower than plain decoding (the medians, 3 drafted samples at least) backs off as
+        low acceptance does."""
+        kind, began = self.kinds[1], self.started
+        self.started = now
+        if kind is None or kind != self.kinds[0] or began is None or now <= began:
+            return
+        self.rates[kind].append(self.gain / (now - began))
+        if kind == "plain":
+            self.since_plain = 0
+            return
+        self.since_plain += 1
+        speedup = self.speedup()
+        if self.speed_gate and speedup is not None and speedup < 1 and len(self.rates["drafted"]) >= 3 \
+                and not self.wait:
+            self.counts["spec_slower"] += 1
+            self.wait = PROBE_EVERY
+
+    def speedup(self):
+        """Drafted steps' measured tokens per row and second over plain steps' (None: not measured yet)."""
+        p, d = self.rates["plain"], self.rates["drafted"]
+        return median(d) / median(p) if p and d else None
 
     def propose(self, running: list[Sequence], k: int) -> dict[Sequence, list[int]]:
         """Drafts of the eligible sequences (every token known by now); none found: back off 2, 4, .. steps."""
@@ -176,6 +225,7 @@ class Speculator:
         c["spec_drafted"] += num_drafted
         c["spec_accepted"] += num_accepted
         c["spec_drafted_seqs"] += num_seqs
+        self.kinds[1], self.gain = "drafted", 1.0 + num_accepted / max(self.rows, 1)
         self.acceptance = ACCEPTANCE_DECAY * self.acceptance + (1 - ACCEPTANCE_DECAY) * num_accepted / num_drafted
         if self.acceptance < self.min_acceptance:
             self.wait = PROBE_EVERY
@@ -184,4 +234,5 @@ class Speculator:
         c = self.counts
         # tokens a drafted sequence gained per drafted step: its accepted drafts and the row after them
         gained = (c["spec_accepted"] + c["spec_drafted_seqs"]) / max(c["spec_drafted_seqs"], 1)
-        return {**c, "spec_acceptance": self.acceptance, "spec_tokens_per_seq_step": gained}
+        return {**c, "spec_acceptance": self.acceptance, "spec_tokens_per_seq_step": gained,
+                "spec_measured_speedup": self.speedup()}

@@ -223,8 +223,8 @@ def run(label: str, engine: RolloutEngine, prompts: list[list[int]], texts: list
     tok = engine.tokenizer
     right = sum(correct(t, tok.decode(c.token_ids, skip_special_tokens=True))
                 for t, o in zip(texts, outs) for c in o.completions)
-    spec = {k: v - spec0.get(k, 0) if k in ("spec_steps", "spec_drafted", "spec_accepted", "spec_drafted_seqs")
-            else v for k, v in engine.stats().items() if k.startswith("spec_")}
+    counters = engine.speculator.counts if engine.speculator is not None else {}
+    spec = {k: v - spec0.get(k, 0) if k in counters else v for k, v in engine.stats().items() if k.startswith("spec_")}
     lengths = sorted(len(c.token_ids) for c in comps)
     res = {"makespan_s": wall, "tokens": tokens, "tok_s": tokens / wall, "steps": len(log.rows),
            "finished_by_eos": sum(c.finish_reason == "stop" for c in comps) / len(comps),

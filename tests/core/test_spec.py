@@ -12,7 +12,7 @@ from hf_reference import cpu_engine, random_prompts
 from rollout import RolloutEngine, SamplingParams
 from rollout.request import PLACEHOLDER, Request
 from rollout.config import EngineConfig
-from rollout.spec import PROBE_EVERY, NgramDrafter, Speculator
+from rollout.spec import CONTROL_STEPS, PROBE_EVERY, REFRESH_STEPS, NgramDrafter, Speculator
 from rollout.worker import RolloutWorker
 
 K = 5
@@ -344,19 +344,102 @@ def test_switches_and_their_checks(model_dir, tiny_tokenizer):
     assert narrow.stats()["spec_drafted"] == 0 and narrow.stats()["spec_drains"] == 0
 
 
-def test_policy_k_by_rows_off_at_low_acceptance_then_probes():
-    cfg = EngineConfig(speculative="ngram", spec_max_draft=4, spec_max_step_tokens=12, spec_min_acceptance=0.5)
-    sp = Speculator(cfg)
-    seqs = [Request(i, [1, 2, 3], SamplingParams(), seed=0).seqs[0] for i in range(4)]
+def _decoding(n):
+    seqs = [Request(i, [1, 2, 3], SamplingParams(), seed=0).seqs[0] for i in range(n)]
     for s in seqs:
         s.num_computed = 2                              # decoding: its last token is all it computes
-    assert [sp.draft_len(seqs[:n]) for n in (1, 2, 3, 4)] == [4, 4, 3, 2]   # rows x (k + 1) <= 12
-    assert sp.draft_len(seqs * 2) == 0                  # 8 rows: k = 0, compute-bound
+    return seqs
+
+
+def test_policy_k_by_rows_off_at_low_acceptance_then_probes():
+    cfg = EngineConfig(speculative="ngram", spec_max_draft=4, spec_max_step_tokens=12, spec_min_acceptance=0.5,
+                       spec_speed_gate=False)          # the gate is held to its own test below
+    sp = Speculator(cfg)
+    seqs = _decoding(4)
+    assert [sp.draft_len(seqs[:n], 0.0) for n in (1, 2, 3, 4)] == [4, 4, 3, 2]   # rows x (k + 1) <= 12
+    assert sp.draft_len(seqs * 2, 0.0) == 0             # 8 rows: k = 0, compute-bound
     seqs[0].num_computed = 1
-    assert sp.draft_len(seqs[:1]) == 0                  # nothing decoding (mid-prefill)
+    assert sp.draft_len(seqs[:1], 0.0) == 0             # nothing decoding (mid-prefill)
     for _ in range(10):
         sp.observe(10, 0, 2)                            # nothing accepted: acceptance 0.8 ** 10
-    assert [sp.draft_len(seqs[1:]) for _ in range(PROBE_EVERY + 1)] == [0] * PROBE_EVERY + [3]
+    assert [sp.draft_len(seqs[1:], 0.0) for _ in range(PROBE_EVERY + 1)] == [0] * PROBE_EVERY + [3]
     sp.observe(10, 10, 2)                               # the probe accepted all: still below 0.5, wait again
-    assert sp.acceptance < 0.5 and sp.draft_len(seqs[1:]) == 0
+    assert sp.acceptance < 0.5 and sp.draft_len(seqs[1:], 0.0) == 0
     assert sp.propose(seqs[1:], 3) == {} and sp.wait == 2   # no draft found: back off 2, 4, ... steps
+
+
+def test_speed_gate_measures_plain_steps_then_drafts_only_while_faster():
+    """Step times given: plain steps 1 ms; drafted steps gain 1 + 2 / 2 = 2 tokens per row, so they win
+    at 1.5 ms and lose at 3 ms (the host-bound case: half the drafts accepted, and still slower)."""
+    sp = Speculator(EngineConfig(speculative="ngram", spec_max_draft=4, spec_max_step_tokens=64))
+    seqs, now = _decoding(2), [0.0]
+
+    def steps(n, drafted_s, plain_s=1e-3):
+        ks = []
+        for _ in range(n):
+            k = sp.draft_len(seqs, now[0])
+            if k:
+                sp.observe(2 * k, 2, 2)                 # 2 of 8 drafts accepted over the 2 rows
+            now[0] += drafted_s if k else plain_s
+            ks.append(k)
+        return ks
+
+    # No plain measurement yet: the first steps are plain, to measure it (the last 4 are measured: the
+    # first follows a step that was not a plain decode).
+    assert steps(CONTROL_STEPS + 1, 1.5e-3) == [0] * CONTROL_STEPS + [4]
+    assert len(sp.rates["plain"]) == CONTROL_STEPS - 1
+    assert steps(40, 1.5e-3) == [4] * 40
+    assert sp.speedup() == pytest.approx(2 / 1.5e-3 / 1e3)   # the drafted rate over the plain one: 1.33
+    # Drafted steps slow down: once 3 of the last 5 are slow (the median), back off PROBE_EVERY steps.
+    ks = steps(3 + PROBE_EVERY + 2, 3e-3)
+    assert ks[:3] == [4] * 3 and ks[3:3 + PROBE_EVERY] == [0] * PROBE_EVERY and ks[-2:] == [4, 4]
+    assert sp.counts["spec_slower"] == 1 and sp.speedup() == pytest.approx(2 / 3e-3 / 1e3)
+    # The probe's first drafted step drained a plain batch (not measured); its second is measured, still
+    # slow: back off again.
+    assert steps(1, 3e-3) == [0] and sp.counts["spec_slower"] == 2
+    # Faster again (a shrinking batch, say): each probe adds one fast sample; the third moves the median,
+    # and drafting stays on. After REFRESH_STEPS drafted steps plain decoding is measured again.
+    ks = steps(3 * (PROBE_EVERY + 2) + 10, 1.5e-3)
+    assert sp.counts["spec_slower"] == 4 and sp.speedup() > 1 and ks[-10:] == [4] * 10
+    since = sp.since_plain
+    ks = steps(REFRESH_STEPS + CONTROL_STEPS, 1.5e-3)
+    # a step is measured when the next one starts (the first here measures the last one above), and the
+    # step that measures the REFRESH_STEPS-th starts the control
+    first = REFRESH_STEPS - since - 1
+    assert ks.count(0) == CONTROL_STEPS and ks[first:first + CONTROL_STEPS] == [0] * CONTROL_STEPS
+    assert sp.counts["spec_control_steps"] == 2 * CONTROL_STEPS
+
+
+@pytest.mark.parametrize("slow", ["verify", "every_step"])
+def test_speed_gate_in_the_engine(model_dir, tiny_tokenizer, slow):
+    """The engine times its steps for the gate. A forward made slow only when it verifies drafts (a
+    compute- or host-bound model) turns drafting off, with the tokens unchanged; a forward made slow on
+    every step (memory-bound: a drafted step costs what a plain one does) keeps it on. The sleeps
+    (0.1 s / 0.02 s) dwarf the tiny model's few-ms steps, so a loaded CI runner cannot flip the verdicts."""
+    import time
+    path = model_dir("llama")
+    prompts = _prompts(tiny_tokenizer, 2)
+    p = SamplingParams(n=2, max_new_tokens=48, temperature=0, ignore_eos=True)
+    rows = len(prompts) * p.n
+
+    def slowed(eng):
+        run = eng.runner.run
+
+        def timed(dev, *a, **kw):
+            if slow == "every_step" or dev.num_rows > rows:     # more sampled rows than sequences: a verify
+                time.sleep(0.1 if slow == "verify" else 0.02)
+            return run(dev, *a, **kw)
+        eng.runner.run = timed
+        eng.generate(prompts, p, use_tqdm=False)         # the history the next round drafts from
+        return eng.generate(prompts, p, use_tqdm=False), eng.stats()
+
+    outs, st = slowed(_spec(path))
+    assert_same(outs, cpu_engine(path).generate(prompts, p, use_tqdm=False))
+    assert st["spec_control_steps"] >= CONTROL_STEPS and st["spec_accepted"] > 0
+    if slow == "verify":
+        assert st["spec_slower"] >= 1 and st["spec_measured_speedup"] < 1, st
+        _, ungated = slowed(_spec(path, spec_speed_gate=False))
+        # after the measured verdict only probes draft (7 drafted steps against 13 when measured)
+        assert st["spec_steps"] < ungated["spec_steps"] and ungated["spec_slower"] == 0, (st, ungated)
+    else:
+        assert st["spec_slower"] == 0 and st["spec_measured_speedup"] > 1, st
