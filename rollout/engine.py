@@ -411,6 +411,8 @@ class RolloutEngine:
     def _drafts(self, now: float) -> Optional[dict]:
         """This step's drafts, or None: the speculator's k for the running rows; drafting needs every
         token known, so the batch in flight is finished first (the drafted step runs without the lag)."""
+        graphs = self.pipeline.graphs       # the speed gate's clock stops while a graph is captured on first use
+        now -= graphs.capture_on_use_s if graphs is not None else 0.0
         k = self.speculator.draft_len(self.scheduler.running, now)
         if not k:
             return None

@@ -27,7 +27,7 @@ MAX_MATCH = 16         # longest suffix compared: the longest match wins, the la
 CANDIDATES = 8         # latest occurrences of the key compared per source
 PROBE_EVERY = 32       # steps between drafted probes while acceptance is low (and the longest back-off)
 ACCEPTANCE_DECAY = 0.8  # weight of the past in the measured acceptance
-RATE_SAMPLES = 5       # latest step rates kept per kind; their median is compared (a graph capture is one outlier)
+RATE_SAMPLES = 5       # latest step rates kept per kind; their median is compared (robust to one slow step)
 CONTROL_STEPS = 5      # plain steps run to measure plain decoding when no recent measurement exists
 REFRESH_STEPS = 512    # drafted steps after which plain decoding is measured again
 
