@@ -185,8 +185,8 @@ class Speculator:
 
     def _clock(self, now: float) -> None:
         """Close the latest step: a typical one (after one of its kind) updates its kind's rate; a drafted
-        one measured slower than plain decoding (the medians, 3 drafted samples at least) backs off as
-        low acceptance does."""
+        one measured slower than plain decoding (the medians: over 3 drafted samples at least, or over
+        one at under half the plain rate, where exploring costs most) backs off as low acceptance does."""
         kind, began = self.kinds[1], self.started
         self.started = now
         if kind is None or kind != self.kinds[0] or began is None or now <= began:
@@ -196,8 +196,8 @@ class Speculator:
             self.since_plain = 0
             return
         self.since_plain += 1
-        speedup = self.speedup()
-        if self.speed_gate and speedup is not None and speedup < 1 and len(self.rates["drafted"]) >= 3 \
+        speedup, samples = self.speedup(), len(self.rates["drafted"])
+        if self.speed_gate and speedup is not None and (speedup < 0.5 or speedup < 1 and samples >= 3) \
                 and not self.wait:
             self.counts["spec_slower"] += 1
             self.wait = PROBE_EVERY

@@ -370,7 +370,7 @@ def test_policy_k_by_rows_off_at_low_acceptance_then_probes():
 
 def test_speed_gate_measures_plain_steps_then_drafts_only_while_faster():
     """Step times given: plain steps 1 ms; drafted steps gain 1 + 2 / 2 = 2 tokens per row, so they win
-    at 1.5 ms and lose at 3 ms (the host-bound case: half the drafts accepted, and still slower)."""
+    at 1.5 ms and lose at 3 ms (the host-bound case: half the drafts accepted, and still slower) or 5 ms."""
     sp = Speculator(EngineConfig(speculative="ngram", spec_max_draft=4, spec_max_step_tokens=64))
     seqs, now = _decoding(2), [0.0]
 
@@ -408,6 +408,10 @@ def test_speed_gate_measures_plain_steps_then_drafts_only_while_faster():
     first = REFRESH_STEPS - since - 1
     assert ks.count(0) == CONTROL_STEPS and ks[first:first + CONTROL_STEPS] == [0] * CONTROL_STEPS
     assert sp.counts["spec_control_steps"] == 2 * CONTROL_STEPS
+    # Under half the plain rate (drafted steps 5 ms: 0.4), one sample is enough to back off.
+    sp = Speculator(EngineConfig(speculative="ngram", spec_max_draft=4, spec_max_step_tokens=64))
+    assert steps(CONTROL_STEPS + 3, 5e-3) == [0] * CONTROL_STEPS + [4, 4, 0]
+    assert sp.counts["spec_slower"] == 1 and sp.speedup() == pytest.approx(2 / 5e-3 / 1e3)
 
 
 @pytest.mark.parametrize("slow", ["verify", "every_step"])
