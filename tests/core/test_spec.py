@@ -322,7 +322,7 @@ def test_weight_update_between_drafted_steps_keeps_versions_exact(model_dir, tin
 def test_switches_and_their_checks(model_dir, tiny_tokenizer):
     path = model_dir("llama")
     for bad in ({"speculative": "eagle"}, {"spec_max_draft": 0}, {"spec_min_acceptance": 1.5},
-                {"spec_max_step_tokens": 1}, {"spec_history_prompts": -1}):
+                {"spec_max_step_tokens": 1}, {"spec_history_prompts": -1}, {"spec_speed_gate": 1}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             _spec(path, **bad)
     with pytest.raises(ValueError, match="speculative"):
