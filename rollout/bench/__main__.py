@@ -338,6 +338,8 @@ def main(argv=None):
             result["roofline_routed"] = roofline(cfg, S, P, G, prefill_seqs=B, dtype_bytes=dtype.itemsize,
                                                  touched=best["experts_touched_per_layer_step"])
             best["fraction_of_roofline_routed"] = best["tok_s"] / result["roofline_routed"]["tok_s"]
+        # written after each mode: a run cut off by a time limit keeps what it measured
+        write_json({**result, "partial": True, "meta": run_meta("rollout.bench", argv)}, args.out)
     result["ours"] = result[f"ours_{modes[-1]}"]
     result["engine_stats"] = engine.stats()
     if len(tokens) > 1:
