@@ -5,6 +5,9 @@
 `--epilogues-only`: the fused GEMM epilogues (RoPE + K/V write, SiLU * up) against the two
 kernels each replaces (`bench_epilogues`).
 
+`--moe` (an MoE shape): the fused MoE's tiles swept at each --m tokens (`bench_moe`), GB/s counted
+over the experts the routing actually touched.
+
 For each linear of the shape (fused QKV, o_proj, fused gate_up, down_proj, lm_head) and each M:
 the time per call inside a CUDA graph, cycling over enough weight copies that none sits in L2.
 GB/s = weight bytes / time, next to a device-to-device copy. The Triton configs are swept at the
@@ -195,6 +198,62 @@ def bench_epilogues(cfg, M: int, copy_gbps: float, results: list, dtype=torch.bf
         pdl.set_enabled(was)
 
 
+def moe_sweep_configs(pairs_per_expert: float) -> list[tuple[int, int, int, int, int]]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): short row blocks where each expert has a few
+    pairs (decode: the weights are the bytes), tall ones where it has many (prefill: reuse per tile)."""
+    rows = (16, 32) if pairs_per_expert <= 16 else (64, 128)
+    out = []
+    for bm, bn, bk, st in itertools.product(rows, (32, 64, 128), (64, 128, 256), (3, 4, 5)):
+        if bm >= 64 and (bk == 256 or st == 5 or bn == 32):    # shared memory; tall tiles want wide ones
+            continue
+        if bm < 64 and bk == 64:       # decode streams weights: short K steps only add loop overhead
+            continue
+        for nw in ((4, 8) if bn == 128 or bm >= 64 else (4,)):
+            out.append((bm, bn, bk, nw, st))
+    return out
+
+
+def bench_moe(cfg, Ts, copy_gbps: float, results: list, dtype=torch.bfloat16) -> None:
+    """The fused MoE (one layer's experts) at T tokens each, every sweep config checked against the
+    reference loop first (max |err| relative to the output's scale), then timed in a CUDA graph over
+    two layers' expert copies (one layer's experts are ~50x L2). GB/s = bytes of the experts the
+    routing touched / time; `of_copy` = that over the copy rate; what layers/moe.py picks is marked."""
+    from ..kernels.fused_moe import fused_moe
+    from ..layers.moe import experts_reference, moe_tiles, route
+    E, k = cfg.num_experts, cfg.num_experts_per_tok
+    H, inter = cfg.hidden_size, cfg.moe_intermediate_size
+    expert_bytes = 3 * inter * H * torch.finfo(dtype).bits // 8
+    layers = [(torch.randn(E, 2 * inter, H, device="cuda", dtype=dtype) * 0.02,
+               torch.randn(E, H, inter, device="cuda", dtype=dtype) * 0.02) for _ in range(2)]
+    for T in Ts:
+        x = torch.randn(T, H, device="cuda", dtype=dtype)
+        weights, ids = route(torch.randn(T, E, device="cuda", dtype=dtype), k, cfg.norm_topk_prob)
+        touched = ids.unique().numel()
+        ref = experts_reference(x.float(), weights, ids, layers[0][0].float(), layers[0][1].float())
+        scale = ref.abs().max().item()
+        row = dict(T=T, pairs=T * k, experts_touched=touched, touched_bytes=touched * expert_bytes,
+                   default=str(moe_tiles(T, k, E)), configs={})
+        for c in moe_sweep_configs(T * k / E):
+            try:
+                err = (fused_moe(x, weights, ids, *layers[0], c).float() - ref).abs().max().item() / scale
+                torch.cuda.synchronize()
+            except Exception as e:        # out of shared memory for big tiles x stages
+                row["configs"][str(c)] = {"error": type(e).__name__}
+                continue
+            us = graph_time_us(lambda i: fused_moe(x, weights, ids, *layers[i], c), len(layers))
+            row["configs"][str(c)] = {"us": us, "GBps": row["touched_bytes"] / us / 1e3, "rel_err": err}
+        ok = {c: v for c, v in row["configs"].items() if "us" in v and v["rel_err"] < 2e-2}   # bf16 output: ~4e-3
+        if ok:
+            best = min(ok, key=lambda c: ok[c]["us"])
+            row.update(best=best, best_us=ok[best]["us"], best_of_copy=ok[best]["GBps"] / copy_gbps)
+        d = row["configs"].get(row["default"], {})
+        print(f"moe T={T:5d} ({touched:3d} experts touched): best {row.get('best')} "
+              f"{row.get('best_us', float('nan')):8.1f} us {100 * row.get('best_of_copy', float('nan')):4.0f}% of copy"
+              f" | default {row['default']} {d.get('us', float('nan')):8.1f} us", flush=True)
+        results.append(row)
+    layers.clear()
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES))
@@ -208,11 +267,19 @@ def main(argv=None):
                     help="time the fastest N configs again with programmatic dependent launch (0: off)")
     ap.add_argument("--epilogues-only", action="store_true",
                     help="only the fused-epilogue GEMMs against their two-kernel form, at each --m")
+    ap.add_argument("--moe", action="store_true", help="only the fused MoE's tiles, at each --m tokens")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("rollout.bench.gemm needs a CUDA GPU")
     cfg = make_config(args.shape)
+    if args.moe:
+        copy_gbps = copy_bandwidth()
+        results: list = []
+        bench_moe(cfg, args.m, copy_gbps, results)
+        write_json(dict(shape=args.shape, copy_GBps=copy_gbps, moe=results, meta=run_meta("rollout.bench.gemm", argv)),
+                   args.out)
+        return
     shapes = linear_shapes(cfg)
     copy_gbps = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}: copy {copy_gbps:.0f} GB/s (read + write)", flush=True)
