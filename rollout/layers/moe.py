@@ -10,11 +10,15 @@ import torch
 import torch.nn.functional as F
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages). Decode: a few pairs per expert, so 16-row blocks
-# (the MMA's least) waste the least padding; prefill: 64-row blocks reuse each weight tile across rows.
-# Untuned starting points; an H200 sweep would set them per shape as layers/linear.py's tables are.
+# (the MMA's least) waste the least padding; prefill: taller blocks reuse each weight tile across rows.
+# Swept at the Qwen3-30B-A3B shape on an H100 (`python -m rollout.bench.gemm --moe`, bench/results
+# 2026-12-06_moe_tiles_*): these decode tiles are within 2% of the best at 8-256 tokens (95% of the copy
+# rate at 32), the 64-row ones best at 512 tokens, the 128-row ones 1.31x faster at 4096.
 DECODE_TILES = (16, 64, 128, 4, 4)
 PREFILL_TILES = (64, 64, 64, 4, 3)
+LONG_PREFILL_TILES = (128, 128, 64, 8, 4)
 DECODE_PAIRS_PER_EXPERT = 16      # T * k / E at or below this: the decode tiles
+LONG_PREFILL_PAIRS_PER_EXPERT = 128   # at or above this: the long-prefill tiles
 
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool, ids_out: Optional[torch.Tensor] = None):
@@ -43,7 +47,10 @@ def experts_reference(x, weights, ids, w_gate_up, w_down) -> torch.Tensor:
 
 
 def moe_tiles(num_tokens: int, top_k: int, num_experts: int) -> tuple[int, int, int, int, int]:
-    return DECODE_TILES if num_tokens * top_k <= DECODE_PAIRS_PER_EXPERT * num_experts else PREFILL_TILES
+    pairs = num_tokens * top_k
+    if pairs <= DECODE_PAIRS_PER_EXPERT * num_experts:
+        return DECODE_TILES
+    return LONG_PREFILL_TILES if pairs >= LONG_PREFILL_PAIRS_PER_EXPERT * num_experts else PREFILL_TILES
 
 
 def experts(x, weights, ids, w_gate_up, w_down, fused: bool) -> torch.Tensor:

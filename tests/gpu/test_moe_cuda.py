@@ -24,6 +24,7 @@ def _inputs(T, H, inter, E, k, seed=0):
 
 
 @pytest.mark.parametrize("T,H,inter,E,k", [(1, 2048, 768, 128, 8), (32, 2048, 768, 128, 8), (300, 2048, 768, 128, 8),
+                                       (4096, 2048, 768, 128, 8),
                                        (7, 200, 136, 9, 3), (129, 200, 136, 9, 3)])
 def test_fused_moe_matches_reference_bf16(T, H, inter, E, k):
     from rollout.kernels.fused_moe import fused_moe

@@ -585,7 +585,7 @@ def test_compiles_for_sm90(tmp_path):
         compile_(fm._moe_count_kernel, E_PAD=128, CHUNK=128)     # fused MoE: the sort, both grouped GEMMs
         compile_(fm._moe_offsets_kernel, BLOCK_M=16, E_PAD=128, ROWS=16)
         compile_(fm._moe_scatter_kernel, E_PAD=128, CHUNK=128)
-        for bm, bn, bk, _, _ in (moe.DECODE_TILES, moe.PREFILL_TILES):
+        for bm, bn, bk, _, _ in (moe.DECODE_TILES, moe.PREFILL_TILES, moe.LONG_PREFILL_TILES):
             compile_(fm._moe_gate_up_kernel, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
             compile_(fm._moe_down_kernel, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
         print("ok")

@@ -17,7 +17,8 @@ pytest.importorskip("triton")
 import torch  # noqa: E402
 
 from rollout.kernels.fused_moe import fused_moe, moe_align  # noqa: E402
-from rollout.layers.moe import DECODE_TILES, PREFILL_TILES, experts_reference, moe_tiles, route  # noqa: E402
+from rollout.layers.moe import (DECODE_TILES, LONG_PREFILL_TILES, PREFILL_TILES, experts_reference,  # noqa: E402
+                                moe_tiles, route)
 
 
 def _case(T, H, inter, E, k, dtype, seed):
@@ -59,7 +60,8 @@ TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=4e-3,
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("T,H,inter,E,k,tiles", [
     (1, 40, 24, 5, 2, DECODE_TILES), (7, 40, 24, 5, 2, (16, 16, 16, 4, 2)), (13, 72, 40, 9, 3, (16, 32, 32, 4, 2)),
-    (45, 48, 56, 6, 2, PREFILL_TILES), (3, 200, 136, 4, 4, (32, 64, 64, 4, 2))])
+    (45, 48, 56, 6, 2, PREFILL_TILES), (150, 48, 56, 6, 2, LONG_PREFILL_TILES),
+    (3, 200, 136, 4, 4, (32, 64, 64, 4, 2))])
 def test_fused_moe_matches_the_reference(T, H, inter, E, k, tiles, dtype):
     x, weights, ids, w1, w2 = _case(T, H, inter, E, k, dtype, T * H)
     got = fused_moe(x, weights, ids, w1, w2, tiles)
@@ -73,7 +75,9 @@ def test_fused_moe_matches_the_reference(T, H, inter, E, k, tiles, dtype):
 
 
 def test_tiles_follow_pairs_per_expert():
-    assert moe_tiles(32, 8, 128) == DECODE_TILES and moe_tiles(2048, 8, 128) == PREFILL_TILES
+    assert moe_tiles(32, 8, 128) == DECODE_TILES and moe_tiles(256, 8, 128) == DECODE_TILES
+    assert moe_tiles(257, 8, 128) == PREFILL_TILES and moe_tiles(2047, 8, 128) == PREFILL_TILES
+    assert moe_tiles(2048, 8, 128) == LONG_PREFILL_TILES
 
 
 def test_moe_engine_on_triton_kernels_matches_torch_backend(tmp_path, monkeypatch):
