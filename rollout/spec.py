@@ -25,7 +25,9 @@ from .request import PLACEHOLDER, Request, Sequence
 MIN_MATCH = 2          # tokens of suffix a draft needs to match (the index's key)
 MAX_MATCH = 16         # longest suffix compared: the longest match wins, the latest among equals
 CANDIDATES = 8         # latest occurrences of the key compared per source
-PROBE_EVERY = 32       # steps between drafted probes while acceptance is low (and the longest back-off)
+PROBE_EVERY = 32       # steps between drafted probes while acceptance is low (and the longest back-off
+                       # without a draft); drafted steps measured slower back off this, doubled each time in a row
+MAX_SLOW_BACKOFF = 256  # up to this many steps
 ACCEPTANCE_DECAY = 0.8  # weight of the past in the measured acceptance
 RATE_SAMPLES = 5       # latest step rates kept per kind; their median is compared (robust to one slow step)
 CONTROL_STEPS = 5      # plain steps run to measure plain decoding when no recent measurement exists
@@ -154,6 +156,8 @@ class Speculator:
         self.rows = 0                    # its decoding rows
         self.gain = 1.0                  # its tokens per row (a drafted step: 1 + accepted / rows)
         self.since_plain = 0             # drafted steps since plain decoding was last measured
+        self.slow_in_a_row = 0           # drafted runs measured slower, with no faster one since
+        self.measured_speedup = None     # the latest drafted-over-plain rate (stats)
         self.counts = {"spec_steps": 0, "spec_drafted": 0, "spec_accepted": 0, "spec_drafted_seqs": 0,
                        "spec_drains": 0, "spec_empty": 0, "spec_control_steps": 0, "spec_slower": 0}
 
@@ -186,7 +190,7 @@ class Speculator:
     def _clock(self, now: float) -> None:
         """Close the latest step: a typical one (after one of its kind) updates its kind's rate; a drafted
         one measured slower than plain decoding (the medians: over 3 drafted samples at least, or over
-        one at under half the plain rate, where exploring costs most) backs off as low acceptance does."""
+        one at under half the plain rate, where exploring costs most) backs off, longer each time in a row."""
         kind, began = self.kinds[1], self.started
         self.started = now
         if kind is None or kind != self.kinds[0] or began is None or now <= began:
@@ -197,10 +201,19 @@ class Speculator:
             return
         self.since_plain += 1
         speedup, samples = self.speedup(), len(self.rates["drafted"])
-        if self.speed_gate and speedup is not None and (speedup < 0.5 or speedup < 1 and samples >= 3) \
-                and not self.wait:
+        self.measured_speedup = speedup
+        if not self.speed_gate or speedup is None:
+            return
+        if speedup >= 1 and samples >= 3:
+            self.slow_in_a_row = 0
+        elif (speedup < 0.5 or speedup < 1 and samples >= 3) and not self.wait:
+            # A verdict holds for the conditions it was measured in (rows, acceptance), which change as the
+            # batch drains: the next probe is judged on its own samples. Slow again and again (a host-bound
+            # model): probe less often.
             self.counts["spec_slower"] += 1
-            self.wait = PROBE_EVERY
+            self.rates["drafted"].clear()
+            self.wait = min(PROBE_EVERY << self.slow_in_a_row, MAX_SLOW_BACKOFF)
+            self.slow_in_a_row += 1
 
     def speedup(self):
         """Drafted steps' measured tokens per row and second over plain steps' (None: not measured yet)."""
@@ -235,4 +248,4 @@ class Speculator:
         # tokens a drafted sequence gained per drafted step: its accepted drafts and the row after them
         gained = (c["spec_accepted"] + c["spec_drafted_seqs"]) / max(c["spec_drafted_seqs"], 1)
         return {**c, "spec_acceptance": self.acceptance, "spec_tokens_per_seq_step": gained,
-                "spec_measured_speedup": self.speedup()}
+                "spec_measured_speedup": self.measured_speedup}

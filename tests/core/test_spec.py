@@ -12,7 +12,7 @@ from hf_reference import cpu_engine, random_prompts
 from rollout import RolloutEngine, SamplingParams
 from rollout.request import PLACEHOLDER, Request
 from rollout.config import EngineConfig
-from rollout.spec import CONTROL_STEPS, PROBE_EVERY, REFRESH_STEPS, NgramDrafter, Speculator
+from rollout.spec import CONTROL_STEPS, MAX_SLOW_BACKOFF, PROBE_EVERY, REFRESH_STEPS, NgramDrafter, Speculator
 from rollout.worker import RolloutWorker
 
 K = 5
@@ -393,14 +393,16 @@ def test_speed_gate_measures_plain_steps_then_drafts_only_while_faster():
     # Drafted steps slow down: once 3 of the last 5 are slow (the median), back off PROBE_EVERY steps.
     ks = steps(3 + PROBE_EVERY + 2, 3e-3)
     assert ks[:3] == [4] * 3 and ks[3:3 + PROBE_EVERY] == [0] * PROBE_EVERY and ks[-2:] == [4, 4]
-    assert sp.counts["spec_slower"] == 1 and sp.speedup() == pytest.approx(2 / 3e-3 / 1e3)
-    # The probe's first drafted step drained a plain batch (not measured); its second is measured, still
-    # slow: back off again.
-    assert steps(1, 3e-3) == [0] and sp.counts["spec_slower"] == 2
-    # Faster again (a shrinking batch, say): each probe adds one fast sample; the third moves the median,
-    # and drafting stays on. After REFRESH_STEPS drafted steps plain decoding is measured again.
-    ks = steps(3 * (PROBE_EVERY + 2) + 10, 1.5e-3)
-    assert sp.counts["spec_slower"] == 4 and sp.speedup() > 1 and ks[-10:] == [4] * 10
+    assert sp.counts["spec_slower"] == 1 and sp.measured_speedup == pytest.approx(2 / 3e-3 / 1e3)
+    # The probe is judged on its own samples (the faster ones from before the back-off are gone): its first
+    # drafted step drained a plain batch (not measured), the next three are, still slow (x0.67): back off
+    # again, twice as long.
+    assert steps(3, 3e-3) == [4, 4, 0] and sp.counts["spec_slower"] == 2
+    assert sp.measured_speedup == pytest.approx(2 / 3e-3 / 1e3) and sp.wait == 2 * PROBE_EVERY - 1
+    # Faster again (a shrinking batch, say): the next probe's own samples keep drafting on at once.
+    ks = steps(2 * PROBE_EVERY + 10, 1.5e-3)
+    assert ks[:2 * PROBE_EVERY - 1] == [0] * (2 * PROBE_EVERY - 1) and ks[2 * PROBE_EVERY - 1:] == [4] * 11
+    assert sp.counts["spec_slower"] == 2 and sp.speedup() > 1 and sp.slow_in_a_row == 0
     since = sp.since_plain
     ks = steps(REFRESH_STEPS + CONTROL_STEPS, 1.5e-3)
     # a step is measured when the next one starts (the first here measures the last one above), and the
@@ -411,7 +413,14 @@ def test_speed_gate_measures_plain_steps_then_drafts_only_while_faster():
     # Under half the plain rate (drafted steps 5 ms: 0.4), one sample is enough to back off.
     sp = Speculator(EngineConfig(speculative="ngram", spec_max_draft=4, spec_max_step_tokens=64))
     assert steps(CONTROL_STEPS + 3, 5e-3) == [0] * CONTROL_STEPS + [4, 4, 0]
-    assert sp.counts["spec_slower"] == 1 and sp.speedup() == pytest.approx(2 / 5e-3 / 1e3)
+    assert sp.counts["spec_slower"] == 1 and sp.measured_speedup == pytest.approx(2 / 5e-3 / 1e3)
+    # Slow at every probe (a host-bound model): the back-offs double up to MAX_SLOW_BACKOFF steps.
+    waits = []
+    for _ in range(5):
+        wait = sp.wait
+        waits.append(wait + 1)                          # the step that backed off took one of them
+        assert steps(wait, 5e-3) == [0] * wait and steps(3, 5e-3) == [4, 4, 0]
+    assert waits == [PROBE_EVERY, 2 * PROBE_EVERY, 4 * PROBE_EVERY, MAX_SLOW_BACKOFF, MAX_SLOW_BACKOFF]
 
 
 @pytest.mark.parametrize("slow", ["verify", "every_step"])
