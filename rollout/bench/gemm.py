@@ -231,8 +231,8 @@ def bench_moe(cfg, Ts, copy_gbps: float, results: list, dtype=torch.bfloat16) ->
         touched = ids.unique().numel()
         ref = experts_reference(x.float(), weights, ids, layers[0][0].float(), layers[0][1].float())
         scale = ref.abs().max().item()
-        row = dict(T=T, pairs=T * k, experts_touched=touched, touched_bytes=touched * expert_bytes,
-                   default=str(moe_tiles(T, k, E)), configs={})
+        row = {"T": T, "pairs": T * k, "experts_touched": touched, "touched_bytes": touched * expert_bytes,
+               "default": str(moe_tiles(T, k, E)), "configs": {}}
         for c in moe_sweep_configs(T * k / E):
             try:
                 err = (fused_moe(x, weights, ids, *layers[0], c).float() - ref).abs().max().item() / scale
@@ -240,7 +240,8 @@ def bench_moe(cfg, Ts, copy_gbps: float, results: list, dtype=torch.bfloat16) ->
             except Exception as e:        # out of shared memory for big tiles x stages
                 row["configs"][str(c)] = {"error": type(e).__name__}
                 continue
-            us = graph_time_us(lambda i: fused_moe(x, weights, ids, *layers[i], c), len(layers))
+            us = graph_time_us(lambda i, x=x, weights=weights, ids=ids, c=c: fused_moe(x, weights, ids, *layers[i], c),
+                               len(layers))
             row["configs"][str(c)] = {"us": us, "GBps": row["touched_bytes"] / us / 1e3, "rel_err": err}
         ok = {c: v for c, v in row["configs"].items() if "us" in v and v["rel_err"] < 2e-2}   # bf16 output: ~4e-3
         if ok:
@@ -277,8 +278,8 @@ def main(argv=None):
         copy_gbps = copy_bandwidth()
         results: list = []
         bench_moe(cfg, args.m, copy_gbps, results)
-        write_json(dict(shape=args.shape, copy_GBps=copy_gbps, moe=results, meta=run_meta("rollout.bench.gemm", argv)),
-                   args.out)
+        write_json({"shape": args.shape, "copy_GBps": copy_gbps, "moe": results,
+                    "meta": run_meta("rollout.bench.gemm", argv)}, args.out)
         return
     shapes = linear_shapes(cfg)
     copy_gbps = copy_bandwidth()

@@ -14,11 +14,10 @@ if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
 os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton")
 
-import torch  # noqa: E402
+import torch
 
-from rollout.kernels.fused_moe import fused_moe, moe_align  # noqa: E402
-from rollout.layers.moe import (DECODE_TILES, LONG_PREFILL_TILES, PREFILL_TILES, experts_reference,  # noqa: E402
-                                moe_tiles, route)
+from rollout.kernels.fused_moe import fused_moe, moe_align
+from rollout.layers.moe import DECODE_TILES, LONG_PREFILL_TILES, PREFILL_TILES, experts_reference, moe_tiles, route
 
 
 def _case(T, H, inter, E, k, dtype, seed):
@@ -84,6 +83,7 @@ def test_moe_engine_on_triton_kernels_matches_torch_backend(tmp_path, monkeypatc
     """End to end under the interpreter: fused MoE and Triton attention give the torch path's tokens,
     logprobs to fp32 summation order, and the same routed experts."""
     from test_moe import build_moe_dir
+
     from rollout import RolloutEngine, SamplingParams
     from rollout.kernels import fused_moe as fm
     calls = []
