@@ -63,7 +63,7 @@ for s in ${*:-tests p1}; do
     colocated)  # TRL GRPOTrainer with our generator on the one GPU (COLOCATED_ARGS e.g. --variants trl,ours,sleep1)
       timeout 590 python3 -m rollout.bench.colocated --shape qwen2.5-0.5b --steps 3 ${COLOCATED_ARGS:-} \
         --out $OUT/colocated_q05.json > $OUT/colocated.log 2>&1; tail -12 $OUT/colocated.log ;;
-    spec_trained)  # a small model trained here, then GRPO groups with speculation off / on (SPEC_ARGS, TAG; memory-bound
+    spec_trained)  # a small model trained here, then GRPO groups with speculation off / on, gated and not (SPEC_ARGS, TAG; memory-bound
                    # steps: SPEC_ARGS="--hidden 768 --layers 8 --train-s 90 --widen 4096,14336,32" TAG=_widened)
       timeout 590 python3 -m rollout.bench.spec_trained ${SPEC_ARGS:-} --out $OUT/spec_trained${TAG:-}.json \
         > $OUT/spec_trained${TAG:-}.log 2>&1; tail -14 $OUT/spec_trained${TAG:-}.log ;;

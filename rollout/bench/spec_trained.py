@@ -14,13 +14,16 @@ so a completion's length (~8 tokens a digit) is long-tailed, and each step repea
 The recipe and seed make the run repeatable; the model is not kept.
 
 Both engines first run the timed batches once, untimed (kernels compiled, decode and verify graphs captured),
-then, on the same prompts (each asked --n times, temperature 1, max_new_tokens --max-new-tokens):
+then --repeats rounds of (each run's median makespan is reported; the prompts are each asked --n times,
+temperature 1, max_new_tokens --max-new-tokens):
     off      speculation off, sampling seed S
     on       speculative="ngram" (drafts from the sequence and its group), seed S
     off2     off again with seed S + 1 (a fresh GRPO step's samples)
     on2      speculation on, seed S + 1, the drafter holding run "on"'s completions of each prompt as earlier
              rollouts (spec_history_prompts): the SPEC-RL / DAS source; the weights did not change between
              the two, which an RL step would do, so this is the best case of that source
+    on_ungated, on2_ungated   (--speed-gate both, the default) "on" and "on2" again on the same engine with
+             its spec_speed_gate switched off: what the gate keeps or gives up
 --widen HIDDEN,INTERMEDIATE,LAYERS runs the batches on a wider, deeper model that computes the trained one's
 function: its weights sit in the corner of zero-padded matrices (extra heads, hidden and intermediate
 dims zero; the norms' gains and eps rescaled for the wider RMS), and the extra layers' output projections are zero.
@@ -271,6 +274,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--n", type=int, default=8, help="samples per prompt (a GRPO group)")
     ap.add_argument("--max-new-tokens", type=int, default=None, help="default: the longest completion the task has")
     ap.add_argument("--spec-max-draft", type=int, default=5)
+    ap.add_argument("--speed-gate", choices=("on", "off", "both"), default="both",
+                    help="the on-engine's spec_speed_gate; both: runs on_ungated / on2_ungated too (the same "
+                         "engine, its gate switched off for them)")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="timed rounds of the four runs; each run's median makespan is reported (short runs are noisy)")
     ap.add_argument("--widen", default=None, metavar="HIDDEN,INTERMEDIATE,LAYERS",
                     help="run the batches on the trained model widened to this size (module doc), e.g. 4096,14336,32")
     ap.add_argument("--out", default=None)
@@ -314,12 +322,26 @@ def main(argv=None) -> dict:
         for seed in (args.seed, args.seed + 1):
             for name, e in (("warm-up off", off_engine), ("warm-up on", on_engine)):
                 run(name, e, prompts, texts, args, seed)
-        on_engine.speculator.drafter.history.clear()
-        runs = {"off": run("off", off_engine, prompts, texts, args, args.seed),
-                "on": run("on", on_engine, prompts, texts, args, args.seed),
-                "off2": run("off2", off_engine, prompts, texts, args, args.seed + 1),
-                "on2": run("on2", on_engine, prompts, texts, args, args.seed + 1)}
-    pairs = {"on_vs_off": compare(runs["off"], runs["on"]), "on2_vs_off2": compare(runs["off2"], runs["on2"])}
+        sp = on_engine.speculator
+        gated = {"on": (True,), "off": (False,), "both": (True, False)}[args.speed_gate]
+        plan = [("off", off_engine, args.seed, None)]
+        plan += [("on" if g == gated[0] else "on_ungated", on_engine, args.seed, g) for g in gated]
+        plan += [("off2", off_engine, args.seed + 1, None)]
+        plan += [("on2" if g == gated[0] else "on2_ungated", on_engine, args.seed + 1, g) for g in gated]
+        tried: dict[str, list[dict]] = {name: [] for name, *_ in plan}
+        for _ in range(args.repeats):     # interleaved, so a drifting clock or a busy host hits both sides
+            for name, engine, seed, gate in plan:
+                if engine is on_engine and seed == args.seed:
+                    sp.drafter.history.clear()      # run "on2" holds only this round's run "on" completions
+                if gate is not None:
+                    sp.speed_gate, sp.wait = gate, sp.wait if gate else 0    # ungated: no back-off carried in
+                tried[name].append(run(name, engine, prompts, texts, args, seed))
+        runs = {}
+        for name, rs in tried.items():    # each run's median-makespan repeat, with every repeat's makespan
+            runs[name] = sorted(rs, key=lambda r: r["makespan_s"])[len(rs) // 2]
+            runs[name]["makespans_s"] = [r["makespan_s"] for r in rs]
+    pairs = {f"{on}_vs_{off}": compare(runs[off], runs[on]) for on, off in
+             (("on", "off"), ("on2", "off2"), ("on_ungated", "off"), ("on2_ungated", "off2")) if on in runs}
     for name, p in pairs.items():
         print(f"{name}: makespan x{p['makespan_ratio']:.2f} (target <= 0.7), identical sequences "
               f"{p['identical_sequences']:.1%}", flush=True)
