@@ -3,7 +3,7 @@
 # folder) or ./h200_out. Run from the repo root; pass ROLLOUT_GIT_COMMIT (the device copy has no .git).
 #   bash scripts/h200_validate.sh tests p1            # the default: GPU tests, then P1
 # Sections: tests tests_files seed p1 p3 p5 profile sampler gemm weights pressure invariant
-#           serve serve_ipc multiturn colocated spec_trained rl_step moe moe_tiles moe_gap
+#           serve serve_ipc multiturn colocated spec_trained rl_step moe moe_tiles moe_profile moe_gap
 #           fleet_scaling fleet_broadcast (the last two on several GPUs)
 # Wheels the machine lacks (the server, openai, TRL): scripts/gpu_wheels.sh fills .whl/ here; carry ".whl".
 set -uo pipefail
@@ -81,6 +81,9 @@ for s in ${*:-tests p1}; do
     moe_tiles)  # the fused MoE's tiles swept at decode (8 .. 256 tokens) and prefill (4096) sizes
       timeout 400 python3 -m rollout.bench.gemm --shape qwen3-30b-a3b --moe --m 32 256 8 64 128 512 4096 \
         --out $OUT/moe_tiles_q30a3.json 2>&1 | grep -E "^moe|Error" ;;
+    moe_profile)  # the Qwen3-30B-A3B decode step at B=32, mean context of G=4096: where the step's time goes
+      timeout 300 python3 -m rollout.bench.profile --shape qwen3-30b-a3b --batch ${MOE_BATCH:-32} --context 2304 \
+        --out $OUT/profile_q30a3_B${MOE_BATCH:-32}_C2304.json 2>&1 | grep -A26 "^| part" ;;
     moe_gap)    # the bf16 logprob gaps (ours and HF's bf16 forward against an fp32 copy) on 8 of the 48 layers:
                 # an fp32 copy of all of Qwen3-30B-A3B (122 GB) does not fit beside the bf16 one
       timeout 200 $B --shape qwen3-30b-a3b --layers 8 --batch 4 --prompt-len 256 --gen-len 128 --modes async \
