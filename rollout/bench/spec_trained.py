@@ -45,6 +45,7 @@ import math
 import random
 import tempfile
 import time
+from collections import OrderedDict
 
 import torch
 
@@ -274,6 +275,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--n", type=int, default=8, help="samples per prompt (a GRPO group)")
     ap.add_argument("--max-new-tokens", type=int, default=None, help="default: the longest completion the task has")
     ap.add_argument("--spec-max-draft", type=int, default=5)
+    ap.add_argument("--spec-min-acceptance", type=float, default=None, help="the engine's (default: its default)")
     ap.add_argument("--speed-gate", choices=("on", "off", "both"), default="both",
                     help="the on-engine's spec_speed_gate; both: runs on_ungated / on2_ungated too (the same "
                          "engine, its gate switched off for them)")
@@ -294,7 +296,8 @@ def main(argv=None) -> dict:
         texts = [problem(rng, args)[0] for _ in range(args.prompts)]
         common = dict(device=args.device, dtype=dtype, batch_invariant=args.batch_invariant,
                       max_num_seqs=args.prompts * args.n, max_model_len=trained["config"]["max_position_embeddings"])
-        spec = {"speculative": "ngram", "spec_max_draft": args.spec_max_draft, "spec_history_prompts": args.prompts}
+        spec = {"speculative": "ngram", "spec_max_draft": args.spec_max_draft, "spec_history_prompts": args.prompts,
+                **({} if args.spec_min_acceptance is None else {"spec_min_acceptance": args.spec_min_acceptance})}
         if args.widen:
             from ..models.loader import build_model, copy_hf_tensors, parameter_bytes
             from ..tasks.arith_train import build_tokenizer
@@ -329,13 +332,18 @@ def main(argv=None) -> dict:
         plan += [("off2", off_engine, args.seed + 1, None)]
         plan += [("on2" if g == gated[0] else "on2_ungated", on_engine, args.seed + 1, g) for g in gated]
         tried: dict[str, list[dict]] = {name: [] for name, *_ in plan}
+        earlier: OrderedDict = OrderedDict()      # this round's S completions, the S+1 runs' history
         for _ in range(args.repeats):     # interleaved, so a drifting clock or a busy host hits both sides
             for name, engine, seed, gate in plan:
-                if engine is on_engine and seed == args.seed:
-                    sp.drafter.history.clear()      # run "on2" holds only this round's run "on" completions
+                # The S runs draft from their own batch only; each S+1 run from this round's S completions
+                # (not from another S+1 run's: the same seed's samples would be accepted whole).
+                if engine is on_engine:
+                    sp.drafter.history = OrderedDict() if seed == args.seed else OrderedDict(earlier)
                 if gate is not None:
                     sp.speed_gate, sp.wait = gate, sp.wait if gate else 0    # ungated: no back-off carried in
                 tried[name].append(run(name, engine, prompts, texts, args, seed))
+                if engine is on_engine and seed == args.seed:
+                    earlier = OrderedDict(sp.drafter.history)
         runs = {}
         for name, rs in tried.items():    # each run's median-makespan repeat, with every repeat's makespan
             runs[name] = sorted(rs, key=lambda r: r["makespan_s"])[len(rs) // 2]
