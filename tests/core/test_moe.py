@@ -307,7 +307,29 @@ def test_bench_runs_an_moe_shape_with_the_routed_mode(tmp_path):
     assert 2 <= touched <= 6          # 3 sequences x top-2 of 8 experts: between k and min(E, 3 k)
     # measured (a mean of whole counts over 18 layer-steps) vs estimated 8 (1 - (3/4)^3) = 4.625
     assert r["roofline_routed"]["bytes_per_step"] != r["roofline"]["bytes_per_step"]
-    assert "routed_experts_cost" in r
+    assert "routed_experts_cost" in r and "partial" not in r
+    assert r["speedup_vs_hf"] == r["speedup_vs_hf_generate"] > 0
+
+
+def test_bench_keeps_the_modes_it_measured_when_a_later_one_fails(tmp_path, monkeypatch):
+    """The JSON is written after each timed mode: a run cut off (here: the routed mode raises) keeps the
+    async mode's numbers, marked partial. A bad --hf is refused before anything is built."""
+    import rollout.bench.__main__ as bench
+
+    def broken(*_a, **_k):
+        raise RuntimeError("cut off")
+    monkeypatch.setattr(bench, "experts_touched", broken)
+    out = tmp_path / "bench.json"
+    args = ["--shape", "tiny-moe", "--batch", "2", "--prompt-len", "8", "--gen-len", "6", "--modes", "async,routed",
+            "--hf", "none", "--dtype", "float32", "--check-seqs", "1", "--check-gen-len", "4", "--out", str(out)]
+    with pytest.raises(RuntimeError, match="cut off"):
+        bench.main(args)
+    r = json.loads(out.read_text())
+    assert r["partial"] is True and r["ours_async"]["tok_s"] > 0 and "ours_routed" not in r
+    assert r["meta"]["command"].startswith("python -m rollout.bench")
+    with pytest.raises(SystemExit):
+        bench.main(["--hf", "generate,bogus", "--out", str(tmp_path / "never.json")])
+    assert not (tmp_path / "never.json").exists()
 
 
 def test_build_model_adopts_given_expert_tensors_without_a_copy():
