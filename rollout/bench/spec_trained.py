@@ -11,6 +11,8 @@ The task: column addition worked digit by digit, least significant first, then t
     prompt "4071+865="   completion "1+5+0=6 7+6+0=13 0+8+1=9 4+0+0=4 4936<eos>"
 Operand digits are log-normal (median --digits-median, sigma --digits-sigma, clipped to [1, --digits-cap]),
 so a completion's length (~8 tokens a digit) is long-tailed, and each step repeats the step before's shape.
+The defaults give R1's length shape (sigma 0.9, the cap 8x the median): most of the batch ends early and a
+few long sequences set the makespan.
 The recipe and seed make the run repeatable; the model is not kept.
 
 Both engines first run the timed batches once, untimed (kernels compiled, decode and verify graphs captured),
@@ -186,7 +188,9 @@ def widened(folder: str, hidden: int, intermediate: int, layers: int, device: to
 
 
 class StepLog:
-    """Per engine step (a bench-only wrapper on this engine's step): running sequences and tokens landed."""
+    """Per engine step (a bench-only wrapper on this engine's step): running sequences, tokens landed and
+    the step call's wall time (in async mode a call launches one batch and waits for the one before, so its
+    wall is the device's time per step once the pipeline is full)."""
 
     def __init__(self, engine: RolloutEngine):
         self.engine, self.rows = engine, []
@@ -194,21 +198,23 @@ class StepLog:
 
         def step():
             running = len(engine.scheduler.running)
-            before = engine.metrics["generated_tokens"]
+            before, t0 = engine.metrics["generated_tokens"], time.perf_counter()
             out = real()
-            self.rows.append((running, engine.metrics["generated_tokens"] - before))
+            self.rows.append((running, engine.metrics["generated_tokens"] - before, time.perf_counter() - t0))
             return out
         engine.step = step
 
     def by_batch_size(self) -> dict:
-        """Tokens per sequence-step over the steps whose running batch fell in each bin."""
+        """Per bin of running batch size: steps, tokens per sequence-step, and the seconds spent there."""
         out = {}
         for lo, hi in ROW_BINS:
-            sel = [(r, t) for r, t in self.rows if lo <= r <= hi]
+            # (a last call with nothing left running collects the final batch in flight: the first bin's)
+            sel = [(r, t, s) for r, t, s in self.rows if lo <= max(r, 1) <= hi]
             if sel:
-                rows = sum(r for r, _ in sel)
+                rows = sum(r for r, _, _ in sel)
                 out[f"{lo}-{hi if hi < 1 << 30 else 'up'}"] = {
-                    "steps": len(sel), "tokens_per_seq_step": sum(t for _, t in sel) / rows}
+                    "steps": len(sel), "tokens_per_seq_step": sum(t for _, t, _ in sel) / rows,
+                    "seconds": sum(s for _, _, s in sel)}
         return out
 
 
@@ -268,9 +274,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--log-every", type=int, default=100)
     # the task and the batch
+    # R1's length shape: sigma 0.9, the cap 8x the median (~1% of draws clipped)
     ap.add_argument("--digits-median", type=float, default=4.0)
-    ap.add_argument("--digits-sigma", type=float, default=0.6)
-    ap.add_argument("--digits-cap", type=int, default=24)
+    ap.add_argument("--digits-sigma", type=float, default=0.9)
+    ap.add_argument("--digits-cap", type=int, default=32)
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--n", type=int, default=8, help="samples per prompt (a GRPO group)")
     ap.add_argument("--max-new-tokens", type=int, default=None, help="default: the longest completion the task has")

@@ -23,6 +23,9 @@ def test_spec_trained_smoke_cpu(tmp_path):
         assert run["tokens"] > 0 and run["makespan_s"] > 0 and run["finished_by_eos"] > 0.5, name
         assert run["length_p50"] < run["length_max"] <= r["max_new_tokens"], name          # lengths vary
         assert len(run["makespans_s"]) == 2 and run["makespan_s"] in run["makespans_s"], name
+        bins = run["tokens_by_batch_size"].values()     # the step calls' walls lie inside the generate call's
+        assert sum(b["steps"] for b in bins) == run["steps"], name
+        assert 0 < sum(b["seconds"] for b in bins) <= run["makespan_s"], name
     # CPU's eager verify is slower than a plain step, so the speed gate may keep the gated runs from
     # drafting at all (a back-off of up to 256 steps outlasts a run); the same engine with its gate off
     # drafts at every step (spec_min_acceptance 0: no acceptance back-off either) and accepts
