@@ -199,6 +199,7 @@ class Sequence:
         self.routed: Optional[np.ndarray] = None   # return_routed_experts: [position, layer, k], rows routed_len
         self.routed_len = 0
         self.draft_index = None           # spec.py: n-gram index of its tokens, built when it is first drafted from
+        self.draft_follow = None          # spec.py: where it drafted from last (source tokens, offset, match, length)
 
     def drop_placeholders(self) -> None:
         """Drop the tail not yet sampled: tokens in flight (PLACEHOLDER) and drafts under verification

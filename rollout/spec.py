@@ -113,17 +113,27 @@ class NgramDrafter:
         """Up to k tokens that followed the longest earlier match of the sequence's suffix (sources in
         order: itself, its siblings, earlier completions; the first wins a tie; a sibling or earlier
         completion that holds the same tokens up to here wins, as SPEC-RL / DAS draft from the previous
-        rollout). Its own earlier occurrence may reach its end: the draft then repeats that period."""
+        rollout). Its own earlier occurrence may reach its end: the draft then repeats that period.
+        The place found is followed on later steps while every token since matched there (no other
+        source can then hold a longer match): no search while drafts are accepted, which is most of a
+        drafted step's host time otherwise."""
         ctx = seq.token_ids
-        best, found = 0, None
-        for tokens, index in self._sources(seq):
-            end = _known(tokens)
-            index.update(tokens, end)
-            n, e = index.longest(tokens, ctx, aligned=tokens is not ctx)
-            if n > best:
-                best, found = n, (tokens, e, end)
+        L = len(ctx)
+        found = self._followed(seq, ctx, L)
         if found is None:
-            return []
+            best = 0
+            for tokens, index in self._sources(seq):
+                end = _known(tokens)
+                index.update(tokens, end)
+                n, e = index.longest(tokens, ctx, aligned=tokens is not ctx)
+                if n > best:
+                    best, found = n, (tokens, e, end)
+                    if n > MAX_MATCH:      # aligned: no later source can beat it
+                        break
+            if found is None:
+                seq.draft_follow = None
+                return []
+            seq.draft_follow = (found[0], found[1] - L, best, L)
         tokens, e, end = found
         draft: list[int] = []
         for j in range(e, e + k):
@@ -134,6 +144,19 @@ class NgramDrafter:
             else:
                 break
         return draft
+
+    @staticmethod
+    def _followed(seq: Sequence, ctx: list[int], L: int):
+        """(tokens, next position, known end) of the place the sequence drafted from last, if its suffix
+        still matches there: the match found then, grown by every token since (up to MAX_MATCH)."""
+        if seq.draft_follow is None:
+            return None
+        tokens, offset, matched, at = seq.draft_follow
+        pos, m = L + offset, min(MAX_MATCH, matched + L - at, L)
+        end = _known(tokens)
+        if m <= pos < end and tokens[pos - m:pos] == ctx[L - m:]:
+            return tokens, pos, end
+        return None
 
 
 class Speculator:
