@@ -197,24 +197,27 @@ class StepLog:
         real = engine.step
 
         def step():
-            running = len(engine.scheduler.running)
+            running, busy = len(engine.scheduler.running), engine.pipeline.busy_ms
             before, t0 = engine.metrics["generated_tokens"], time.perf_counter()
             out = real()
-            self.rows.append((running, engine.metrics["generated_tokens"] - before, time.perf_counter() - t0))
+            self.rows.append((running, engine.metrics["generated_tokens"] - before, time.perf_counter() - t0,
+                              (engine.pipeline.busy_ms - busy) / 1e3))
             return out
         engine.step = step
 
     def by_batch_size(self) -> dict:
-        """Per bin of running batch size: steps, tokens per sequence-step, and the seconds spent there."""
+        """Per bin of running batch size: steps, tokens per sequence-step, the seconds spent there and the
+        device's compute time in them (CUDA; the batches the steps waited for): the rest is the device idle,
+        e.g. a drafted step's host work, which does not overlap a batch in flight."""
         out = {}
         for lo, hi in ROW_BINS:
             # (a last call with nothing left running collects the final batch in flight: the first bin's)
-            sel = [(r, t, s) for r, t, s in self.rows if lo <= max(r, 1) <= hi]
+            sel = [row for row in self.rows if lo <= max(row[0], 1) <= hi]
             if sel:
-                rows = sum(r for r, _, _ in sel)
+                rows = sum(r for r, *_ in sel)
                 out[f"{lo}-{hi if hi < 1 << 30 else 'up'}"] = {
-                    "steps": len(sel), "tokens_per_seq_step": sum(t for _, t, _ in sel) / rows,
-                    "seconds": sum(s for _, _, s in sel)}
+                    "steps": len(sel), "tokens_per_seq_step": sum(t for _, t, _, _ in sel) / rows,
+                    "seconds": sum(s for _, _, s, _ in sel), "gpu_seconds": sum(g for *_, g in sel)}
         return out
 
 
@@ -240,6 +243,7 @@ def run(label: str, engine: RolloutEngine, prompts: list[list[int]], texts: list
            "finished_by_eos": sum(c.finish_reason == "stop" for c in comps) / len(comps),
            "length_p50": lengths[len(lengths) // 2], "length_p99": lengths[int(0.99 * (len(lengths) - 1))],
            "length_max": lengths[-1], "accuracy": right / len(comps), "tokens_by_batch_size": log.by_batch_size(),
+           "gpu_busy": sum(row[3] for row in log.rows) / wall if engine.pipeline.cuda else None,
            **spec, "completions": [c.token_ids for c in comps],
            # how the steps ran: decode graphs, drafted steps' verify graphs, graphs captured on first use
            "pipeline": {k: v - counts0[k] for k, v in engine.pipeline.counts.items()},
