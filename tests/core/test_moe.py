@@ -309,6 +309,8 @@ def test_bench_runs_an_moe_shape_with_the_routed_mode(tmp_path):
     assert r["roofline_routed"]["bytes_per_step"] != r["roofline"]["bytes_per_step"]
     assert "routed_experts_cost" in r and "partial" not in r
     assert r["speedup_vs_hf"] == r["speedup_vs_hf_generate"] > 0
+    # HF's baseline runs its grouped GEMM experts (its batched_mm default gathers weights per token)
+    assert r["hf_experts_implementation"] == "grouped_mm"
 
 
 def test_bench_keeps_the_modes_it_measured_when_a_later_one_fails(tmp_path, monkeypatch):
@@ -330,6 +332,23 @@ def test_bench_keeps_the_modes_it_measured_when_a_later_one_fails(tmp_path, monk
     with pytest.raises(SystemExit):
         bench.main(["--hf", "generate,bogus", "--out", str(tmp_path / "never.json")])
     assert not (tmp_path / "never.json").exists()
+
+
+def test_bench_reports_a_failed_hf_baseline_and_keeps_the_run(tmp_path, monkeypatch):
+    """An HF baseline that fails (out of memory at a 30B MoE's prefill, say) is named in the JSON with its
+    error; ours and the other baselines stay."""
+    import rollout.bench.__main__ as bench
+
+    def oom(*_a, **_k):
+        raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+    monkeypatch.setattr(bench, "hf_generate_batch", oom)
+    out = tmp_path / "bench.json"
+    bench.main(["--shape", "tiny-moe", "--batch", "2", "--prompt-len", "8", "--gen-len", "6", "--modes", "async",
+                "--hf", "generate_batch,generate", "--hf-gen-len", "3", "--dtype", "float32", "--check-seqs", "1",
+                "--check-gen-len", "4", "--out", str(out)])
+    r = json.loads(out.read_text())
+    assert "out of memory" in r["hf_generate_batch"]["error"] and "speedup_vs_hf_generate_batch" not in r
+    assert r["hf_generate"]["tok_s"] > 0 and r["speedup_vs_hf_generate"] > 0 and r["ours_async"]["tok_s"] > 0
 
 
 def test_build_model_adopts_given_expert_tensors_without_a_copy():
