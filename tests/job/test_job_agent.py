@@ -57,12 +57,14 @@ def test_rows_have_consistent_masks_spans_and_turn_rewards(agent_run):
     assert len(summary["turn_mean_rewards"]) == 4 and summary["turn_mean_rewards"][0] == pytest.approx(first, abs=1e-4)
     assert summary["mean_reward"] == pytest.approx(sum(r["reward"] for r in rows) / len(rows))
     assert summary["completions"] == len(rows) and summary["tokens"] == sum(sum(r["generated"]) for r in rows)
-    # The stored tokens re-score to the stored logprobs at the generated positions (fp32, prefill vs
-    # decode reduction order: ~1e-6).
+    # The stored tokens re-score to the stored logprobs at the generated positions. fp32, but the
+    # reduction order differs (one prefill of the whole row against decode steps and cached prefix pages
+    # computed in other batch shapes, CPU GEMMs split by thread count): measured up to 1.3e-5 on 2 cores
+    # (logprobs near -2.5), so 3e-5; a wrong token, position or temperature is off by > 0.1.
     scores = eng.score([r["token_ids"] for r in rows], temperature=1.0)
     worst = max(abs(lp - sc[j - 1]) for r, sc in zip(rows, scores)
                 for j, (lp, g) in enumerate(zip(r["logprobs"], r["generated"])) if g)
-    assert worst <= 1e-5
+    assert worst <= 3e-5
 
 
 def test_the_prefix_cache_served_the_later_turns(agent_run):
