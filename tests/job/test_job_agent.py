@@ -60,7 +60,7 @@ def test_rows_have_consistent_masks_spans_and_turn_rewards(agent_run):
     # The stored tokens re-score to the stored logprobs at the generated positions. fp32, but the
     # reduction order differs (one prefill of the whole row against decode steps and cached prefix pages
     # computed in other batch shapes, CPU GEMMs split by thread count): measured up to 1.3e-5 on 2 cores
-    # (logprobs near -2.5), so 3e-5; a wrong token, position or temperature is off by > 0.1.
+    # (logprobs near -2.5), so 3e-5.
     scores = eng.score([r["token_ids"] for r in rows], temperature=1.0)
     worst = max(abs(lp - sc[j - 1]) for r, sc in zip(rows, scores)
                 for j, (lp, g) in enumerate(zip(r["logprobs"], r["generated"])) if g)
