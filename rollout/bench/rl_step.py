@@ -21,7 +21,8 @@ token id (random weights sample any id by chance, about one in vocab per token: 
 
 Per run: makespan, tok/s over time, mean running sequences per step, preemptions, the time after 90%
 of the tokens had landed, and the floor of the schedule it ran: the sum over its steps of the weight
-bytes plus the KV bytes of every scheduled sequence's context, over the card's peak HBM bandwidth
+bytes (an MoE's: the experts each step's tokens touch) plus the KV bytes of every scheduled sequence's
+context, over the card's peak HBM bandwidth
 (4.8 TB/s on the H200, 3.35 on the H100: bench/roofline.py), and
 floor / makespan. --png: running sequences and tok/s over time, one line per run.
 """
@@ -41,7 +42,7 @@ from ..engine import RolloutEngine
 from ..request import SamplingParams, Status
 from .__main__ import run_meta, write_json
 from .pressure import random_model
-from .roofline import hbm_bandwidth, model_sizes
+from .roofline import model_sizes, record_steps, schedule_floor_s
 from .shapes import SHAPES, make_config
 
 # what --append checks before adding runs to a file's
@@ -53,30 +54,15 @@ def draw_lengths(num: int, median: float, sigma: float, cap: int, seed: int) -> 
     return [min(cap, max(1, int(math.exp(math.log(median) + sigma * rng.gauss(0, 1))))) for _ in range(num)]
 
 
-def schedule_floor_s(step_contexts: list[int], weight_bytes: float, kv_bytes_per_token: float,
-                     bw: float | None = None) -> dict:
-    """HBM floor of a schedule: each step reads the weights once and the KV of its sequences' contexts
-    (`step_contexts`: per step, the sum of the contexts its sequences attend over)."""
-    bw = bw or hbm_bandwidth()
-    weights, kv = len(step_contexts) * weight_bytes / bw, sum(step_contexts) * kv_bytes_per_token / bw
-    return {"floor_s": weights + kv, "floor_weights_s": weights, "floor_kv_s": kv, "hbm_bytes_s": bw}
-
-
 class StepRecorder:
     """Bench-only hooks on one engine's scheduler (instance attributes; the class is untouched):
-    schedule() records each launched step's summed context; update_columns() counts the tokens that
-    landed, then finishes each sequence that reached its drawn length."""
+    schedule() records each launched step (roofline.record_steps); update_columns() counts the tokens
+    that landed, then finishes each sequence that reached its drawn length."""
 
     def __init__(self, engine: RolloutEngine, lengths: dict[tuple[int, int], int]):
         sch = engine.scheduler
-        inner_schedule, inner_update = sch.schedule, sch.update_columns
-        self.contexts, self.landed = [], 0
-
-        def schedule(drafts=None):
-            out = inner_schedule(drafts)
-            if out.items:
-                self.contexts.append(sum(i.start + i.num_new for i in out.items))
-            return out
+        inner_update = sch.update_columns
+        self.steps, self.landed = record_steps(engine), 0
 
         def update_columns(out, *cols, **kw):
             discarded = sch.num_discarded_tokens
@@ -90,7 +76,7 @@ class StepRecorder:
                         finished.append(s.request)
             return finished
 
-        sch.schedule, sch.update_columns = schedule, update_columns
+        sch.update_columns = update_columns
 
 
 def timed_run(label: str, fraction, model, cfg, prompts, lengths: list[int], args, device,
@@ -125,7 +111,7 @@ def timed_run(label: str, fraction, model, cfg, prompts, lengths: list[int], arg
     for t, k, k0, r in zip(times, landed, [0] + landed[:-1], running):
         tokens_in[min(int(t / width), args.bins - 1)].append(k - k0)
         running_in[min(int(t / width), args.bins - 1)].append(r)
-    floor = schedule_floor_s(rec.contexts, sizes["weight_bytes"], sizes["kv_bytes_per_token"])
+    floor = schedule_floor_s(rec.steps, sizes)
     st = engine.stats()
     result = {
         "kv_reserve_fraction": fraction, "speculative": speculative,
@@ -133,7 +119,7 @@ def timed_run(label: str, fraction, model, cfg, prompts, lengths: list[int], arg
         "kv_pages": engine.kv.alloc.num_usable, "makespan_s": makespan,
         "tokens": total, "tok_s": total / makespan, "lengths_honored": got == lengths,
         "finish_reasons": sorted({c.finish_reason for o in outs for c in o.completions}),
-        "steps": len(rec.contexts), "mean_running_seqs": sum(running) / len(running),
+        "steps": len(rec.steps), "mean_running_seqs": sum(running) / len(running),
         "peak_running_seqs": max(running), "preemptions": st["preemptions"] - p0,
         "recomputed_tokens": st["recomputed_tokens"] - r0, "time_after_90pct_tokens_s": makespan - t90,
         **floor, "fraction_of_floor": floor["floor_s"] / makespan, "bin_s": width,

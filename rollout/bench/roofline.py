@@ -78,6 +78,34 @@ def roofline(cfg, B: int, P: int, G: int, prefill_seqs: int | None = None, dtype
             "tok_s": B * G / total, "hbm_bytes_s": bw, "flops": flops}
 
 
+def schedule_floor_s(steps: list[tuple[int, int]], s: dict, bw: float | None = None) -> dict:
+    """HBM floor of the schedule a run made (`steps`: per launched step, the tokens it computed and the summed
+    context its sequences attend over): each step reads the weights once (in an MoE layer, the experts its
+    tokens touch, estimated as in step_bytes) and the KV of those contexts. Prefill's matrix work is not
+    counted, so the floor is the lower for it. For a KV-bound run (a batch whose KV does not all fit) it is
+    the floor of the batch sizes the run could hold, where roofline() assumes every sequence resident."""
+    bw = bw or hbm_bandwidth()
+    weights = sum(step_bytes(s, tokens) for tokens, _ in steps) / bw
+    kv = sum(context for _, context in steps) * s["kv_bytes_per_token"] / bw
+    return {"floor_s": weights + kv, "floor_weights_s": weights, "floor_kv_s": kv, "hbm_bytes_s": bw}
+
+
+def record_steps(engine) -> list[tuple[int, int]]:
+    """Bench-only: wraps this engine's scheduler.schedule (the instance attribute; the class is untouched)
+    to append each launched step's (tokens computed, summed context) to the list returned."""
+    sch, steps = engine.scheduler, []
+    inner = sch.schedule
+
+    def schedule(*args, **kwargs):
+        out = inner(*args, **kwargs)
+        if out.items:
+            steps.append((sum(i.num_new for i in out.items), sum(i.start + i.num_new for i in out.items)))
+        return out
+
+    sch.schedule = schedule
+    return steps
+
+
 def copy_bandwidth(nbytes: int = 2 << 30) -> float:
     """Measured device-to-device copy rate in GB/s, read + write bytes (as HBM bandwidth is quoted)."""
     import torch

@@ -308,6 +308,18 @@ def test_bench_runs_an_moe_shape_with_the_routed_mode(tmp_path):
     # measured (a mean of whole counts over 18 layer-steps) vs estimated 8 (1 - (3/4)^3) = 4.625
     assert r["roofline_routed"]["bytes_per_step"] != r["roofline"]["bytes_per_step"]
     assert "routed_experts_cost" in r and "partial" not in r
+    # The floor of the schedule each run made: 3 prompts prefilled, then a decode step per token (10 tokens,
+    # one lagging launch at most); each step reads the weights and, per MoE layer, between top-k and all
+    # 8 experts.
+    from rollout.bench.roofline import hbm_bandwidth, model_sizes
+    from rollout.bench.shapes import make_config
+    s = model_sizes(make_config("tiny-moe"), 4)
+    for mode in ("async", "routed"):
+        run, f = r[f"ours_{mode}"], r[f"ours_{mode}"]["schedule_floor"]
+        assert 10 <= f["steps"] <= 3 + 11 and 1 <= f["mean_tokens_per_step"] <= 3 * 12
+        one_step = [(s["weight_bytes"] + s["moe_layers"] * e * s["expert_bytes"]) / hbm_bandwidth() for e in (2, 8)]
+        assert f["steps"] * one_step[0] <= f["floor_weights_s"] <= f["steps"] * one_step[1]
+        assert run["fraction_of_schedule_floor"] == pytest.approx(f["floor_s"] / run["wall_s"])
     assert r["speedup_vs_hf"] == r["speedup_vs_hf_generate"] > 0
     # HF's baseline runs its grouped GEMM experts (its batched_mm default gathers weights per token)
     assert r["hf_experts_implementation"] == "grouped_mm"

@@ -8,7 +8,7 @@ import torch
 from rollout import RolloutEngine, SamplingParams
 from rollout.bench import rl_step
 from rollout.bench.pressure import random_model
-from rollout.bench.roofline import BW_BYTES_S
+from rollout.bench.roofline import BW_BYTES_S, schedule_floor_s
 from rollout.bench.shapes import make_config
 
 
@@ -29,12 +29,19 @@ def test_floor_of_a_hand_computed_schedule():
     while engine.has_unfinished():
         outs += engine.step()
     assert len(outs[0].completions[0].token_ids) == 3 and outs[0].completions[0].finish_reason == "stop"
-    assert rec.contexts == [8, 9, 10, 11] and rec.landed == 3
+    assert rec.steps == [(8, 8), (1, 9), (1, 10), (1, 11)] and rec.landed == 3    # (tokens, context)
     assert engine.kv.alloc.num_used == 0
-    f = rl_step.schedule_floor_s(rec.contexts, weight_bytes=2e9, kv_bytes_per_token=1e6)
+    dense = {"weight_bytes": 2e9, "kv_bytes_per_token": 1e6, "moe_layers": 0, "expert_bytes": 0}
+    f = schedule_floor_s(rec.steps, dense)
     assert f["floor_weights_s"] == pytest.approx(4 * 2e9 / BW_BYTES_S)
     assert f["floor_kv_s"] == pytest.approx(38 * 1e6 / BW_BYTES_S)
     assert f["floor_s"] == pytest.approx((8e9 + 38e6) / 4.8e12)
+    # An MoE layer reads the experts a step's tokens touch: all 4 of 4 (top-2) take 1 - (1/2)^8 of them at
+    # the 8-token prefill, and 2 at a one-token decode step.
+    moe = {**dense, "moe_layers": 3, "experts": 4, "top_k": 2, "expert_bytes": 1e8}
+    f = schedule_floor_s(rec.steps, moe)
+    touched = 4 * (1 - 0.5 ** 8) + 3 * 2
+    assert f["floor_weights_s"] == pytest.approx((4 * 2e9 + 3 * touched * 1e8) / BW_BYTES_S)
 
 
 def test_smoke_run_honors_lengths_and_writes_json_and_png(tmp_path):
