@@ -186,7 +186,7 @@ def hf_generate_batch(hf, prompts, G: int, attn: str = "paged|sdpa") -> dict:
     from transformers import GenerationConfig
     from transformers.generation import ContinuousBatchingConfig
     known = inspect.signature(ContinuousBatchingConfig).parameters
-    # Half the free memory for its KV cache: our engine is resident too.
+    # Half the free memory for its KV cache (our engine has released its own by now; its weights stay).
     wanted = dict(use_cuda_graph=True, use_async_batching=False, max_memory_percent=0.5)
     cb = ContinuousBatchingConfig(**{k: v for k, v in wanted.items() if k in known})
     prev = hf.config._attn_implementation
