@@ -263,8 +263,8 @@ def main(argv=None):
     copy_hf_tensors(model, hf.state_dict().items(), "HF model")
     if cuda:
         torch.cuda.empty_cache()
-    per_token = model_sizes(cfg, dtype.itemsize)["kv_bytes_per_token"]
-    kv_bytes = int(per_token * S * (P + G + 64) * 1.2)     # every sequence's whole length, 20% spare
+    sizes = model_sizes(cfg, dtype.itemsize)
+    kv_bytes = int(sizes["kv_bytes_per_token"] * S * (P + G + 64) * 1.2)     # every sequence's whole length, 20% spare
     if cuda:   # capped at what the device has left (4 GiB kept for activations, logits, graphs): admission copes
         kv_bytes = min(kv_bytes, torch.cuda.mem_get_info(device)[0] - (4 << 30))
     t_engine = time.perf_counter()
@@ -304,7 +304,6 @@ def main(argv=None):
     print("check:", json.dumps({k: v for k, v in result.items() if k.startswith("check")}), flush=True)
 
     launched = record_steps(engine)      # each step's tokens and contexts: the floor of the schedule run
-    sizes = model_sizes(cfg, dtype.itemsize)
 
     def time_ours(params):
         _sync()
