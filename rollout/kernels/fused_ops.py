@@ -23,10 +23,10 @@ def _add_rmsnorm_kernel(x_ptr, d_ptr, w_ptr, out_ptr, res_ptr, N, eps, s_x, s_d,
     m = cols < N
     x = tl.load(x_ptr + row * s_x + cols, mask=m, other=0.0)
     if HAS_DELTA:
-        if DELTA_PARTIALS:   # a split-K GEMM's fp32 partials: its fix-up's sum (split order) and rounding
+        if DELTA_PARTIALS:   # split-K partials or an MoE's pairs: their sum (in order, fp32) and rounding
             dsum = tl.zeros([BLOCK], tl.float32)
             for sk in tl.static_range(DELTA_PARTIALS):
-                dsum += tl.load(d_ptr + sk * s_dp + row * s_d + cols, mask=m, other=0.0)
+                dsum += tl.load(d_ptr + sk * s_dp + row * s_d + cols, mask=m, other=0.0).to(tl.float32)
             d = dsum.to(x_ptr.dtype.element_ty)
         else:
             d = tl.load(d_ptr + row * s_d + cols, mask=m, other=0.0)
@@ -48,12 +48,14 @@ def rmsnorm_store(x, w_ptr, out_row_ptr, cols, m, N, eps):
 def add_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, delta: Optional[torch.Tensor] = None,
                 out: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x, delta [T, N] -> (rmsnorm(r) * weight, r), r = x + delta (or x), in HF's order. delta may be
-    [S, T, N] fp32 split-K partials, summed as the GEMM's fix-up would. `out`: (normed, residual)."""
+    [S, T, N] partials summed in fp32 in S order and rounded to x's dtype: a split-K GEMM's fp32 partials
+    (as its fix-up would sum them) or an MoE's per-pair outputs (as its combine would). `out`: (normed,
+    residual)."""
     T, N = x.shape
     assert x.stride(1) == 1 and weight.is_contiguous() and weight.numel() == N
     parts = delta is not None and delta.dim() == 3
     if parts:
-        assert delta.shape[1:] == (T, N) and delta.dtype == torch.float32 and delta.stride(2) == 1
+        assert delta.shape[1:] == (T, N) and delta.dtype in (torch.float32, x.dtype) and delta.stride(2) == 1
     out, res = out if out is not None else (torch.empty_like(x), torch.empty_like(x) if delta is not None else x)
     if T:
         block = triton.next_power_of_2(N)

@@ -21,10 +21,15 @@ DECODE_PAIRS_PER_EXPERT = 16      # T * k / E at or below this: the decode tiles
 LONG_PREFILL_PAIRS_PER_EXPERT = 128   # at or above this: the long-prefill tiles
 
 
-def route(logits: torch.Tensor, top_k: int, renormalize: bool, ids_out: Optional[torch.Tensor] = None):
+def route(logits: torch.Tensor, top_k: int, renormalize: bool, ids_out: Optional[torch.Tensor] = None,
+          fused: bool = False):
     """Router logits [T, E] -> (weights [T, k] fp32, rounded to the logits' dtype as transformers rounds
     them; expert ids [T, k] int64, most probable first). ids_out: where topk writes the ids (the step's
-    routed-expert buffer, so capturing them costs no extra kernel)."""
+    routed-expert buffer, so capturing them costs no extra kernel). fused: one Triton launch for the
+    softmax, top-k and renormalisation (seven torch kernels; the probabilities differ by reduction order)."""
+    if fused:
+        from ..kernels.fused_moe import route as fused_route
+        return fused_route(logits, top_k, renormalize, ids_out)
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     if ids_out is None:
         weights, ids = torch.topk(probs, top_k, dim=-1)
@@ -53,9 +58,11 @@ def moe_tiles(num_tokens: int, top_k: int, num_experts: int) -> tuple[int, int, 
     return LONG_PREFILL_TILES if pairs >= LONG_PREFILL_PAIRS_PER_EXPERT * num_experts else PREFILL_TILES
 
 
-def experts(x, weights, ids, w_gate_up, w_down, fused: bool) -> torch.Tensor:
-    """sum_j weights[t, j] * expert ids[t, j](x[t]): the fused Triton kernels or the reference loop."""
+def experts(x, weights, ids, w_gate_up, w_down, fused: bool, combine: bool = True) -> torch.Tensor:
+    """sum_j weights[t, j] * expert ids[t, j](x[t]): the fused Triton kernels or the reference loop.
+    combine=False (fused only): the k terms uncombined, [k, T, H], for the next residual add to sum."""
     if not fused:
         return experts_reference(x, weights, ids, w_gate_up, w_down)
     from ..kernels.fused_moe import fused_moe
-    return fused_moe(x, weights, ids, w_gate_up, w_down, moe_tiles(x.shape[0], ids.shape[1], w_gate_up.shape[0]))
+    return fused_moe(x, weights, ids, w_gate_up, w_down, moe_tiles(x.shape[0], ids.shape[1], w_gate_up.shape[0]),
+                     combine)

@@ -176,12 +176,15 @@ class SparseMoE(nn.Module):
         if shared:
             self.shared_expert_gate = nn.Linear(H, 1, bias=False)
 
-    def forward(self, x, routed: Optional[torch.Tensor] = None, gemms: Optional[Gemms] = None, fused: bool = False):
+    def forward(self, x, routed: Optional[torch.Tensor] = None, gemms: Optional[Gemms] = None, fused: bool = False,
+                partials: bool = False):
         """routed: [T, k] int64 where the router's expert ids go (the step's capture buffer), or None;
-        fused: the Triton MoE kernels (the Triton backend), else the torch reference."""
+        fused: the Triton MoE kernels (the Triton backend), else the torch reference. partials (fused, no
+        shared expert): the k weighted expert outputs [k, T, H] uncombined, for add_rmsnorm to sum."""
         linear = gemms or plain_linear
-        weights, ids = route(linear(self.gate, x), self.top_k, self.renormalize, routed)
-        out = experts(x, weights, ids, self.gate_up, self.down, fused)
+        weights, ids = route(linear(self.gate, x), self.top_k, self.renormalize, routed, fused)
+        out = experts(x, weights, ids, self.gate_up, self.down, fused,
+                      combine=not (partials and fused and self.shared_expert is None))
         if self.shared_expert is not None:
             out = out + torch.sigmoid(linear(self.shared_expert_gate, x)) * self.shared_expert(x, gemms)
         return out
@@ -281,7 +284,7 @@ class DecoderLM(nn.Module):
             h, residual = gemms.add_norm(layer.self_attn.o_proj, a, residual, layer.post_attention_layernorm)
             if layer.sparse:
                 norm = norms[i + 1]
-                delta = layer.mlp(h, next(routed), gemms, fused=True)
+                delta = layer.mlp(h, next(routed), gemms, fused=True, partials=True)   # [T, H] or [k, T, H]
                 h, residual = add_rmsnorm(residual, norm.weight, norm.eps, delta=delta)
                 continue
             act = gemms.silu_gate_up(layer.mlp.gate_up_proj, h)

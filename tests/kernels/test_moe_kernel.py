@@ -16,7 +16,8 @@ pytest.importorskip("triton")
 
 import torch
 
-from rollout.kernels.fused_moe import fused_moe, moe_align
+from rollout.kernels.fused_moe import ONE_PROGRAM_PAIRS, fused_moe, moe_align
+from rollout.kernels.fused_moe import route as fused_route
 from rollout.layers.moe import DECODE_TILES, LONG_PREFILL_TILES, PREFILL_TILES, experts_reference, moe_tiles, route
 
 
@@ -29,8 +30,10 @@ def _case(T, H, inter, E, k, dtype, seed):
     return x, weights, ids, w1, w2
 
 
+# up to ONE_PROGRAM_PAIRS (512) pairs one program sorts them, above three launches: both, at several chunk counts
 @pytest.mark.parametrize("T,E,k,block_m", [(1, 5, 2, 16), (7, 5, 2, 16), (37, 9, 3, 16), (37, 3, 3, 32),
-                                           (200, 7, 2, 64), (700, 9, 3, 16)])   # 700: 17 chunks of 128 pairs
+                                           (200, 7, 2, 64), (256, 9, 2, 16), (257, 9, 2, 16), (300, 5, 2, 32),
+                                           (700, 9, 3, 16)])   # 700: 17 chunks of 128 pairs
 def test_align_sorts_every_pair_once_into_padded_expert_blocks(T, E, k, block_m):
     _, _, ids, _, _ = _case(T, 8, 8, E, k, torch.float32, T + E)
     sorted_ids, expert_ids, npost = moe_align(ids, E, block_m)
@@ -41,13 +44,57 @@ def test_align_sorts_every_pair_once_into_padded_expert_blocks(T, E, k, block_m)
     assert sorted_ids.numel() >= n + E * (block_m - 1) and total <= sorted_ids.numel()   # the static bound holds
     live = sorted_ids[:total]
     assert sorted(live[live < n].tolist()) == list(range(n)) and (live[live >= n] == n).all()
-    assert (sorted_ids[total:] == n).all()
     for b in range(total // block_m):
         block = live[b * block_m:(b + 1) * block_m]
         real = block[block < n].long()
         assert len(real) and (flat[real] == expert_ids[b]).all()        # one expert per block
         assert torch.equal(real, real.sort().values)                    # stable: pair order within an expert
     assert (expert_ids[:total // block_m].diff() >= 0).all() and (expert_ids[total // block_m:] == E).all()
+
+
+def test_align_paths_meet_at_the_one_program_bound():
+    assert ONE_PROGRAM_PAIRS == 512      # the parametrised sizes above straddle it (256 x 2 and 257 x 2 pairs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T,E,k,renorm", [(1, 5, 1, False), (7, 5, 2, True), (37, 9, 3, False), (33, 60, 8, True),
+                                          (5, 128, 8, True), (4, 3, 3, True)])
+def test_fused_route_matches_torch_route(T, E, k, renorm, dtype):
+    g = torch.Generator().manual_seed(T * E + k)
+    logits = (torch.randn(T, E, generator=g) * 3).to(dtype)
+    if dtype == torch.bfloat16:   # rounded to 8 bits, dozens of logits tie exactly, and torch.topk leaves the
+        # order of ties open (ours: lowest expert first, tested below): distinct values 1/16 apart instead
+        logits = (torch.stack([torch.randperm(E, generator=g) for _ in range(T)]) / 16 - 4).to(dtype)
+    want_w, want_i = route(logits, k, renorm)
+    got_w, got_i = fused_route(logits, k, renorm)
+    assert got_i.dtype == torch.int64 and got_w.dtype == torch.float32 and got_w.shape == (T, k)
+    assert torch.equal(got_i, want_i)
+    # Both round the weights to the logits' dtype. fp32: the softmax's and renorm's sums in another order,
+    # a few fp32 ulps. bf16: the same fp32 values rounded alike but where an ulp of fp32 crosses a rounding
+    # boundary: one bf16 ulp at most (up to 2^-7 relative).
+    tol = dict(atol=1e-6, rtol=1e-6) if dtype == torch.float32 else dict(atol=0, rtol=2 ** -7)
+    torch.testing.assert_close(got_w, want_w, **tol)
+    out = torch.full((T, k), -1, dtype=torch.int64)          # ids into the caller's buffer (routed capture)
+    assert fused_route(logits, k, renorm, out)[1] is out and torch.equal(out, want_i)
+
+
+def test_fused_route_breaks_ties_to_the_lowest_expert():
+    logits = torch.tensor([[0.0, 2.0, 1.0, 2.0, 1.0]])
+    w, ids = fused_route(logits, 3, False)
+    assert ids.tolist() == [[1, 3, 2]] and w[0, 0] == w[0, 1] > w[0, 2]
+
+
+def test_pairs_summed_in_the_residual_add_equal_the_combine():
+    """fused_moe(combine=False) handed to add_rmsnorm: the same bits as the combine, then the add."""
+    from rollout.kernels.fused_ops import add_rmsnorm
+    x, weights, ids, w1, w2 = _case(9, 40, 24, 5, 3, torch.float16, 3)
+    pairs = fused_moe(x, weights, ids, w1, w2, DECODE_TILES, combine=False)
+    assert pairs.shape == (3, 9, 40)
+    residual = torch.randn(9, 40).to(torch.float16)
+    norm_w = torch.rand(40).to(torch.float16)
+    got = add_rmsnorm(residual, norm_w, 1e-6, delta=pairs)
+    want = add_rmsnorm(residual, norm_w, 1e-6, delta=fused_moe(x, weights, ids, w1, w2, DECODE_TILES))
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
 # fp32: the interpreter's dot sums in K order (kernels.fix_interpreter) and the reference in BLAS order;
