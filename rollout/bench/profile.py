@@ -24,8 +24,9 @@ from .roofline import copy_bandwidth, model_sizes, step_time_s
 from .shapes import SHAPES, make_config, random_prompts
 
 CATEGORIES = (   # first match wins; names as CUDA reports them
-    # MoE shapes: the fused MoE's sort and grouped GEMMs (the router's softmax / topk land in "sampling")
+    # MoE shapes: the fused MoE's sort and grouped GEMMs, and the router's softmax / top-k (its GEMM is a "gemm")
     ("moe experts", r"_moe_"),
+    ("moe router", r"_route_kernel"),
     ("attention", r"_decode_split|_decode_keys|_decode_merge|_prefill_kernel"),
     ("sampling", r"_sample_kernel|_merge_kernel|_trunc_kernel|_split_(step|final|merge)_kernel|sort|topk|softmax|"
                  r"gather|argmax|cumsum"),

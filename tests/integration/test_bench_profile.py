@@ -10,7 +10,8 @@ def test_kernel_names_fall_into_the_step_breakdown_categories():
     assert categorize("_qkv_rope_kernel") == "gemm"          # the QKV GEMM with its RoPE epilogue
     assert categorize("_add_rmsnorm_kernel") == categorize("_rope_kv_kernel") == "fused small ops"
     assert categorize("_sample_kernel") == "sampling"
-    assert categorize("_moe_gate_up_kernel") == categorize("_moe_scatter_kernel") == "moe experts"   # fused MoE
+    assert categorize("_moe_gate_up_kernel") == categorize("_moe_align_one_kernel") == "moe experts"   # fused MoE
+    assert categorize("_route_kernel") == "moe router"
     assert categorize("void at::native::vectorized_elementwise_kernel<4>") == "other small ops"
 
 
