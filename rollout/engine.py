@@ -559,6 +559,15 @@ class RolloutEngine:
                                "weight update (RolloutWorker.update_weights) before generating")
 
     @_serialized
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix (vLLM's `reset_prefix_cache`): later requests prefill in full, as a
+        prefill benchmark needs. Pages that queued or running sequences hold stay theirs. Returns the pages
+        forgotten."""
+        forgotten = self.kv.alloc.num_cached
+        self.kv.alloc.clear_cache()
+        return forgotten
+
+    @_serialized
     def sleep(self, level: int = 1, discard_weights: bool = False) -> dict:
         """Give device memory back between generations; needs no request queued or running. Level 1: the KV
         cache (prefix cache emptied), the decode graphs and their pool, torch's cached blocks. Level 2: the

@@ -177,6 +177,23 @@ def test_cache_off_caches_nothing_and_the_option_is_validated(model_dir, tiny_to
             EngineConfig(enable_prefix_caching=bad).validate()
 
 
+def test_reset_prefix_cache_forgets_every_prefix_and_the_next_run_prefills_in_full(model_dir, tiny_tokenizer):
+    eng = _engine(model_dir("llama"))
+    prompts = _prompts(tiny_tokenizer)[:2]
+    p = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)
+    first = eng.generate(prompts, p, use_tqdm=False)
+    cached = eng.kv.alloc.num_cached
+    assert cached > 0 and eng.reset_prefix_cache() == cached
+    assert eng.kv.alloc.num_cached == 0
+    assert_no_leak(eng.kv.alloc)
+    hits, prefilled = eng.stats()["prefix_cache_hit_tokens"], eng.stats()["prefill_tokens"]
+    again = eng.generate(prompts, p, use_tqdm=False)
+    st = eng.stats()
+    assert st["prefix_cache_hit_tokens"] == hits                                      # nothing reused
+    assert st["prefill_tokens"] - prefilled == sum(len(x) for x in prompts)           # every prompt token again
+    assert [o.completions[0].token_ids for o in again] == [o.completions[0].token_ids for o in first]
+
+
 def test_eviction_under_kv_pressure_is_exact_and_leaks_nothing(model_dir, tiny_tokenizer):
     """20 pages for waves of shared-prefix prompts with preemption (reserve 0): cached pages are
     evicted to make room, victims re-find their own pages, outputs equal a roomy run without cache."""
