@@ -584,6 +584,10 @@ def test_compiles_for_sm90(tmp_path):
         from rollout.layers import moe
         compile_(fm._moe_count_kernel, E_PAD=128, CHUNK=128)     # fused MoE: the sort, both grouped GEMMs
         compile_(fm._moe_offsets_kernel, BLOCK_M=16, E_PAD=128, ROWS=16)
+        compile_(fm._moe_offsets_kernel, BLOCK_M=128, E_PAD=128, ROWS=16)     # long prefill's padding fill
+        compile_(fm._moe_align_one_kernel, BLOCK_M=16, E_PAD=128, CHUNK=128, ROWS=16)     # decode's one program
+        compile_(fm._route_kernel, TOP_K=8, K_PAD=8, RENORM=True, E_PAD=128,
+                 ptrs={"logits_ptr": "*bf16", "w_ptr": "*fp32", "ids_ptr": "*i64"})
         compile_(fm._moe_scatter_kernel, E_PAD=128, CHUNK=128)
         for bm, bn, bk, _, _ in (moe.DECODE_TILES, moe.PREFILL_TILES, moe.LONG_PREFILL_TILES):
             compile_(fm._moe_gate_up_kernel, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
