@@ -135,8 +135,8 @@ class Attention(nn.Module):
         if q is None:      # QK-norm (Qwen3): in the RoPE kernel, before the rotation
             from ..kernels.rope_kv import rope_and_write_kv
             q, k, v = self._qkv(x, gemms, norm=False)
-            q = rope_and_write_kv(q, k, v, positions, inv_freq, k_cache, v_cache, meta.slot_mapping,
-                                  qk_norm=(self.q_norm.weight, self.k_norm.weight, self.q_norm.eps))
+            norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else None
+            q = rope_and_write_kv(q, k, v, positions, inv_freq, k_cache, v_cache, meta.slot_mapping, qk_norm=norms)
         o = paged_attention(q, k_cache, v_cache, meta, self.scale, self.sliding_window, gemms.switches)
         return o.reshape(x.shape[0], self.q_size)
 
