@@ -194,6 +194,34 @@ def test_reset_prefix_cache_forgets_every_prefix_and_the_next_run_prefills_in_fu
     assert [o.completions[0].token_ids for o in again] == [o.completions[0].token_ids for o in first]
 
 
+def test_reset_prefix_cache_from_another_thread_during_generation_changes_no_output(model_dir, tiny_tokenizer):
+    """A second caller resets while generate runs on this thread: the calls take turns (the engine's
+    lock), no held page is lost, and the outputs equal a run without resets."""
+    import threading
+    eng = _engine(model_dir("llama"))
+    prompts = _prompts(tiny_tokenizer)
+    p = SamplingParams(max_new_tokens=24, temperature=0.9, seed=4, ignore_eos=True)
+    want = [o.completions[0].token_ids for o in eng.generate(prompts, p, use_tqdm=False)]
+    stop, resets = threading.Event(), []
+
+    def resetter():
+        while not stop.is_set():
+            resets.append(eng.reset_prefix_cache())
+    t = threading.Thread(target=resetter)
+    t.start()
+    try:
+        got = [o.completions[0].token_ids for o in eng.generate(prompts, p, use_tqdm=False)]
+    finally:
+        stop.set()
+        t.join(timeout=30)
+    assert not t.is_alive() and len(resets) > 0
+    assert got == want
+    eng.reset_prefix_cache()
+    assert_no_leak(eng.kv.alloc)
+    with pytest.raises(TypeError):
+        eng.reset_prefix_cache(True)          # takes no arguments: nothing to misread
+
+
 def test_eviction_under_kv_pressure_is_exact_and_leaks_nothing(model_dir, tiny_tokenizer):
     """20 pages for waves of shared-prefix prompts with preemption (reserve 0): cached pages are
     evicted to make room, victims re-find their own pages, outputs equal a roomy run without cache."""
