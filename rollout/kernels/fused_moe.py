@@ -197,9 +197,9 @@ ONE_PROGRAM_PAIRS = 512     # moe_align in one launch up to this many pairs (dec
 
 def moe_align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """ids [T, k] -> (sorted pair ids [T*k + E*(block_m - 1), rounded up to blocks], expert of each block,
-    padded total [1]). Slots past the padded total are left unset (blocks there are not live: never used). Up to ONE_PROGRAM_PAIRS
-    pairs one program sorts them; above, pairs are counted and scattered by 128-pair chunks in parallel,
-    and one program in between turns the counts into offsets."""
+    padded total [1]). Slots past the padded total are left unset (blocks there are not live: never used).
+    Up to ONE_PROGRAM_PAIRS pairs one program sorts them; above, pairs are counted and scattered by 128-pair
+    chunks in parallel, and one program in between turns the counts into offsets."""
     n, chunk = ids.numel(), 128
     chunks, e_pad = triton.cdiv(n, chunk), triton.next_power_of_2(num_experts)
     blocks = triton.cdiv(n + num_experts * (block_m - 1), block_m)
