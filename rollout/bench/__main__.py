@@ -349,6 +349,10 @@ def main(argv=None):
                    if params.return_routed_experts else {}),
                 "tokens": [c.token_ids for x in o for c in x.completions]}
 
+    def checkpoint():
+        """The JSON so far, marked partial: a run cut off by a time limit keeps what it measured."""
+        write_json({**result, "partial": True, "meta": run_meta("rollout.bench", argv)}, args.out)
+
     engine.generate(prompts[:2], SamplingParams(max_new_tokens=8, temperature=0.0), use_tqdm=False)
     tokens = {}
     modes = args.modes.split(",")
@@ -367,8 +371,7 @@ def main(argv=None):
             result["roofline_routed"] = roofline(cfg, S, P, G, prefill_seqs=B, dtype_bytes=dtype.itemsize,
                                                  touched=best["experts_touched_per_layer_step"])
             best["fraction_of_roofline_routed"] = best["tok_s"] / result["roofline_routed"]["tok_s"]
-        # written after each mode: a run cut off by a time limit keeps what it measured
-        write_json({**result, "partial": True, "meta": run_meta("rollout.bench", argv)}, args.out)
+        checkpoint()
     result["ours"] = result[f"ours_{modes[-1]}"]
     result["engine_stats"] = engine.stats()
     if len(tokens) > 1:
@@ -408,6 +411,7 @@ def main(argv=None):
             walls.append(time.perf_counter() - t0)
         wall = statistics.median(walls)
         result["ours_at_hf_gen_len"] = {"gen_len": hf_G, "wall_s": wall, "tok_s": S * hf_G / wall, "runs_wall_s": walls}
+        checkpoint()
     if hf_baselines:
         result["hf_experts_implementation"] = hf_fastest_experts(hf)
         # Our timed runs are done: the baselines get our KV cache and graphs' memory (a 30B MoE's HF prefill
@@ -427,6 +431,7 @@ def main(argv=None):
             if "ours_at_hf_gen_len" in result:
                 result[f"speedup_vs_hf_{baseline}_same_gen_len"] = (result["ours_at_hf_gen_len"]["tok_s"]
                                                                     / result[f"hf_{baseline}"]["tok_s"])
+        checkpoint()
     if hf_baselines and f"speedup_vs_hf_{hf_baselines[0]}" in result:     # the first one named
         result["speedup_vs_hf"] = result[f"speedup_vs_hf_{hf_baselines[0]}"]
 

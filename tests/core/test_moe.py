@@ -353,6 +353,24 @@ def test_bench_keeps_the_modes_it_measured_when_a_later_one_fails(tmp_path, monk
     assert not (tmp_path / "never.json").exists()
 
 
+def test_bench_keeps_the_like_for_like_run_and_a_baseline_when_cut_off_in_the_next(tmp_path, monkeypatch):
+    """A run killed during an HF baseline (a time limit's signal: not an Exception, so not recorded as the
+    baseline's error) keeps ours at HF's G and the baselines before it, marked partial."""
+    import rollout.bench.__main__ as bench
+
+    def killed(*_a, **_k):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(bench, "hf_generate_batch", killed)
+    out = tmp_path / "bench.json"
+    with pytest.raises(KeyboardInterrupt):
+        bench.main(["--shape", "tiny-moe", "--batch", "2", "--prompt-len", "8", "--gen-len", "6", "--modes", "async",
+                    "--hf", "generate,generate_batch", "--hf-gen-len", "3", "--dtype", "float32", "--check-seqs", "1",
+                    "--check-gen-len", "4", "--out", str(out)])
+    r = json.loads(out.read_text())
+    assert r["partial"] is True and r["ours_at_hf_gen_len"]["gen_len"] == 3 and r["hf_generate"]["tok_s"] > 0
+    assert r["speedup_vs_hf_generate_same_gen_len"] > 0 and "hf_generate_batch" not in r
+
+
 def test_bench_reports_a_failed_hf_baseline_and_keeps_the_run(tmp_path, monkeypatch):
     """An HF baseline that fails (out of memory at a 30B MoE's prefill, say) is named in the JSON with its
     error; ours and the other baselines stay."""
