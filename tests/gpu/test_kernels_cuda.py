@@ -149,8 +149,14 @@ def test_rope_kv(dtype, qk_norm):
         # The kernel rounds like torch's eager ops. libdevice's and torch's fp32 cos/sin may differ
         # by an ulp (fp32: ~1e-7 differences, fine); in bf16 such an ulp flips a rounding only
         # next to a tie (~2^-16 odds), so nearly all values must match bit for bit. With QK-norm torch's
-        # rsqrt and the kernel's 1/sqrt may differ by an fp32 ulp or two: the same odds of a bf16 flip.
-        torch.testing.assert_close(got, want, rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-5)
+        # rsqrt and the kernel's 1/sqrt may differ by an fp32 ulp or two: the same odds of a bf16 flip,
+        # but a flip in the normed q or k is then rotated. Values here stay below 8 in magnitude, so an
+        # ulp is <= 2^-5: flips in x1 and x2 move x1*cos - x2*sin by <= sqrt(2) * 2^-5, and the output's
+        # rounding may add one ulp more: (1 + sqrt(2)) * 2^-5 < 0.08. On an H100, 2 of 1.2M values
+        # differed, by 0.0156 (relative 0.013 next to a cancellation). The bit-for-bit share below stays
+        # the strict check.
+        atol = 0.08 if dtype == torch.bfloat16 and qk_norm else 1e-5
+        torch.testing.assert_close(got, want, rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=atol)
         if dtype == torch.bfloat16:
             assert (got != want).float().mean().item() < 1e-3
 
