@@ -118,7 +118,9 @@ def _moe_align_one_kernel(ids_ptr, sorted_ptr, expert_ptr, npost_ptr, N, E, BLOC
         ok = pairs < N
         ids = tl.load(ids_ptr + pairs, mask=ok, other=-1).to(tl.int32)
         onehot = (ids[:, None] == experts[None, :]).to(tl.int32)
-        rank = tl.sum((tl.cumsum(onehot, axis=0) - onehot) * onehot, axis=1)
+        # the pairs of the same expert before this one in the chunk: a row sum, not a scan down the chunk
+        ids_t = tl.load(ids_ptr + pairs, mask=ok, other=-2).to(tl.int32)     # padding never matches
+        rank = tl.sum(((ids[:, None] == ids_t[None, :]) & (pairs[None, :] < pairs[:, None])).to(tl.int32), axis=1)
         tl.store(sorted_ptr + tl.sum(onehot * base[None, :], axis=1) + rank, pairs, mask=ok)
         base += tl.sum(onehot, axis=0)
 
@@ -209,7 +211,7 @@ def moe_align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.
     ids = ids.contiguous()
     if n <= ONE_PROGRAM_PAIRS:
         _moe_align_one_kernel[(1,)](ids, sorted_ids, expert_ids, npost, n, num_experts, blocks, BLOCK_M=block_m,
-                                    E_PAD=e_pad, CHUNK=chunk, ROWS=16)
+                                    E_PAD=e_pad, CHUNK=chunk, ROWS=16, num_warps=8)
         return sorted_ids, expert_ids, npost
     counts = torch.empty(chunks, e_pad, dtype=torch.int32, device=ids.device)
     _moe_count_kernel[(chunks,)](ids, counts, n, E_PAD=e_pad, CHUNK=chunk)

@@ -47,22 +47,30 @@ def rotate_halves(x1, x2, c, s, dt):
 
 
 @triton.jit
-def _rotate(x_ptr, o_ptr, heads, h_ok, f, c, s, HALF: tl.constexpr, s_xh, s_oh):
-    """Rotate-half RoPE on rows `heads` of one token, stored to o_ptr."""
+def _rotate(x_ptr, o_ptr, heads, h_ok, f, c, s, HALF: tl.constexpr, s_xh, s_oh, n_ptr, eps, NORM: tl.constexpr):
+    """Rotate-half RoPE on rows `heads` of one token, stored to o_ptr. NORM: each row RMS-normed first
+    with the head_dim weights at n_ptr (Qwen3's QK-norm), rounded as decoder.RMSNorm rounds."""
     m = h_ok[:, None]
+    dt = o_ptr.dtype.element_ty
     x1 = tl.load(x_ptr + heads[:, None] * s_xh + f[None, :], mask=m, other=0.0).to(tl.float32)
     x2 = tl.load(x_ptr + heads[:, None] * s_xh + HALF + f[None, :], mask=m, other=0.0).to(tl.float32)
-    o1, o2 = rotate_halves(x1, x2, c, s, o_ptr.dtype.element_ty)
+    if NORM:
+        inv = 1.0 / tl.sqrt_rn((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF) + eps)
+        w1 = tl.load(n_ptr + f).to(tl.float32)[None, :]
+        w2 = tl.load(n_ptr + HALF + f).to(tl.float32)[None, :]
+        x1 = (w1 * (x1 * inv[:, None]).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+        x2 = (w2 * (x2 * inv[:, None]).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+    o1, o2 = rotate_halves(x1, x2, c, s, dt)
     tl.store(o_ptr + heads[:, None] * s_oh + f[None, :], o1, mask=m)
     tl.store(o_ptr + heads[:, None] * s_oh + HALF + f[None, :], o2, mask=m)
 
 
 @triton.jit(do_not_specialize=["n_slots"])   # = the step's token count in eager steps: one kernel for all
 def _rope_kv_kernel(
-        q_ptr, k_ptr, v_ptr, qo_ptr, pos_ptr, inv_freq_ptr, kc_ptr, vc_ptr, slot_ptr, n_slots,
+        q_ptr, k_ptr, v_ptr, qo_ptr, pos_ptr, inv_freq_ptr, kc_ptr, vc_ptr, slot_ptr, qn_ptr, kn_ptr, eps, n_slots,
         s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_qot, s_qoh, s_kcs, s_kch, s_vcs, s_vch,
         HQ: tl.constexpr, HKV: tl.constexpr, Q_HEADS: tl.constexpr, HKV_PAD: tl.constexpr,
-        HALF: tl.constexpr, PRECISE: tl.constexpr, PDL: tl.constexpr):
+        HALF: tl.constexpr, QK_NORM: tl.constexpr, PRECISE: tl.constexpr, PDL: tl.constexpr):
     enter(PDL)
     t = tl.program_id(0)
     part = tl.program_id(1)
@@ -74,12 +82,13 @@ def _rope_kv_kernel(
 
     if part > 0:
         hq = (part - 1) * Q_HEADS + tl.arange(0, Q_HEADS)
-        _rotate(q_ptr + t64 * s_qt, qo_ptr + t64 * s_qot, hq, hq < HQ, f, c, s, HALF, s_qh, s_qoh)
+        _rotate(q_ptr + t64 * s_qt, qo_ptr + t64 * s_qot, hq, hq < HQ, f, c, s, HALF, s_qh, s_qoh, qn_ptr, eps,
+                QK_NORM)
     else:   # K/V -> cache. slot_mapping may be shorter than T; negative slots are skipped.
         slot = tl.load(slot_ptr + t, mask=t < n_slots, other=-1)
         hk = tl.arange(0, HKV_PAD)
         ok = (hk < HKV) & (slot >= 0)
-        _rotate(k_ptr + t64 * s_kt, kc_ptr + slot * s_kcs, hk, ok, f, c, s, HALF, s_kh, s_kch)
+        _rotate(k_ptr + t64 * s_kt, kc_ptr + slot * s_kcs, hk, ok, f, c, s, HALF, s_kh, s_kch, kn_ptr, eps, QK_NORM)
         d = tl.arange(0, 2 * HALF)
         v = tl.load(v_ptr + t64 * s_vt + hk[:, None] * s_vh + d[None, :], mask=ok[:, None])
         tl.store(vc_ptr + slot * s_vcs + hk[:, None] * s_vch + d[None, :], v, mask=ok[:, None])
@@ -87,9 +96,11 @@ def _rope_kv_kernel(
 
 def rope_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                       inv_freq: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      slot_mapping: torch.Tensor, *, out_q: Optional[torch.Tensor] = None) -> torch.Tensor:
+                      slot_mapping: torch.Tensor, *, out_q: Optional[torch.Tensor] = None,
+                      qk_norm: Optional[tuple[torch.Tensor, torch.Tensor, float]] = None) -> torch.Tensor:
     """q [T, Hq, D], k/v [T, Hkv, D] (strided views fine); positions [T]; inv_freq [D/2] fp32; caches
-    [num_pages, page_size, Hkv, D]; slot_mapping [n] int64 -> RoPE'd q (`out_q=q`: in place)."""
+    [num_pages, page_size, Hkv, D]; slot_mapping [n] int64 -> RoPE'd q (`out_q=q`: in place).
+    qk_norm: (q weight [D], k weight [D], eps): q and k RMS-normed per head before RoPE (Qwen3)."""
     T, Hq, D = q.shape
     Hkv = k.shape[1]
     assert D % 2 == 0 and (D // 2) & (D // 2 - 1) == 0 and inv_freq.numel() == D // 2, "head_dim / inv_freq"
@@ -103,13 +114,17 @@ def rope_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positio
         out_q = torch.empty((T, Hq, D), dtype=q.dtype, device=q.device)
     if T == 0:
         return out_q
+    if qk_norm is not None:
+        assert qk_norm[0].numel() == qk_norm[1].numel() == D and qk_norm[0].is_contiguous() and qk_norm[1].is_contiguous()
+    qn, kn, eps = qk_norm if qk_norm is not None else (q, k, 0.0)     # unread without QK_NORM
     q_heads = min(triton.next_power_of_2(Hq), Q_HEADS_PER_PROGRAM)
     _rope_kv_kernel[(T, 1 + triton.cdiv(Hq, q_heads))](
-        q, k, v, out_q, positions, inv_freq.float().contiguous(), k_cache, v_cache, slot_mapping, slot_mapping.numel(),
+        q, k, v, out_q, positions, inv_freq.float().contiguous(), k_cache, v_cache, slot_mapping, qn, kn, float(eps),
+        slot_mapping.numel(),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out_q.stride(0), out_q.stride(1), k_cache.stride(1), k_cache.stride(2), v_cache.stride(1), v_cache.stride(2),
         HQ=Hq, HKV=Hkv, Q_HEADS=q_heads, HKV_PAD=triton.next_power_of_2(Hkv), HALF=D // 2,
-        PRECISE=PRECISE, PDL=pdl_for(q), num_warps=4 if max(q_heads, Hkv) * D >= 1024 else 1,
+        QK_NORM=qk_norm is not None, PRECISE=PRECISE, PDL=pdl_for(q), num_warps=4 if max(q_heads, Hkv) * D >= 1024 else 1,
         launch_pdl=bool(pdl_for(q)),
         enable_fp_fusion=False)   # no mul+add -> FMA: torch's fp32 path rounds the products
     return out_q

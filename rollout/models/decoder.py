@@ -111,11 +111,11 @@ class Attention(nn.Module):
                 return None
         return int(window)
 
-    def _qkv(self, x, linear=plain_linear):
+    def _qkv(self, x, linear=plain_linear, norm: bool = True):
         qkv = linear(self.qkv_proj, x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         heads = (self.num_heads, self.num_kv_heads, self.num_kv_heads)
         q, k, v = (t.view(x.shape[0], n, self.head_dim) for t, n in zip(qkv, heads))
-        if self.qk_norm:
+        if self.qk_norm and norm:
             q, k = self.q_norm(q), self.k_norm(k)
         return q, k, v
 
@@ -132,10 +132,11 @@ class Attention(nn.Module):
         k_cache, v_cache = kv_cache
         q = None if self.qk_norm else gemms.qkv_rope(self.qkv_proj, x, self.num_heads, positions, inv_freq,
                                                      k_cache, v_cache, meta.slot_mapping)
-        if q is None:
+        if q is None:      # QK-norm (Qwen3): in the RoPE kernel, before the rotation
             from ..kernels.rope_kv import rope_and_write_kv
-            q, k, v = self._qkv(x, gemms)
-            q = rope_and_write_kv(q, k, v, positions, inv_freq, k_cache, v_cache, meta.slot_mapping)
+            q, k, v = self._qkv(x, gemms, norm=False)
+            norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else None
+            q = rope_and_write_kv(q, k, v, positions, inv_freq, k_cache, v_cache, meta.slot_mapping, qk_norm=norms)
         o = paged_attention(q, k_cache, v_cache, meta, self.scale, self.sliding_window, gemms.switches)
         return o.reshape(x.shape[0], self.q_size)
 

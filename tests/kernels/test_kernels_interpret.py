@@ -115,8 +115,9 @@ def test_prefill_fp16_and_dispatch():
     torch.testing.assert_close(out.float(), reference(qd, caches, dmeta, 0.125, None), **FP16_TOL)
 
 
+@pytest.mark.parametrize("qk_norm", [False, True])      # True: Qwen3's per-head RMSNorm of q and k first
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_rope_kv(dtype):
+def test_rope_kv(dtype, qk_norm):
     T, Hq, Hkv, D, ps, pages = 9, 6, 2, 64, 16, 4
     inv_freq = 1.0 / (10000.0 ** (torch.arange(0, D, 2).float() / D))
     positions = torch.randint(0, 30000, (T,))
@@ -130,11 +131,23 @@ def test_rope_kv(dtype):
     kc, vc = torch.zeros(pages, ps, Hkv, D, dtype=dtype), torch.zeros(pages, ps, Hkv, D, dtype=dtype)
     kc_ref, vc_ref = kc.clone(), vc.clone()
     keep = slots >= 0
+    norm, q_in, k_in = None, q, k
+    if qk_norm:
+        from rollout.models.decoder import RMSNorm
+        qn, kn = RMSNorm(D, 1e-6), RMSNorm(D, 1e-6)
+        with torch.no_grad():
+            qn.weight.copy_(torch.rand(D) + 0.5)
+            kn.weight.copy_(torch.rand(D) + 0.5)
+        qn, kn = qn.to(dtype), kn.to(dtype)
+        norm = (qn.weight.detach(), kn.weight.detach(), 1e-6)
+        with torch.no_grad():
+            q, k = qn(q), kn(k)           # the reference rotates the normed q and k
     write_kv(apply_rope(k, cos, sin)[:T - 2][keep], v[:T - 2][keep], kc_ref, vc_ref, slots[keep])
-    out = rope_and_write_kv(q, k, v, positions, inv_freq, kc, vc, slots)
+    out = rope_and_write_kv(q_in, k_in, v, positions, inv_freq, kc, vc, slots, qk_norm=norm)
     # fp32: numpy's and torch's fp32 cos/sin may differ by an ulp. fp16: casts round to nearest
     # even in both, so the per-op rounding emulation is bit-exact (observed; cos/sin ulp flips
-    # could rarely break a tie, hence a one-ulp-sized tolerance rather than equality).
+    # could rarely break a tie, hence a one-ulp-sized tolerance rather than equality). With QK-norm the
+    # mean of squares is summed in another order than torch's: the normed value may round an ulp apart.
     tol = dict(rtol=1e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-3, atol=1e-3)
     torch.testing.assert_close(out, apply_rope(q, cos, sin), **tol)
     torch.testing.assert_close(kc, kc_ref, **tol)
@@ -526,7 +539,7 @@ def test_compiles_for_sm90(tmp_path):
                "x_ptr": "*bf16", "d_ptr": "*bf16", "w_ptr": "*bf16", "res_ptr": "*bf16", "gu_ptr": "*bf16",
                "b_ptr": "*bf16", "y_ptr": "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "wml_ptr": "*fp32",
                "ids_ptr": "*i64", "sorted_ptr": "*i32", "expert_ptr": "*i32", "npost_ptr": "*i32", "counts_ptr": "*i32",
-               "a_ptr": "*bf16", "topw_ptr": "*fp32"}
+               "a_ptr": "*bf16", "topw_ptr": "*fp32", "qn_ptr": "*bf16", "kn_ptr": "*bf16"}
         def compile_(fn, pdl=False, early_loads=False, ptrs=None, **const):
             const = dict(const, PDL=pdl) if "PDL" in fn.arg_names else const
             if "TILED" in fn.arg_names:     # the plain weight layout unless a call says packed
@@ -555,13 +568,15 @@ def test_compiles_for_sm90(tmp_path):
             compile_(pp._prefill_kernel, split > 0, GROUP=7, BLOCK_Q=9, BLOCK_M=64, USE_WINDOW=True,
                      SPLIT_LEN=split, SPLIT_PROGRAMS=programs, MAX_SPLITS=17, **common)
         compile_(pp._decode_merge_kernel, True, GROUP=4, GROUP_PAD=4, HEAD_DIM=128, SPLIT_LEN=1024, MAX_SPLITS=17)
-        compile_(rk._rope_kv_kernel, HQ=28, HKV=4, Q_HEADS=8, HKV_PAD=4, HALF=64, PRECISE=True)
+        compile_(rk._rope_kv_kernel, HQ=28, HKV=4, Q_HEADS=8, HKV_PAD=4, HALF=64, QK_NORM=False, PRECISE=True)
+        compile_(rk._rope_kv_kernel, HQ=32, HKV=4, Q_HEADS=8, HKV_PAD=4, HALF=64, QK_NORM=True, PRECISE=True)
         compile_(fo._add_rmsnorm_kernel, HAS_DELTA=True, DELTA_PARTIALS=0, BLOCK=4096)
         compile_(fo._silu_mul_kernel, BLOCK=1024)
         for pdl in (0, 1):    # off; launch dependents, then wait
             compile_(pd._decode_split_kernel, pdl, GROUP=4, GROUP_PAD=16, NUM_SPLITS=3, USE_WINDOW=False, **common)
             compile_(pd._decode_merge_kernel, pdl, HEAD_DIM=128, NUM_SPLITS=3, SPLITS_PAD=4)
-            compile_(rk._rope_kv_kernel, pdl, HQ=32, HKV=8, Q_HEADS=8, HKV_PAD=8, HALF=64, PRECISE=False)
+            compile_(rk._rope_kv_kernel, pdl, HQ=32, HKV=8, Q_HEADS=8, HKV_PAD=8, HALF=64, QK_NORM=pdl == 1,
+                     PRECISE=False)
             for split in (1, 2):     # QKV GEMM + RoPE + K/V write epilogue (after the split-K fix-up)
                 compile_(rk._qkv_rope_kernel, pdl, early_loads=True, HQ=32, HKV=8, HALF=64, BLOCK_M=32,
                          BLOCK_N=64 * split, BLOCK_K=128, SPLIT_K=split, PRECISE=True, TILED=split == 2,
