@@ -20,7 +20,7 @@ from ..engine import RolloutEngine
 from ..request import SamplingParams
 from .__main__ import run_meta, write_json
 from . import timeline
-from .roofline import copy_bandwidth, model_sizes, step_time_s
+from .roofline import copy_bandwidth, hbm_bandwidth, model_sizes, step_time_s
 from .shapes import SHAPES, make_config, random_prompts
 
 CATEGORIES = (   # first match wins; names as CUDA reports them
@@ -148,8 +148,9 @@ def main(argv=None):
         "kernels": {n: dict(ms=v[0], per_step=v[1])
                     for n, v in sorted(per_name.items(), key=lambda kv: -kv[1][0])[:30]},
         "roofline_step_ms": 1e3 * step_time_s(sizes, B, C + 2 * K),    # prompt pages not shared
-        "weights_at_hbm_ms": 1e3 * sizes["weight_bytes"] / 4.8e12,
-        "kv_at_hbm_ms": 1e3 * kv_bytes / 4.8e12,
+        "hbm_TBps": hbm_bandwidth() / 1e12,
+        "weights_at_hbm_ms": 1e3 * sizes["weight_bytes"] / hbm_bandwidth(),
+        "kv_at_hbm_ms": 1e3 * kv_bytes / hbm_bandwidth(),
         # The practical ceiling: every byte moved at the measured device copy bandwidth.
         "copy_GBps": copy_Bps / 1e9, "weights_at_copy_ms": 1e3 * sizes["weight_bytes"] / copy_Bps,
         "kv_at_copy_ms": 1e3 * kv_bytes / copy_Bps,
@@ -163,7 +164,7 @@ def main(argv=None):
     for name, v in list(result["kernels"].items())[:12]:
         print(f"| - {name[:60]} | {v['ms']:.3f} | {v['per_step']:.0f} |")
     print(f"| gaps | {result['gaps_ms']:.3f} | |\n| **step** | **{step_ms:.3f}** | |\n"
-          f"| roofline step (4.8 TB/s) | {result['roofline_step_ms']:.3f} | |\n"
+          f"| roofline step ({result['hbm_TBps']:.2f} TB/s) | {result['roofline_step_ms']:.3f} | |\n"
           f"| weights + KV at the measured copy bandwidth ({result['copy_GBps']:.0f} GB/s) | "
           f"{result['weights_at_copy_ms']:.3f} + {result['kv_at_copy_ms']:.3f} | |")
     write_json(result, args.out)
