@@ -136,6 +136,7 @@ def main(argv=None):
     kernels_ms = sum(per_cat.values())
     sizes = model_sizes(cfg)
     copy_Bps = copy_bandwidth() * 1e9
+    hbm_Bps = hbm_bandwidth()
     # A group's prompt pages are read by its n rows; counted once (the rows run side by side).
     kv_bytes = (B // args.n * P + B * (C - P + 2 * K)) * sizes["kv_bytes_per_token"]
     result = {
@@ -148,9 +149,8 @@ def main(argv=None):
         "kernels": {n: dict(ms=v[0], per_step=v[1])
                     for n, v in sorted(per_name.items(), key=lambda kv: -kv[1][0])[:30]},
         "roofline_step_ms": 1e3 * step_time_s(sizes, B, C + 2 * K),    # prompt pages not shared
-        "hbm_TBps": hbm_bandwidth() / 1e12,
-        "weights_at_hbm_ms": 1e3 * sizes["weight_bytes"] / hbm_bandwidth(),
-        "kv_at_hbm_ms": 1e3 * kv_bytes / hbm_bandwidth(),
+        "hbm_TBps": hbm_Bps / 1e12, "weights_at_hbm_ms": 1e3 * sizes["weight_bytes"] / hbm_Bps,
+        "kv_at_hbm_ms": 1e3 * kv_bytes / hbm_Bps,
         # The practical ceiling: every byte moved at the measured device copy bandwidth.
         "copy_GBps": copy_Bps / 1e9, "weights_at_copy_ms": 1e3 * sizes["weight_bytes"] / copy_Bps,
         "kv_at_copy_ms": 1e3 * kv_bytes / copy_Bps,

@@ -115,7 +115,7 @@ def rope_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positio
     if T == 0:
         return out_q
     if qk_norm is not None:
-        assert qk_norm[0].numel() == qk_norm[1].numel() == D and qk_norm[0].is_contiguous() and qk_norm[1].is_contiguous()
+        assert all(w.numel() == D and w.is_contiguous() for w in qk_norm[:2]), "qk_norm weights: [head_dim]"
     qn, kn, eps = qk_norm if qk_norm is not None else (q, k, 0.0)     # unread without QK_NORM
     q_heads = min(triton.next_power_of_2(Hq), Q_HEADS_PER_PROGRAM)
     _rope_kv_kernel[(T, 1 + triton.cdiv(Hq, q_heads))](
@@ -124,8 +124,8 @@ def rope_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positio
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out_q.stride(0), out_q.stride(1), k_cache.stride(1), k_cache.stride(2), v_cache.stride(1), v_cache.stride(2),
         HQ=Hq, HKV=Hkv, Q_HEADS=q_heads, HKV_PAD=triton.next_power_of_2(Hkv), HALF=D // 2,
-        QK_NORM=qk_norm is not None, PRECISE=PRECISE, PDL=pdl_for(q), num_warps=4 if max(q_heads, Hkv) * D >= 1024 else 1,
-        launch_pdl=bool(pdl_for(q)),
+        QK_NORM=qk_norm is not None, PRECISE=PRECISE, PDL=pdl_for(q),
+        num_warps=4 if max(q_heads, Hkv) * D >= 1024 else 1, launch_pdl=bool(pdl_for(q)),
         enable_fp_fusion=False)   # no mul+add -> FMA: torch's fp32 path rounds the products
     return out_q
 
