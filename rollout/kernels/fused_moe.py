@@ -118,9 +118,10 @@ def _moe_align_one_kernel(ids_ptr, sorted_ptr, expert_ptr, npost_ptr, N, E, BLOC
         ok = pairs < N
         ids = tl.load(ids_ptr + pairs, mask=ok, other=-1).to(tl.int32)
         onehot = (ids[:, None] == experts[None, :]).to(tl.int32)
-        # the pairs of the same expert before this one in the chunk: a row sum, not a scan down the chunk
-        ids_t = tl.load(ids_ptr + pairs, mask=ok, other=-2).to(tl.int32)     # padding never matches
-        rank = tl.sum(((ids[:, None] == ids_t[None, :]) & (pairs[None, :] < pairs[:, None])).to(tl.int32), axis=1)
+        # the pairs of the same expert before this one in the chunk: a row sum, not a scan down the chunk.
+        # Padding pairs come after every real one, so `earlier` never counts them.
+        earlier = pairs[None, :] < pairs[:, None]
+        rank = tl.sum(((ids[:, None] == ids[None, :]) & earlier).to(tl.int32), axis=1)
         tl.store(sorted_ptr + tl.sum(onehot * base[None, :], axis=1) + rank, pairs, mask=ok)
         base += tl.sum(onehot, axis=0)
 
