@@ -73,9 +73,10 @@ for s in ${*:-tests p1}; do
       [ -n "${RL_FROM:-}" ] && cp "$RL_FROM" $OUT/rl_step_l8b.json
       timeout 590 python3 -m rollout.bench.rl_step --shape llama3-8b ${RL_ARGS:-} --out $OUT/rl_step_l8b.json \
         --png $OUT/rl_step_l8b.png > $OUT/rl_step.log 2>&1; tail -8 $OUT/rl_step.log ;;
-    moe)        # Qwen3-30B-A3B shape: async and routed-expert capture against the roofline and HF (MOE_BATCH: 32)
-      timeout 590 $B --shape qwen3-30b-a3b --batch ${MOE_BATCH:-32} --prompt-len 256 --gen-len 4096 \
-        --modes async,routed --hf generate_batch,generate --hf-gen-len 64 ${MOE_ARGS:-} \
+    moe)        # Qwen3-30B-A3B shape: async and routed-expert capture against the roofline and HF (MOE_BATCH: 32;
+                # MOE_ARGS replaces the --modes / --hf defaults)
+      timeout 590 $B --shape qwen3-30b-a3b --batch ${MOE_BATCH:-32} --prompt-len 256 --gen-len 4096 --hf-gen-len 64 \
+        ${MOE_ARGS:---modes async,routed --hf generate_batch,generate} \
         --out $OUT/moe_q30a3_B${MOE_BATCH:-32}.json > $OUT/moe_B${MOE_BATCH:-32}.log 2>&1
       grep -A12 "^roofline" $OUT/moe_B${MOE_BATCH:-32}.log | tail -14 ;;
     moe_tiles)  # the fused MoE's tiles swept at decode (8 .. 256 tokens) and prefill (4096) sizes

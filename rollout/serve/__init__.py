@@ -28,7 +28,7 @@ class UvicornServer(uvicorn.Server):
 
 def _config(app, host: str, port: int, log_level: str) -> uvicorn.Config:
     return uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=10,
-                          lifespan="on")
+                          timeout_keep_alive=app.state.server.opts.keep_alive_s, lifespan="on")
 
 
 def serve(engine, opts: Optional[ServeOptions] = None, host: str = "127.0.0.1", port: int = 8000,

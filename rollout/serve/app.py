@@ -30,6 +30,9 @@ class ServeOptions:
     admin_key: Optional[str] = None        # if set, the weight and control routes take this key instead
     max_body_bytes: int = 64 << 20         # larger bodies: 413
     max_queued_requests: int = 1024        # prompts waiting for a batch slot; past it 429 + Retry-After
+    # an idle connection is closed after this; longer than clients' own keep-alive (httpx and openai: 5 s),
+    # else a client can reuse a connection just as the server closes it and its POST is reset unanswered
+    keep_alive_s: float = 75.0
     logprobs_mode: str = "tempered"        # which logprobs fill OpenAI's field: tempered (ours) | processed
     stream_interval: int = 1               # tokens per stream chunk (the first token is sent at once)
     # chat replies to requests with tools: "hermes" parses <tool_call>{json}</tool_call> blocks (Qwen2.5 / Qwen3,
@@ -290,6 +293,8 @@ def build_app(engine, opts: Optional[ServeOptions] = None) -> FastAPI:
     """The ASGI app over `engine`: a RolloutWorker (its loop runs on a thread of this process) or a
     remote.EngineProcess (the loop in a process of its own). The loop starts and stops with the app."""
     opts = opts or ServeOptions()
+    if not opts.keep_alive_s > 0:
+        raise ValueError(f"keep_alive_s must be > 0, got {opts.keep_alive_s!r}")
     if opts.logprobs_mode not in ("tempered", "processed"):
         raise ValueError(f"logprobs_mode must be 'tempered' or 'processed', got {opts.logprobs_mode!r}")
     if opts.tool_call_parser not in (None, *TOOL_CALL_PARSERS):

@@ -15,6 +15,7 @@ from serve_utils import ENGINE, MODEL, kv_pages_used, make_engine_process, make_
 
 from rollout import RolloutEngine, SamplingParams
 from rollout.client import RolloutClient, ServerError
+from rollout.serve import ServeOptions, build_app
 
 
 def _metric(url, name) -> float:
@@ -243,6 +244,40 @@ def test_body_limit_413(chat_dir):
         r = httpx.post(s.url + "/v1/completions", content=chunked(), headers={"content-type": "application/json"})
         assert r.status_code == 413
         assert httpx.post(s.url + "/v1/completions", json={"prompt": "the", "max_tokens": 2}).status_code == 200
+
+
+def _host_port(url: str) -> tuple[str, int]:
+    host, port = url.removeprefix("http://").split(":")
+    return host, int(port)
+
+
+def _get_health(sock: socket.socket) -> bytes:
+    """One keep-alive GET /health on an open socket; the response's head and body (b"" if closed)."""
+    sock.sendall(b"GET /health HTTP/1.1\r\nhost: 127.0.0.1\r\n\r\n")
+    data = b""
+    while b"\r\n\r\n" not in data or not data.endswith(b"}"):
+        chunk = sock.recv(4096)
+        if not chunk:
+            break
+        data += chunk
+    return data
+
+
+def test_idle_connections_outlive_the_clients_keep_alive(chat_dir):
+    # httpx and openai drop an idle connection after 5 s; a server that closes it at the same moment
+    # resets a POST sent on it (a request lost under load), so the server's idle timeout is longer
+    with serving(make_worker(chat_dir)) as s, socket.create_connection(_host_port(s.url)) as sock:
+        sock.settimeout(10)
+        assert _get_health(sock).startswith(b"HTTP/1.1 200")
+        time.sleep(5.5)                        # past the clients' 5 s
+        assert _get_health(sock).startswith(b"HTTP/1.1 200"), "the server closed an idle connection within 5.5 s"
+    with serving(make_worker(chat_dir), keep_alive_s=0.3) as s, socket.create_connection(_host_port(s.url)) as sock:
+        sock.settimeout(10)
+        assert _get_health(sock).startswith(b"HTTP/1.1 200")
+        time.sleep(1.0)                        # the option reaches uvicorn: closed after 0.3 s idle
+        assert sock.recv(4096) == b""
+    with pytest.raises(ValueError, match="keep_alive_s"):
+        build_app(None, ServeOptions(keep_alive_s=0))      # refused before any engine is touched
 
 
 def test_queue_bound_429_with_retry_after(chat_dir):
