@@ -293,8 +293,9 @@ def build_app(engine, opts: Optional[ServeOptions] = None) -> FastAPI:
     """The ASGI app over `engine`: a RolloutWorker (its loop runs on a thread of this process) or a
     remote.EngineProcess (the loop in a process of its own). The loop starts and stops with the app."""
     opts = opts or ServeOptions()
-    if not opts.keep_alive_s > 0:
-        raise ValueError(f"keep_alive_s must be > 0, got {opts.keep_alive_s!r}")
+    alive = opts.keep_alive_s
+    if isinstance(alive, bool) or not isinstance(alive, (int, float)) or not alive > 0:
+        raise ValueError(f"keep_alive_s must be a number of seconds > 0, got {alive!r}")
     if opts.logprobs_mode not in ("tempered", "processed"):
         raise ValueError(f"logprobs_mode must be 'tempered' or 'processed', got {opts.logprobs_mode!r}")
     if opts.tool_call_parser not in (None, *TOOL_CALL_PARSERS):

@@ -32,6 +32,11 @@ def _no_requests(server) -> bool:
     return idle and (server.engine is None or not server.engine.requests)
 
 
+def _host_port(url: str) -> tuple[str, int]:
+    host, port = url.removeprefix("http://").split(":")
+    return host, int(port)
+
+
 def _wait_decoding(url: str) -> None:
     """Until a request holds pages and has sampled a token (then it has ~240 steps left to run)."""
     gen0 = _metric(url, "generation_tokens_total")
@@ -173,8 +178,7 @@ def test_disconnects_free_pages(server, http, tiny_tokenizer):
     assert _metric(server.url, "generation_tokens_total") - gen0 < 8 * 240 and _no_requests(server)
     # non-streaming: a raw connection closed while its request holds pages (paused: it cannot finish first)
     payload = json.dumps({**body, "stream": False}).encode()
-    host, port = server.url.removeprefix("http://").split(":")
-    sock = socket.create_connection((host, int(port)))
+    sock = socket.create_connection(_host_port(server.url))
     sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                  b"Content-Length: %d\r\n\r\n%s" % (len(payload), payload))
     wait_for(lambda: kv_pages_used(server.url) > 0, what="the request to run")
@@ -246,11 +250,6 @@ def test_body_limit_413(chat_dir):
         assert httpx.post(s.url + "/v1/completions", json={"prompt": "the", "max_tokens": 2}).status_code == 200
 
 
-def _host_port(url: str) -> tuple[str, int]:
-    host, port = url.removeprefix("http://").split(":")
-    return host, int(port)
-
-
 def _get_health(sock: socket.socket) -> bytes:
     """One keep-alive GET /health on an open socket; the response's head and body (b"" if closed)."""
     sock.sendall(b"GET /health HTTP/1.1\r\nhost: 127.0.0.1\r\n\r\n")
@@ -276,8 +275,9 @@ def test_idle_connections_outlive_the_clients_keep_alive(chat_dir):
         assert _get_health(sock).startswith(b"HTTP/1.1 200")
         time.sleep(1.0)                        # the option reaches uvicorn: closed after 0.3 s idle
         assert sock.recv(4096) == b""
-    with pytest.raises(ValueError, match="keep_alive_s"):
-        build_app(None, ServeOptions(keep_alive_s=0))      # refused before any engine is touched
+    for bad in (0, -1.0, float("nan"), "75", True):        # refused before any engine is touched
+        with pytest.raises(ValueError, match="keep_alive_s"):
+            build_app(None, ServeOptions(keep_alive_s=bad))
 
 
 def test_queue_bound_429_with_retry_after(chat_dir):
