@@ -2,7 +2,7 @@
 
 OpenAI-compatible routes with vLLM's extensions, a native token-in / token-out `/generate`, control
 and weight routes, over one engine loop (`loop.EngineLoop`): on a thread of the server's process
-(given a RolloutWorker) or in a process of its own (given a `remote.EngineProcess`). See docs/serving.md.
+(given a RolloutWorker) or in a process of its own (given a `remote.EngineProcess`). See the README, "Serve over HTTP".
 """
 from __future__ import annotations
 
@@ -27,8 +27,12 @@ class UvicornServer(uvicorn.Server):
 
 
 def _config(app, host: str, port: int, log_level: str) -> uvicorn.Config:
+    opts = app.state.server.opts
+    # uvicorn answers 503 once the open connections, the asking one included, reach its limit: +1 so that
+    # max_connections connections are served
+    limit = None if opts.max_connections is None else opts.max_connections + 1
     return uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=10,
-                          timeout_keep_alive=app.state.server.opts.keep_alive_s, lifespan="on")
+                          timeout_keep_alive=opts.keep_alive_s, limit_concurrency=limit, lifespan="on")
 
 
 def serve(engine, opts: Optional[ServeOptions] = None, host: str = "127.0.0.1", port: int = 8000,

@@ -33,6 +33,9 @@ class ServeOptions:
     # an idle connection is closed after this; longer than clients' own keep-alive (httpx and openai: 5 s),
     # else a client can reuse a connection just as the server closes it and its POST is reset unanswered
     keep_alive_s: float = 75.0
+    # open connections (idle ones included) past which a request gets 503 and the socket is closed, so idle
+    # keep-alive connections cannot pile up without bound; None: no cap
+    max_connections: Optional[int] = 2048
     logprobs_mode: str = "tempered"        # which logprobs fill OpenAI's field: tempered (ours) | processed
     stream_interval: int = 1               # tokens per stream chunk (the first token is sent at once)
     # chat replies to requests with tools: "hermes" parses <tool_call>{json}</tool_call> blocks (Qwen2.5 / Qwen3,
@@ -296,6 +299,9 @@ def build_app(engine, opts: Optional[ServeOptions] = None) -> FastAPI:
     alive = opts.keep_alive_s
     if isinstance(alive, bool) or not isinstance(alive, (int, float)) or not alive > 0:
         raise ValueError(f"keep_alive_s must be a number of seconds > 0, got {alive!r}")
+    cap = opts.max_connections
+    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
+        raise ValueError(f"max_connections must be an int >= 1 or None, got {cap!r}")
     if opts.logprobs_mode not in ("tempered", "processed"):
         raise ValueError(f"logprobs_mode must be 'tempered' or 'processed', got {opts.logprobs_mode!r}")
     if opts.tool_call_parser not in (None, *TOOL_CALL_PARSERS):

@@ -280,6 +280,28 @@ def test_idle_connections_outlive_the_clients_keep_alive(chat_dir):
             build_app(None, ServeOptions(keep_alive_s=bad))
 
 
+def test_connection_cap_503_then_serves_again(chat_dir):
+    with serving(make_worker(chat_dir), max_connections=2) as s:
+        held = [socket.create_connection(_host_port(s.url), timeout=10) for _ in range(2)]
+        for sock in held:                      # two open connections: both served, and kept open
+            assert _get_health(sock).startswith(b"HTTP/1.1 200")
+        with socket.create_connection(_host_port(s.url), timeout=10) as third:
+            assert _get_health(third).startswith(b"HTTP/1.1 503")
+        held.pop().close()
+        # the server sees the close asynchronously: a new connection is served once it has
+        wait_for(lambda: _health_on_new_connection(s.url).startswith(b"HTTP/1.1 200"), what="a freed connection slot")
+        assert _get_health(held[0]).startswith(b"HTTP/1.1 200")   # the held one is still served
+        held[0].close()
+    for bad in (0, -2, 1.5, "8", True):        # refused before any engine is touched
+        with pytest.raises(ValueError, match="max_connections"):
+            build_app(None, ServeOptions(max_connections=bad))
+
+
+def _health_on_new_connection(url: str) -> bytes:
+    with socket.create_connection(_host_port(url), timeout=10) as sock:
+        return _get_health(sock)
+
+
 def test_queue_bound_429_with_retry_after(chat_dir):
     with serving(make_worker(chat_dir), max_queued_requests=3) as s:
         client = RolloutClient(s.url)
