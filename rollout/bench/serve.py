@@ -55,8 +55,10 @@ def _serve_child(args, kw: dict, engine_process: bool, port: int) -> None:
     from ..serve import ServeOptions, serve
     from ..serve.remote import EngineProcess
     make = partial(_random_worker, args.shape, args.device, args.dtype, kw)
+    # every prompt is one concurrent request on a connection of its own: no queue or connection bound
     serve(EngineProcess(make) if engine_process else make(),
-          ServeOptions(served_model_name="bench", stream_interval=args.stream_interval, max_queued_requests=1 << 20),
+          ServeOptions(served_model_name="bench", stream_interval=args.stream_interval, max_queued_requests=1 << 20,
+                       max_connections=None),
           port=port, log_level="warning")
 
 
