@@ -299,9 +299,14 @@ def build_app(engine, opts: Optional[ServeOptions] = None) -> FastAPI:
     alive = opts.keep_alive_s
     if isinstance(alive, bool) or not isinstance(alive, (int, float)) or not alive > 0:
         raise ValueError(f"keep_alive_s must be a number of seconds > 0, got {alive!r}")
-    cap = opts.max_connections
-    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
-        raise ValueError(f"max_connections must be an int >= 1 or None, got {cap!r}")
+    # a 0 here would refuse every request (or, for stream_interval, stream nothing): a mistake, not a setting
+    for name in ("max_body_bytes", "max_queued_requests", "stream_interval", "max_connections"):
+        value = getattr(opts, name)
+        if value is None and name == "max_connections":
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            none = " or None" if name == "max_connections" else ""
+            raise ValueError(f"{name} must be an int >= 1{none}, got {value!r}")
     if opts.logprobs_mode not in ("tempered", "processed"):
         raise ValueError(f"logprobs_mode must be 'tempered' or 'processed', got {opts.logprobs_mode!r}")
     if opts.tool_call_parser not in (None, *TOOL_CALL_PARSERS):

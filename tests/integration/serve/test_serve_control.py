@@ -297,6 +297,15 @@ def test_connection_cap_503_then_serves_again(chat_dir):
             build_app(None, ServeOptions(max_connections=bad))
 
 
+def test_size_and_queue_options_refuse_non_positive_ints():
+    """max_body_bytes, max_queued_requests and stream_interval at 0 would refuse every request or stream
+    nothing: each bad value is refused by name before any engine is touched, and None is no setting here."""
+    for name in ("max_body_bytes", "max_queued_requests", "stream_interval"):
+        for bad in (0, -1, 2.0, "64", True, None):
+            with pytest.raises(ValueError, match=f"{name} must be an int >= 1, got"):
+                build_app(None, ServeOptions(**{name: bad}))
+
+
 def _health_on_new_connection(url: str) -> bytes:
     with socket.create_connection(_host_port(url), timeout=10) as sock:
         return _get_health(sock)
