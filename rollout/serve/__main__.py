@@ -15,7 +15,17 @@ from typing import Optional
 from ..config import EngineConfig
 from .app import ServeOptions
 
-_TYPES = {"int": int, "Optional[int]": int, "float": float, "Optional[float]": float, "str": str, "Optional[str]": str}
+def _or_none(kind):
+    """An Optional number's flag also takes `none` (None: the field's own meaning, e.g. no cap). Not for str
+    options: `--api-key none` must stay a key, not turn the check off."""
+    def parse(s: str):
+        return None if s.lower() == "none" else kind(s)
+    parse.__name__ = kind.__name__                 # argparse names the type in its "invalid int value" error
+    return parse
+
+
+_TYPES = {"int": int, "Optional[int]": _or_none(int), "float": float, "Optional[float]": _or_none(float),
+          "str": str, "Optional[str]": str}
 
 
 def _int_or_str(s: str):
@@ -36,6 +46,8 @@ def add_dataclass_args(ap: argparse.ArgumentParser, cls, title: str, skip=()) ->
             kw["nargs"] = "+"
         else:
             kw["type"] = _TYPES.get(f.type, _int_or_str)
+            if f.type in ("Optional[int]", "Optional[float]"):
+                kw["help"] += " or none"
         group.add_argument("--" + f.name.replace("_", "-"), **kw)
 
 

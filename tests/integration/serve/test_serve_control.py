@@ -306,6 +306,18 @@ def test_size_and_queue_options_refuse_non_positive_ints():
                 build_app(None, ServeOptions(**{name: bad}))
 
 
+def test_cli_optional_numbers_take_none():
+    """`--max-connections none` lifts the cap from the command line, as None does from Python; `none` is not
+    taken for an int option that has no None meaning, nor turned into None for a str option like the API key."""
+    from rollout.serve.__main__ import parser, split_args
+    opts, cfg = split_args(parser().parse_args(["--max-connections", "none", "--kv-cache-memory", "None",
+                                                "--api-key", "none", "--device", "cpu"]))
+    assert (opts.max_connections, cfg.kv_cache_memory, opts.api_key) == (None, None, "none")
+    assert split_args(parser().parse_args(["--max-connections", "16"]))[0].max_connections == 16
+    with pytest.raises(SystemExit):            # argparse: "invalid int value: 'none'"
+        parser().parse_args(["--max-queued-requests", "none"])
+
+
 def _health_on_new_connection(url: str) -> bytes:
     with socket.create_connection(_host_port(url), timeout=10) as sock:
         return _get_health(sock)
