@@ -306,6 +306,7 @@ def main(argv=None):
     launched = record_steps(engine)      # each step's tokens and contexts: the floor of the schedule run
 
     def time_ours(params):
+        engine.reset_prefix_cache()      # each run (mode, repeat) with its whole prefill, as the first one
         _sync()
         launched.clear()
         if cuda:
@@ -353,7 +354,11 @@ def main(argv=None):
         """The JSON so far, marked partial: a run cut off by a time limit keeps what it measured."""
         write_json({**result, "partial": True, "meta": run_meta("rollout.bench", argv)}, args.out)
 
-    engine.generate(prompts[:2], SamplingParams(max_new_tokens=8, temperature=0.0), use_tqdm=False)
+    # warm-up at the timed run's own prefill chunking (other tokens: no prefix-cache hits later), so the Triton
+    # kernels of every chunk size (the MoE's prefill tiles) compile here, not as seconds-long steps inside the run
+    warm = random_prompts(B, P, cfg.vocab_size, args.seed + 1)
+    engine.generate(warm, dataclasses.replace(greedy, max_new_tokens=2), use_tqdm=False)
+    engine.drain()
     tokens = {}
     modes = args.modes.split(",")
     for mode in modes:
