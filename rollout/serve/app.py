@@ -9,7 +9,7 @@ import contextlib
 import json
 import secrets
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Optional
 
 from fastapi import Depends, FastAPI, HTTPException, Query, Request
@@ -299,14 +299,14 @@ def build_app(engine, opts: Optional[ServeOptions] = None) -> FastAPI:
     alive = opts.keep_alive_s
     if isinstance(alive, bool) or not isinstance(alive, (int, float)) or not alive > 0:
         raise ValueError(f"keep_alive_s must be a number of seconds > 0, got {alive!r}")
-    # a 0 here would refuse every request (or, for stream_interval, stream nothing): a mistake, not a setting
-    for name in ("max_body_bytes", "max_queued_requests", "stream_interval", "max_connections"):
-        value = getattr(opts, name)
-        if value is None and name == "max_connections":
+    # every int option is a size, count or interval: a 0 would refuse every request (or, for stream_interval,
+    # stream nothing), a mistake, not a setting; an Optional one's None means no bound
+    for f in fields(opts):
+        value, optional = getattr(opts, f.name), f.type == "Optional[int]"
+        if f.type not in ("int", "Optional[int]") or (optional and value is None):
             continue
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            none = " or None" if name == "max_connections" else ""
-            raise ValueError(f"{name} must be an int >= 1{none}, got {value!r}")
+            raise ValueError(f"{f.name} must be an int >= 1{' or None' if optional else ''}, got {value!r}")
     if opts.logprobs_mode not in ("tempered", "processed"):
         raise ValueError(f"logprobs_mode must be 'tempered' or 'processed', got {opts.logprobs_mode!r}")
     if opts.tool_call_parser not in (None, *TOOL_CALL_PARSERS):
