@@ -16,6 +16,7 @@ import torch
 from .config import EngineConfig
 from .kernels import resolve_backend
 from .kv_cache import KVCacheManager, PageAllocator
+from .layers.moe import compile_tiles
 from .models.loader import build_model, init_random, load_model, parameter_bytes, resolve_dtype
 from .request import MIN_TEMPERATURE, Completion, Request, RequestOutput, SamplingParams, _is_array, _is_int
 from .pipeline import DevicePipeline, InFlight
@@ -113,6 +114,11 @@ class RolloutEngine:
             graph_max_batch=cfg.cuda_graph_max_batch, graph_modes=tuple(cfg.cuda_graph_modes),
             verify_max_tokens=cfg.spec_max_step_tokens if cfg.speculative != "off" else 0)
         self.pipeline.capture_graphs()
+        if cuda and attention_backend == "triton" and self.model.sparse_layers:
+            # the graphs compiled the MoE's decode tiles; prefill and recompute chunks take the others
+            moe = self.model.layers[self.model.sparse_layers[0]].mlp
+            compile_tiles(moe.gate_up, moe.down, moe.top_k)
+            torch.cuda.synchronize(self.device)
         self._inflight: Optional[InFlight] = None
         self.speculator = Speculator(cfg) if cfg.speculative != "off" else None
         self.policy_version = 0      # stamped on every launched batch; the RL worker bumps it

@@ -53,7 +53,7 @@ def _route_kernel(logits_ptr, w_ptr, ids_ptr, E, s_l, s_w, s_i, TOP_K: tl.conste
     tl.store(ids_ptr + row * s_i + slots, top_i.to(ids_ptr.dtype.element_ty), mask=slots < TOP_K)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])   # the pair and block counts vary per step: one kernel for all
 def _moe_count_kernel(ids_ptr, counts_ptr, N, E_PAD: tl.constexpr, CHUNK: tl.constexpr):
     """counts[c, e]: pairs of chunk c routed to expert e."""
     c = tl.program_id(0)
@@ -81,7 +81,7 @@ def _expert_runs(total, sorted_ptr, expert_ptr, npost_ptr, N, E, BLOCKS, BLOCK_M
     return base
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N", "CHUNKS", "BLOCKS"])
 def _moe_offsets_kernel(counts_ptr, sorted_ptr, expert_ptr, npost_ptr, N, E, CHUNKS, BLOCKS, BLOCK_M: tl.constexpr,
                         E_PAD: tl.constexpr, ROWS: tl.constexpr):
     """One program: the expert runs from the chunks' counts; counts[c, e] becomes the first slot of
@@ -101,7 +101,7 @@ def _moe_offsets_kernel(counts_ptr, sorted_ptr, expert_ptr, npost_ptr, N, E, CHU
         base += tl.sum(counts, axis=0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N", "BLOCKS"])
 def _moe_align_one_kernel(ids_ptr, sorted_ptr, expert_ptr, npost_ptr, N, E, BLOCKS, BLOCK_M: tl.constexpr,
                           E_PAD: tl.constexpr, CHUNK: tl.constexpr, ROWS: tl.constexpr):
     """moe_align in one program (decode sizes: a few chunks, where three launches cost more than the work):
@@ -126,7 +126,7 @@ def _moe_align_one_kernel(ids_ptr, sorted_ptr, expert_ptr, npost_ptr, N, E, BLOC
         base += tl.sum(onehot, axis=0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])
 def _moe_scatter_kernel(ids_ptr, counts_ptr, sorted_ptr, N, E_PAD: tl.constexpr, CHUNK: tl.constexpr):
     """Each pair of chunk c to its slot: its chunk's first slot for its expert + earlier same-expert pairs."""
     c = tl.program_id(0)
@@ -147,7 +147,7 @@ def _block_pairs(sorted_ptr, expert_ptr, npost_ptr, N, BLOCK_M: tl.constexpr):
     return tl.load(expert_ptr + pid).to(tl.int64), pairs, pairs < N, pid * BLOCK_M < tl.load(npost_ptr)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])
 def _moe_gate_up_kernel(x_ptr, w_ptr, y_ptr, sorted_ptr, expert_ptr, npost_ptr, N, INTER, H, TOP_K,
                         s_xm, s_we, s_wn, s_ym, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     e, pairs, ok, live = _block_pairs(sorted_ptr, expert_ptr, npost_ptr, N, BLOCK_M)
@@ -173,7 +173,7 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, y_ptr, sorted_ptr, expert_ptr, npost_ptr, 
         tl.store(y_ptr + pairs.to(tl.int64)[:, None] * s_ym + rn[None, :], y, mask=ok[:, None] & n_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])
 def _moe_down_kernel(a_ptr, w_ptr, y_ptr, topw_ptr, sorted_ptr, expert_ptr, npost_ptr, N, H, INTER,
                      s_am, s_we, s_wn, s_ym, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     e, pairs, ok, live = _block_pairs(sorted_ptr, expert_ptr, npost_ptr, N, BLOCK_M)

@@ -66,3 +66,32 @@ def experts(x, weights, ids, w_gate_up, w_down, fused: bool, combine: bool = Tru
     from ..kernels.fused_moe import fused_moe
     return fused_moe(x, weights, ids, w_gate_up, w_down, moe_tiles(x.shape[0], ids.shape[1], w_gate_up.shape[0]),
                      combine)
+
+
+def tile_variant_token_counts(top_k: int, num_experts: int) -> list[int]:
+    """One token count for each (tiles, moe_align path) pair the fused MoE can take at this routing shape:
+    every such range of counts starts where a tile class or the three-launch moe_align starts, or at the
+    later of two such starts. The kernels do not specialise on counts, so these are all the variants."""
+    from ..kernels.fused_moe import ONE_PROGRAM_PAIRS
+    firsts = (1, DECODE_PAIRS_PER_EXPERT * num_experts // top_k + 1,
+              -(-LONG_PREFILL_PAIRS_PER_EXPERT * num_experts // top_k), ONE_PROGRAM_PAIRS // top_k + 1)
+    counts, seen = [], set()
+    for T in sorted({max(a, b) for a in firsts for b in firsts}):
+        key = (moe_tiles(T, top_k, num_experts), T * top_k <= ONE_PROGRAM_PAIRS)
+        if key not in seen:
+            seen.add(key)
+            counts.append(T)
+    return counts
+
+
+def compile_tiles(w_gate_up: torch.Tensor, w_down: torch.Tensor, top_k: int) -> None:
+    """Run the fused MoE once at each of tile_variant_token_counts, so that Triton compiles every variant
+    at start-up, not inside a serving step (a compile holds the GPU ~0.4 s; prefill and recompute chunks
+    reach every tile class)."""
+    E, H = w_gate_up.shape[0], w_gate_up.shape[2]
+    gen = torch.Generator(device=w_gate_up.device).manual_seed(0)
+    for T in tile_variant_token_counts(top_k, E):
+        x = torch.randn(T, H, generator=gen, device=w_gate_up.device).to(w_gate_up.dtype)
+        ids = torch.rand(T, E, generator=gen, device=w_gate_up.device).argsort(dim=1)[:, :top_k]
+        weights = torch.full((T, top_k), 1.0 / top_k, device=w_gate_up.device)
+        experts(x, weights, ids, w_gate_up, w_down, fused=True)

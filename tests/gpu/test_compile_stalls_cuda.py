@@ -1,7 +1,8 @@
 """No Triton kernel is compiled inside a serving step once the engine has captured its graphs
 and served one short request. A compile in a step holds the GPU for ~0.4 s: P3's first timed run
 lost ~3 s to seven of them (the sampler compiled per split-count class of the step's row count,
-the prefill kernel per class of its sequence count). Skipped without CUDA."""
+the prefill kernel per class of its sequence count; an MoE's grouped GEMMs per tile class and per class of
+its pair and block counts). Skipped without CUDA."""
 import pytest
 import torch
 
@@ -16,17 +17,35 @@ def _prompts(n, seed):
     return [torch.randint(3, 150_000, (int(L),), generator=g).tolist() for L in lengths]
 
 
-def test_no_triton_compiles_in_steps_after_the_first_request():
+# Qwen's vocab: the sampler's split counts depend on V and the row count. The MoE: 8 experts, top-2, so
+# 512-token chunks reach its long-prefill tiles (128 pairs per expert) and decode rows its decode tiles.
+CONFIGS = {"qwen2": dict(intermediate_size=512),
+           "qwen3_moe": dict(intermediate_size=512, moe_intermediate_size=128, num_experts=8, num_experts_per_tok=2,
+                             norm_topk_prob=True, head_dim=32)}
+
+
+@pytest.mark.parametrize("model_type", list(CONFIGS))
+def test_no_triton_compiles_in_steps_after_the_first_request(model_type, monkeypatch):
     import triton
     from transformers import AutoConfig
-    # Qwen's vocab: the sampler's split counts depend on V and the row count.
-    cfg = AutoConfig.for_model("qwen2", vocab_size=151_936, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                               num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024)
+
+    from rollout.kernels import fused_moe as fm
+    from rollout.layers.moe import moe_tiles
+    cfg = AutoConfig.for_model(model_type, vocab_size=151_936, hidden_size=256, num_hidden_layers=2,
+                               num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024,
+                               **CONFIGS[model_type])
+    tiles_run, fused = set(), fm.fused_moe
+
+    def recording(x, weights, ids, *rest):
+        tiles_run.add(moe_tiles(x.shape[0], ids.shape[1], cfg.num_experts))
+        return fused(x, weights, ids, *rest)
+    monkeypatch.setattr(fm, "fused_moe", recording)
     eng = RolloutEngine.from_config(cfg, seed=0, device="cuda", dtype="bfloat16", max_model_len=512, num_kv_pages=4096,
                                     max_num_batched_tokens=512, max_num_seqs=256,
                                     cuda_graph_modes=("greedy", "truncate"))
     eng.generate(_prompts(2, 0), SamplingParams(max_new_tokens=8, temperature=0.0), use_tqdm=False)  # first request
     compiled = []
+    tiles_run.clear()
     triton.knobs.runtime.jit_cache_hook = lambda *, repr, **_: compiled.append(repr[:100])
     try:
         # GRPO groups through chunked prefill: eager steps mix prefill chunks with decode rows, so
@@ -40,3 +59,5 @@ def test_no_triton_compiles_in_steps_after_the_first_request():
     assert sum(len(c.token_ids) for o in outs for c in o.completions) == 24 * 8 * 24 + 13 * 4 * 16
     assert eng.stats()["eager_steps"] > 10        # the mixed steps this test is about did run eagerly
     assert compiled == [], f"{len(compiled)} kernels compiled inside steps: {compiled}"
+    if model_type == "qwen3_moe":     # the eager steps took every tile class (the start-up compiled them)
+        assert len(tiles_run) == 3, tiles_run

@@ -18,7 +18,17 @@ import torch
 
 from rollout.kernels.fused_moe import ONE_PROGRAM_PAIRS, fused_moe, moe_align
 from rollout.kernels.fused_moe import route as fused_route
-from rollout.layers.moe import DECODE_TILES, LONG_PREFILL_TILES, PREFILL_TILES, experts_reference, moe_tiles, route
+from rollout.layers.moe import (
+    DECODE_TILES,
+    LONG_PREFILL_PAIRS_PER_EXPERT,
+    LONG_PREFILL_TILES,
+    PREFILL_TILES,
+    compile_tiles,
+    experts_reference,
+    moe_tiles,
+    route,
+    tile_variant_token_counts,
+)
 
 
 def _case(T, H, inter, E, k, dtype, seed):
@@ -124,6 +134,37 @@ def test_tiles_follow_pairs_per_expert():
     assert moe_tiles(32, 8, 128) == DECODE_TILES and moe_tiles(256, 8, 128) == DECODE_TILES
     assert moe_tiles(257, 8, 128) == PREFILL_TILES and moe_tiles(2047, 8, 128) == PREFILL_TILES
     assert moe_tiles(2048, 8, 128) == LONG_PREFILL_TILES
+
+
+
+def _variants(T, k, E):
+    return moe_tiles(T, k, E), T * k <= ONE_PROGRAM_PAIRS
+
+
+# Qwen3-30B-A3B, Mixtral, Qwen2-MoE (60 experts) and odd ones where the tile classes and align paths cross
+@pytest.mark.parametrize("E,k", [(128, 8), (8, 2), (60, 4), (4, 2), (3, 3), (16, 1), (256, 8), (9, 3)])
+def test_tile_variant_token_counts_reach_every_variant_once(E, k):
+    counts = tile_variant_token_counts(k, E)
+    reachable = {_variants(T, k, E) for T in range(1, 4 * LONG_PREFILL_PAIRS_PER_EXPERT * E // k + 2)}
+    assert sorted(map(_variants, counts, [k] * len(counts), [E] * len(counts))) == sorted(reachable)
+
+
+def test_compile_tiles_runs_the_fused_moe_at_every_variant(monkeypatch):
+    """What the engine runs at start-up on CUDA: the kernels themselves (here under the interpreter), once
+    per variant, at the weights' shape."""
+    from rollout.kernels import fused_moe as fm
+    seen = []
+
+    def recording(x, weights, ids, w1, w2, tiles, *rest):
+        seen.append((ids.shape, tiles))
+        return fused_moe(x, weights, ids, w1, w2, tiles, *rest)
+    monkeypatch.setattr(fm, "fused_moe", recording)
+    E, k = 5, 2
+    _, _, _, w1, w2 = _case(1, 24, 16, E, k, torch.float32, 0)
+    compile_tiles(w1, w2, k)
+    assert {(tiles, shape[0] * k <= ONE_PROGRAM_PAIRS) for shape, tiles in seen} == \
+        {_variants(T, k, E) for T in range(1, 700)}
+    assert len(seen) == 4 and all(shape[1] == k for shape, _ in seen)
 
 
 def test_moe_engine_on_triton_kernels_matches_torch_backend(tmp_path, monkeypatch):
