@@ -117,7 +117,7 @@ class RolloutEngine:
         if cuda and attention_backend == "triton" and self.model.sparse_layers:
             # the graphs compiled the MoE's decode tiles; prefill and recompute chunks take the others
             moe = self.model.layers[self.model.sparse_layers[0]].mlp
-            compile_tiles(moe.gate_up, moe.down, moe.top_k)
+            compile_tiles(moe.gate_up, moe.down, moe.top_k, cfg.max_num_batched_tokens)
             torch.cuda.synchronize(self.device)
         self._inflight: Optional[InFlight] = None
         self.speculator = Speculator(cfg) if cfg.speculative != "off" else None

@@ -84,14 +84,17 @@ def tile_variant_token_counts(top_k: int, num_experts: int) -> list[int]:
     return counts
 
 
-def compile_tiles(w_gate_up: torch.Tensor, w_down: torch.Tensor, top_k: int) -> None:
-    """Run the fused MoE once at each of tile_variant_token_counts, so that Triton compiles every variant
-    at start-up, not inside a serving step (a compile holds the GPU ~0.4 s; prefill and recompute chunks
-    reach every tile class)."""
+def compile_tiles(w_gate_up: torch.Tensor, w_down: torch.Tensor, top_k: int, max_tokens: int) -> list[int]:
+    """Run the fused MoE once at each of tile_variant_token_counts up to max_tokens (the most a step
+    holds), so that Triton compiles every variant a step can take at start-up, not inside a serving step
+    (a compile holds the GPU ~0.4 s; prefill and recompute chunks reach every tile class). Returns the
+    token counts run."""
     E, H = w_gate_up.shape[0], w_gate_up.shape[2]
     gen = torch.Generator(device=w_gate_up.device).manual_seed(0)
-    for T in tile_variant_token_counts(top_k, E):
+    counts = [T for T in tile_variant_token_counts(top_k, E) if T <= max_tokens]
+    for T in counts:
         x = torch.randn(T, H, generator=gen, device=w_gate_up.device).to(w_gate_up.dtype)
         ids = torch.rand(T, E, generator=gen, device=w_gate_up.device).argsort(dim=1)[:, :top_k]
         weights = torch.full((T, top_k), 1.0 / top_k, device=w_gate_up.device)
         experts(x, weights, ids, w_gate_up, w_down, fused=True)
+    return counts

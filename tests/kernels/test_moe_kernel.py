@@ -161,10 +161,13 @@ def test_compile_tiles_runs_the_fused_moe_at_every_variant(monkeypatch):
     monkeypatch.setattr(fm, "fused_moe", recording)
     E, k = 5, 2
     _, _, _, w1, w2 = _case(1, 24, 16, E, k, torch.float32, 0)
-    compile_tiles(w1, w2, k)
+    assert compile_tiles(w1, w2, k, max_tokens=1000) == [1, 41, 257, 320]   # every variant, as below
     assert {(tiles, shape[0] * k <= ONE_PROGRAM_PAIRS) for shape, tiles in seen} == \
         {_variants(T, k, E) for T in range(1, 700)}
     assert len(seen) == 4 and all(shape[1] == k for shape, _ in seen)
+    seen.clear()     # steps of at most 300 tokens never take the long-prefill tiles: not compiled
+    assert compile_tiles(w1, w2, k, max_tokens=300) == [1, 41, 257]
+    assert {tiles for _, tiles in seen} == {DECODE_TILES, PREFILL_TILES}
 
 
 def test_moe_engine_on_triton_kernels_matches_torch_backend(tmp_path, monkeypatch):
