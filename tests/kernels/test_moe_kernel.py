@@ -136,7 +136,6 @@ def test_tiles_follow_pairs_per_expert():
     assert moe_tiles(2048, 8, 128) == LONG_PREFILL_TILES
 
 
-
 def _variants(T, k, E):
     return moe_tiles(T, k, E), T * k <= ONE_PROGRAM_PAIRS
 
